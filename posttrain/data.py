@@ -1,0 +1,187 @@
+"""Prompt datasets: loading, validation, tokenisation, and the order prompts are drawn in.
+
+Formats (as in TRL):
+    standard:        {"prompt": "What is 2+2?", ...}
+    conversational:  {"prompt": [{"role": "user", "content": "What is 2+2?"}], ...}
+Every column other than `prompt` reaches the reward functions as a keyword argument.
+"""
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+VALID_ROLES = {"system", "user", "assistant", "tool", "developer"}
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be trained on; the message says what to change."""
+
+
+def load_prompt_dataset(name: str, config: str | None = None, split: str = "train"):
+    """Load a dataset split from a local file (.json/.jsonl/.csv/.parquet), a `save_to_disk` directory, or the hub."""
+    import datasets
+
+    ext = os.path.splitext(name)[1].lower()
+    if ext in LOCAL_FORMATS:
+        if not os.path.exists(name):
+            raise DataError(f"Dataset file {name!r} does not exist.")
+        return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
+        loaded = datasets.load_from_disk(name)
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    return datasets.load_dataset(name, config, split=split)
+
+
+def is_conversational(prompt) -> bool:
+    return isinstance(prompt, list)
+
+
+def check_prompt(prompt, index) -> None:
+    """Raise DataError for a prompt that is neither a string nor a list of {role, content} messages."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"Prompt {index} is {type(prompt).__name__}: prompts must be strings or non-empty "
+                        "lists of {'role', 'content'} messages.")
+    for message in prompt:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"Prompt {index} has a message without 'role' and 'content': {message!r}.")
+        if message["role"] not in VALID_ROLES:
+            raise DataError(f"Prompt {index} has a message with role {message['role']!r}: use one of "
+                            f"{', '.join(sorted(VALID_ROLES))}.")
+
+
+class PromptEncoder:
+    """Turns prompts into token ids: chat template for conversational ones, plain text otherwise.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        chat_template_kwargs: passed to `apply_chat_template` (e.g. enable_thinking).
+        max_prompt_length: if set, keep only the last this many tokens.
+        max_total_length: the model's context; a prompt that leaves no room for the completion is an error.
+        max_completion_length: tokens reserved for the completion.
+    """
+
+    def __init__(self, tokenizer, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
+                 max_completion_length=0):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.max_prompt_length = max_prompt_length
+        self.max_total_length = max_total_length
+        self.max_completion_length = max_completion_length
+
+    def text(self, prompt) -> str:
+        if not is_conversational(prompt):
+            return prompt
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise DataError("Conversational prompts need a chat template, and this tokenizer has none: set "
+                            "tokenizer.chat_template or use plain-string prompts.")
+        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                  **self.chat_template_kwargs)
+
+    def encode(self, prompts: list, indices: list) -> list[list[int]]:
+        ids = self.tokenizer([self.text(p) for p in prompts], add_special_tokens=False)["input_ids"]
+        out = []
+        for index, row in zip(indices, ids):
+            if self.max_prompt_length is not None:
+                row = row[-self.max_prompt_length:]
+            if not row:
+                raise DataError(f"Prompt {index} is empty after tokenisation.")
+            if self.max_total_length and len(row) + self.max_completion_length > self.max_total_length:
+                raise DataError(
+                    f"Prompt {index} has {len(row)} tokens, which with max_completion_length="
+                    f"{self.max_completion_length} exceeds the model's context of {self.max_total_length}: "
+                    "shorten it, set max_prompt_length, or lower max_completion_length.")
+            out.append(row)
+        return out
+
+
+@dataclass
+class PromptRound:
+    """The unique prompts of one generation batch (identical on every process)."""
+
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    epoch: float
+
+
+class PromptSource:
+    """Validated prompts, drawn in generation rounds of `per_round` unique prompts.
+
+    Map-style datasets are validated and tokenised up front, shuffled each epoch with `seed`, and the
+    last incomplete round of an epoch is dropped. Iterable datasets are read in order.
+    """
+
+    def __init__(self, dataset, encoder: PromptEncoder, per_round: int, shuffle: bool = True, seed: int = 42):
+        import datasets
+
+        self.dataset = dataset
+        self.encoder = encoder
+        self.per_round = per_round
+        self.shuffle = shuffle
+        self.seed = seed
+        self.iterable = isinstance(dataset, datasets.IterableDataset)
+        self.columns = self._columns()
+        self.prompt_ids = None if self.iterable else self._encode_all()
+        if not self.iterable and len(dataset) < per_round:
+            raise DataError(f"The dataset has {len(dataset)} prompts, fewer than the {per_round} unique prompts one "
+                            "generation batch needs (generation_batch_size / num_generations): add prompts or "
+                            "lower the batch size.")
+
+    def _columns(self) -> list[str]:
+        names = self.dataset.column_names
+        if names is None:  # an iterable dataset of unknown features: peek at the first row
+            first = next(iter(self.dataset), None)
+            if first is None:
+                raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")
+            names = list(first)
+        if "prompt" not in names:
+            raise DataError(f"The dataset has no 'prompt' column (columns: {', '.join(names)}): rename the column "
+                            "that holds the prompts to 'prompt'.")
+        return [c for c in names if c != "prompt"]
+
+    def _encode_all(self) -> list[list[int]]:
+        if len(self.dataset) == 0:
+            raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")
+        prompts = self.dataset["prompt"]
+        for i, prompt in enumerate(prompts):
+            check_prompt(prompt, i)
+        return self.encoder.encode(list(prompts), list(range(len(prompts))))
+
+    @property
+    def rounds_per_epoch(self) -> int | None:
+        return None if self.iterable else len(self.dataset) // self.per_round
+
+    def rounds(self) -> Iterator[PromptRound]:
+        """Endless generation rounds (epoch after epoch)."""
+        return self._iterable_rounds() if self.iterable else self._map_rounds()
+
+    def _map_rounds(self) -> Iterator[PromptRound]:
+        epoch = 0
+        while True:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            for r in range(self.rounds_per_epoch):
+                idx = order[r * self.per_round:(r + 1) * self.per_round]
+                rows = [self.dataset[i] for i in idx]
+                yield PromptRound(rows, [self.prompt_ids[i] for i in idx], epoch + (r + 1) / self.rounds_per_epoch)
+            epoch += 1
+
+    def _iterable_rounds(self) -> Iterator[PromptRound]:
+        epoch, index = 0, 0
+        while True:
+            batch = []
+            for row in self.dataset:
+                check_prompt(row["prompt"], index)
+                batch.append(row)
+                index += 1
+                if len(batch) == self.per_round:
+                    ids = self.encoder.encode([r["prompt"] for r in batch], list(range(index - len(batch), index)))
+                    yield PromptRound(batch, ids, float(epoch))
+                    batch = []
+            if index == 0:
+                raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")
+            epoch += 1

@@ -1,0 +1,134 @@
+"""In-process generation with a transformers model: left-padded batched sampling with a KV cache.
+
+The decode loop is our own rather than `model.generate`, so that it returns each token's sampler
+log-prob without keeping [steps, N, V] scores, samples without `torch.multinomial`, and stops as
+soon as every row has ended.
+"""
+
+from typing import Iterable
+
+import torch
+
+from posttrain.generation import Rollouts, SamplingParams
+from posttrain.generation.sampling import apply_repetition_penalty, filter_logits, sample
+from posttrain.models.logprobs import forward_accepts, logits_to_keep_kwarg, positions_from_mask
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion: the generation config's and the tokenizer's EOS."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ([N, P] ids, [N, P] bool mask)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = True
+    return ids.to(device), mask.to(device)
+
+
+class TransformersGenerator:
+    """Samples with a transformers causal LM in this process.
+
+    Args:
+        model: the model to sample from. When it is the policy itself, `sync_weights` has nothing to
+            do; when it is a separate copy, `sync_weights` loads the policy's weights into it.
+        tokenizer: gives the pad and EOS ids.
+        params: sampling parameters.
+        seed: seed of the sampling RNG (one stream per generator, independent of the global RNG).
+    """
+
+    def __init__(self, model, tokenizer, params: SamplingParams, seed: int = 0, shares_policy: bool = True):
+        self.model = model
+        self.params = params
+        self.shares_policy = shares_policy
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.rng = torch.Generator(device=self._device()).manual_seed(seed)
+
+    def _device(self):
+        return next(self.model.parameters()).device
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.shares_policy:
+            return
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in state:
+                    raise KeyError(f"Weight {name!r} has no counterpart in the generation model.")
+                state[name].copy_(tensor)
+
+    def close(self) -> None:
+        self.model = None
+
+    def _step(self, input_ids, attention_mask, positions, cache):
+        kwargs = {"use_cache": True, "past_key_values": cache}
+        keep = logits_to_keep_kwarg(self.model)
+        if keep is not None:
+            kwargs[keep] = 1
+        if forward_accepts(self.model, "position_ids"):
+            kwargs["position_ids"] = positions
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.no_grad()  # not inference_mode: the rollouts feed autograd computations later
+    def generate(self, prompts: list[list[int]]) -> Rollouts:
+        """Sample a completion for each prompt; see `Rollouts` for the shapes returned."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._decode(prompts)
+        finally:
+            self.model.train(was_training)
+
+    def _decode(self, prompts: list[list[int]]) -> Rollouts:
+        p, device = self.params, self._device()
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, device)
+        n = len(prompts)
+        eos = torch.tensor(self.eos_ids, device=device)
+        tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        attention = prompt_mask.long()
+        positions = positions_from_mask(attention)
+        step_ids, cache, seen = prompt_ids, None, None
+        for t in range(p.max_new_tokens):
+            logits, cache = self._step(step_ids, attention, positions, cache)  # [N, V]
+            if p.repetition_penalty != 1.0:
+                if seen is None:
+                    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, prompt_ids, prompt_mask)
+                logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
+            if t < p.min_new_tokens:
+                logits[:, eos] = float("-inf")
+            token, logp = sample(filter_logits(logits, p), self.rng)
+            token = token.masked_fill(done, self.pad_id)
+            tokens[:, t] = token
+            logprobs[:, t] = logp.masked_fill(done, 0.0)
+            if seen is not None:
+                seen.scatter_(1, token.unsqueeze(1), True)
+            done = done | torch.isin(token, eos)
+            if bool(done.all()):
+                break
+            step_ids = token.unsqueeze(1)
+            positions = positions[:, -1:] + 1
+            attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
+        return self._rollouts(prompt_ids, prompt_mask, tokens[:, :t + 1], logprobs[:, :t + 1], eos)
+
+    def _rollouts(self, prompt_ids, prompt_mask, tokens, logprobs, eos) -> Rollouts:
+        is_eos_token = torch.isin(tokens, eos)
+        is_eos = is_eos_token.any(1)
+        # mask: True up to and including the first EOS
+        after_eos = (is_eos_token.long().cumsum(1) - is_eos_token.long()) > 0
+        mask = ~after_eos
+        tokens = tokens.masked_fill(~mask, self.pad_id)
+        return Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
+                        completion_mask=mask, is_eos=is_eos, sampler_logprobs=logprobs.masked_fill(~mask, 0.0))

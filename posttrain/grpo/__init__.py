@@ -1,0 +1,1 @@
+"""GRPO: advantages, the loss table, and the trainer."""

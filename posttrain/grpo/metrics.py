@@ -1,0 +1,58 @@
+"""Metrics of a GRPO step, with TRL's names, reduced over processes."""
+
+import math
+
+import torch
+
+from posttrain.grpo.advantages import Advantages, nanmean, nanstd
+
+
+def _f(x) -> float:
+    return float(x) if x is not None else math.nan
+
+
+def reward_metrics(rewards: torch.Tensor, adv: Advantages, names: list[str]) -> dict:
+    """reward, reward_std, rewards/<name>/mean|std and frac_reward_zero_std over the gathered batch [N, F]."""
+    out = {"reward": _f(nanmean(adv.rewards)), "reward_std": _f(nanstd(adv.rewards)),
+           "frac_reward_zero_std": float(torch.isclose(adv.group_std.nan_to_num(0.0),
+                                                       torch.zeros_like(adv.group_std)).float().mean())}
+    for k, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = _f(nanmean(rewards[:, k]))
+        out[f"rewards/{name}/std"] = _f(nanstd(rewards[:, k]))
+    return out
+
+
+def completion_metrics(lengths: torch.Tensor, is_eos: torch.Tensor) -> dict:
+    """completions/* length statistics over the gathered batch; `clipped_ratio` = ended without EOS."""
+    lengths = lengths.float()
+    ended = lengths[is_eos]
+    out = {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~is_eos).float().mean()),
+           "num_tokens": float(lengths.sum())}
+    if ended.numel():
+        out.update({"completions/mean_terminated_length": float(ended.mean()),
+                    "completions/min_terminated_length": float(ended.min()),
+                    "completions/max_terminated_length": float(ended.max())})
+    return out
+
+
+def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
+    """Token-weighted means over the step's micro-batches and all processes: entropy, kl, clip_ratio/*."""
+    device = accelerator.device
+    sums = {k: accelerator.reduce(torch.stack([s[k].float() for s in stats]).sum().to(device), reduction="sum")
+            for k in stats[0] if not k.endswith("_seq") and k != "loss"}
+    tokens = max(float(sums.pop("tokens")), 1.0)
+    out = {"entropy": float(sums["entropy"]) / tokens}
+    if beta != 0.0:
+        out["kl"] = float(sums["kl"]) / tokens
+    if "clip_low" in sums:
+        low = accelerator.gather(torch.cat([s["clip_low_seq"] for s in stats]).to(device))
+        high = accelerator.gather(torch.cat([s["clip_high_seq"] for s in stats]).to(device))
+        out.update({"clip_ratio/low_mean": float(sums["clip_low"]) / tokens,
+                    "clip_ratio/low_min": float(low.min()),
+                    "clip_ratio/high_mean": float(sums["clip_high"]) / tokens,
+                    "clip_ratio/high_max": float(high.max()),
+                    "clip_ratio/region_mean": float(sums["clip_region"]) / tokens})
+    if "cispo_clip" in sums:
+        out["cispo_clip_ratio"] = float(sums["cispo_clip"]) / tokens
+    return out

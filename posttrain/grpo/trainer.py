@@ -1,0 +1,383 @@
+"""The GRPO trainer: one loop on accelerate that composes the stages.
+
+    round      = next(prompt rounds)                    # B unique prompts, same on every process
+    rollouts   = generator.generate(my share, G each)   # token ids, masks, sampler log-probs
+    rewards    = score(...) gathered over processes     # [B*G, F], NaN where a function returned None
+    advantages = group_advantages(rewards, G, ...)      # [B*G], then this process's slice
+    buffer    += batch.micro_batches(...) x num_iterations
+    each optimizer step: gradient_accumulation_steps micro-batches, loss normalised over all of them
+
+Generation happens whenever the buffer is empty, so how often we generate (steps_per_generation)
+is independent of how many micro-batches make an optimizer step (gradient_accumulation_steps).
+"""
+
+import contextlib
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.configs import GRPOConfig
+from posttrain.data import PromptEncoder, PromptSource
+from posttrain.generation import make_generator
+from posttrain.grpo.advantages import group_advantages, nanmean, nanstd
+from posttrain.grpo.batch import TrainingBatch
+from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss
+from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
+from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
+from posttrain.rewards import check_required_columns, resolve_reward_funcs, score
+from posttrain.training.logging import MetricsLogger
+from posttrain.training.optim import make_optimizer, make_scheduler
+from posttrain.weights import export_weights
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
+
+
+@dataclass
+class TrainerState:
+    """What reward functions and callbacks see of the run (the attributes TRL users read)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_train_epochs: float = 0.0
+    log_history: list = field(default_factory=list)
+
+
+@dataclass
+class TrainerControl:
+    """Callbacks may set `should_training_stop` to end the run after the current step."""
+
+    should_training_stop: bool = False
+
+
+class GRPOTrainer:
+    """Group Relative Policy Optimization, with TRL's GRPOTrainer signature.
+
+    Args:
+        model: a causal LM, or the path / hub id of one.
+        reward_funcs: a reward function, a built-in name, a dotted import path, a reward model (or its path),
+            or a list of these.
+        args: the GRPOConfig.
+        train_dataset: a `datasets.Dataset` or `IterableDataset` with a `prompt` column.
+        eval_dataset: prompts for `evaluate()`.
+        processing_class: the tokenizer; loaded from the model's path when None.
+        peft_config: a peft LoraConfig to train adapters instead of all weights (needs `posttrain[peft]`).
+        callbacks: objects with any of on_train_begin / on_step_end / on_log / on_save / on_train_end, called as
+            transformers' TrainerCallback methods are: (args, state, control, **kwargs).
+    """
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, callbacks=None):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.args = args = args or GRPOConfig()
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        self.accelerator = Accelerator(cpu=args.use_cpu, mixed_precision=self._mixed_precision())
+        set_seed(args.seed)
+        self.callbacks = list(callbacks or [])
+        self.state, self.control = TrainerState(), TrainerControl()
+
+        model = load_causal_lm(model, args.model_init_kwargs)
+        self.tokenizer = load_tokenizer(processing_class or model.config._name_or_path)
+        model = self._prepare_model(model, peft_config)
+        self.ref_model = self._reference_model(model)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args)
+        self.reward_weights = self._reward_weights()
+        for f in self.reward_funcs:
+            if f.model is not None:
+                f.model.to(self.accelerator.device)
+
+        encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length,
+                                getattr(model.config, "max_position_embeddings", None), args.max_completion_length)
+        self.prompts = PromptSource(train_dataset, encoder, args.prompts_per_generation, args.shuffle_dataset, args.seed)
+        check_required_columns(self.reward_funcs, self.prompts.columns)
+        self.eval_dataset = eval_dataset
+        self.encoder = encoder
+
+        self.total_steps = self._total_steps()
+        self.state.max_steps, self.state.num_train_epochs = self.total_steps, args.num_train_epochs
+        optimizer = make_optimizer(model, args)
+        scheduler = make_scheduler(optimizer, args, self.total_steps)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.policy = self.accelerator.unwrap_model(self.model)
+        self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
+        self.loss_fn = get_loss(args.loss_type)
+        self.loss_params = LossParams(args.epsilon, args.epsilon_high, args.delta, args.beta,
+                                      args.importance_sampling_level, args.max_completion_length)
+        # Old log-probs are needed only when an optimizer step can land between sampling and training.
+        self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        self.shuffle_rng = torch.Generator().manual_seed(args.seed)
+        self.buffer: list[TrainingBatch] = []
+        self._rounds = self.prompts.rounds()
+        self._pending_metrics: dict = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def _mixed_precision(self) -> str:
+        bf16 = self.args.bf16
+        if bf16 is None:
+            bf16 = (not self.args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        return "bf16" if bf16 else "no"
+
+    def _prepare_model(self, model, peft_config):
+        args = self.args
+        if peft_config is not None:
+            from posttrain.models.peft import apply_peft
+
+            model = apply_peft(model, peft_config)
+        if args.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            if hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()
+        model.config.use_cache = False
+        return model.to(self.accelerator.device).train()
+
+    def _reference_model(self, model):
+        """A frozen copy of the initial policy when beta > 0; None otherwise (no copy is held)."""
+        if self.args.beta == 0.0:
+            return None
+        if hasattr(model, "disable_adapter"):
+            return None  # the policy with adapters disabled is the reference
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        return ref
+
+    def _reward_weights(self) -> torch.Tensor:
+        weights = self.args.reward_weights
+        if weights is None:
+            return torch.ones(len(self.reward_funcs))
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
+                             "functions: give one weight per function.")
+        return torch.tensor([float(w) for w in weights])
+
+    def _total_steps(self) -> int:
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        rounds = self.prompts.rounds_per_epoch
+        if rounds is None:
+            raise ValueError("With an IterableDataset the length of training is unknown: set max_steps.")
+        micro = rounds * args.num_train_epochs * args.steps_per_generation * args.num_iterations
+        return max(1, math.ceil(micro / args.gradient_accumulation_steps))
+
+    # ------------------------------------------------------------------ generation and scoring
+
+    def _next_micro_batch(self) -> TrainingBatch:
+        if not self.buffer:
+            batch = self._generate_and_score()
+            micro = batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
+            self.buffer = micro * self.args.num_iterations
+        return self.buffer.pop(0)
+
+    def _local_share(self, items: list) -> list:
+        n = len(items) // self.accelerator.num_processes
+        start = self.accelerator.process_index * n
+        return items[start:start + n]
+
+    def _generate_and_score(self) -> TrainingBatch:
+        args, G = self.args, self.args.num_generations
+        prompt_round = next(self._rounds)
+        self.state.epoch = prompt_round.epoch
+        rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
+        prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
+        self.generator.sync_weights(export_weights(self.model))
+        rollouts = self.generator.generate(prompt_ids)
+
+        completion_ids = [ids[mask].tolist() for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [row["prompt"] for row in rows]
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [row[c] for row in rows] for c in self.prompts.columns}
+        local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+                              self.state.global_step + 1)
+        rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
+        adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
+        local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
+
+        loss_mask = rollouts.completion_mask
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
+        batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
+                              old_logps=self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None,
+                              ref_logps=self._reference_logps(rollouts))
+        self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
+                                 **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
+                                                      self.accelerator.gather(rollouts.is_eos).cpu())}
+        if args.log_completions:
+            self._log_completions(prompts, texts, local_rewards)
+        return batch
+
+    def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
+        logps = []
+        size = self.args.per_device_train_batch_size
+        with torch.no_grad(), self.accelerator.autocast():
+            for i in range(0, len(rollouts), size):
+                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts))))
+                lp, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                       self.args.temperature)
+                # select() trimmed the columns; pad back to the rollouts' width
+                logps.append(torch.nn.functional.pad(lp, (0, rollouts.completion_ids.size(1) - lp.size(1))))
+        return torch.cat(logps)
+
+    def _reference_logps(self, rollouts) -> torch.Tensor | None:
+        if self.args.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return self._logps_no_grad(self.ref_model, rollouts)
+        with self.policy.disable_adapter():
+            return self._logps_no_grad(self.policy, rollouts)
+
+    # ------------------------------------------------------------------ optimisation
+
+    def _normalizer(self, micro: list[TrainingBatch]) -> StepNormalizer:
+        tokens = sum(float(m.loss_mask.sum()) for m in micro)
+        total = self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), reduction="sum")
+        return StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
+                              tokens_per_process=float(total) / self.accelerator.num_processes)
+
+    def _entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        q = self.args.top_entropy_quantile
+        if q >= 1.0:
+            return None
+        values = entropy[mask].float()
+        if values.numel() == 0:
+            return mask
+        threshold = torch.quantile(values, 1.0 - q)
+        return (entropy >= threshold) & mask
+
+    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool) -> dict:
+        r = mb.rollouts
+        sync_ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+        with sync_ctx, self.accelerator.autocast():
+            logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                            r.completion_mask, self.args.temperature, with_entropy=True)
+            inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps,
+                                advantages=mb.advantages, mask=mb.loss_mask,
+                                entropy_mask=self._entropy_mask(entropy, mb.loss_mask))
+            out = self.loss_fn(inputs, self.loss_params, norm)
+            self.accelerator.backward(out.loss)
+        stats = dict(out.stats, loss=out.loss.detach(), entropy=(entropy * mb.loss_mask).sum())
+        return stats
+
+    def _optimizer_step(self) -> dict:
+        micro = [self._next_micro_batch() for _ in range(self.args.gradient_accumulation_steps)]
+        norm = self._normalizer(micro)
+        stats = [self._micro_step(mb, norm, sync=(i == len(micro) - 1)) for i, mb in enumerate(micro)]
+        grad_norm = self._clip_gradients()
+        step = self.state.global_step + 1
+        loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if not math.isfinite(value):
+                raise TrainingError(f"Step {step}: {name} is {value}; the update was not applied. Lower the "
+                                    "learning_rate or check the rewards.")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = loss_metrics(stats, self.accelerator, self.args.beta)
+        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.scheduler.get_last_lr()[0])
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        return float(self.accelerator.clip_grad_norm_(params, max_norm))
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainerState:
+        """Run `max_steps` optimizer steps (or `num_train_epochs`), then save the final model."""
+        args = self.args
+        logger = MetricsLogger(args.output_dir, self.total_steps, args.logging_steps, args.report_to,
+                               enabled=self.accelerator.is_main_process, run_config=args.to_dict())
+        self._callback("on_train_begin")
+        try:
+            while self.state.global_step < self.total_steps and not self.control.should_training_stop:
+                start = time.perf_counter()
+                metrics = self._optimizer_step()
+                self.state.global_step += 1
+                metrics.update(self._pending_metrics, step_time=time.perf_counter() - start)
+                self._pending_metrics = {}
+                logger.add(metrics)
+                record = logger.step_done(self.state.global_step, self.state.epoch)
+                self._callback("on_step_end")
+                if record is not None:
+                    self.state.log_history.append(record)
+                    self._callback("on_log", logs=record)
+                if args.save_strategy == "steps" and self.state.global_step % args.save_steps == 0:
+                    self.save_model(os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}"))
+                    self._callback("on_save")
+        finally:
+            logger.close()
+        self.save_model(args.output_dir)
+        self._callback("on_train_end")
+        self.logger = logger
+        return self.state
+
+    def _callback(self, event: str, **kwargs):
+        for cb in self.callbacks:
+            method = getattr(cb, event, None)
+            if method is not None:
+                method(self.args, self.state, self.control, **kwargs)
+
+    def save_model(self, output_dir: str) -> None:
+        """Save the model (safetensors), tokenizer and config to `output_dir`, from the main process."""
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            self.policy.save_pretrained(output_dir, safe_serialization=True)
+            self.tokenizer.save_pretrained(output_dir)
+            import yaml
+
+            with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
+                yaml.safe_dump(self.args.to_dict(), f, sort_keys=False)
+        self.accelerator.wait_for_everyone()
+
+    def _log_completions(self, prompts, texts, rewards):
+        if not self.accelerator.is_main_process:
+            return
+        import json
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a") as f:
+            for p, t, r in zip(prompts, texts, rewards.tolist()):
+                f.write(json.dumps({"step": self.state.global_step + 1, "prompt": p, "completion": t,
+                                    "rewards": [None if math.isnan(x) else x for x in r]}) + "\n")
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, eval_dataset=None) -> dict:
+        """Sample G completions for every prompt of the eval dataset and return reward means (eval_*)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate).")
+        source = PromptSource(dataset, self.encoder, 1, shuffle=False, seed=self.args.seed)
+        G, all_rewards = self.args.num_generations, []
+        for _, prompt_round in zip(range(len(dataset)), source.rounds()):
+            row, ids = prompt_round.rows[0], prompt_round.prompt_ids[0]
+            rollouts = self.generator.generate([ids] * G)
+            cids = [i[m].tolist() for i, m in zip(rollouts.completion_ids, rollouts.completion_mask)]
+            texts = self.tokenizer.batch_decode(cids, skip_special_tokens=True)
+            comps = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(row["prompt"], list) else texts
+            columns = {c: [row[c]] * G for c in source.columns}
+            all_rewards.append(score(self.reward_funcs, [row["prompt"]] * G, comps, cids, columns, self.state,
+                                     self.state.global_step))
+        rewards = torch.cat(all_rewards)
+        total = (rewards * self.reward_weights).nansum(1)
+        out = {"eval_reward": float(nanmean(total)), "eval_reward_std": float(nanstd(total))}
+        for k, f in enumerate(self.reward_funcs):
+            out[f"eval_rewards/{f.name}/mean"] = float(nanmean(rewards[:, k]))
+        return out

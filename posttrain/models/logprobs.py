@@ -1,0 +1,94 @@
+"""Per-token log-probabilities of completions under a causal LM.
+
+The model is asked for logits at the completion positions only. Whether it can be asked depends
+on the transformers version and the model class: recent ones take `logits_to_keep`, older ones
+`num_logits_to_keep`, some neither. The keyword is chosen from the forward signature, and the
+returned logits are checked against what was asked (some models accept the keyword and ignore
+it, as Qwen2 did on transformers 4.48), slicing when more came back.
+"""
+
+import functools
+import inspect
+
+import torch
+
+from posttrain.models.loading import unwrap
+
+ROW_CHUNK = 8  # rows of [C, V] logits turned into log-probs at a time, to bound temporary memory
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_params(model_type: type) -> frozenset:
+    return frozenset(inspect.signature(model_type.forward).parameters)
+
+
+def forward_accepts(model, name: str) -> bool:
+    """Whether the (unwrapped) model's forward names `name` explicitly (not just **kwargs)."""
+    return name in _forward_params(type(unwrap(model)))
+
+
+def logits_to_keep_kwarg(model) -> str | None:
+    """`logits_to_keep`, `num_logits_to_keep`, or None when the model's forward takes neither."""
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if forward_accepts(model, name):
+            return name
+    return None
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for left-padded rows: 0 at each row's first real token. [N, L] -> [N, L]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Logits of the last `n_keep` positions.
+
+    Args:
+        model: a causal LM (possibly wrapped by DDP or PEFT).
+        input_ids: [N, L] token ids, left-padded prompt followed by the completion.
+        attention_mask: [N, L], 1 for real tokens.
+        n_keep: positions to return, counted from the end.
+    Returns:
+        [N, n_keep, V] logits.
+    """
+    kwargs = {}
+    keep = logits_to_keep_kwarg(model)
+    if keep is not None:
+        kwargs[keep] = n_keep
+    if forward_accepts(model, "position_ids"):
+        kwargs["position_ids"] = positions_from_mask(attention_mask)
+    if forward_accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    if logits.size(1) < n_keep:
+        raise RuntimeError(f"{type(unwrap(model)).__name__} returned logits for {logits.size(1)} positions when "
+                           f"{n_keep} were asked for with {keep}: its forward does not honour that keyword.")
+    return logits[:, -n_keep:]
+
+
+def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                   completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
+    """Log-probabilities of each completion token, with the logits divided by `temperature`.
+
+    Args:
+        prompt_ids, prompt_mask: [N, P] left-padded prompts and their mask.
+        completion_ids, completion_mask: [N, C] right-padded completions and their mask.
+        temperature: the sampling temperature; the policy being trained is softmax(logits / temperature).
+        with_entropy: also return the per-token entropy (no gradient).
+    Returns:
+        (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold finite garbage.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    n = completion_ids.size(1)
+    logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
+    logps, entropies = [], []
+    for start in range(0, logits.size(0), ROW_CHUNK):
+        rows = logits[start:start + ROW_CHUNK].float() / temperature  # [n, C, V]
+        ids = completion_ids[start:start + ROW_CHUNK]
+        lse = rows.logsumexp(-1)  # [n, C]
+        logps.append(rows.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)

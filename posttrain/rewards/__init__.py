@@ -1,0 +1,206 @@
+"""Reward functions: resolving what the user named, calling them, and checking what they return.
+
+The calling convention is TRL's: `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`,
+where kwargs hold every other dataset column (one value per completion) and `trainer_state`. Functions
+may be `async def`; those run concurrently. A sequence-classification model scores prompt + completion.
+None means "not applicable"; it becomes NaN in the reward matrix and is left out of statistics.
+"""
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
+
+CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state"}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it and the step."""
+
+
+@dataclass
+class RewardFunction:
+    """One reward source. `model` and `tokenizer` are set for sequence-classification reward models."""
+
+    name: str
+    fn: Callable | None = None
+    model: Any = None
+    tokenizer: Any = None
+
+    @property
+    def is_async(self) -> bool:
+        return self.fn is not None and inspect.iscoroutinefunction(self.fn)
+
+
+def _import_dotted(path: str):
+    module, _, attr = path.rpartition(".")
+    if not module:
+        return None
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _load_reward_model(source, trust_remote_code: bool) -> RewardFunction:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.models.loading import ModelLoadError, load_tokenizer
+
+    if isinstance(source, str):
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=1, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise ValueError(
+                f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
+                f"dotted path, nor a loadable reward model: {err}") from err
+        name = source
+    else:
+        model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
+    try:
+        tokenizer = load_tokenizer(AutoTokenizer.from_pretrained(model.config._name_or_path))
+    except (OSError, ModelLoadError) as err:
+        raise ValueError(f"Could not load the tokenizer of reward model {name!r}: {err}") from err
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval().requires_grad_(False)
+    return RewardFunction(name=name.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
+
+
+def resolve_reward_funcs(specs, config, trust_remote_code: bool = False) -> list[RewardFunction]:
+    """Turn callables, built-in names, dotted paths, model paths or loaded models into RewardFunctions."""
+    specs = specs if isinstance(specs, (list, tuple)) else [specs]
+    if not specs:
+        raise ValueError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
+    funcs = []
+    for spec in specs:
+        if isinstance(spec, str):
+            fn = by_name(spec, config) or _import_dotted(spec)
+            funcs.append(RewardFunction(name=spec.split(".")[-1], fn=fn) if fn else
+                         _load_reward_model(spec, trust_remote_code))
+        elif isinstance(spec, torch.nn.Module):
+            funcs.append(_load_reward_model(spec, trust_remote_code))
+        elif callable(spec):
+            funcs.append(RewardFunction(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
+        else:
+            raise ValueError(f"Reward function {spec!r} is not a callable, a name, or a model.")
+    _dedupe_names(funcs)
+    return funcs
+
+
+def _dedupe_names(funcs):
+    seen = {}
+    for f in funcs:
+        count = seen.get(f.name, 0)
+        seen[f.name] = count + 1
+        if count:
+            f.name = f"{f.name}_{count}"
+
+
+def check_required_columns(funcs: list[RewardFunction], columns) -> None:
+    """Stop before training when a reward function requires a keyword the dataset has no column for."""
+    for f in funcs:
+        if f.fn is None:
+            continue
+        for name, param in inspect.signature(f.fn).parameters.items():
+            required = param.default is inspect.Parameter.empty and param.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            if required and name not in CONVENTION_ARGS and name not in columns:
+                raise ValueError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
+                                 f"no {name!r} column (columns: {', '.join(sorted(columns))}).")
+
+
+def _run_async(coroutines):
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # already inside an event loop (e.g. Jupyter)
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _model_scores(f: RewardFunction, prompts, completions) -> list[float]:
+    if isinstance(prompts[0], list):
+        texts = [f.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    enc = f.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    device = next(f.model.parameters()).device
+    with torch.inference_mode():
+        logits = f.model(**{k: v.to(device) for k, v in enc.items()}).logits
+    return logits[:, 0].float().tolist()
+
+
+def _check_output(f: RewardFunction, values, n: int, step: int) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"Reward function {f.name!r} returned {type(values).__name__} at step {step}, "
+                          "not a list of floats.") from None
+    if len(values) != n:
+        raise RewardError(f"Reward function {f.name!r} returned {len(values)} values for {n} completions at "
+                          f"step {step}: return one float (or None) per completion.")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, numbers.Real):
+            if not math.isfinite(float(v)):
+                raise RewardError(f"Reward function {f.name!r} returned {v} for completion {i} at step {step}: "
+                                  "rewards must be finite (return None for 'not applicable').")
+            out.append(float(v))
+        else:
+            raise RewardError(f"Reward function {f.name!r} returned {v!r} ({type(v).__name__}) for completion "
+                              f"{i} at step {step}: rewards must be numbers or None.")
+    return out
+
+
+def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list], trainer_state: Any, step: int) -> torch.Tensor:
+    """Call every reward function on N completions.
+
+    Args:
+        prompts, completions: N prompts and completions (strings, or message lists if conversational).
+        completion_ids: N token-id lists without padding.
+        columns: other dataset columns, each a list of N values.
+    Returns:
+        [N, F] float32 rewards, NaN where a function returned None.
+    """
+    n = len(completions)
+    kwargs = dict(columns, trainer_state=trainer_state)
+    call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    results: dict[int, Any] = {}
+    pending = []
+    for k, f in enumerate(funcs):
+        try:
+            if f.model is not None:
+                results[k] = _model_scores(f, prompts, completions)
+            elif f.is_async:
+                pending.append(k)
+            else:
+                results[k] = f.fn(**call)
+        except Exception as err:
+            raise RewardError(f"Reward function {f.name!r} raised {type(err).__name__} at step {step}: {err}") from err
+    if pending:
+        outputs = _run_async([funcs[k].fn(**call) for k in pending])
+        for k, out in zip(pending, outputs):
+            if isinstance(out, BaseException):
+                raise RewardError(f"Reward function {funcs[k].name!r} raised {type(out).__name__} at step {step}: "
+                                  f"{out}") from out
+            results[k] = out
+    matrix = [_check_output(funcs[k], results[k], n, step) for k in range(len(funcs))]
+    return torch.tensor(matrix, dtype=torch.float32).T.reshape(n, len(funcs))

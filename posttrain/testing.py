@@ -1,0 +1,71 @@
+"""Tiny models and tokenizers built in-process, offline, for tests and the demo.
+
+The tokenizer is character-level (one token per character of a fixed alphabet plus a few special
+tokens) with a ChatML-style chat template, so prompts of either format work. Models are small
+Qwen2-architecture causal LMs with random, seeded weights.
+"""
+
+import string
+
+DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(chars: str = DEFAULT_CHARS):
+    """A character-level `PreTrainedTokenizerFast`: pad `<|pad|>`, EOS `<|im_end|>`, no BOS.
+
+    Args:
+        chars: the alphabet; characters outside it become `<|endoftext|>` (the unk token).
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = list(dict.fromkeys(chars))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    # A BPE model without merges splits any text into single characters.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def tiny_config(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                vocab_size: int = 0, max_positions: int = 512):
+    """A Qwen2 config sized for CPU tests; `vocab_size` > len(tokenizer) pads the embedding as Qwen does."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=max(len(tokenizer), vocab_size), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+
+
+def tiny_model(tokenizer=None, seed: int = 0, model_class=None, **config_kwargs):
+    """A randomly initialised tiny causal LM (seeded), float32, with generation config set for `tokenizer`."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = tiny_config(tokenizer, **config_kwargs)
+    torch.manual_seed(seed)
+    model = (model_class or Qwen2ForCausalLM)(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_tiny(path: str, tokenizer=None, seed: int = 0, **config_kwargs) -> str:
+    """Build a tiny model and tokenizer and save both to `path` (safetensors). Returns `path`."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    model = tiny_model(tokenizer, seed=seed, **config_kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
