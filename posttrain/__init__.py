@@ -1,0 +1,30 @@
+"""posttrain: post-train language models with GRPO and its family, a drop-in for TRL users.
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
+"""
+
+from posttrain._version import __version__
+
+_EXPORTS = {
+    "GRPOConfig": "posttrain.configs",
+    "ScriptArguments": "posttrain.configs",
+    "LoraArguments": "posttrain.configs",
+    "GRPOTrainer": "posttrain.grpo.trainer",
+    "TrainerState": "posttrain.grpo.trainer",
+    "Rollouts": "posttrain.generation",
+    "SamplingParams": "posttrain.generation",
+    "export_weights": "posttrain.weights",
+    "token_logprobs": "posttrain.models.logprobs",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")

@@ -264,6 +264,37 @@ class ScriptArguments:
     attn_implementation: Optional[str] = _help("Attention implementation, e.g. sdpa or eager.", default=None)
 
 
+@dataclass
+class LoraArguments:
+    """LoRA on the command line (TRL's ModelConfig names). Ignored unless `use_peft` is true."""
+
+    use_peft: bool = _help("Train LoRA adapters instead of all weights (needs `pip install 'posttrain[peft]'`).",
+                           default=False)
+    lora_r: int = _help("LoRA rank.", default=16)
+    lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32)
+    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
+    lora_target_modules: Optional[list] = _help(
+        "Module names to adapt, or all-linear; default: peft's choice for the architecture.", default=None)
+    lora_modules_to_save: Optional[list] = _help(
+        "Modules trained in full and saved beside the adapters (e.g. lm_head).", default=None)
+    use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
+    use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
+
+    def to_peft_config(self):
+        """A peft LoraConfig when use_peft is set, else None; raises with the install line if peft is missing."""
+        if not self.use_peft:
+            return None
+        from posttrain._optional import require
+
+        peft = require("peft", "--use_peft")
+        targets = self.lora_target_modules
+        if targets == ["all-linear"]:
+            targets = "all-linear"
+        return peft.LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                               target_modules=targets, modules_to_save=self.lora_modules_to_save,
+                               use_rslora=self.use_rslora, use_dora=self.use_dora, task_type="CAUSAL_LM")
+
+
 # --------------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------------

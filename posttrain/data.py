@@ -23,6 +23,7 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     """Load a dataset split from a local file (.json/.jsonl/.csv/.parquet), a `save_to_disk` directory, or the hub."""
     import datasets
 
+    name = os.path.expanduser(name)
     ext = os.path.splitext(name)[1].lower()
     if ext in LOCAL_FORMATS:
         if not os.path.exists(name):

@@ -51,6 +51,7 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
         return model
     from transformers import AutoModelForCausalLM
 
+    model = os.path.expanduser(model)
     _check_path(model)
     kwargs = _init_kwargs(init_kwargs)
     try:

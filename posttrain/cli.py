@@ -1,0 +1,147 @@
+"""Command line: `posttrain grpo | demo | env`, `posttrain --version`.
+
+    posttrain grpo --config run.yaml [--any_field value ...]
+    accelerate launch -m posttrain.cli grpo --config run.yaml
+
+Arguments are parsed before torch is imported, so `--help` answers at once. Every GRPOConfig field and
+every script field (model, dataset, rewards, LoRA) is a flag; values given on the command line
+override the YAML file.
+"""
+
+import argparse
+import dataclasses
+import sys
+
+from posttrain._version import __version__
+from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build, coerce, field_help,
+                               field_types, load_yaml, split_values, suggest)
+
+CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
+    group = parser.add_argument_group(cls.__name__)
+    types, helps = field_types(cls), field_help(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, tp in types.items():
+        is_list = "list" in str(tp).lower()
+        is_bool = tp is bool or str(tp).endswith("bool]")
+        kwargs = {"nargs": "+"} if is_list else {"nargs": "?", "const": "true"} if is_bool else {}
+        group.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar=name.upper() if not is_bool
+                           else None, help=f"{helps.get(name, '')} (default: {defaults.get(name)!r})", **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models with GRPO.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{grpo,demo,env}")
+    grpo = sub.add_parser("grpo", help="Train with GRPO from a YAML config and flags.", allow_abbrev=False,
+                          description="Train with GRPO. Flags override the values in --config.")
+    grpo.add_argument("--config", help="YAML file of field: value pairs (any field below).")
+    for cls in CONFIG_CLASSES:
+        _add_fields(grpo, cls)
+    demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
+    demo.add_argument("--output_dir", default="posttrain-demo")
+    demo.add_argument("--max_steps", type=int, default=1200)
+    demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("env", help="Print versions and devices for bug reports.")
+    return parser
+
+
+def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOConfig]:
+    """Merge YAML and flags into the three configs; unknown flags raise with the closest valid name."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(["grpo", *argv])
+    if unknown:
+        flag = next(u for u in unknown if u.startswith("--")) if any(u.startswith("--") for u in unknown) else unknown[0]
+        known = [n for cls in CONFIG_CLASSES for n in field_types(cls)]
+        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known)}")
+    values = load_yaml(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    values.update(flags)
+    script_values, lora_values, grpo_values = split_values(values, *CONFIG_CLASSES)
+    return (build(ScriptArguments, script_values), build(LoraArguments, lora_values), build(GRPOConfig, grpo_values))
+
+
+def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
+    if not script.model_name_or_path:
+        raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
+    if not script.dataset_name:
+        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file).")
+    from posttrain.data import load_prompt_dataset
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    init = dict(config.model_init_kwargs or {})
+    for key in ("dtype", "attn_implementation"):
+        if getattr(script, key) is not None:
+            init.setdefault(key, getattr(script, key))
+    init.setdefault("trust_remote_code", script.trust_remote_code)
+    init.setdefault("revision", script.model_revision)
+    config.model_init_kwargs = init
+    dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split)
+    trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=script.reward_funcs, args=config,
+                          train_dataset=dataset, peft_config=lora.to_peft_config())
+    trainer.train()
+
+
+def print_env() -> None:
+    import importlib.metadata as md
+    import platform
+
+    rows = [("posttrain", __version__), ("python", platform.python_version()), ("platform", platform.platform())]
+    for pkg in ("torch", "transformers", "accelerate", "datasets", "peft", "vllm", "deepspeed"):
+        try:
+            rows.append((pkg, md.version(pkg)))
+        except md.PackageNotFoundError:
+            rows.append((pkg, "not installed"))
+    import torch
+
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        rows.append(("device", f"cuda x{torch.cuda.device_count()} ({names}), CUDA {torch.version.cuda}"))
+    else:
+        rows.append(("device", f"cpu ({torch.get_num_threads()} threads)"))
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0] not in ("grpo", "demo", "env"):
+        parser.parse_args(argv or ["--help"])
+        return 2
+    try:
+        if argv[0] == "grpo":
+            run_grpo(*parse_grpo(argv[1:]))
+        elif argv[0] == "demo":
+            args = parser.parse_args(argv)
+            from posttrain.demo import run_demo
+
+            run_demo(args.output_dir, args.max_steps, args.seed)
+        else:
+            print_env()
+    except Exception as err:
+        if not _is_user_error(err):
+            raise
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _is_user_error(err: Exception) -> bool:
+    """Errors a user can cause and fix: reported as one sentence, without a traceback."""
+    from posttrain._optional import MissingDependency
+    from posttrain.data import DataError
+    from posttrain.models.loading import ModelLoadError
+
+    user_errors = [ConfigError, DataError, ModelLoadError, MissingDependency]
+    for module, name in (("posttrain.rewards", "RewardError"), ("posttrain.grpo.trainer", "TrainingError")):
+        if module in sys.modules:
+            user_errors.append(getattr(sys.modules[module], name))
+    return isinstance(err, tuple(user_errors))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

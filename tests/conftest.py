@@ -1,0 +1,49 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from posttrain.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer):
+    from posttrain.testing import tiny_model
+
+    return tiny_model(tokenizer, hidden=32, layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    from posttrain.testing import save_tiny
+
+    return save_tiny(str(tmp_path_factory.mktemp("tiny")), tokenizer, hidden=32, layers=1)
+
+
+@pytest.fixture
+def addition_dataset():
+    from datasets import Dataset
+
+    pairs = [(a, b) for a in range(4) for b in range(4)]
+    return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+
+
+def length_reward(completions, **kwargs):
+    """A deterministic reward with spread: longer completions score higher."""
+    return [len(c) / 10.0 for c in completions]
+
+
+def tiny_config(tmp_path, **overrides):
+    from posttrain.configs import GRPOConfig
+
+    values = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=8, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                  gradient_checkpointing=False, use_cpu=True, seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)

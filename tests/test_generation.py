@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from posttrain.configs import GRPOConfig
+from posttrain.generation import SamplingParams
+from posttrain.generation.sampling import filter_logits, sample
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.models.logprobs import token_logprobs
+
+
+def _prompts(tokenizer):
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in ("1+2=", "a much longer prompt here", "x")]
+
+
+def test_rollouts_shapes_masks_and_sampler_logprobs(tokenizer, model):
+    gen = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=12, temperature=0.8), seed=1)
+    r = gen.generate(_prompts(tokenizer) * 2)
+    n, c = r.completion_ids.shape
+    assert n == 6 and c <= 12 and r.prompt_ids.shape == r.prompt_mask.shape
+    assert not r.prompt_mask[:, 0].all()  # left padding
+    for row in range(n):
+        length = int(r.completion_mask[row].sum())
+        if r.is_eos[row]:
+            assert r.completion_ids[row, length - 1] == tokenizer.eos_token_id
+        else:
+            assert length == 12
+        assert (r.completion_ids[row, length:] == tokenizer.pad_token_id).all()
+    # the sampler's log-probs are the training forward's (temperature applied to both)
+    logps, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.8)
+    assert torch.allclose(logps[r.completion_mask], r.sampler_logprobs[r.completion_mask], atol=1e-4)
+
+
+def test_min_new_tokens_and_early_stop(tokenizer, model):
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] += 50.0  # EOS almost certain
+    gen = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=10, min_new_tokens=3), seed=0)
+    r = gen.generate(_prompts(tokenizer))
+    assert r.completion_mask.sum(1).tolist() == [4, 4, 4]  # 3 forced tokens, then EOS; loop stopped there
+    assert r.completion_ids.size(1) == 4 and r.is_eos.all()
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
+    tokens, logp = sample(filter_logits(logits, SamplingParams(max_new_tokens=1, top_k=1)))
+    assert tokens.tolist() == [1, 0] and torch.allclose(logp, torch.zeros(2))
+
+
+def test_top_p_and_min_p_filters():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_logits(probs.log(), SamplingParams(max_new_tokens=1, top_p=0.75)).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.75, 0.8 covers it
+    kept = filter_logits(probs.log(), SamplingParams(max_new_tokens=1, min_p=0.5)).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # >= 0.25
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    rng = torch.Generator().manual_seed(0)
+    tokens, _ = sample(probs.log().expand(20000, 3), rng)
+    freq = torch.bincount(tokens, minlength=3).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_generation_kwargs_are_used_or_rejected():
+    cfg = GRPOConfig(generation_kwargs={"min_new_tokens": 4, "top_k": 7})
+    params = SamplingParams.from_config(cfg)
+    assert params.min_new_tokens == 4 and params.top_k == 7
+    with pytest.raises(ValueError, match="num_beams"):
+        SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 4}))

@@ -1,0 +1,86 @@
+"""token_logprobs against the straightforward reference, across forward signatures."""
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from posttrain.models.logprobs import logits_to_keep_kwarg, token_logprobs
+from posttrain.testing import tiny_model
+
+
+class OldNameLM(Qwen2ForCausalLM):
+    """A model class from before transformers renamed the keyword: only `num_logits_to_keep`."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                num_logits_to_keep=0):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=num_logits_to_keep)
+
+
+class NoKeepLM(Qwen2ForCausalLM):
+    """A model class whose forward takes neither keyword: full logits come back."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=use_cache)
+
+
+class IgnoresKeepLM(Qwen2ForCausalLM):
+    """Accepts `logits_to_keep` but returns every position (as Qwen2 did on transformers 4.48)."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                logits_to_keep=0):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=0)
+
+
+class ShortLM(Qwen2ForCausalLM):
+    """Returns fewer positions than asked: must be an error, not a silent misalignment."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None, logits_to_keep=0):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=use_cache, logits_to_keep=1)
+
+
+def _batch(tokenizer):
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ("1+2=", "hello there")]
+    width = max(map(len, prompts))
+    p_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    p_mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    c_ids = torch.tensor([[5, 6, 7, 8], [9, 10, tokenizer.pad_token_id, tokenizer.pad_token_id]])
+    c_mask = torch.tensor([[True] * 4, [True, True, False, False]])
+    return p_ids, p_mask, c_ids, c_mask
+
+
+def _reference(model, p_ids, p_mask, c_ids, c_mask, temperature):
+    ids = torch.cat([p_ids, c_ids], 1)
+    mask = torch.cat([p_mask, c_mask], 1).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = Qwen2ForCausalLM.forward(model, input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    logits = logits[:, p_ids.size(1) - 1:-1] / temperature
+    return logits.log_softmax(-1).gather(-1, c_ids.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("cls,kwarg", [(Qwen2ForCausalLM, "logits_to_keep"), (OldNameLM, "num_logits_to_keep"),
+                                       (NoKeepLM, None), (IgnoresKeepLM, "logits_to_keep")])
+def test_logprobs_and_grads_match_reference_for_every_signature(tokenizer, cls, kwarg):
+    model = tiny_model(tokenizer, model_class=cls, hidden=32, layers=1)
+    assert logits_to_keep_kwarg(model) == kwarg
+    batch = _batch(tokenizer)
+    logps, entropy = token_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+    (logps * batch[3]).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = _reference(model, *batch, temperature=0.7)
+    (ref * batch[3]).sum().backward()
+    mask = batch[3]
+    assert torch.allclose(logps[mask], ref[mask], atol=1e-5)
+    for g, r in zip(grads, (p.grad for p in model.parameters())):
+        assert torch.allclose(g, r, atol=1e-5)
+    assert entropy.shape == logps.shape and bool((entropy[mask] > 0).all())
+
+
+def test_model_returning_too_few_positions_is_an_error(tokenizer):
+    model = tiny_model(tokenizer, model_class=ShortLM, hidden=32, layers=1)
+    with pytest.raises(RuntimeError, match="does not honour that keyword"):
+        token_logprobs(model, *_batch(tokenizer))
