@@ -69,6 +69,7 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
         raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
     if not script.dataset_name:
         raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file).")
+    peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
     from posttrain.data import load_prompt_dataset
     from posttrain.grpo.trainer import GRPOTrainer
 
@@ -81,7 +82,7 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
     config.model_init_kwargs = init
     dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split)
     trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=script.reward_funcs, args=config,
-                          train_dataset=dataset, peft_config=lora.to_peft_config())
+                          train_dataset=dataset, peft_config=peft_config)
     trainer.train()
 
 

@@ -58,6 +58,9 @@ class TrainingLoopConfig:
     save_strategy: str = _help("`steps` saves every `save_steps`; `no` saves only the final model.",
                                default="steps")
     save_steps: int = _help("Save a checkpoint every this many optimizer steps.", default=500)
+    save_merged: bool = _help(
+        "With LoRA, also write merged full weights to output_dir/merged (loadable with plain "
+        "AutoModelForCausalLM.from_pretrained); the adapter is always saved.", default=False)
     report_to: Union[str, list] = _help(
         "Trackers to send metrics to besides `metrics.jsonl`: none, wandb or trackio "
         "(install with `pip install 'posttrain[trackers]'`).", default="none")
@@ -421,3 +424,29 @@ def split_values(values: dict, *classes) -> list:
         if key not in every:
             raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every)}")
     return [{k: v for k, v in values.items() if k in n} for n in names]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference documentation, generated from the dataclasses (docs/config.md; a test keeps it in sync)
+# --------------------------------------------------------------------------------------------
+
+
+def config_reference() -> str:
+    """Markdown tables of every field: name, default, meaning, grouped as the dataclasses are."""
+    groups = [("Training loop", TrainingLoopConfig), ("Sampling", SamplingConfig),
+              ("GRPO objective", GRPOObjectiveConfig), ("Command-line script", ScriptArguments),
+              ("LoRA (command line)", LoraArguments)]
+    lines = ["# Configuration reference", "",
+             "Generated from `posttrain/configs.py` by `python -m posttrain.configs > docs/config.md`.",
+             "`GRPOConfig` holds the first three groups (flat, as TRL's). On the command line every field is a "
+             "flag (`--name value`) and a YAML key.", ""]
+    for title, cls in groups:
+        lines += [f"## {title}", "", "| field | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata.get('help', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")

@@ -1,17 +1,109 @@
-"""Export a policy's weights for a generation engine, with the parameter names of the plain model."""
+"""Export a policy's weights for a generation engine, with the parameter names of the plain model.
 
+For a plain model this is its state dict. For a LoRA (peft) model it is what `merge_and_unload()` would
+produce, without touching the training model:
+
+- each LoRA-wrapped module is merged on a private copy of that one module (peft's own merge, so
+  rsLoRA, DoRA and fan-in/fan-out layouts come out exactly as peft defines them), and its weights are
+  yielded under the base name: no `base_model.model.` prefix, no `.base_layer`, no `lora_` tensors;
+- a `modules_to_save` wrapper yields the active adapter's trained copy under the base name;
+- everything else is yielded as is.
+
+Guarantees (each tested in tests/test_weights.py): the training model is never merged in place, so its
+forward is bit-identical before and after an export; and no yielded tensor aliases one that an
+optimizer step or an adapter unmerge will modify. Merged tensors are fresh, and trainable tensors are
+cloned as they are yielded. Frozen tensors are yielded without a copy: nothing writes to them.
+"""
+
+import copy
 from typing import Iterator
 
 import torch
 
 from posttrain.models.loading import unwrap
+from posttrain.models.peft import is_peft_model
 
 
 def export_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every parameter and persistent buffer of the unwrapped model.
+    """Yield `(name, tensor)` for every weight an engine should load, with plain parameter names.
 
     Lazy: a generator that shares the policy's weights never consumes it, so it costs nothing there.
+    Tensors are produced one module at a time, so the extra memory is about one module's weights.
     """
-    plain = unwrap(model)
+    while hasattr(model, "module") and not is_peft_model(model):  # DDP and similar wrappers
+        model = model.module
+    if is_peft_model(model):
+        yield from _export_peft(model)
+    else:
+        yield from _export_plain(unwrap(model))
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor safe to hand out: trainable ones are copied, frozen ones shared."""
+    tensor_ = tensor.detach()
+    return tensor_.clone() if tensor.requires_grad else tensor_
+
+
+def _export_plain(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        yield from ((name, tensor.detach()) for name, tensor in plain.state_dict().items())
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            yield name, _own(params.get(name, tensor))
+
+
+def _module_tensors(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters and persistent buffers (not its children's)."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield f"{prefix}{name}", _own(param)
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield f"{prefix}{name}", buf.detach()
+
+
+def _merged_copy(layer) -> torch.nn.Module:
+    """The base layer of a LoRA-wrapped module with the active adapters merged, on a private copy."""
+    private = copy.deepcopy(layer)
+    private.merge(safe_merge=False, adapter_names=list(private.active_adapters))
+    return private.get_base_layer()
+
+
+def _export_peft(peft_model) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = peft_model.get_base_model()
+    handled: list[str] = []
+    with torch.no_grad():
+        for name, module in base.named_modules(remove_duplicate=False):
+            if any(name.startswith(h + ".") for h in handled):
+                continue  # inside a wrapper already exported
+            prefix = f"{name}." if name else ""
+            if isinstance(module, BaseTunerLayer):
+                handled.append(name)
+                merged = _merged_copy(module)
+                for sub, tensor in merged.state_dict().items():
+                    yield f"{prefix}{sub}", tensor.detach()
+            elif isinstance(module, ModulesToSaveWrapper):
+                handled.append(name)
+                trained = module.modules_to_save[module.active_adapter]
+                for sub, tensor in trained.state_dict(keep_vars=True).items():
+                    yield f"{prefix}{sub}", _own(tensor)
+            else:
+                yield from _module_tensors(module, prefix)
+
+
+def embeddings_still_tied(plain_model: torch.nn.Module, state: dict) -> bool:
+    """Whether exported `state` can be saved with the model's tied input/output embeddings.
+
+    False when the config ties them but the exported tensors differ (e.g. lm_head trained through
+    LoRA's modules_to_save): such weights must be saved with tie_word_embeddings=False.
+    """
+    if not getattr(plain_model.config, "tie_word_embeddings", False):
+        return False
+    names = {m: n for n, m in plain_model.named_modules()}
+    inp, out = plain_model.get_input_embeddings(), plain_model.get_output_embeddings()
+    keys = [f"{names[m]}.weight" for m in (inp, out) if m in names]
+    if len(keys) < 2 or any(k not in state for k in keys):
+        return True
+    return torch.equal(state[keys[0]], state[keys[1]])

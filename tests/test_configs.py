@@ -65,3 +65,10 @@ def test_every_example_config_loads(path):
     assert load_yaml(path)
     script, lora, cfg = parse_grpo(["--config", path])
     assert script.model_name_or_path and script.dataset_name and script.reward_funcs
+
+
+def test_docs_config_reference_is_current():
+    from posttrain.configs import config_reference
+
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read() == config_reference(), "regenerate with: python -m posttrain.configs > docs/config.md"

@@ -28,10 +28,11 @@ from posttrain.grpo.batch import TrainingBatch
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
+from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, reference_mode
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, score
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
-from posttrain.weights import export_weights
+from posttrain.weights import embeddings_still_tied, export_weights
 
 
 class TrainingError(RuntimeError):
@@ -87,8 +88,9 @@ class GRPOTrainer:
 
         model = load_causal_lm(model, args.model_init_kwargs)
         self.tokenizer = load_tokenizer(processing_class or model.config._name_or_path)
+        came_with_adapter = is_peft_model(model)
         model = self._prepare_model(model, peft_config)
-        self.ref_model = self._reference_model(model)
+        self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
         self.reward_funcs = resolve_reward_funcs(reward_funcs, args)
         self.reward_weights = self._reward_weights()
         for f in self.reward_funcs:
@@ -130,8 +132,6 @@ class GRPOTrainer:
     def _prepare_model(self, model, peft_config):
         args = self.args
         if peft_config is not None:
-            from posttrain.models.peft import apply_peft
-
             model = apply_peft(model, peft_config)
         if args.disable_dropout:
             for module in model.modules():
@@ -145,14 +145,17 @@ class GRPOTrainer:
         model.config.use_cache = False
         return model.to(self.accelerator.device).train()
 
-    def _reference_model(self, model):
-        """A frozen copy of the initial policy when beta > 0; None otherwise (no copy is held)."""
+    def _reference(self, model, came_with_adapter: bool):
+        """(reference model, reference adapter name) when beta > 0.
+
+        Full fine-tuning: a frozen copy of the initial policy. LoRA: no copy; the policy with adapters
+        disabled, or with a frozen copy of the adapter it came with (see models/peft.py).
+        """
         if self.args.beta == 0.0:
-            return None
-        if hasattr(model, "disable_adapter"):
-            return None  # the policy with adapters disabled is the reference
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-        return ref
+            return None, None
+        if is_peft_model(model):
+            return None, (add_reference_adapter(model) if came_with_adapter else None)
+        return copy.deepcopy(model).eval().requires_grad_(False), None
 
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights
@@ -238,7 +241,7 @@ class GRPOTrainer:
             return None
         if self.ref_model is not None:
             return self._logps_no_grad(self.ref_model, rollouts)
-        with self.policy.disable_adapter():
+        with reference_mode(self.policy, self.reference_adapter):
             return self._logps_no_grad(self.policy, rollouts)
 
     # ------------------------------------------------------------------ optimisation
@@ -323,6 +326,8 @@ class GRPOTrainer:
         finally:
             logger.close()
         self.save_model(args.output_dir)
+        if args.save_merged:
+            self.save_merged(os.path.join(args.output_dir, "merged"))
         self._callback("on_train_end")
         self.logger = logger
         return self.state
@@ -344,6 +349,23 @@ class GRPOTrainer:
 
             with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
                 yaml.safe_dump(self.args.to_dict(), f, sort_keys=False)
+        self.accelerator.wait_for_everyone()
+
+    def save_merged(self, output_dir: str) -> None:
+        """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            plain = self.policy.get_base_model() if is_peft_model(self.policy) else self.policy
+            state = dict(export_weights(self.policy))
+            tied = plain.config.tie_word_embeddings if hasattr(plain.config, "tie_word_embeddings") else None
+            if tied and not embeddings_still_tied(plain, state):
+                plain.config.tie_word_embeddings = False  # as merge_and_unload does; restored below
+            try:
+                plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            finally:
+                if tied is not None:
+                    plain.config.tie_word_embeddings = tied
+            self.tokenizer.save_pretrained(output_dir)
         self.accelerator.wait_for_everyone()
 
     def _log_completions(self, prompts, texts, rewards):

@@ -14,7 +14,7 @@ import torch
 
 from posttrain.models.loading import unwrap
 
-ROW_CHUNK = 8  # rows of [C, V] logits turned into log-probs at a time, to bound temporary memory
+CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,13 +82,20 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     n = completion_ids.size(1)
     logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
+    # No full-size copy unless needed: float32 at temperature 1 is used as it comes back.
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    flat = logits.reshape(-1, logits.size(-1))  # [N*C, V]
+    ids = completion_ids.reshape(-1)
+    step = max(1, CHUNK_ELEMENTS // flat.size(1))
     logps, entropies = [], []
-    for start in range(0, logits.size(0), ROW_CHUNK):
-        rows = logits[start:start + ROW_CHUNK].float() / temperature  # [n, C, V]
-        ids = completion_ids[start:start + ROW_CHUNK]
-        lse = rows.logsumexp(-1)  # [n, C]
-        logps.append(rows.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse)
+    for start in range(0, flat.size(0), step):
+        rows = flat[start:start + step]  # [k, V]
+        lse = rows.logsumexp(-1)
+        logps.append(rows.gather(-1, ids[start:start + step, None]).squeeze(-1) - lse)
         if with_entropy:
             with torch.no_grad():
                 entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+    shape = completion_ids.shape
+    return torch.cat(logps).view(shape), (torch.cat(entropies).view(shape) if with_entropy else None)

@@ -1,6 +1,16 @@
-"""LoRA through peft, imported only when adapters are asked for."""
+"""LoRA through peft, imported only when adapters are asked for.
+
+The reference model of a LoRA run is the policy itself, so no second copy of the weights is held:
+- adapters created here start as a no-op, so the reference is the policy with adapters disabled;
+- a model that arrives with a (pre-trained) adapter gets a frozen copy of it, the `reference` adapter,
+  and the reference pass switches to that copy.
+"""
+
+import contextlib
 
 from posttrain._optional import require
+
+REFERENCE_ADAPTER = "reference"
 
 
 def is_peft_model(model) -> bool:
@@ -10,7 +20,37 @@ def is_peft_model(model) -> bool:
 
 def apply_peft(model, peft_config):
     """Wrap `model` with adapters from `peft_config`; a model that already is a PeftModel is kept as it is."""
-    if is_peft_model(model):
-        return model
     peft = require("peft", "Training LoRA adapters (peft_config / --use_peft)")
+    if is_peft_model(model):
+        raise ValueError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
     return peft.get_peft_model(model, peft_config)
+
+
+def add_reference_adapter(model) -> str:
+    """Freeze a copy of the active adapter under REFERENCE_ADAPTER and return that name."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    active = model.active_adapter
+    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[active])
+    set_peft_model_state_dict(model, get_peft_model_state_dict(model, adapter_name=active),
+                              adapter_name=REFERENCE_ADAPTER)
+    model.set_adapter(active)  # peft marks only the active adapter trainable
+    for name, param in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name or name.endswith(f".{REFERENCE_ADAPTER}"):
+            param.requires_grad_(False)
+    return REFERENCE_ADAPTER
+
+
+@contextlib.contextmanager
+def reference_mode(model, reference_adapter: str | None):
+    """Within this context the LoRA policy computes the reference model's outputs."""
+    if reference_adapter is None:
+        with model.disable_adapter():
+            yield
+        return
+    active = model.active_adapter
+    model.set_adapter(reference_adapter)
+    try:
+        yield
+    finally:
+        model.set_adapter(active)  # also restores which parameters require grad

@@ -1,0 +1,68 @@
+"""posttrain's side of the anchor benchmark: GRPO on CPU on a local tiny model, fixed workload.
+
+Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [--completion 64] [--beta 0.04]
+                                          [--peft] [--gradient-checkpointing] [--threads 2]
+Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
+lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
+Every completion is forced to full length (min_new_tokens) so both sides do identical work.
+"""
+
+import argparse
+import json
+import resource
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--gens", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--completion", type=int, default=64)
+    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--peft", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    pairs = list(zip(range(10, 74), range(100, 164)))
+    ds = Dataset.from_dict({"prompt": [f"What is {a} + {b}?" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+
+    def reward_digits(completions, answer, **kw):
+        return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + (1.0 if a in c else 0.0)
+                for c, a in zip(completions, answer)]
+
+    cfg = GRPOConfig(
+        output_dir="/tmp/posttrain-bench-out", use_cpu=True, bf16=False, max_steps=args.steps,
+        num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
+        save_strategy="no", seed=0, generation_kwargs={"min_new_tokens": args.completion},
+        gradient_checkpointing=args.gradient_checkpointing)
+    peft_config = None
+    if args.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward_digits, args=cfg, train_dataset=ds,
+                          peft_config=peft_config)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    tokens = args.steps * args.batch * args.completion
+    print(json.dumps({
+        "impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "completion_tok_per_s": round(tokens / wall, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

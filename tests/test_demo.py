@@ -1,0 +1,13 @@
+import json
+
+
+def test_demo_learns(tmp_path, monkeypatch):
+    """The acceptance of `posttrain demo`: last-10% mean reward at least 0.3 above the first 10%."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    from posttrain.demo import run_demo
+
+    summary = run_demo(str(tmp_path / "demo"), max_steps=1200, seed=0)
+    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.3
+    lines = [json.loads(line) for line in open(tmp_path / "demo" / "metrics.jsonl")]
+    assert lines[-1]["summary"] == summary and len(lines) == 1201
+    assert (tmp_path / "cache" / "demo-model-v1" / "model.safetensors").exists()

@@ -1,0 +1,119 @@
+"""GRPO with LoRA: shared reference, gradient checkpointing, saving, and a separate generator that follows."""
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from posttrain.generation import SamplingParams
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.models.logprobs import token_logprobs
+from posttrain.testing import tiny_model
+
+pytestmark = pytest.mark.peft
+
+
+def _lora_config(**kw):
+    from peft import LoraConfig
+
+    values = dict(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    values.update(kw)
+    return LoraConfig(**values)
+
+
+def five_reward(completions, **kw):
+    """Rewards completions that contain the digit 5: a LoRA can learn to raise it."""
+    return [float(c.count("5")) for c in completions]
+
+
+def test_lora_reference_is_the_policy_with_adapters_disabled(tokenizer, addition_dataset, tmp_path):
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), five_reward,
+                          tiny_config(tmp_path, beta=0.1, max_steps=3), train_dataset=addition_dataset,
+                          processing_class=tokenizer, peft_config=_lora_config())
+    assert trainer.ref_model is None  # no second copy of the weights
+    trainer.train()
+    records = trainer.state.log_history
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters start as a no-op
+    assert records[-1]["kl"] > 0  # the adapters moved the policy away from the base
+    assert os.path.exists(tmp_path / "out" / "adapter_model.safetensors")
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def test_pretrained_adapter_is_the_reference_not_the_bare_base(tokenizer, addition_dataset, tmp_path):
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(tiny_model(tokenizer, hidden=32, layers=1), _lora_config())
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # a "pre-trained" adapter far from the base
+    trainer = GRPOTrainer(peft_model, five_reward, tiny_config(tmp_path, beta=0.1, max_steps=1, learning_rate=0.0),
+                          train_dataset=addition_dataset, processing_class=tokenizer)
+    trainer.train()
+    # policy == frozen copy of its own adapter at step 1 (lr 0): KL to the reference is 0, not the base's KL
+    assert trainer.state.log_history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(p.requires_grad == ("lora_" in n and "reference" not in n) for n, p in peft_model.named_parameters())
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_gradients(tokenizer, addition_dataset, tmp_path):
+    grads = []
+    for checkpointing in (False, True):
+        trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=2), five_reward,
+                              tiny_config(tmp_path / str(checkpointing), max_steps=1,
+                                          gradient_checkpointing=checkpointing), train_dataset=addition_dataset,
+                              processing_class=tokenizer, peft_config=_lora_config())
+        step = trainer.optimizer.step
+        seen = {}
+
+        def capture(*a, _step=step, _seen=seen, _t=trainer, **k):
+            _seen.update({n: p.grad.clone() for n, p in _t.policy.named_parameters() if p.grad is not None})
+            return _step(*a, **k)
+
+        trainer.optimizer.step = capture
+        trainer.train()
+        grads.append(seen)
+    assert grads[0] and set(grads[0]) == set(grads[1])
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+def test_save_merged_loads_as_a_plain_model(tokenizer, addition_dataset, tmp_path, modules_to_save):
+    from transformers import AutoModelForCausalLM
+
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), five_reward,
+                          tiny_config(tmp_path, max_steps=2, save_merged=True, learning_rate=1e-2),
+                          train_dataset=addition_dataset, processing_class=tokenizer,
+                          peft_config=_lora_config(modules_to_save=modules_to_save))
+    trainer.train()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    reference = copy.deepcopy(trainer.policy).merge_and_unload()
+    assert torch.allclose(merged(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+
+
+def test_separate_generator_follows_the_lora_policy(tokenizer, addition_dataset, tmp_path):
+    """A generator with its own copy of the model (the shape of vLLM and server modes) samples the trained weights."""
+    base = tiny_model(tokenizer, hidden=32, layers=1)
+    engine_model = copy.deepcopy(base)
+    trainer = GRPOTrainer(base, five_reward, tiny_config(tmp_path, max_steps=6, learning_rate=3e-2),
+                          train_dataset=addition_dataset, processing_class=tokenizer, peft_config=_lora_config())
+    trainer.generator = TransformersGenerator(engine_model, tokenizer,
+                                              SamplingParams.from_config(trainer.args), shares_policy=False)
+    trainer.train()
+    trainer.generator.sync_weights(__import__("posttrain.weights", fromlist=["x"]).export_weights(trainer.model))
+    prompt = torch.tensor([tokenizer("1+2=", add_special_tokens=False).input_ids])
+    completion = torch.tensor([tokenizer("55", add_special_tokens=False).input_ids])
+    masks = (torch.ones_like(prompt, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool))
+    with torch.no_grad():
+        policy, _ = token_logprobs(trainer.policy, prompt, masks[0], completion, masks[1])
+        engine, _ = token_logprobs(engine_model, prompt, masks[0], completion, masks[1])
+        untrained, _ = token_logprobs(tiny_model(tokenizer, hidden=32, layers=1), prompt, masks[0], completion,
+                                      masks[1])
+    assert torch.allclose(engine, policy, atol=1e-5)
+    assert not torch.allclose(engine, untrained, atol=1e-3)  # the policy did move
+    rewards = [r["reward"] for r in trainer.state.log_history]
+    assert max(rewards[3:]) > rewards[0]  # the generator sampled the improving policy

@@ -1,0 +1,153 @@
+"""GRPOTrainer on tiny in-process models: smoke, invariance of the update to the batch split, options."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import length_reward, tiny_config
+
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.rewards import RewardError
+from posttrain.testing import tiny_model
+
+
+def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, model=None, **overrides):
+    """Train; with capture=True, also return the gradients each optimizer step saw."""
+    model = model or tiny_model(tokenizer, hidden=32, layers=1)
+    trainer = GRPOTrainer(model, reward, tiny_config(tmp_path, **overrides), train_dataset=dataset,
+                          processing_class=tokenizer)
+    grads = []
+    if capture:
+        step = trainer.optimizer.step
+
+        def capturing_step(*a, **k):
+            grads.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None})
+            return step(*a, **k)
+
+        trainer.optimizer.step = capturing_step
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    return trainer, params, grads
+
+
+def test_smoke_finite_loss_params_move_and_outputs(tokenizer, addition_dataset, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, after, _ = _run(tokenizer, addition_dataset, tmp_path, model=model, max_steps=3, beta=0.04)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "rewards/length_reward/mean",
+                "frac_reward_zero_std", "kl", "entropy", "clip_ratio/region_mean", "completions/mean_length",
+                "completions/clipped_ratio", "step_time"):
+        assert key in records[-1] and math.isfinite(records[-1][key]), key
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(p, after[n]) for n, p in reloaded.named_parameters())
+    assert (tmp_path / "out" / "model.safetensors").exists() and trainer.state.global_step == 3
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, addition_dataset, tmp_path, loss_type):
+    results = {}
+    for micro, accum in ((8, 1), (4, 2), (1, 8)):
+        _, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}x{accum}", capture=True,
+                                max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                                generation_batch_size=8, max_completion_length=10, loss_type=loss_type, beta=0.04)
+        results[(micro, accum)] = (params, grads[0])
+    ref_params, ref_grads = results[(8, 1)]
+    for split, (params, grads) in results.items():
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
+            assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
+    assert any(g.abs().sum() > 0 for g in ref_grads.values())
+
+
+def test_loss_types_really_differ(tokenizer, addition_dataset, tmp_path):
+    grads = {}
+    for loss_type in ("grpo", "dapo"):
+        _, _, g = _run(tokenizer, addition_dataset, tmp_path / loss_type, capture=True, max_steps=1,
+                       max_completion_length=10, loss_type=loss_type)
+        grads[loss_type] = g[0]["model.embed_tokens.weight"]
+    assert not torch.allclose(grads["grpo"], grads["dapo"])
+
+
+def test_steps_per_generation_decoupled_from_accumulation(tokenizer, addition_dataset, tmp_path):
+    """A 16-completion generation batch consumed as 2 optimizer steps, split 1x8, 2x4 or 4x2 per step."""
+    results = []
+    for micro, accum in ((8, 1), (4, 2), (2, 4)):
+        _, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}", capture=True, max_steps=2,
+                                per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                                generation_batch_size=16, max_completion_length=10, loss_type="bnpo")
+        assert len(grads) == 2
+        results.append(params)
+    for params in results[1:]:
+        for name in params:
+            assert torch.allclose(params[name], results[0][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_num_iterations_uses_old_logprobs_and_clips(tokenizer, addition_dataset, tmp_path):
+    trainer, _, grads = _run(tokenizer, addition_dataset, tmp_path, capture=True, max_steps=4, num_iterations=2,
+                             learning_rate=5e-2, epsilon=0.01)
+    assert trainer.needs_old_logps and len(grads) == 4
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    # the second pass over a batch sees a moved policy: some ratios leave [1 - eps, 1 + eps]
+    assert max(r["clip_ratio/region_mean"] for r in records) > 0
+
+
+def test_conversational_prompts_and_mask_truncated(tokenizer, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(8)]})
+    seen = []
+
+    def reward(prompts, completions, **kw):
+        seen.append((prompts[0], completions[0]))
+        return [float(len(c[0]["content"])) for c in completions]
+
+    _run(tokenizer, ds, tmp_path, reward=reward, max_steps=1, mask_truncated_completions=True)
+    prompt, completion = seen[0]
+    assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+
+
+def test_reward_error_during_training_names_function_and_step(tokenizer, addition_dataset, tmp_path):
+    calls = []
+
+    def flaky(completions, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ZeroDivisionError("bad row")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match="'flaky' raised ZeroDivisionError at step 2"):
+        _run(tokenizer, addition_dataset, tmp_path, reward=flaky, max_steps=3)
+
+
+def test_callbacks_and_epochs(tokenizer, addition_dataset, tmp_path):
+    events = []
+
+    class Recorder:
+        def on_log(self, args, state, control, logs=None, **kw):
+            events.append(("log", state.global_step, logs["step"]))
+
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 2
+
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                          tiny_config(tmp_path, max_steps=-1, num_train_epochs=1), train_dataset=addition_dataset,
+                          processing_class=tokenizer, callbacks=[Recorder()])
+    assert trainer.total_steps == 8  # 16 prompts / 2 per generation batch
+    trainer.train()
+    assert events == [("log", 1, 1), ("log", 2, 2)] and trainer.state.global_step == 2
+
+
+def test_evaluate_reports_rewards(tokenizer, addition_dataset, tmp_path):
+    from posttrain.rewards.builtin import accuracy
+
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), [accuracy, length_reward],
+                          tiny_config(tmp_path), train_dataset=addition_dataset, eval_dataset=addition_dataset.select(
+                              range(3)), processing_class=tokenizer)
+    out = trainer.evaluate()
+    assert 0.0 <= out["eval_rewards/accuracy/mean"] <= 1.0 and math.isfinite(out["eval_reward"])
