@@ -151,3 +151,33 @@ def test_evaluate_reports_rewards(tokenizer, addition_dataset, tmp_path):
                               range(3)), processing_class=tokenizer)
     out = trainer.evaluate()
     assert 0.0 <= out["eval_rewards/accuracy/mean"] <= 1.0 and math.isfinite(out["eval_reward"])
+
+
+@pytest.mark.parametrize("options", [
+    dict(importance_sampling_level="sequence", loss_type="grpo", num_iterations=2),
+    dict(top_entropy_quantile=0.5),
+    dict(delta=2.0, num_iterations=2, epsilon_high=0.28),
+    dict(scale_rewards="batch", loss_type="dr_grpo"),
+    dict(scale_rewards="none", loss_type="cispo", epsilon_high=5.0),
+    dict(multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
+    dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    dict(lr_scheduler_type="cosine", warmup_ratio=0.5, weight_decay=0.1, max_grad_norm=0.0),
+])
+def test_option_paths_train(tokenizer, addition_dataset, tmp_path, options):
+    from posttrain.rewards.builtin import accuracy
+
+    rewards = [length_reward, accuracy] if "reward_weights" in options else length_reward
+    trainer, _, _ = _run(tokenizer, addition_dataset, tmp_path, reward=rewards, max_steps=2, **options)
+    last = trainer.state.log_history[-1]
+    assert math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"]) and last["step"] == 2
+
+
+def test_top_entropy_quantile_masks_low_entropy_tokens(tokenizer, addition_dataset, tmp_path):
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                          tiny_config(tmp_path, top_entropy_quantile=0.25), train_dataset=addition_dataset,
+                          processing_class=tokenizer)
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 0.7], [0.2, 0.3, 0.8, 0.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    kept = trainer._entropy_mask(entropy, mask)
+    # 7 valid tokens; the 0.75 quantile of their entropies is 0.75 (interpolated): keep 0.8 and 0.9 only
+    assert kept.tolist() == [[False, True, False, False], [False, False, True, False]]

@@ -36,6 +36,8 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.trackers = []
         self.progress = None
+        # Without a terminal, a plain line per logging step, at most about 50 lines in a run.
+        self.print_every = max(logging_steps, -(-total_steps // 50))
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -86,7 +88,7 @@ class MetricsLogger:
         text = "  ".join(f"{k}={record[k]:.4g}" for k in self.SHOWN if k in record)
         if self.progress is not None:
             self.progress.update(self.task, description=text)
-        else:
+        elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:
             print(f"step {record['step']}/{self.total_steps}  {text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
