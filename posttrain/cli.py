@@ -83,7 +83,10 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
     dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split)
     trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=script.reward_funcs, args=config,
                           train_dataset=dataset, peft_config=peft_config)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
 
 
 def print_env() -> None:

@@ -332,6 +332,12 @@ class GRPOTrainer:
         self.logger = logger
         return self.state
 
+    def close(self) -> None:
+        """Release the generator and, in a multi-process run, the process group (call once, at the end)."""
+        self.generator.close()
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
+
     def _callback(self, event: str, **kwargs):
         for cb in self.callbacks:
             method = getattr(cb, event, None)
