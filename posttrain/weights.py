@@ -46,9 +46,20 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
 
 def _export_plain(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     params = dict(model.named_parameters(remove_duplicate=False))
+    state = model.state_dict(keep_vars=True)
+    sources = {name: params.get(name, tensor) for name, tensor in state.items()}
+    counts: dict[int, int] = {}
+    for source in sources.values():
+        counts[id(source)] = counts.get(id(source), 0) + 1
+    tied: dict[int, torch.Tensor] = {}  # a tied tensor (embedding = lm_head) is copied once, not once per name
     with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            yield name, _own(params.get(name, tensor))
+        for name, source in sources.items():
+            if counts[id(source)] == 1:
+                yield name, _own(source)
+                continue
+            if id(source) not in tied:
+                tied[id(source)] = _own(source)
+            yield name, tied[id(source)]
 
 
 def _module_tensors(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,8 +22,12 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filtering (filtered entries become -inf). [N, V] -> [N, V]."""
-    logits = logits / params.temperature
+    """Temperature, then top-k, top-p and min-p filtering (filtered entries become -inf). [N, V] -> [N, V].
+
+    With temperature 1 and no filter, `logits` is returned as it is (no copy).
+    """
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     vocab = logits.size(-1)
     if params.top_k and params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
@@ -49,7 +53,11 @@ def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> tu
     Returns:
         (tokens [N] long, logprobs [N] float32).
     """
-    logprobs = logits.float().log_softmax(-1)
-    race = torch.empty_like(logprobs).exponential_(1.0, generator=generator).log_()
-    tokens = (logprobs - race).argmax(-1)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logits = logits.float()
+    top = logits.max(-1, keepdim=True).values
+    weights = (logits - top).exp_()  # p * Z, in (0, 1]
+    log_z = weights.sum(-1).log()  # log-sum-exp minus the max
+    race = torch.empty_like(weights).exponential_(1.0, generator=generator)
+    tokens = weights.div_(race).argmax(-1)  # argmax(p / E) picks i with probability p_i
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, chosen - top.squeeze(-1) - log_z

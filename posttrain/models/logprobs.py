@@ -1,5 +1,13 @@
 """Per-token log-probabilities of completions under a causal LM.
 
+Fast path: the model runs with `output_hidden_states=True` and `logits_to_keep=1`, so it computes its
+body but (almost) no logits. The completion tokens that carry loss then go through the output layer
+in chunks (`models/chunked.py`), never as a [N, C, V] tensor. The forward is the (possibly
+DDP-wrapped) model's own, so gradient synchronisation is untouched. The path is used when the output
+layer is a plain `nn.Linear` and, checked once per model, when its output equals the model's own logits
+(which rules out models that post-process logits, e.g. soft-capping). Otherwise the logits path below
+is used.
+
 The model is asked for logits at the completion positions only. Whether it can be asked depends
 on the transformers version and the model class: recent ones take `logits_to_keep`, older ones
 `num_logits_to_keep`, some neither. The keyword is chosen from the forward signature, and the
@@ -12,6 +20,7 @@ import inspect
 
 import torch
 
+from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.loading import unwrap
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
@@ -66,6 +75,61 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return logits[:, -n_keep:]
 
 
+def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
+    kwargs = {}
+    keep = logits_to_keep_kwarg(model)
+    if keep is not None:
+        kwargs[keep] = n_keep
+    if forward_accepts(model, "position_ids"):
+        kwargs["position_ids"] = positions_from_mask(attention_mask)
+    if forward_accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def output_layer(model) -> torch.nn.Linear | None:
+    """The model's output projection if it is a plain Linear (not LoRA-wrapped or custom)."""
+    get = getattr(unwrap(model), "get_output_embeddings", None)
+    layer = get() if get is not None else None
+    return layer if type(layer) is torch.nn.Linear else None
+
+
+def _final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+    """[N, L, H] input of the output layer, from the model's own forward with one position of logits."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                **_forward_kwargs(model, attention_mask, 1))
+    return out.hidden_states[-1]
+
+
+def fast_path_available(model) -> bool:
+    """Whether the chunked path reproduces this model's logits; decided once per model object and cached."""
+    plain = unwrap(model)
+    cached = getattr(plain, "_posttrain_fast_logprobs", None)
+    if cached is None:
+        cached = _check_fast_path(plain)
+        plain._posttrain_fast_logprobs = cached
+    return cached
+
+
+def _check_fast_path(plain) -> bool:
+    layer = output_layer(plain)
+    if layer is None or logits_to_keep_kwarg(plain) is None:
+        return False
+    ids = (torch.arange(1, 9, device=layer.weight.device) % layer.weight.size(0)).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    was_training = plain.training
+    plain.eval()  # dropout would make two forwards differ
+    try:
+        with torch.no_grad():
+            logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
+            hidden = _final_hidden(plain, ids, mask)[:, -4:]
+            return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
+    except (TypeError, AttributeError, IndexError, RuntimeError):
+        return False  # no hidden states, or not the shapes we expect: use the logits path
+    finally:
+        plain.train(was_training)
+
+
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
@@ -76,10 +140,33 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
         temperature: the sampling temperature; the policy being trained is softmax(logits / temperature).
         with_entropy: also return the per-token entropy (no gradient).
     Returns:
-        (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold finite garbage.
+        (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
+        and finite garbage otherwise; callers mask them.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    if fast_path_available(model):
+        return _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
+                                 with_entropy)
+    return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy)
+
+
+def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
+                      with_entropy):
+    n = completion_ids.size(1)
+    hidden = _final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
+    layer = output_layer(model)
+    mask = completion_mask.bool()
+    logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],
+                                            temperature)
+    full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
+    full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
+    if not with_entropy:
+        return full, None
+    return full, torch.zeros_like(full).masked_scatter(mask, entropy)
+
+
+def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy):
     n = completion_ids.size(1)
     logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
     # No full-size copy unless needed: float32 at temperature 1 is used as it comes back.

@@ -1,0 +1,88 @@
+"""Log-probabilities (and entropy) of chosen tokens through the output projection, without ever
+materialising [rows, V] logits for more than a chunk of rows at a time.
+
+Forward: for each chunk of rows, logits = h W^T (+ b), divided by the temperature; keep only the
+log-sum-exp, the chosen token's log-prob and the entropy. Backward: recompute each chunk's logits,
+d logits = (onehot(id) - softmax) * g / T, then dh = d logits W and dW = d logits^T h.
+Peak extra memory is one chunk of logits (CHUNK_ELEMENTS floats) instead of rows x V.
+"""
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 24  # 64 MiB of float32 logits per chunk
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def _chunk_logits(h, weight, bias, temperature):
+    logits = h.float() @ weight.float().T
+    if bias is not None:
+        logits += bias.float()
+    if temperature != 1.0:
+        logits /= temperature
+    return logits
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature) -> (logps [M], entropy [M])."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, ids, temperature):
+        logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
+        entropy = torch.empty_like(logps)
+        lse_all = torch.empty_like(logps)
+        step = _rows_per_chunk(weight.size(0))
+        for start in range(0, h.size(0), step):
+            rows = slice(start, start + step)
+            logits = _chunk_logits(h[rows], weight, bias, temperature)  # [k, V]
+            lse = logits.logsumexp(-1)
+            lse_all[rows] = lse
+            logps[rows] = logits.gather(-1, ids[rows, None]).squeeze(-1) - lse
+            logits.sub_(lse[:, None])  # log-probs, in place
+            entropy[rows] = -(logits.exp() * logits).sum(-1)
+        ctx.save_for_backward(h, weight, bias, ids, lse_all)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        h, weight, bias, ids, lse_all = ctx.saved_tensors
+        t = ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        step = _rows_per_chunk(weight.size(0))
+        for start in range(0, h.size(0), step):
+            rows = slice(start, start + step)
+            g = grad_logps[rows].float()
+            # d logp / d logits = onehot(id) - softmax; times g, and 1/T for the temperature scaling
+            d = _chunk_logits(h[rows], weight, bias, t).sub_(lse_all[rows, None]).exp_().mul_(-g[:, None])
+            d.scatter_add_(-1, ids[rows, None], g[:, None])
+            if t != 1.0:
+                d /= t
+            if need_h:
+                grad_h[rows] = (d @ weight.float()).to(h.dtype)
+            if need_w:
+                grad_w.addmm_(d.T, h[rows].float())
+            if need_b:
+                grad_b += d.sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None)
+
+
+def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
+
+    Args:
+        h: [M, H] final hidden states (the output layer's input) of the M positions that matter.
+        weight: [V, H] output layer weight; bias: [V] or None.
+        ids: [M] token ids whose log-prob is wanted.
+    Returns:
+        (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, no gradient).
+    """
+    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature)

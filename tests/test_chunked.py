@@ -1,0 +1,50 @@
+"""The chunked output-layer log-prob path equals full logits + log_softmax + gather, values and gradients."""
+
+import pytest
+import torch
+
+from posttrain.models import chunked
+from posttrain.models.chunked import chunked_token_logprobs
+from posttrain.models.logprobs import fast_path_available
+
+
+@pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
+def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias):
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 50)  # 3 rows per chunk: several chunks, a ragged last one
+    torch.manual_seed(0)
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    b = torch.randn(50, requires_grad=True) if with_bias else None
+    ids = torch.randint(0, 50, (10,))
+    g = torch.randn(10)
+    logps, entropy = chunked_token_logprobs(h, w, b, ids, temperature)
+    (logps * g).sum().backward()
+    got = [h.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
+    for t in [h, w] + ([b] if with_bias else []):
+        t.grad = None
+    logits = (h @ w.T + (b if with_bias else 0)) / temperature
+    ref = logits.log_softmax(-1)
+    ref_logps = ref.gather(-1, ids[:, None]).squeeze(-1)
+    (ref_logps * g).sum().backward()
+    want = [h.grad, w.grad] + ([b.grad] if with_bias else [])
+    assert torch.allclose(logps, ref_logps, atol=1e-5)
+    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1).detach(), atol=1e-5)
+    for a, c in zip(got, want):
+        assert torch.allclose(a, c, atol=1e-5)
+
+
+def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer):
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.testing import tiny_model
+
+    class SoftCapped(Qwen2ForCausalLM):
+        """Post-processes logits after the output layer: the chunked path would be wrong, so it must not be used."""
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 5 * torch.tanh(out.logits / 5)
+            return out
+
+    assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
+    assert not fast_path_available(tiny_model(tokenizer, hidden=32, layers=1, model_class=SoftCapped))
