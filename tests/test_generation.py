@@ -30,9 +30,20 @@ def test_rollouts_shapes_masks_and_sampler_logprobs(tokenizer, model):
     assert torch.allclose(logps[r.completion_mask], r.sampler_logprobs[r.completion_mask], atol=1e-4)
 
 
-def test_min_new_tokens_and_early_stop(tokenizer, model):
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.eos_token_id] += 50.0  # EOS almost certain
+def test_min_new_tokens_and_early_stop(tokenizer):
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.testing import tiny_model
+
+    class EagerToEnd(Qwen2ForCausalLM):
+        """EOS is (all but) certain at every position."""
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits[..., tokenizer.eos_token_id] += 100.0
+            return out
+
+    model = tiny_model(tokenizer, hidden=32, layers=1, model_class=EagerToEnd)
     gen = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=10, min_new_tokens=3), seed=0)
     r = gen.generate(_prompts(tokenizer))
     assert r.completion_mask.sum(1).tolist() == [4, 4, 4]  # 3 forced tokens, then EOS; loop stopped there

@@ -1,8 +1,7 @@
 """Turning next-token logits into a sampled token: penalties, temperature, filters, and the draw.
 
-Sampling uses the exponential race (Gumbel-max in another guise): argmax(p / E) with E ~ Exp(1)
-picks index i with probability p_i, at the cost of one pass over the vocabulary, where
-`torch.multinomial` over 151,936 entries is much slower on CPU.
+Sampling is inverse-CDF with one uniform number per row (see `sample`): `torch.multinomial` and the
+exponential race both spend most of a CPU decode step on 151,936 random numbers per row.
 """
 
 import torch
@@ -45,8 +44,39 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+SAMPLE_BLOCK = 2048  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _draw(weights: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index i with probability weights[i] / sum(weights), per row, by a two-level inverse CDF.
+
+    Each block of SAMPLE_BLOCK entries is summed (float32 is exact to ~1e-7 over a block), the block
+    sums are accumulated in float64, and only the chosen block is scanned: one pass over the vocabulary,
+    with tiny probabilities keeping their share. Returns (indices [N], log of the total weight [N]).
+    """
+    n, vocab = weights.shape
+    full = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
+    blocks = weights[:, :full].view(n, -1, SAMPLE_BLOCK).sum(-1)  # [N, V / block]
+    if full < vocab:
+        blocks = torch.cat([blocks, weights[:, full:].sum(-1, keepdim=True)], dim=1)
+    cum = blocks.double().cumsum(-1)
+    u = torch.rand((n, 1), dtype=torch.float64, device=weights.device, generator=generator) * cum[:, -1:]
+    # side="right": the first block (then entry) whose cumulative weight exceeds u, never a zero-weight one
+    block = torch.searchsorted(cum, u, side="right").clamp_(max=cum.size(1) - 1)  # [N, 1]
+    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(u))
+    start = block * SAMPLE_BLOCK  # [N, 1]
+    offsets = torch.arange(SAMPLE_BLOCK, device=weights.device)
+    cols = (start + offsets).clamp_(max=vocab - 1)  # [N, block]
+    inner = weights.gather(1, cols).masked_fill(start + offsets >= vocab, 0.0).cumsum(-1, dtype=torch.float64)
+    pick = torch.searchsorted(inner, u - before, side="right").clamp_(max=SAMPLE_BLOCK - 1)
+    return (start + pick).clamp_(max=vocab - 1).squeeze(-1), cum[:, -1].log().float()
+
+
 def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from softmax(logits) and return it with its log-probability.
+
+    Inverse-CDF sampling needs N random numbers instead of N x V: `torch.multinomial` and the
+    exponential race spend most of a CPU decode step drawing 151,936 random numbers per row.
 
     Args:
         logits: [N, V] processed logits (-inf where filtered).
@@ -54,10 +84,8 @@ def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> tu
         (tokens [N] long, logprobs [N] float32).
     """
     logits = logits.float()
-    top = logits.max(-1, keepdim=True).values
-    weights = (logits - top).exp_()  # p * Z, in (0, 1]
-    log_z = weights.sum(-1).log()  # log-sum-exp minus the max
-    race = torch.empty_like(weights).exponential_(1.0, generator=generator)
-    tokens = weights.div_(race).argmax(-1)  # argmax(p / E) picks i with probability p_i
+    top = logits.amax(-1, keepdim=True)
+    weights = (logits - top).exp_()  # [N, V] in [0, 1]
+    tokens, log_z = _draw(weights, generator)
     chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen - top.squeeze(-1) - log_z

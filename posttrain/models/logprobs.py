@@ -158,7 +158,7 @@ def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completi
     layer = output_layer(model)
     mask = completion_mask.bool()
     logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],
-                                            temperature)
+                                            temperature, with_entropy)
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
     full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
     if not with_entropy:
