@@ -34,6 +34,26 @@ def addition_dataset():
     return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
 
 
+def variable_length_model(tokenizer, **kwargs):
+    """A tiny model that ends completions at varied lengths (EOS logit raised by 3: ~17% per token).
+
+    Tests of loss normalisation need completions of different lengths, or grpo, bnpo and dapo coincide.
+    """
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.testing import tiny_model
+
+    eos = tokenizer.eos_token_id
+
+    class VariableLength(Qwen2ForCausalLM):
+        def forward(self, *args, **kw):
+            out = super().forward(*args, **kw)
+            out.logits[..., eos] += 3.0
+            return out
+
+    return tiny_model(tokenizer, model_class=VariableLength, **{"hidden": 32, "layers": 1, **kwargs})
+
+
 def length_reward(completions, **kwargs):
     """A deterministic reward with spread: longer completions score higher."""
     return [len(c) / 10.0 for c in completions]

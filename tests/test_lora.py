@@ -25,8 +25,8 @@ def _lora_config(**kw):
 
 
 def five_reward(completions, **kw):
-    """Rewards completions that contain the digit 5: a LoRA can learn to raise it."""
-    return [float(c.count("5")) for c in completions]
+    """The fraction of digits in the completion: varies from the first step, and a LoRA can raise it."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
 def test_lora_reference_is_the_policy_with_adapters_disabled(tokenizer, addition_dataset, tmp_path):

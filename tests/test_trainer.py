@@ -5,18 +5,25 @@ import math
 
 import pytest
 import torch
-from conftest import length_reward, tiny_config
+from conftest import length_reward, tiny_config, variable_length_model
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
 from posttrain.testing import tiny_model
 
 
-def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, model=None, **overrides):
-    """Train; with capture=True, also return the gradients each optimizer step saw."""
+def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, model=None, sgd=False, **overrides):
+    """Train; with capture=True, also return the gradients each optimizer step saw.
+
+    sgd=True swaps AdamW for plain SGD, whose update is linear in the gradient: Adam turns noise-level
+    gradients (1e-12 of either sign) into full +-lr steps, so its updates cannot be compared to tolerance.
+    """
     model = model or tiny_model(tokenizer, hidden=32, layers=1)
     trainer = GRPOTrainer(model, reward, tiny_config(tmp_path, **overrides), train_dataset=dataset,
                           processing_class=tokenizer)
+    if sgd:
+        trainer.optimizer.optimizer = torch.optim.SGD(
+            [p for p in trainer.policy.parameters() if p.requires_grad], lr=trainer.args.learning_rate)
     grads = []
     if capture:
         step = trainer.optimizer.step
@@ -51,12 +58,17 @@ def test_smoke_finite_loss_params_move_and_outputs(tokenizer, addition_dataset, 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
 def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, addition_dataset, tmp_path, loss_type):
-    results = {}
+    results, lengths = {}, None
     for micro, accum in ((8, 1), (4, 2), (1, 8)):
-        _, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}x{accum}", capture=True,
-                                max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-                                generation_batch_size=8, max_completion_length=10, loss_type=loss_type, beta=0.04)
+        trainer, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}x{accum}", capture=True,
+                                      sgd=True, model=variable_length_model(tokenizer), max_steps=1,
+                                      per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                                      generation_batch_size=8, max_completion_length=10, loss_type=loss_type,
+                                      beta=0.04)
         results[(micro, accum)] = (params, grads[0])
+        record = trainer.state.log_history[-1]
+        lengths = (record["completions/min_length"], record["completions/max_length"])
+    assert lengths[0] < lengths[1]  # completions of different lengths: the normalisers really differ
     ref_params, ref_grads = results[(8, 1)]
     for split, (params, grads) in results.items():
         for name in ref_grads:
@@ -69,7 +81,7 @@ def test_loss_types_really_differ(tokenizer, addition_dataset, tmp_path):
     grads = {}
     for loss_type in ("grpo", "dapo"):
         _, _, g = _run(tokenizer, addition_dataset, tmp_path / loss_type, capture=True, max_steps=1,
-                       max_completion_length=10, loss_type=loss_type)
+                       model=variable_length_model(tokenizer), max_completion_length=10, loss_type=loss_type)
         grads[loss_type] = g[0]["model.embed_tokens.weight"]
     assert not torch.allclose(grads["grpo"], grads["dapo"])
 
@@ -79,6 +91,7 @@ def test_steps_per_generation_decoupled_from_accumulation(tokenizer, addition_da
     results = []
     for micro, accum in ((8, 1), (4, 2), (2, 4)):
         _, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}", capture=True, max_steps=2,
+                                sgd=True, model=variable_length_model(tokenizer),
                                 per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                                 generation_batch_size=16, max_completion_length=10, loss_type="bnpo")
         assert len(grads) == 2
