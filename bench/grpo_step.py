@@ -5,12 +5,20 @@ Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [
 Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
 lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
 Every completion is forced to full length (min_new_tokens) so both sides do identical work.
+Beside the anchor's keys it prints `step_gflop` (matmul FLOPs of one step, bench/flops.py),
+`achieved_gflop_per_s` (those FLOPs over the measured s/step) and `matmul_gflop_per_s` (what a
+[2048 x hidden] @ [hidden x vocab] float32 product reaches here, i.e. the machine's own limit for the
+step's dominant shape).
 """
 
 import argparse
 import json
+import os
 import resource
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/flops.py
 
 
 def main():
@@ -57,10 +65,18 @@ def main():
     trainer.train()
     wall = time.perf_counter() - start
     tokens = args.steps * args.batch * args.completion
+    peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    from flops import grpo_step_flops, matmul_gflops
+
+    config = trainer.policy.config
+    prompt_len = max(len(ids) for ids in trainer.prompts.prompt_ids)
+    flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
     print(json.dumps({
         "impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
-        "completion_tok_per_s": round(tokens / wall, 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "completion_tok_per_s": round(tokens / wall, 1), "peak_rss_mib": peak,
+        "step_gflop": round(flops["total"] / 1e9, 1),
+        "achieved_gflop_per_s": round(flops["total"] / 1e9 / (wall / args.steps), 1),
+        "matmul_gflop_per_s": round(matmul_gflops(2048, config.hidden_size, config.vocab_size), 1),
     }))
 
 

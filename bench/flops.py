@@ -1,0 +1,41 @@
+"""FLOP accounting for a GRPO step, and the matmul throughput this machine reaches for its shapes.
+
+Matmul FLOPs only (2 per multiply-add); attention scores, norms and softmax are left out, so the step's
+"achieved" rate is a lower bound on the work done per second.
+"""
+
+import time
+
+
+def body_params(config) -> int:
+    """Multiply-add weights per token in the transformer body (attention + MLP projections), no embeddings."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o and k, v
+    mlp = 3 * h * inter  # gate, up, down
+    return layers * (attention + mlp)
+
+
+def grpo_step_flops(config, batch: int, prompt_len: int, completion_len: int, beta: float, peft: bool) -> dict:
+    """FLOPs of one step: sampling, the policy's forward + backward, and the reference forward (beta > 0)."""
+    body, head = body_params(config), config.hidden_size * config.vocab_size
+    gen = 2 * batch * ((prompt_len + completion_len) * body + completion_len * head)
+    fwd = 2 * batch * ((prompt_len + completion_len) * body + completion_len * head)
+    # backward: gradients w.r.t. activations and weights, 2x the forward; the chunked output layer also
+    # recomputes its forward; with LoRA the frozen weights get no weight gradient (about 1x forward)
+    backward = (1 if peft else 2) * fwd + 2 * batch * completion_len * head
+    ref = fwd if beta > 0 else 0
+    return {"generation": gen, "policy": fwd + backward, "reference": ref, "total": gen + fwd + backward + ref}
+
+
+def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
+    """Measured GFLOP/s of a [rows, inner] @ [inner, cols] float32 product on this machine."""
+    import torch
+
+    a, b = torch.randn(rows, inner), torch.randn(cols, inner)
+    a @ b.T
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b.T
+    return 2 * rows * inner * cols * repeats / (time.perf_counter() - start) / 1e9
