@@ -194,3 +194,37 @@ def test_top_entropy_quantile_masks_low_entropy_tokens(tokenizer, addition_datas
     kept = trainer._entropy_mask(entropy, mask)
     # 7 valid tokens; the 0.75 quantile of their entropies is 0.75 (interpolated): keep 0.8 and 0.9 only
     assert kept.tolist() == [[False, True, False, False], [False, False, True, False]]
+
+
+def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(tokenizer, tmp_path):
+    """Groups with constant reward have advantage 0: skipping their rows must not change the gradient."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)],
+                            "flat": [i % 2 == 0 for i in range(16)]})
+
+    def half_flat(completions, flat, **kw):  # constant reward for "flat" prompts: zero-std groups
+        return [0.5 if f else len(c) / 10 for c, f in zip(completions, flat)]
+
+    grads = []
+    for skip in (True, False):
+        trainer = GRPOTrainer(variable_length_model(tokenizer), half_flat,
+                              tiny_config(tmp_path / str(skip), max_steps=1, per_device_train_batch_size=4,
+                                          gradient_accumulation_steps=4, max_completion_length=10,
+                                          loss_type="grpo"),
+                              train_dataset=ds, processing_class=tokenizer)
+        assert trainer.skip_zero_advantage_rows
+        trainer.skip_zero_advantage_rows = skip
+        seen = {}
+        step = trainer.optimizer.step
+
+        def capture(*a, _step=step, _seen=seen, _t=trainer, **k):
+            _seen.update({n: p.grad.clone() for n, p in _t.policy.named_parameters() if p.grad is not None})
+            return _step(*a, **k)
+
+        trainer.optimizer.step = capture
+        trainer.train()
+        grads.append(seen)
+        assert trainer.state.log_history[-1]["frac_reward_zero_std"] > 0
+    for name in grads[1]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name

@@ -42,7 +42,7 @@ def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
     sums = {k: accelerator.reduce(torch.stack([s[k].float() for s in stats]).sum().to(device), reduction="sum")
             for k in stats[0] if not k.endswith("_seq") and k != "loss"}
     tokens = max(float(sums.pop("tokens")), 1.0)
-    out = {"entropy": float(sums["entropy"]) / tokens}
+    out = {"entropy": float(sums["entropy"]) / max(float(sums.pop("entropy_tokens")), 1.0)}
     if beta != 0.0:
         out["kl"] = float(sums["kl"]) / tokens
     if "clip_low" in sums:

@@ -116,6 +116,9 @@ class GRPOTrainer:
                                       args.importance_sampling_level, args.max_completion_length)
         # Old log-probs are needed only when an optimizer step can land between sampling and training.
         self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        # A row with advantage 0 has zero gradient unless a KL term or an entropy quantile (which looks at
+        # every row) involves it: such rows skip the forward and backward.
+        self.skip_zero_advantage_rows = args.beta == 0.0 and args.top_entropy_quantile >= 1.0
         self.shuffle_rng = torch.Generator().manual_seed(args.seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -262,7 +265,18 @@ class GRPOTrainer:
         threshold = torch.quantile(values, 1.0 - q)
         return (entropy >= threshold) & mask
 
+    def _rows_with_gradient(self, mb: TrainingBatch) -> TrainingBatch:
+        """Drop rows whose advantage is 0 (their gradient is exactly 0); keep at least one row, so every
+        process still runs a backward and DDP's gradient synchronisation stays in step."""
+        keep = (mb.advantages != 0).nonzero().squeeze(1).cpu()
+        if len(keep) == len(mb):
+            return mb
+        return mb.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
+
     def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool) -> dict:
+        all_tokens = mb.loss_mask.sum()
+        if self.skip_zero_advantage_rows:
+            mb = self._rows_with_gradient(mb)
         r = mb.rollouts
         sync_ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
         with sync_ctx, self.accelerator.autocast():
@@ -273,8 +287,10 @@ class GRPOTrainer:
                                 entropy_mask=self._entropy_mask(entropy, mb.loss_mask))
             out = self.loss_fn(inputs, self.loss_params, norm)
             self.accelerator.backward(out.loss)
-        stats = dict(out.stats, loss=out.loss.detach(), entropy=(entropy * mb.loss_mask).sum())
-        return stats
+        # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
+        # the entropy is the mean over the tokens it was computed on
+        return dict(out.stats, tokens=all_tokens, loss=out.loss.detach(), entropy=(entropy * mb.loss_mask).sum(),
+                    entropy_tokens=mb.loss_mask.sum())
 
     def _optimizer_step(self) -> dict:
         micro = [self._next_micro_batch() for _ in range(self.args.gradient_accumulation_steps)]

@@ -49,6 +49,19 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
+    """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits."""
+    kwargs = {}
+    keep = logits_to_keep_kwarg(model)
+    if keep is not None:
+        kwargs[keep] = n_keep
+    if forward_accepts(model, "position_ids"):
+        kwargs["position_ids"] = positions_from_mask(attention_mask)
+    if forward_accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
     """Logits of the last `n_keep` positions.
 
@@ -60,31 +73,13 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Returns:
         [N, n_keep, V] logits.
     """
-    kwargs = {}
-    keep = logits_to_keep_kwarg(model)
-    if keep is not None:
-        kwargs[keep] = n_keep
-    if forward_accepts(model, "position_ids"):
-        kwargs["position_ids"] = positions_from_mask(attention_mask)
-    if forward_accepts(model, "use_cache"):
-        kwargs["use_cache"] = False
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   **_forward_kwargs(model, attention_mask, n_keep)).logits
     if logits.size(1) < n_keep:
+        keep = logits_to_keep_kwarg(model)
         raise RuntimeError(f"{type(unwrap(model)).__name__} returned logits for {logits.size(1)} positions when "
                            f"{n_keep} were asked for with {keep}: its forward does not honour that keyword.")
     return logits[:, -n_keep:]
-
-
-def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
-    kwargs = {}
-    keep = logits_to_keep_kwarg(model)
-    if keep is not None:
-        kwargs[keep] = n_keep
-    if forward_accepts(model, "position_ids"):
-        kwargs["position_ids"] = positions_from_mask(attention_mask)
-    if forward_accepts(model, "use_cache"):
-        kwargs["use_cache"] = False
-    return kwargs
 
 
 def output_layer(model) -> torch.nn.Linear | None:
