@@ -46,8 +46,10 @@ def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
     if beta != 0.0:
         out["kl"] = float(sums["kl"]) / tokens
     if "clip_low" in sums:
-        low = accelerator.gather(torch.cat([s["clip_low_seq"] for s in stats]).to(device))
-        high = accelerator.gather(torch.cat([s["clip_high_seq"] for s in stats]).to(device))
+        # per-sequence extremes: reduced locally first, since processes may hold different numbers of rows
+        # (zero-advantage rows are skipped), and gather needs the same shape everywhere
+        low = accelerator.gather(torch.cat([s["clip_low_seq"] for s in stats]).min().reshape(1).to(device))
+        high = accelerator.gather(torch.cat([s["clip_high_seq"] for s in stats]).max().reshape(1).to(device))
         out.update({"clip_ratio/low_mean": float(sums["clip_low"]) / tokens,
                     "clip_ratio/low_min": float(low.min()),
                     "clip_ratio/high_mean": float(sums["clip_high"]) / tokens,
