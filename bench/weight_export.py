@@ -47,9 +47,12 @@ def main():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.01)
-    own = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
-    fresh = sum(t.numel() * t.element_size() for _, t in export_weights(model)
-                if t.untyped_storage().data_ptr() not in own)
+    seen = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}  # the model's own storage
+    fresh = 0
+    for _, t in export_weights(model):
+        if t.untyped_storage().data_ptr() not in seen:  # a new allocation, counted once even if tied
+            seen.add(t.untyped_storage().data_ptr())
+            fresh += t.numel() * t.element_size()
     base_peak = rss_peak_mib()
 
     export_times, sync_times, count = [], [], 0
