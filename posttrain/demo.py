@@ -49,19 +49,36 @@ def demo_config(output_dir: str, max_steps: int, seed: int):
                       use_cpu=True)
 
 
-def greedy_answers(model, tokenizer, prompts: list[str]) -> list[str]:
-    """The model's most likely completion of each prompt (for the before/after table)."""
-    import torch
+def sampled_accuracy(trainer, prompts: list[str], samples: int = 16) -> list[tuple[float, str]]:
+    """For each prompt: the share of `samples` sampled completions that the reward scores correct,
+    and the most common answer, drawn with the trainer's own generator (what GRPO trains)."""
+    from collections import Counter
 
-    model.eval()
+    from posttrain.rewards.builtin import accuracy, extract_answer
+
     out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-            gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            out.append(tokenizer.decode(gen[0, ids.size(1):], skip_special_tokens=True))
-    model.train()
+    for prompt in prompts:
+        ids = trainer.tokenizer(prompt, add_special_tokens=False).input_ids
+        rollouts = trainer.generator.generate([ids] * samples)
+        texts = trainer.tokenizer.batch_decode(
+            [r[m].tolist() for r, m in zip(rollouts.completion_ids, rollouts.completion_mask)], skip_special_tokens=True)
+        correct = accuracy(texts, answer=[str(eval(prompt[:-1]))] * samples)
+        common = Counter(extract_answer(t) or "-" for t in texts).most_common(1)[0][0]
+        out.append((sum(correct) / samples, common))
     return out
+
+
+def _grid(results: list[tuple[float, str]], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("a \\ b")
+    for y in range(MAX_DIGIT + 1):
+        table.add_column(str(y), justify="right")
+    for x in range(MAX_DIGIT + 1):
+        row = results[x * (MAX_DIGIT + 1):(x + 1) * (MAX_DIGIT + 1)]
+        table.add_row(str(x), *(f"{share:.0%}" for share, _ in row))
+    return table
 
 
 def summarize(history: list[dict]) -> dict:
@@ -77,7 +94,6 @@ def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: in
     """Train the demo and print a before/after summary; returns the summary (also in metrics.jsonl)."""
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from posttrain.grpo.trainer import GRPOTrainer
 
@@ -86,31 +102,25 @@ def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: in
     path = demo_model_path()
     console.print(f"[bold]posttrain demo[/]: GRPO on '{MAX_DIGIT}+{MAX_DIGIT}'-style addition, tiny model at {path}")
     trainer = GRPOTrainer(path, "accuracy", demo_config(output_dir, max_steps, seed), train_dataset=demo_dataset())
-    probes = ["1+2=", "3+4=", "4+4=", "0+3="]
-    before = greedy_answers(trainer.policy, trainer.tokenizer, probes)
+    prompts = [f"{x}+{y}=" for x in range(MAX_DIGIT + 1) for y in range(MAX_DIGIT + 1)]
+    before = sampled_accuracy(trainer, prompts)
     start = time.perf_counter()
     trainer.train()
     summary = summarize(trainer.state.log_history)
     summary["train_seconds"] = round(time.perf_counter() - start, 1)
-    after = greedy_answers(trainer.policy, trainer.tokenizer, probes)
+    after = sampled_accuracy(trainer, prompts)
+    summary["sampled_accuracy_before"] = round(sum(share for share, _ in before) / len(before), 4)
+    summary["sampled_accuracy_after"] = round(sum(share for share, _ in after) / len(after), 4)
     if trainer.accelerator.is_main_process:
         trainer.logger.write({"summary": summary})
-        table = Table(title="Greedy answers before and after GRPO")
-        for col in ("prompt", "before", "after", "correct"):
-            table.add_column(col)
-        for p, b, a in zip(probes, before, after):
-            table.add_row(p, repr(b), repr(a), str(eval(p[:-1])))
-        console.print(table)
+        console.print(_grid(after, "Share of 16 sampled answers that are correct after GRPO (rows a, columns b of a+b)"))
+        console.print(f"sampled accuracy over all 25 prompts: before {summary['sampled_accuracy_before']:.0%}, "
+                      f"after {summary['sampled_accuracy_after']:.0%}")
         console.print(f"mean reward, first 10% of steps: {summary['reward_first_10pct']:.3f}   "
                       f"last 10%: {summary['reward_last_10pct']:.3f}   gain: {summary['reward_gain']:+.3f}   "
                       f"({summary['train_seconds']} s)")
         console.print(f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}   model: {output_dir}")
     return summary
-
-
-def main(argv=None):
-    run_demo(**(argv or {}))
-    return 0
 
 
 if __name__ == "__main__":

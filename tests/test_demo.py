@@ -8,6 +8,8 @@ def test_demo_learns(tmp_path, monkeypatch):
 
     summary = run_demo(str(tmp_path / "demo"), max_steps=1200, seed=0)
     assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.3
+    # judged afresh after training, on all 25 prompts, with samples the training never saw
+    assert summary["sampled_accuracy_after"] - summary["sampled_accuracy_before"] >= 0.3
     lines = [json.loads(line) for line in open(tmp_path / "demo" / "metrics.jsonl")]
     assert lines[-1]["summary"] == summary and len(lines) == 1201
     assert (tmp_path / "cache" / "demo-model-v1" / "model.safetensors").exists()
