@@ -13,7 +13,7 @@ import dataclasses
 import sys
 
 from posttrain._version import __version__
-from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build, coerce, field_help,
+from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build, field_help,
                                field_types, load_yaml, split_values, suggest)
 
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)

@@ -54,14 +54,13 @@ def sampled_accuracy(trainer, prompts: list[str], samples: int = 16) -> list[tup
     and the most common answer, drawn with the trainer's own generator (what GRPO trains)."""
     from collections import Counter
 
+    from posttrain.rewards import reward_inputs
     from posttrain.rewards.builtin import accuracy, extract_answer
 
     out = []
     for prompt in prompts:
         ids = trainer.tokenizer(prompt, add_special_tokens=False).input_ids
-        rollouts = trainer.generator.generate([ids] * samples)
-        texts = trainer.tokenizer.batch_decode(
-            [r[m].tolist() for r, m in zip(rollouts.completion_ids, rollouts.completion_mask)], skip_special_tokens=True)
+        _, texts, _ = reward_inputs(trainer.tokenizer, trainer.generator.generate([ids] * samples), False)
         correct = accuracy(texts, answer=[str(eval(prompt[:-1]))] * samples)
         common = Counter(extract_answer(t) or "-" for t in texts).most_common(1)[0][0]
         out.append((sum(correct) / samples, common))

@@ -67,3 +67,16 @@ def tiny_config(tmp_path, **overrides):
                   gradient_checkpointing=False, use_cpu=True, seed=0)
     values.update(overrides)
     return GRPOConfig(**values)
+
+
+def capture_gradients(trainer) -> list:
+    """Record, at every optimizer step, a copy of each parameter's gradient (one dict per step)."""
+    steps = []
+    step = trainer.optimizer.step
+
+    def capturing_step(*args, **kwargs):
+        steps.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capturing_step
+    return steps

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import capture_gradients, tiny_config
 
 from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
@@ -65,16 +65,9 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients(tokenizer, ad
                               tiny_config(tmp_path / str(checkpointing), max_steps=1,
                                           gradient_checkpointing=checkpointing), train_dataset=addition_dataset,
                               processing_class=tokenizer, peft_config=_lora_config())
-        step = trainer.optimizer.step
-        seen = {}
-
-        def capture(*a, _step=step, _seen=seen, _t=trainer, **k):
-            _seen.update({n: p.grad.clone() for n, p in _t.policy.named_parameters() if p.grad is not None})
-            return _step(*a, **k)
-
-        trainer.optimizer.step = capture
+        steps = capture_gradients(trainer)
         trainer.train()
-        grads.append(seen)
+        grads.append(steps[0])
     assert grads[0] and set(grads[0]) == set(grads[1])
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name

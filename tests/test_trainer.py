@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import length_reward, tiny_config, variable_length_model
+from conftest import capture_gradients, length_reward, tiny_config, variable_length_model
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
@@ -24,15 +24,7 @@ def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, mode
     if sgd:
         trainer.optimizer.optimizer = torch.optim.SGD(
             [p for p in trainer.policy.parameters() if p.requires_grad], lr=trainer.args.learning_rate)
-    grads = []
-    if capture:
-        step = trainer.optimizer.step
-
-        def capturing_step(*a, **k):
-            grads.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None})
-            return step(*a, **k)
-
-        trainer.optimizer.step = capturing_step
+    grads = capture_gradients(trainer) if capture else []
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     return trainer, params, grads
@@ -215,16 +207,9 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(tokenizer, tmp
                               train_dataset=ds, processing_class=tokenizer)
         assert trainer.skip_zero_advantage_rows
         trainer.skip_zero_advantage_rows = skip
-        seen = {}
-        step = trainer.optimizer.step
-
-        def capture(*a, _step=step, _seen=seen, _t=trainer, **k):
-            _seen.update({n: p.grad.clone() for n, p in _t.policy.named_parameters() if p.grad is not None})
-            return _step(*a, **k)
-
-        trainer.optimizer.step = capture
+        steps = capture_gradients(trainer)
         trainer.train()
-        grads.append(seen)
+        grads.append(steps[0])
         assert trainer.state.log_history[-1]["frac_reward_zero_std"] > 0
     for name in grads[1]:
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name

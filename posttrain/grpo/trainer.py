@@ -23,16 +23,18 @@ import torch
 from posttrain.configs import GRPOConfig
 from posttrain.data import PromptEncoder, PromptSource
 from posttrain.generation import make_generator
-from posttrain.grpo.advantages import group_advantages, nanmean, nanstd
+from posttrain.grpo.advantages import group_advantages
+from posttrain.grpo.evaluation import evaluate_rewards
 from posttrain.grpo.batch import TrainingBatch
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
 from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, reference_mode
-from posttrain.rewards import check_required_columns, resolve_reward_funcs, score
+from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
-from posttrain.weights import embeddings_still_tied, export_weights
+from posttrain.training.saving import append_completions, save_merged, save_policy
+from posttrain.weights import export_weights
 
 
 class TrainingError(RuntimeError):
@@ -202,11 +204,8 @@ class GRPOTrainer:
         self.generator.sync_weights(export_weights(self.model))
         rollouts = self.generator.generate(prompt_ids)
 
-        completion_ids = [ids[mask].tolist() for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask)]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [row["prompt"] for row in rows]
-        conversational = isinstance(prompts[0], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
         columns = {c: [row[c] for row in rows] for c in self.prompts.columns}
         local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
                               self.state.global_step + 1)
@@ -223,8 +222,9 @@ class GRPOTrainer:
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
                                  **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
                                                       self.accelerator.gather(rollouts.is_eos).cpu())}
-        if args.log_completions:
-            self._log_completions(prompts, texts, local_rewards)
+        if args.log_completions and self.accelerator.is_main_process:
+            append_completions(os.path.join(args.output_dir, "completions.jsonl"), self.state.global_step + 1,
+                               prompts, texts, local_rewards)
         return batch
 
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
@@ -361,67 +361,22 @@ class GRPOTrainer:
                 method(self.args, self.state, self.control, **kwargs)
 
     def save_model(self, output_dir: str) -> None:
-        """Save the model (safetensors), tokenizer and config to `output_dir`, from the main process."""
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            os.makedirs(output_dir, exist_ok=True)
-            self.policy.save_pretrained(output_dir, safe_serialization=True)
-            self.tokenizer.save_pretrained(output_dir)
-            import yaml
-
-            with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
-                yaml.safe_dump(self.args.to_dict(), f, sort_keys=False)
-        self.accelerator.wait_for_everyone()
+        """Save the model (or adapter), tokenizer and config to `output_dir`, from the main process."""
+        self._on_main(save_policy, self.policy, self.tokenizer, self.args.to_dict(), output_dir)
 
     def save_merged(self, output_dir: str) -> None:
         """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
+        self._on_main(save_merged, self.policy, self.tokenizer, output_dir)
+
+    def _on_main(self, fn, *args):
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            plain = self.policy.get_base_model() if is_peft_model(self.policy) else self.policy
-            state = dict(export_weights(self.policy))
-            tied = plain.config.tie_word_embeddings if hasattr(plain.config, "tie_word_embeddings") else None
-            if tied and not embeddings_still_tied(plain, state):
-                plain.config.tie_word_embeddings = False  # as merge_and_unload does; restored below
-            try:
-                plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
-            finally:
-                if tied is not None:
-                    plain.config.tie_word_embeddings = tied
-            self.tokenizer.save_pretrained(output_dir)
+            fn(*args)
         self.accelerator.wait_for_everyone()
-
-    def _log_completions(self, prompts, texts, rewards):
-        if not self.accelerator.is_main_process:
-            return
-        import json
-
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a") as f:
-            for p, t, r in zip(prompts, texts, rewards.tolist()):
-                f.write(json.dumps({"step": self.state.global_step + 1, "prompt": p, "completion": t,
-                                    "rewards": [None if math.isnan(x) else x for x in r]}) + "\n")
-
-    # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, eval_dataset=None) -> dict:
         """Sample G completions for every prompt of the eval dataset and return reward means (eval_*)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate).")
-        source = PromptSource(dataset, self.encoder, 1, shuffle=False, seed=self.args.seed)
-        G, all_rewards = self.args.num_generations, []
-        for _, prompt_round in zip(range(len(dataset)), source.rounds()):
-            row, ids = prompt_round.rows[0], prompt_round.prompt_ids[0]
-            rollouts = self.generator.generate([ids] * G)
-            cids = [i[m].tolist() for i, m in zip(rollouts.completion_ids, rollouts.completion_mask)]
-            texts = self.tokenizer.batch_decode(cids, skip_special_tokens=True)
-            comps = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(row["prompt"], list) else texts
-            columns = {c: [row[c]] * G for c in source.columns}
-            all_rewards.append(score(self.reward_funcs, [row["prompt"]] * G, comps, cids, columns, self.state,
-                                     self.state.global_step))
-        rewards = torch.cat(all_rewards)
-        total = (rewards * self.reward_weights).nansum(1)
-        out = {"eval_reward": float(nanmean(total)), "eval_reward_std": float(nanstd(total))}
-        for k, f in enumerate(self.reward_funcs):
-            out[f"eval_rewards/{f.name}/mean"] = float(nanmean(rewards[:, k]))
-        return out
+        return evaluate_rewards(self, dataset)

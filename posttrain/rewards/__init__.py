@@ -169,6 +169,17 @@ def _check_output(f: RewardFunction, values, n: int, step: int) -> list[float]:
     return out
 
 
+def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list, list]:
+    """What reward functions receive from rollouts: (completion_ids without padding, texts, completions).
+
+    Completions are the texts, or `[{"role": "assistant", "content": text}]` for conversational prompts.
+    """
+    completion_ids = [ids[mask].tolist() for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    return completion_ids, texts, completions
+
+
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], trainer_state: Any, step: int) -> torch.Tensor:
     """Call every reward function on N completions.

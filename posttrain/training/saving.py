@@ -1,0 +1,50 @@
+"""Writing models and logs to disk: the policy (or its adapter), merged LoRA weights, completions.
+
+Callers run these on the main process only.
+"""
+
+import json
+import math
+import os
+
+from posttrain.models.peft import is_peft_model
+from posttrain.weights import embeddings_still_tied, export_weights
+
+
+def save_policy(policy, tokenizer, config: dict, output_dir: str) -> None:
+    """The model, or a LoRA policy's adapter (safetensors), with the tokenizer and posttrain_config.yaml."""
+    import yaml
+
+    os.makedirs(output_dir, exist_ok=True)
+    policy.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+
+
+def save_merged(policy, tokenizer, output_dir: str) -> None:
+    """Full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged, plain names).
+
+    If the exported output layer no longer equals the input embedding (lm_head trained through
+    modules_to_save), the config is saved untied, as `merge_and_unload` does.
+    """
+    plain = policy.get_base_model() if is_peft_model(policy) else policy
+    state = dict(export_weights(policy))
+    tied = getattr(plain.config, "tie_word_embeddings", None)
+    if tied and not embeddings_still_tied(plain, state):
+        plain.config.tie_word_embeddings = False  # restored below: the training model stays as it was
+    try:
+        plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+    finally:
+        if tied is not None:
+            plain.config.tie_word_embeddings = tied
+    tokenizer.save_pretrained(output_dir)
+
+
+def append_completions(path: str, step: int, prompts: list, texts: list[str], rewards) -> None:
+    """One JSON line per completion: step, prompt, completion text, rewards (None where not applicable)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        for prompt, text, row in zip(prompts, texts, rewards.tolist()):
+            f.write(json.dumps({"step": step, "prompt": prompt, "completion": text,
+                                "rewards": [None if math.isnan(x) else x for x in row]}) + "\n")
