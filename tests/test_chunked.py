@@ -48,3 +48,17 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
 
     assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
     assert not fast_path_available(tiny_model(tokenizer, hidden=32, layers=1, model_class=SoftCapped))
+
+
+def test_float32_inside_bf16_autocast():
+    """Under bf16 autocast (what bf16=True turns on) the output layer still computes in float32."""
+    torch.manual_seed(0)
+    h = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    ids = torch.randint(0, 40, (6,))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logps, _ = chunked_token_logprobs(h, w, None, ids)
+    logps.sum().backward()
+    ref = (h @ w.T).log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+    assert logps.dtype == torch.float32 and torch.allclose(logps, ref, atol=1e-5)
+    assert w.grad.dtype == torch.float32

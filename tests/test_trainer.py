@@ -213,3 +213,11 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(tokenizer, tmp
         assert trainer.state.log_history[-1]["frac_reward_zero_std"] > 0
     for name in grads[1]:
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name
+
+
+def test_bf16_mixed_precision_trains(tokenizer, addition_dataset, tmp_path):
+    """bf16=True (the default on CUDA devices with bf16) runs the whole step under autocast; here on CPU."""
+    trainer, _, _ = _run(tokenizer, addition_dataset, tmp_path, max_steps=2, bf16=True, beta=0.04)
+    assert trainer.accelerator.mixed_precision == "bf16"
+    last = trainer.state.log_history[-1]
+    assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl", "entropy"))

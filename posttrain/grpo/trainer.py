@@ -59,6 +59,17 @@ class TrainerControl:
     should_training_stop: bool = False
 
 
+def _accelerator(cpu: bool, mixed_precision: str):
+    """An Accelerator; in a process that already made one with another precision (a notebook, a test run),
+    its process-wide state is reset first. The distributed state (process group) is kept."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+
+
 class GRPOTrainer:
     """Group Relative Policy Optimization, with TRL's GRPOTrainer signature.
 
@@ -77,13 +88,12 @@ class GRPOTrainer:
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, callbacks=None):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.args = args = args or GRPOConfig()
         if train_dataset is None:
             raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
-        self.accelerator = Accelerator(cpu=args.use_cpu, mixed_precision=self._mixed_precision())
+        self.accelerator = _accelerator(args.use_cpu, self._mixed_precision())
         set_seed(args.seed)
         self.callbacks = list(callbacks or [])
         self.state, self.control = TrainerState(), TrainerControl()

@@ -5,6 +5,8 @@ Forward: for each chunk of rows, logits = h W^T (+ b), divided by the temperatur
 log-sum-exp, the chosen token's log-prob and the entropy. Backward: recompute each chunk's logits,
 d logits = (onehot(id) - softmax) * g / T, then dh = d logits W and dW = d logits^T h.
 Peak extra memory is one chunk of logits (CHUNK_ELEMENTS floats) instead of rows x V.
+The arithmetic is float32 whatever the autocast context: under bf16 autocast the matmul would otherwise
+run in bf16 and the log-sum-exp over V entries would lose the precision log-probs need.
 """
 
 import torch
@@ -47,6 +49,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature, with_entropy):
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy)
+
+    @staticmethod
+    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy):
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
@@ -65,6 +72,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, _grad_entropy):
+        with torch.autocast(device_type=grad_logps.device.type, enabled=False):
+            return ChunkedTokenLogprobs._backward(ctx, grad_logps)
+
+    @staticmethod
+    def _backward(ctx, grad_logps):
         h, weight, bias, ids, lse_all = ctx.saved_tensors
         t = ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
