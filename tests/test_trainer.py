@@ -167,6 +167,7 @@ def test_evaluate_reports_rewards(tokenizer, addition_dataset, tmp_path):
     dict(multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
     dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
     dict(lr_scheduler_type="cosine", warmup_ratio=0.5, weight_decay=0.1, max_grad_norm=0.0),
+    dict(gradient_checkpointing=True, beta=0.04),
 ])
 def test_option_paths_train(tokenizer, addition_dataset, tmp_path, options):
     from posttrain.rewards.builtin import accuracy
@@ -221,3 +222,12 @@ def test_bf16_mixed_precision_trains(tokenizer, addition_dataset, tmp_path):
     assert trainer.accelerator.mixed_precision == "bf16"
     last = trainer.state.log_history[-1]
     assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl", "entropy"))
+
+
+def test_bfloat16_weights_train(tokenizer, addition_dataset, tmp_path):
+    """A model loaded in bfloat16 (model_init_kwargs dtype) trains; the output layer math is float32."""
+    model = tiny_model(tokenizer, hidden=32, layers=1).to(torch.bfloat16)
+    trainer, after, _ = _run(tokenizer, addition_dataset, tmp_path, model=model, max_steps=2, beta=0.04)
+    last = trainer.state.log_history[-1]
+    assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl"))
+    assert all(p.dtype == torch.bfloat16 for p in after.values())

@@ -18,10 +18,16 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
+def _float32(weight, bias):
+    """The output layer in float32, cast once per call (not once per chunk) when stored in another dtype."""
+    return weight.float(), (bias.float() if bias is not None else None)
+
+
 def _chunk_logits(h, weight, bias, temperature):
-    logits = h.float() @ weight.float().T
+    """[k, V] float32 logits of k rows; `weight` and `bias` are already float32."""
+    logits = h.float() @ weight.T
     if bias is not None:
-        logits += bias.float()
+        logits += bias
     if temperature != 1.0:
         logits /= temperature
     return logits
@@ -54,13 +60,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, h, weight, bias, ids, temperature, with_entropy):
+        w32, b32 = _float32(weight, bias)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
         step = _rows_per_chunk(weight.size(0))
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
-            logits = _chunk_logits(h[rows], weight, bias, temperature)  # [k, V]
+            logits = _chunk_logits(h[rows], w32, b32, temperature)  # [k, V]
             lse, chosen, ent = _chunk_stats(logits, ids[rows], with_entropy)
             lse_all[rows], logps[rows] = lse, chosen
             if ent is not None:
@@ -83,17 +90,18 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        w32, b32 = _float32(weight, bias)
         step = _rows_per_chunk(weight.size(0))
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
             g = grad_logps[rows].float()
             # d logp / d logits = onehot(id) - softmax; times g, and 1/T for the temperature scaling
-            d = _chunk_logits(h[rows], weight, bias, t).sub_(lse_all[rows, None]).exp_().mul_(-g[:, None])
+            d = _chunk_logits(h[rows], w32, b32, t).sub_(lse_all[rows, None]).exp_().mul_(-g[:, None])
             d.scatter_add_(-1, ids[rows, None], g[:, None])
             if t != 1.0:
                 d /= t
             if need_h:
-                grad_h[rows] = (d @ weight.float()).to(h.dtype)
+                grad_h[rows] = (d @ w32).to(h.dtype)
             if need_w:
                 grad_w.addmm_(d.T, h[rows].float())
             if need_b:
