@@ -58,6 +58,11 @@ class TrainingLoopConfig:
     save_strategy: str = _help("`steps` saves every `save_steps`; `no` saves only the final model.",
                                default="steps")
     save_steps: int = _help("Save a checkpoint every this many optimizer steps.", default=500)
+    save_total_limit: Optional[int] = _help(
+        "Keep at most this many checkpoints (the newest); None keeps all.", default=None)
+    resume_from_checkpoint: Optional[str] = _help(
+        "Resume from this checkpoint directory, or `true` for the newest complete one in output_dir.",
+        default=None)
     save_merged: bool = _help(
         "With LoRA, also write merged full weights to output_dir/merged (loadable with plain "
         "AutoModelForCausalLM.from_pretrained); the adapter is always saved.", default=False)

@@ -31,6 +31,8 @@ from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metr
 from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
 from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, reference_mode
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
+from posttrain.training.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.training.checkpoint import resolve as resolve_checkpoint
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.saving import append_completions, save_merged, save_policy
@@ -134,6 +136,7 @@ class GRPOTrainer:
         self.shuffle_rng = torch.Generator().manual_seed(args.seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
+        self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
         self._pending_metrics: dict = {}
 
     # ------------------------------------------------------------------ setup
@@ -208,6 +211,7 @@ class GRPOTrainer:
     def _generate_and_score(self) -> TrainingBatch:
         args, G = self.args, self.args.num_generations
         prompt_round = next(self._rounds)
+        self.rounds_consumed += 1
         self.state.epoch = prompt_round.epoch
         rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
         prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
@@ -327,11 +331,31 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self) -> TrainerState:
-        """Run `max_steps` optimizer steps (or `num_train_epochs`), then save the final model."""
+    def _resume(self, path: str) -> None:
+        """Restore everything a checkpoint holds and move the prompt stream to where it was."""
+        state = load_checkpoint(self, path)
+        self.state.global_step, self.state.epoch = state["global_step"], state["epoch"]
+        self.state.log_history = state["log_history"]
+        self._rounds = self.prompts.rounds()
+        for _ in range(state["rounds_consumed"]):
+            next(self._rounds)
+        self.rounds_consumed = state["rounds_consumed"]
+
+    def train(self, resume_from_checkpoint=None) -> TrainerState:
+        """Run `max_steps` optimizer steps (or `num_train_epochs`), then save the final model.
+
+        Args:
+            resume_from_checkpoint: a checkpoint directory, or True for the newest in output_dir; default
+                `args.resume_from_checkpoint`.
+        """
         args = self.args
+        path = resolve_checkpoint(resume_from_checkpoint if resume_from_checkpoint is not None
+                                  else args.resume_from_checkpoint, args.output_dir)
+        if path is not None:
+            self._resume(path)
         logger = MetricsLogger(args.output_dir, self.total_steps, args.logging_steps, args.report_to,
-                               enabled=self.accelerator.is_main_process, run_config=args.to_dict())
+                               enabled=self.accelerator.is_main_process, run_config=args.to_dict(),
+                               append=path is not None, start_step=self.state.global_step)
         self._callback("on_train_begin")
         try:
             while self.state.global_step < self.total_steps and not self.control.should_training_stop:
@@ -347,7 +371,7 @@ class GRPOTrainer:
                     self.state.log_history.append(record)
                     self._callback("on_log", logs=record)
                 if args.save_strategy == "steps" and self.state.global_step % args.save_steps == 0:
-                    self.save_model(os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}"))
+                    save_checkpoint(self, args.output_dir, args.save_total_limit)
                     self._callback("on_save")
         finally:
             logger.close()

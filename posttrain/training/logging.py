@@ -27,7 +27,7 @@ class MetricsLogger:
     SHOWN = ("reward", "loss", "kl")
 
     def __init__(self, output_dir: str, total_steps: int, logging_steps: int, report_to=(), enabled: bool = True,
-                 run_config: dict | None = None):
+                 run_config: dict | None = None, append: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.logging_steps = logging_steps
         self.total_steps = total_steps
@@ -41,13 +41,17 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        open(self.path, "w").close()
+        if append:  # resuming: keep the lines up to the checkpoint, drop any written after it
+            self._truncate_after(start_step)
+        else:
+            open(self.path, "w").close()
         for name in report_to:
             module = require(name, f"report_to={name}")
             module.init(project=os.environ.get("WANDB_PROJECT", "posttrain"), config=run_config)
             self.trackers.append(module)
         if sys.stderr.isatty():
             self._start_progress()
+            self.progress.update(self.task, completed=start_step)
 
     def _start_progress(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -56,6 +60,14 @@ class MetricsLogger:
                                  TextColumn("{task.description}"), transient=False)
         self.progress.start()
         self.task = self.progress.add_task("", total=self.total_steps)
+
+    def _truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
 
     def add(self, metrics: dict) -> None:
         for key, value in metrics.items():

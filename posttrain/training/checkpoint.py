@@ -1,0 +1,191 @@
+"""Checkpoints that resume to the same result: written atomically, loaded without pickle.
+
+A checkpoint directory `checkpoint-<step>` holds:
+    model.safetensors (or adapter_model.safetensors), tokenizer, posttrain_config.yaml   policy
+    optimizer.pt, scheduler.pt                                 state dicts, read with weights_only=True
+    rng_state_<rank>.pt                                        python, numpy, torch (+cuda), sampler, shuffle
+    buffer_<rank>.safetensors                                  micro-batches generated but not yet trained on
+    trainer_state.json                                         step, epoch, prompt rounds consumed, log history
+It is written to `checkpoint-<step>.tmp` and renamed into place once complete, so a run killed while
+saving leaves the previous checkpoint as it was. trainer_state.json is written last; a directory
+without it is not a checkpoint.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+
+import torch
+
+from posttrain.generation import Rollouts
+from posttrain.grpo.batch import TrainingBatch
+
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names it."""
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `output_dir`, oldest first, as (step, path)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _NAME.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.exists(os.path.join(path, STATE_FILE)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve(resume, output_dir: str) -> str | None:
+    """The checkpoint to resume from: a path, True for the newest in output_dir, or None/False for none."""
+    if resume in (None, False, "", "false", "False"):
+        return None
+    if resume is True or resume in ("true", "True"):
+        found = checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.")
+        return found[-1][1]
+    if not os.path.exists(os.path.join(resume, STATE_FILE)):
+        raise CheckpointError(f"{resume} is not a complete checkpoint (no {STATE_FILE}): pick another, or True "
+                              "for the newest complete one.")
+    return resume
+
+
+# ------------------------------------------------------------------ pieces of state
+
+
+def rng_state(generator_rng: torch.Generator, shuffle_rng: torch.Generator) -> dict:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state(), "sampler": generator_rng.get_state(), "shuffle": shuffle_rng.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, generator_rng: torch.Generator, shuffle_rng: torch.Generator) -> None:
+    import numpy as np
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    generator_rng.set_state(state["sampler"])
+    shuffle_rng.set_state(state["shuffle"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs")
+_BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps")
+
+
+def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:
+    """The buffered micro-batches as a flat name -> tensor dict for safetensors."""
+    out = {}
+    for i, mb in enumerate(buffer):
+        for name in _ROLLOUT_FIELDS:
+            out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
+        for name in _BATCH_FIELDS:
+            value = getattr(mb, name)
+            if value is not None:
+                out[f"{i}.{name}"] = value.contiguous().cpu()
+    return out
+
+
+def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[TrainingBatch]:
+    count = len({key.split(".")[0] for key in tensors})
+    buffer = []
+    for i in range(count):
+        get = lambda name: tensors[f"{i}.{name}"].to(device) if f"{i}.{name}" in tensors else None  # noqa: E731
+        rollouts = Rollouts(**{name: get(name) for name in _ROLLOUT_FIELDS})
+        buffer.append(TrainingBatch(rollouts, **{name: get(name) for name in _BATCH_FIELDS}))
+    return buffer
+
+
+# ------------------------------------------------------------------ writing and reading
+
+
+def _load_weights(model, state: dict) -> None:
+    """load_state_dict that tolerates only the keys save_pretrained drops for tied weights."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded = {model.get_parameter(k).data_ptr() for k in state if k in dict(model.named_parameters())}
+    untied = [k for k in missing if model.get_parameter(k).data_ptr() not in loaded]
+    if unexpected or untied:
+        raise KeyError(f"weights do not match the model (missing {untied}, unexpected {unexpected})")
+
+
+def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None) -> str:
+    """Write the trainer's full state to output_dir/checkpoint-<step>, atomically. Returns its path."""
+    from safetensors.torch import save_file
+
+    from posttrain.training.saving import save_policy
+
+    acc = trainer.accelerator
+    final = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
+    tmp = final + ".tmp"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_policy(trainer.policy, trainer.tokenizer, trainer.args.to_dict(), tmp)
+        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(trainer.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    acc.wait_for_everyone()
+    rank = acc.process_index
+    torch.save(rng_state(trainer.generator.rng, trainer.shuffle_rng), os.path.join(tmp, f"rng_state_{rank}.pt"))
+    save_file(buffer_tensors(trainer.buffer), os.path.join(tmp, f"buffer_{rank}.safetensors"))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+                 "rounds_consumed": trainer.rounds_consumed, "log_history": trainer.state.log_history,
+                 "num_processes": acc.num_processes}
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump(state, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if total_limit:
+            for _, old in checkpoints(output_dir)[:-total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(trainer, path: str) -> dict:
+    """Restore weights, optimizer, scheduler, RNG and buffer from `path`; returns its trainer_state.json."""
+    from safetensors.torch import load_file
+
+    from posttrain.models.peft import is_peft_model
+
+    with open(os.path.join(path, STATE_FILE)) as f:
+        state = json.load(f)
+    if state["num_processes"] != trainer.accelerator.num_processes:
+        raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
+                              f"{trainer.accelerator.num_processes}: resume with the same number.")
+    try:
+        if is_peft_model(trainer.policy):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:
+            _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
+        device = trainer.accelerator.device
+        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
+                                                     map_location=device))
+        trainer.scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+        rank = trainer.accelerator.process_index
+        set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
+                      trainer.generator.rng, trainer.shuffle_rng)
+        trainer.buffer = buffer_from_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise CheckpointError(f"Checkpoint {path} is incomplete or corrupt ({type(err).__name__}: {err}); "
+                              "resume from an earlier one.") from err
+    return state

@@ -1,0 +1,91 @@
+"""Resume gives bit-identical results; partial or corrupt checkpoints are never loaded."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import length_reward, tiny_config
+
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.testing import tiny_model
+from posttrain.training.checkpoint import CheckpointError, checkpoints
+
+
+class StopAt:
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def _trainer(tokenizer, dataset, out, peft_config=None, callbacks=None, **overrides):
+    values = dict(max_steps=4, save_strategy="steps", save_steps=2, beta=0.04, num_iterations=1)
+    values.update(overrides)
+    return GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward, tiny_config(out, **values),
+                       train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+                       callbacks=callbacks)
+
+
+def _params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+
+
+def _straight_vs_resumed(tokenizer, dataset, tmp_path, stop, peft_config=None, **overrides):
+    straight = _trainer(tokenizer, dataset, tmp_path / "a", peft_config, save_strategy="no", **overrides)
+    straight.train()
+    first = _trainer(tokenizer, dataset, tmp_path / "b", peft_config, callbacks=[StopAt(stop)], **overrides)
+    first.train()
+    assert first.state.global_step == stop
+    resumed = _trainer(tokenizer, dataset, tmp_path / "b", peft_config, **overrides)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == straight.state.global_step
+    a, b = _params(straight), _params(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    assert [r["step"] for r in resumed.state.log_history] == [r["step"] for r in straight.state.log_history]
+    return straight, resumed
+
+
+def test_resume_is_bit_exact_full_finetuning(tokenizer, addition_dataset, tmp_path):
+    _straight_vs_resumed(tokenizer, addition_dataset, tmp_path, stop=2)
+
+
+def test_resume_in_the_middle_of_a_generation_buffer(tokenizer, addition_dataset, tmp_path):
+    # 16 completions per generation, 8 per step: the checkpoint at step 1 holds half a generation batch
+    _, resumed = _straight_vs_resumed(tokenizer, addition_dataset, tmp_path, stop=1, save_steps=1,
+                                      generation_batch_size=16)
+    from safetensors.torch import load_file
+
+    buffered = load_file(tmp_path / "b" / "out" / "checkpoint-1" / "buffer_0.safetensors")
+    assert {key.split(".")[0] for key in buffered} == {"0"}  # one micro-batch was waiting to be trained on
+
+
+@pytest.mark.peft
+def test_resume_is_bit_exact_lora(tokenizer, addition_dataset, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    _straight_vs_resumed(tokenizer, addition_dataset, tmp_path, stop=2, peft_config=lora, learning_rate=1e-2)
+
+
+def test_partial_checkpoints_are_skipped_and_limit_kept(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, save_steps=1, save_total_limit=2)
+    trainer.train()
+    out = tmp_path / "out"
+    assert [step for step, _ in checkpoints(out)] == [3, 4]
+    # a save killed before its rename leaves only a .tmp directory; one killed mid-write lacks the state file
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-5.tmp")
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
+    os.remove(out / "checkpoint-6" / "trainer_state.json")
+    assert checkpoints(out)[-1][0] == 4
+    with pytest.raises(CheckpointError, match="checkpoint-6 is not a complete checkpoint"):
+        _trainer(tokenizer, addition_dataset, tmp_path, save_steps=1).train(str(out / "checkpoint-6"))
+
+
+def test_corrupt_checkpoint_is_reported_by_name(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2)
+    trainer.train()
+    os.remove(tmp_path / "out" / "checkpoint-2" / "optimizer.pt")
+    with pytest.raises(CheckpointError, match="checkpoint-2 is incomplete or corrupt"):
+        _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4).train(resume_from_checkpoint=True)
