@@ -89,3 +89,59 @@ def test_corrupt_checkpoint_is_reported_by_name(tokenizer, addition_dataset, tmp
     os.remove(tmp_path / "out" / "checkpoint-2" / "optimizer.pt")
     with pytest.raises(CheckpointError, match="checkpoint-2 is incomplete or corrupt"):
         _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+
+
+def test_resume_refuses_a_run_whose_batches_mean_something_else(tokenizer, addition_dataset, tmp_path):
+    _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2).train()
+    other = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, num_generations=2,
+                     per_device_train_batch_size=4)
+    with pytest.raises(CheckpointError, match=r"per_device_train_batch_size: checkpoint 8, now 4.*num_generations: "
+                                              r"checkpoint 4, now 2"):
+        other.train(resume_from_checkpoint=True)
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+import torch
+from conftest import length_reward, tiny_config
+from datasets import Dataset
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.testing import tiny_model, tiny_tokenizer
+import posttrain.training.checkpoint as ck
+
+where = sys.argv[2]
+if where == "before_rename":  # everything of checkpoint-2 written, killed before it is renamed into place
+    real = ck.os.replace
+    ck.os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL) if b.endswith("checkpoint-2") else real(a, b)
+else:  # killed while writing checkpoint-2's optimizer state
+    real_save = ck.torch.save
+    def save(obj, path):
+        if "checkpoint-2" in str(path) and str(path).endswith("optimizer.pt"):
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, path)
+    ck.torch.save = save
+tok = tiny_tokenizer()
+ds = Dataset.from_dict({{"prompt": [f"{{a}}+{{b}}=" for a in range(4) for b in range(4)]}})
+cfg = tiny_config(Path(sys.argv[1]), max_steps=4, save_strategy="steps", save_steps=1, beta=0.04)
+GRPOTrainer(tiny_model(tok, hidden=32, layers=1), length_reward, cfg, train_dataset=ds, processing_class=tok).train()
+"""
+
+
+@pytest.mark.parametrize("where", ["before_rename", "mid_write"])
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tokenizer, addition_dataset, tmp_path, where):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(tests=tests), str(tmp_path), where],
+                         capture_output=True, text=True)
+    assert out.returncode == -9, out.stderr[-2000:]  # killed by SIGKILL during the save of checkpoint-2
+    assert [step for step, _ in checkpoints(tmp_path / "out")] == [1]
+    assert (tmp_path / "out" / "checkpoint-2.tmp").exists()
+    resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, save_steps=1)
+    resumed.train(resume_from_checkpoint=True)  # picks checkpoint-1, the newest complete one
+    assert resumed.state.global_step == 4 and [s for s, _ in checkpoints(tmp_path / "out")][-1] == 4

@@ -23,6 +23,10 @@ from posttrain.generation import Rollouts
 from posttrain.grpo.batch import TrainingBatch
 
 STATE_FILE = "trainer_state.json"
+# Fields whose change makes the saved optimizer state, buffer or data position mean something else.
+MEANING_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                  "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
+                  "seed", "shuffle_dataset")
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -116,6 +120,17 @@ def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[Traini
 # ------------------------------------------------------------------ writing and reading
 
 
+def run_identity(trainer) -> dict:
+    """What must match between a checkpoint and the run resuming from it: the model and the batch layout."""
+    config = trainer.policy.config
+    identity = {k: getattr(trainer.args, k) for k in MEANING_FIELDS}
+    identity.update(model=getattr(config, "_name_or_path", ""), architecture=(config.architectures or [""])[0]
+                    if getattr(config, "architectures", None) else type(trainer.policy).__name__,
+                    vocab_size=config.vocab_size, hidden_size=getattr(config, "hidden_size", None),
+                    peft=type(trainer.policy).__name__ if hasattr(trainer.policy, "peft_config") else None)
+    return identity
+
+
 def _load_weights(model, state: dict) -> None:
     """load_state_dict that tolerates only the keys save_pretrained drops for tied weights."""
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -147,7 +162,7 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None) ->
     if acc.is_main_process:
         state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
                  "rounds_consumed": trainer.rounds_consumed, "log_history": trainer.state.log_history,
-                 "num_processes": acc.num_processes}
+                 "num_processes": acc.num_processes, "identity": run_identity(trainer)}
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
@@ -167,6 +182,12 @@ def load_checkpoint(trainer, path: str) -> dict:
 
     with open(os.path.join(path, STATE_FILE)) as f:
         state = json.load(f)
+    changed = {k: (v, run_identity(trainer).get(k)) for k, v in state.get("identity", {}).items()
+               if run_identity(trainer).get(k) != v}
+    if changed:
+        listing = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise CheckpointError(f"Cannot resume from {path}: the run differs in what its state means ({listing}). "
+                              "Use the checkpoint's values, or start a new run.")
     if state["num_processes"] != trainer.accelerator.num_processes:
         raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
                               f"{trainer.accelerator.num_processes}: resume with the same number.")
