@@ -2,6 +2,8 @@
 
 import importlib
 
+from posttrain.errors import UserError
+
 INSTALL_HINTS = {
     "peft": "pip install 'posttrain[peft]'",
     "vllm": "pip install 'posttrain[vllm]'",
@@ -11,7 +13,7 @@ INSTALL_HINTS = {
 }
 
 
-class MissingDependency(ImportError):
+class MissingDependency(UserError, ImportError):
     """An optional package a feature needs is not installed."""
 
 

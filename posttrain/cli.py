@@ -129,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not _is_user_error(err):
             raise
+        cause = err.__cause__
+        if cause is not None and not _is_user_error(cause) and not isinstance(cause, (OSError, ImportError)):
+            # an exception from user code (e.g. inside a reward function): its traceback is the useful part
+            import traceback
+
+            traceback.print_exception(cause, file=sys.stderr)
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -136,15 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_user_error(err: Exception) -> bool:
     """Errors a user can cause and fix: reported as one sentence, without a traceback."""
-    from posttrain._optional import MissingDependency
-    from posttrain.data import DataError
-    from posttrain.models.loading import ModelLoadError
+    from posttrain.errors import UserError
 
-    user_errors = [ConfigError, DataError, ModelLoadError, MissingDependency]
-    for module, name in (("posttrain.rewards", "RewardError"), ("posttrain.grpo.trainer", "TrainingError")):
-        if module in sys.modules:
-            user_errors.append(getattr(sys.modules[module], name))
-    return isinstance(err, tuple(user_errors))
+    return isinstance(err, UserError)
 
 
 if __name__ == "__main__":

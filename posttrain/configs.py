@@ -16,8 +16,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from posttrain.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value that cannot work; the message names the field and a valid choice."""
 
 

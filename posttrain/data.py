@@ -11,11 +11,13 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
+from posttrain.errors import UserError
+
 VALID_ROLES = {"system", "user", "assistant", "tool", "developer"}
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset that cannot be trained on; the message says what to change."""
 
 

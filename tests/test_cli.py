@@ -89,3 +89,20 @@ def test_two_processes_ddp_on_cpu(tmp_path, tiny_model_dir):
         # the logged reward is the mean over both processes' completions: rewards were gathered
         assert abs(records[step]["reward"] - sum(everyone) / len(everyone)) < 1e-5
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_reward_errors_are_reported_with_the_user_traceback(tmp_path, tiny_model_dir):
+    (tmp_path / "bad_rewards.py").write_text("def broken(completions, **kw):\n    return 1 / 0\n")
+    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
+              "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "4",
+              "--max_steps", "1", "--gradient_checkpointing", "false", "--use_cpu", "true",
+              "--output_dir", str(tmp_path / "out")]
+    env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path), TESTS]))
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", "--reward_funcs", "acuracy", *common],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "Did you mean accuracy?" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", "--reward_funcs", "bad_rewards.broken",
+                          *common], capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert "return 1 / 0" in out.stderr  # the user's own traceback
+    assert "posttrain: error: Reward function 'broken' raised ZeroDivisionError at step 1" in out.stderr

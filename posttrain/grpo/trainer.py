@@ -22,6 +22,7 @@ import torch
 
 from posttrain.configs import GRPOConfig
 from posttrain.data import PromptEncoder, PromptSource
+from posttrain.errors import UserError
 from posttrain.generation import make_generator
 from posttrain.grpo.advantages import group_advantages
 from posttrain.grpo.evaluation import evaluate_rewards
@@ -39,7 +40,7 @@ from posttrain.training.saving import append_completions, save_merged, save_poli
 from posttrain.weights import export_weights
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
 
 

@@ -3,13 +3,15 @@
 import logging
 import os
 
+from posttrain.errors import UserError
+
 logger = logging.getLogger("posttrain")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A model or tokenizer that cannot be loaded as asked."""
 
 

@@ -12,17 +12,20 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from posttrain.configs import ConfigError, suggest
+from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
 
 CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state"}
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the step."""
 
 
@@ -56,13 +59,17 @@ def _load_reward_model(source, trust_remote_code: bool) -> RewardFunction:
     from posttrain.models.loading import ModelLoadError, load_tokenizer
 
     if isinstance(source, str):
+        if "/" not in source and not os.path.isdir(source):  # neither a local directory nor an org/name hub id
+            raise ConfigError(
+                f"Reward {source!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), an importable dotted path, a "
+                f"local reward-model directory or a hub id (org/name).{suggest(source, BUILTIN_NAMES)}")
         try:
             model = AutoModelForSequenceClassification.from_pretrained(
                 source, num_labels=1, trust_remote_code=trust_remote_code)
         except OSError as err:
-            raise ValueError(
-                f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
-                f"dotted path, nor a loadable reward model: {err}") from err
+            raise ConfigError(
+                f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable dotted "
+                f"path, nor a loadable reward model.{suggest(source, BUILTIN_NAMES)}") from err
         name = source
     else:
         model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
@@ -80,7 +87,7 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False) -> list
     """Turn callables, built-in names, dotted paths, model paths or loaded models into RewardFunctions."""
     specs = specs if isinstance(specs, (list, tuple)) else [specs]
     if not specs:
-        raise ValueError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
+        raise ConfigError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
     funcs = []
     for spec in specs:
         if isinstance(spec, str):

@@ -19,6 +19,7 @@ import shutil
 
 import torch
 
+from posttrain.errors import UserError
 from posttrain.generation import Rollouts
 from posttrain.grpo.batch import TrainingBatch
 
@@ -30,7 +31,7 @@ MEANING_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be resumed from; the message names it."""
 
 
