@@ -145,3 +145,29 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tokenizer, addition_
     resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, save_steps=1)
     resumed.train(resume_from_checkpoint=True)  # picks checkpoint-1, the newest complete one
     assert resumed.state.global_step == 4 and [s for s, _ in checkpoints(tmp_path / "out")][-1] == 4
+
+
+def test_non_finite_loss_stops_before_the_update_and_saves_the_last_good_state(tokenizer, addition_dataset, tmp_path):
+    from posttrain.grpo.trainer import TrainingError
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4)
+    good_loss = trainer.loss_fn
+
+    def poisoned(inputs, params, norm):  # a loss that goes NaN at the third optimizer step
+        out = good_loss(inputs, params, norm)
+        if trainer.state.global_step == 2:
+            return type(out)(out.loss * float("nan"), out.stats)
+        return out
+
+    trainer.loss_fn = poisoned
+    with pytest.raises(TrainingError, match=r"Step 3: loss is nan; the update was not applied and the last good "
+                                            r"state is saved in .*emergency-checkpoint-2"):
+        trainer.train()
+    saved = _params(trainer)
+    assert all(torch.isfinite(p).all() for p in saved.values())
+    emergency = tmp_path / "out" / "emergency-checkpoint-2"
+    assert (emergency / "trainer_state.json").exists()
+    assert [step for step, _ in checkpoints(tmp_path / "out")] == [2]  # `true` would not pick the emergency one
+    resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(emergency))
+    assert resumed.state.global_step == 4

@@ -116,3 +116,13 @@ def test_dotted_path_and_reward_model(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "rm")
     m = _score([str(tmp_path / "rm")], ["one", "two words"])
     assert m.shape == (2, 1) and torch.isfinite(m).all() and m[0, 0] != m[1, 0]
+
+
+def test_reward_that_always_returns_none_is_reported(caplog):
+    def never(completions, **kw):
+        return [None] * len(completions)
+
+    with caplog.at_level("WARNING", logger="posttrain"):
+        m = _score([never, "length"], ["a", "b"])
+    assert torch.isnan(m[:, 0]).all()
+    assert "Reward function 'never' returned None for all 2 completions at step 3" in caplog.text

@@ -316,8 +316,10 @@ class GRPOTrainer:
         loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if not math.isfinite(value):
-                raise TrainingError(f"Step {step}: {name} is {value}; the update was not applied. Lower the "
-                                    "learning_rate or check the rewards.")
+                self.optimizer.zero_grad(set_to_none=True)
+                path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
+                raise TrainingError(f"Step {step}: {name} is {value}; the update was not applied and the last good "
+                                    f"state is saved in {path}. Lower the learning_rate or check the rewards.")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

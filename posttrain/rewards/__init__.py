@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import os
@@ -22,6 +23,7 @@ from posttrain.configs import ConfigError, suggest
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
 
+logger = logging.getLogger("posttrain")
 CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state"}
 
 
@@ -221,4 +223,8 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
                                   f"{out}") from out
             results[k] = out
     matrix = [_check_output(funcs[k], results[k], n, step) for k in range(len(funcs))]
+    for f, values in zip(funcs, matrix):
+        if all(math.isnan(v) for v in values):
+            logger.warning("Reward function %r returned None for all %d completions at step %d: it adds nothing to "
+                           "training. Check that the dataset has the columns it reads.", f.name, n, step)
     return torch.tensor(matrix, dtype=torch.float32).T.reshape(n, len(funcs))

@@ -141,14 +141,17 @@ def _load_weights(model, state: dict) -> None:
         raise KeyError(f"weights do not match the model (missing {untied}, unexpected {unexpected})")
 
 
-def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None) -> str:
-    """Write the trainer's full state to output_dir/checkpoint-<step>, atomically. Returns its path."""
+def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, prefix: str = "checkpoint") -> str:
+    """Write the trainer's full state to output_dir/<prefix>-<step>, atomically. Returns its path.
+
+    prefix="emergency-checkpoint" writes one that `resume_from_checkpoint=True` does not pick by itself.
+    """
     from safetensors.torch import save_file
 
     from posttrain.training.saving import save_policy
 
     acc = trainer.accelerator
-    final = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
+    final = os.path.join(output_dir, f"{prefix}-{trainer.state.global_step}")
     tmp = final + ".tmp"
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
