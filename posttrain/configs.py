@@ -150,6 +150,9 @@ class GRPOObjectiveConfig:
     top_entropy_quantile: float = _help(
         "Train only on the tokens whose entropy is in this top fraction of the micro-batch; 1.0 trains on all.",
         default=1.0)
+    on_bad_reward: str = _help(
+        "What a NaN or inf reward does: stop (the run, naming the function and step) or skip (its whole group "
+        "gets advantage 0; counted in rewards/skipped_groups).", default="stop")
     log_completions: bool = _help(
         "Append the prompts, completions and rewards of each logging step to output_dir/completions.jsonl.",
         default=False)
@@ -187,6 +190,7 @@ class GRPOConfig(TrainingLoopConfig, SamplingConfig, GRPOObjectiveConfig):
         _check_choice(self, "importance_sampling_level", IS_LEVELS)
         _check_choice(self, "lr_scheduler_type", SCHEDULERS)
         _check_choice(self, "save_strategy", ("steps", "no"))
+        _check_choice(self, "on_bad_reward", ("stop", "skip"))
         self.report_to = _trackers(self.report_to)
         if self.num_generations < 2:
             raise ConfigError(

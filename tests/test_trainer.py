@@ -231,3 +231,23 @@ def test_bfloat16_weights_train(tokenizer, addition_dataset, tmp_path):
     last = trainer.state.log_history[-1]
     assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl"))
     assert all(p.dtype == torch.bfloat16 for p in after.values())
+
+
+def test_on_bad_reward_skip_zeroes_the_group_and_counts_it(tokenizer, addition_dataset, tmp_path):
+    calls = []
+
+    def sometimes_inf(completions, **kw):
+        calls.append(1)
+        out = [len(c) / 10 for c in completions]
+        out[1] = float("inf")  # one completion of the first group
+        return out
+
+    trainer = GRPOTrainer(variable_length_model(tokenizer), sometimes_inf,
+                          tiny_config(tmp_path, max_steps=2, on_bad_reward="skip"), train_dataset=addition_dataset,
+                          processing_class=tokenizer)
+    batch = trainer._generate_and_score()
+    assert batch.advantages[:4].tolist() == [0.0] * 4 and batch.advantages[4:].abs().sum() > 0
+    assert trainer._pending_metrics["rewards/skipped_groups"] == 1
+    with pytest.raises(RewardError, match="returned inf for completion 1 at step 1.*on_bad_reward=skip"):
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), sometimes_inf, tiny_config(tmp_path / "stop"),
+                    train_dataset=addition_dataset, processing_class=tokenizer).train()

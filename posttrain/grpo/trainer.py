@@ -222,9 +222,11 @@ class GRPOTrainer:
         prompts = [row["prompt"] for row in rows]
         completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
         columns = {c: [row[c] for row in rows] for c in self.prompts.columns}
+        bad_rows = [] if args.on_bad_reward == "skip" else None
         local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
-                              self.state.global_step + 1)
+                              self.state.global_step + 1, bad_rows)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
+        skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
         adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
         local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
 
@@ -235,12 +237,28 @@ class GRPOTrainer:
                               old_logps=self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None,
                               ref_logps=self._reference_logps(rollouts))
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
+                                 **({"rewards/skipped_groups": skipped} if bad_rows is not None else {}),
                                  **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
                                                       self.accelerator.gather(rollouts.is_eos).cpu())}
         if args.log_completions and self.accelerator.is_main_process:
             append_completions(os.path.join(args.output_dir, "completions.jsonl"), self.state.global_step + 1,
                                prompts, texts, local_rewards)
         return batch
+
+    def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, n_local: int) -> int:
+        """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.
+
+        Args:
+            rewards: [B*G, F] gathered rewards.
+            bad_rows: local indices of completions with a non-finite reward.
+        Returns:
+            The number of groups skipped, across processes.
+        """
+        bad = torch.zeros(n_local, dtype=torch.bool, device=self.accelerator.device)
+        bad[bad_rows] = True
+        bad_groups = self.accelerator.gather(bad).cpu().view(-1, self.args.num_generations).any(1)  # [B]
+        rewards[bad_groups.repeat_interleave(self.args.num_generations)] = float("nan")
+        return int(bad_groups.sum())
 
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
         logps = []

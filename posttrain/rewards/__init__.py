@@ -152,7 +152,7 @@ def _model_scores(f: RewardFunction, prompts, completions) -> list[float]:
     return logits[:, 0].float().tolist()
 
 
-def _check_output(f: RewardFunction, values, n: int, step: int) -> list[float]:
+def _check_output(f: RewardFunction, values, n: int, step: int, bad_rows: list | None) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     try:
@@ -169,8 +169,13 @@ def _check_output(f: RewardFunction, values, n: int, step: int) -> list[float]:
             out.append(math.nan)
         elif isinstance(v, numbers.Real):
             if not math.isfinite(float(v)):
-                raise RewardError(f"Reward function {f.name!r} returned {v} for completion {i} at step {step}: "
-                                  "rewards must be finite (return None for 'not applicable').")
+                if bad_rows is None:
+                    raise RewardError(f"Reward function {f.name!r} returned {v} for completion {i} at step {step}: "
+                                      "rewards must be finite (return None for 'not applicable', or set "
+                                      "on_bad_reward=skip to skip such groups).")
+                bad_rows.append(i)
+                out.append(math.nan)
+                continue
             out.append(float(v))
         else:
             raise RewardError(f"Reward function {f.name!r} returned {v!r} ({type(v).__name__}) for completion "
@@ -190,13 +195,15 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
 
 
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], trainer_state: Any, step: int) -> torch.Tensor:
+          columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None) -> torch.Tensor:
     """Call every reward function on N completions.
 
     Args:
         prompts, completions: N prompts and completions (strings, or message lists if conversational).
         completion_ids: N token-id lists without padding.
         columns: other dataset columns, each a list of N values.
+        bad_rows: None to stop on a NaN/inf reward; a list to skip instead: such values become NaN and the
+            completion's index is appended to the list.
     Returns:
         [N, F] float32 rewards, NaN where a function returned None.
     """
@@ -222,7 +229,7 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
                 raise RewardError(f"Reward function {funcs[k].name!r} raised {type(out).__name__} at step {step}: "
                                   f"{out}") from out
             results[k] = out
-    matrix = [_check_output(funcs[k], results[k], n, step) for k in range(len(funcs))]
+    matrix = [_check_output(funcs[k], results[k], n, step, bad_rows) for k in range(len(funcs))]
     for f, values in zip(funcs, matrix):
         if all(math.isnan(v) for v in values):
             logger.warning("Reward function %r returned None for all %d completions at step %d: it adds nothing to "
