@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Run TRL's anchor (../shared/bench/trl_grpo.py) and bench/grpo_step.py on the four rows of
-# ../shared/bench/README.md, one after the other in one session; print a JSON line per run.
-#   TRL_PY=/tmp/trl-venv/bin/python PT_PY=python3 bash bench/compare.sh /tmp/bench-models
+# ../shared/bench/README.md, alternating TRL and posttrain REPEATS times per row in one session; print a
+# JSON line per run (take the medians).
+#   REPEATS=3 TRL_PY=/tmp/trl-venv/bin/python PT_PY=python3 bash bench/compare.sh /tmp/bench-models
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 shared=${SHARED:-$here/../../shared/bench}
 models=${1:-/tmp/bench-models}
 TRL_PY=${TRL_PY:-/tmp/trl-venv/bin/python}
 PT_PY=${PT_PY:-python3}
+REPEATS=${REPEATS:-1}
 mkdir -p "$models"
 [ -d "$models/default" ] || $PT_PY "$shared/make_tiny.py" "$models/default" >/dev/null
 [ -d "$models/v65k" ] || $PT_PY "$shared/make_tiny.py" "$models/v65k" --model-vocab 65536 >/dev/null
@@ -20,9 +22,11 @@ rows=(
 )
 for row in "${rows[@]}"; do
   model=${row%%|*}; flags=${row#*|}
-  for side in trl posttrain; do
-    if [ $side = trl ]; then out=$($TRL_PY "$shared/trl_grpo.py" "$models/$model" $flags 2>/dev/null | tail -n 1)
-    else out=$($PT_PY "$here/grpo_step.py" "$models/$model" $flags 2>/dev/null | tail -n 1); fi
-    echo "{\"model\": \"$model\", \"flags\": \"$flags\", \"result\": $out}"
+  for rep in $(seq "$REPEATS"); do
+    for side in trl posttrain; do
+      if [ $side = trl ]; then out=$($TRL_PY "$shared/trl_grpo.py" "$models/$model" $flags 2>/dev/null | tail -n 1)
+      else out=$($PT_PY "$here/grpo_step.py" "$models/$model" $flags 2>/dev/null | tail -n 1); fi
+      echo "{\"model\": \"$model\", \"flags\": \"$flags\", \"rep\": $rep, \"result\": $out}"
+    done
   done
 done

@@ -54,7 +54,7 @@ def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOCon
     parser = build_parser()
     args, unknown = parser.parse_known_args(["grpo", *argv])
     if unknown:
-        flag = next(u for u in unknown if u.startswith("--")) if any(u.startswith("--") for u in unknown) else unknown[0]
+        flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         known = [n for cls in CONFIG_CLASSES for n in field_types(cls)]
         raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known)}")
     values = load_yaml(args.config) if args.config else {}

@@ -228,9 +228,10 @@ class GRPOConfig(TrainingLoopConfig, SamplingConfig, GRPOObjectiveConfig):
             raise ConfigError(
                 "steps_per_generation and generation_batch_size both set: they say the same thing, keep one.")
         if self.generation_batch_size is None:
-            spg = self.steps_per_generation or self.gradient_accumulation_steps
-            _check_positive(self, "steps_per_generation") if self.steps_per_generation else None
-            self.steps_per_generation = spg
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            _check_positive(self, "steps_per_generation")
+            spg = self.steps_per_generation
             self.generation_batch_size = per_step * spg
         else:
             if self.generation_batch_size <= 0 or self.generation_batch_size % per_step:

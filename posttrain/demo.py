@@ -49,6 +49,11 @@ def demo_config(output_dir: str, max_steps: int, seed: int):
                       use_cpu=True)
 
 
+def _sum_of(prompt: str) -> int:
+    """The answer to a demo prompt "a+b=": a + b."""
+    return sum(int(x) for x in prompt.rstrip("=").split("+"))
+
+
 def sampled_accuracy(trainer, prompts: list[str], samples: int = 16) -> list[tuple[float, str]]:
     """For each prompt: the share of `samples` sampled completions that the reward scores correct,
     and the most common answer, drawn with the trainer's own generator (what GRPO trains)."""
@@ -61,7 +66,7 @@ def sampled_accuracy(trainer, prompts: list[str], samples: int = 16) -> list[tup
     for prompt in prompts:
         ids = trainer.tokenizer(prompt, add_special_tokens=False).input_ids
         _, texts, _ = reward_inputs(trainer.tokenizer, trainer.generator.generate([ids] * samples), False)
-        correct = accuracy(texts, answer=[str(eval(prompt[:-1]))] * samples)
+        correct = accuracy(texts, answer=[str(_sum_of(prompt))] * samples)
         common = Counter(extract_answer(t) or "-" for t in texts).most_common(1)[0][0]
         out.append((sum(correct) / samples, common))
     return out

@@ -10,6 +10,8 @@ from typing import Iterable, Protocol
 
 import torch
 
+from posttrain.configs import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,13 +42,13 @@ class SamplingParams:
             if key == "do_sample" and value:
                 continue  # we always sample
             if key not in cls.KWARG_ALIASES:
-                raise ValueError(
+                raise ConfigError(
                     f"generation_kwargs key {key!r} is not supported by the transformers generator: use one of "
                     f"{', '.join(sorted(cls.KWARG_ALIASES))} (or the matching config field).")
             overrides[cls.KWARG_ALIASES[key]] = value
         params = replace(params, **overrides)
         if params.min_new_tokens > params.max_new_tokens:
-            raise ValueError(f"min_new_tokens={params.min_new_tokens} exceeds max_completion_length="
+            raise ConfigError(f"min_new_tokens={params.min_new_tokens} exceeds max_completion_length="
                              f"{params.max_new_tokens}: lower it or raise max_completion_length.")
         return params
 

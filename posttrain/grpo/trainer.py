@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.configs import GRPOConfig
-from posttrain.data import PromptEncoder, PromptSource
+from posttrain.configs import ConfigError, GRPOConfig
+from posttrain.data import DataError, PromptEncoder, PromptSource
 from posttrain.errors import UserError
 from posttrain.generation import make_generator
 from posttrain.grpo.advantages import group_advantages
@@ -95,7 +95,7 @@ class GRPOTrainer:
 
         self.args = args = args or GRPOConfig()
         if train_dataset is None:
-            raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+            raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         self.accelerator = _accelerator(args.use_cpu, self._mixed_precision())
         set_seed(args.seed)
         self.callbacks = list(callbacks or [])
@@ -181,7 +181,7 @@ class GRPOTrainer:
         if weights is None:
             return torch.ones(len(self.reward_funcs))
         if len(weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
+            raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
                              "functions: give one weight per function.")
         return torch.tensor([float(w) for w in weights])
 
@@ -191,7 +191,7 @@ class GRPOTrainer:
             return args.max_steps
         rounds = self.prompts.rounds_per_epoch
         if rounds is None:
-            raise ValueError("With an IterableDataset the length of training is unknown: set max_steps.")
+            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
         micro = rounds * args.num_train_epochs * args.steps_per_generation * args.num_iterations
         return max(1, math.ceil(micro / args.gradient_accumulation_steps))
 

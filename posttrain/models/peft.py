@@ -9,6 +9,7 @@ The reference model of a LoRA run is the policy itself, so no second copy of the
 import contextlib
 
 from posttrain._optional import require
+from posttrain.configs import ConfigError
 
 REFERENCE_ADAPTER = "reference"
 
@@ -22,7 +23,7 @@ def apply_peft(model, peft_config):
     """Wrap `model` with adapters from `peft_config`; a model that already is a PeftModel is kept as it is."""
     peft = require("peft", "Training LoRA adapters (peft_config / --use_peft)")
     if is_peft_model(model):
-        raise ValueError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
+        raise ConfigError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
     return peft.get_peft_model(model, peft_config)
 
 

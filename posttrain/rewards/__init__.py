@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.configs import ConfigError, suggest
+from posttrain.data import DataError
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
 
@@ -78,7 +79,7 @@ def _load_reward_model(source, trust_remote_code: bool) -> RewardFunction:
     try:
         tokenizer = load_tokenizer(AutoTokenizer.from_pretrained(model.config._name_or_path))
     except (OSError, ModelLoadError) as err:
-        raise ValueError(f"Could not load the tokenizer of reward model {name!r}: {err}") from err
+        raise ModelLoadError(f"Could not load the tokenizer of reward model {name!r}: {err}") from err
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval().requires_grad_(False)
@@ -101,7 +102,7 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False) -> list
         elif callable(spec):
             funcs.append(RewardFunction(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
         else:
-            raise ValueError(f"Reward function {spec!r} is not a callable, a name, or a model.")
+            raise ConfigError(f"Reward function {spec!r} is not a callable, a name, or a model.")
     _dedupe_names(funcs)
     return funcs
 
@@ -124,7 +125,7 @@ def check_required_columns(funcs: list[RewardFunction], columns) -> None:
             required = param.default is inspect.Parameter.empty and param.kind in (
                 inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
             if required and name not in CONVENTION_ARGS and name not in columns:
-                raise ValueError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
+                raise DataError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
                                  f"no {name!r} column (columns: {', '.join(sorted(columns))}).")
 
 
