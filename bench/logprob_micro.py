@@ -3,6 +3,8 @@
 Usage: python bench/logprob_micro.py [--rows 16] [--tokens 128] [--hidden 128] [--vocab 151936] [--threads 2]
 naive:   logits = h W^T ([rows, tokens, V]), log_softmax, gather, backward
 chunked: posttrain.models.chunked.chunked_token_logprobs (row chunks, recomputed in backward)
+predicted: the same with the loss gradient predicted (here: 1 per token, what the backward receives), so the
+           output layer's gradient is computed in the forward and the backward recomputes nothing
 Each variant runs in its own process; prints one JSON line with seconds (forward + backward, median of 3),
 the extra peak RSS over the inputs, the size of the full [rows, tokens, V] float32 logits for scale, and the
 largest difference between the two (log-probs and weight gradient).
@@ -15,6 +17,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+VARIANTS = ("naive", "chunked", "predicted")
 
 
 def run_variant(args) -> dict:
@@ -36,7 +41,8 @@ def run_variant(args) -> dict:
         else:
             from posttrain.models.chunked import chunked_token_logprobs
 
-            logps, _ = chunked_token_logprobs(h, w, None, ids, 1.0, with_entropy=False)
+            predict = (lambda rows, lp: torch.ones_like(lp)) if args.variant == "predicted" else None
+            logps, _ = chunked_token_logprobs(h, w, None, ids, 1.0, with_entropy=False, predict_grad=predict)
         logps.sum().backward()
         times.append(time.perf_counter() - start)
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
@@ -51,7 +57,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variant", choices=["naive", "chunked"])
+    ap.add_argument("--variant", choices=VARIANTS)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.variant:
@@ -64,15 +70,17 @@ def main():
     result = {"shape": [args.rows, args.tokens, args.vocab],
               "full_logits_mib": round(args.rows * args.tokens * args.vocab * 4 / 2**20, 1)}
     files = {}
-    for variant in ("naive", "chunked"):
+    for variant in VARIANTS:
         files[variant] = tempfile.mktemp(suffix=".pt")
         cmd = [sys.executable, __file__, "--variant", variant, "--out", files[variant]] + \
               [f"--{k}={getattr(args, k)}" for k in ("rows", "tokens", "hidden", "vocab", "threads")]
         result[variant] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    a, b = (torch.load(files[v], weights_only=True) for v in ("naive", "chunked"))
-    result["max_abs_diff_logps"] = float((a["logps"] - b["logps"]).abs().max())
-    result["max_abs_diff_grad_w"] = float((a["grad_w"] - b["grad_w"]).abs().max())
-    result["speedup"] = round(result["naive"]["seconds"] / result["chunked"]["seconds"], 2)
+    naive = torch.load(files["naive"], weights_only=True)
+    for variant in VARIANTS[1:]:
+        other = torch.load(files[variant], weights_only=True)
+        result[variant]["max_abs_diff_logps"] = float((naive["logps"] - other["logps"]).abs().max())
+        result[variant]["max_abs_diff_grad_w"] = float((naive["grad_w"] - other["grad_w"]).abs().max())
+        result[variant]["speedup_vs_naive"] = round(result["naive"]["seconds"] / result[variant]["seconds"], 2)
     print(json.dumps(result))
 
 

@@ -54,6 +54,24 @@ def variable_length_model(tokenizer, **kwargs):
     return tiny_model(tokenizer, model_class=VariableLength, **{"hidden": 32, "layers": 1, **kwargs})
 
 
+def variable_length_fast_model(tokenizer, **kwargs):
+    """Like `variable_length_model`, but the EOS push is a bias of a plain `nn.Linear` output layer, so the model
+    takes the chunked log-prob path (models/logprobs.py) rather than the logits path."""
+    import torch
+
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer, **{"hidden": 32, "layers": 1, **kwargs})
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 3.0
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    return model
+
+
 def length_reward(completions, **kwargs):
     """A deterministic reward with spread: longer completions score higher."""
     return [len(c) / 10.0 for c in completions]

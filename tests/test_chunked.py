@@ -8,8 +8,18 @@ from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.logprobs import fast_path_available
 
 
+def _prediction(kind: str, g: torch.Tensor):
+    """predict_grad for the test's upstream gradient g: none, right, wrong in some rows, or wrong everywhere."""
+    if kind == "none":
+        return None
+    guess = {"right": g, "partly": torch.where(torch.arange(len(g)) % 3 == 0, g + 1.0, g), "wrong": -2 * g}[kind]
+    return lambda rows, logps: guess[rows]
+
+
+@pytest.mark.parametrize("prediction", ["none", "right", "partly", "wrong"])
 @pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
-def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias):
+def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias, prediction):
+    """Values and gradients equal the reference with or without a predicted gradient, right or wrong."""
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 50)  # 3 rows per chunk: several chunks, a ragged last one
     torch.manual_seed(0)
     h = torch.randn(10, 16, requires_grad=True)
@@ -17,7 +27,7 @@ def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias):
     b = torch.randn(50, requires_grad=True) if with_bias else None
     ids = torch.randint(0, 50, (10,))
     g = torch.randn(10)
-    logps, entropy = chunked_token_logprobs(h, w, b, ids, temperature)
+    logps, entropy = chunked_token_logprobs(h, w, b, ids, temperature, predict_grad=_prediction(prediction, g))
     (logps * g).sum().backward()
     got = [h.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
     for t in [h, w] + ([b] if with_bias else []):
@@ -48,6 +58,27 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
 
     assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
     assert not fast_path_available(tiny_model(tokenizer, hidden=32, layers=1, model_class=SoftCapped))
+
+
+def test_right_prediction_recomputes_nothing(monkeypatch):
+    """With the gradient predicted right the backward recomputes no logits; a row predicted wrong is recomputed."""
+    recomputed = []
+    original = chunked._recompute_into
+    monkeypatch.setattr(chunked, "_recompute_into",
+                        lambda grads, h, w, b, ids, lse, g, rows, t: recomputed.append(rows.numel()) or
+                        original(grads, h, w, b, ids, lse, g, rows, t))
+    torch.manual_seed(0)
+    h = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    ids = torch.randint(0, 40, (8,))
+    g = torch.randn(8)
+    logps, _ = chunked_token_logprobs(h, w, None, ids, predict_grad=lambda rows, lp: g[rows])
+    (logps * g).sum().backward()
+    g_wrong = g.clone()
+    g_wrong[5] += 1.0
+    logps, _ = chunked_token_logprobs(h, w, None, ids, predict_grad=lambda rows, lp: g_wrong[rows])
+    (logps * g).sum().backward()
+    assert recomputed == [0, 1]
 
 
 def test_float32_inside_bf16_autocast():

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import capture_gradients, length_reward, tiny_config, variable_length_model
+from conftest import capture_gradients, length_reward, tiny_config, variable_length_fast_model, variable_length_model
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
@@ -251,3 +251,46 @@ def test_on_bad_reward_skip_zeroes_the_group_and_counts_it(tokenizer, addition_d
     with pytest.raises(RewardError, match="returned inf for completion 1 at step 1.*on_bad_reward=skip"):
         GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), sometimes_inf, tiny_config(tmp_path / "stop"),
                     train_dataset=addition_dataset, processing_class=tokenizer).train()
+
+
+@pytest.mark.parametrize("options", [
+    dict(loss_type="grpo"), dict(loss_type="bnpo", beta=0.04), dict(loss_type="dr_grpo"),
+    dict(loss_type="dapo", beta=0.04, num_iterations=2), dict(loss_type="cispo", beta=0.04),
+    dict(loss_type="dapo", delta=1.5, epsilon_high=0.28, num_iterations=2),
+    dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+    dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
+    dict(loss_type="dapo", top_entropy_quantile=0.5),
+])
+def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, addition_dataset, tmp_path,
+                                                                   monkeypatch, options):
+    """The output layer's gradient computed in the forward from the predicted loss gradient (models/chunked.py)
+    equals the plain recomputing backward, and where the loss is token-local nothing is recomputed."""
+    from posttrain.models import chunked
+    from posttrain.models.logprobs import fast_path_available
+
+    recomputed = []
+    original = chunked._recompute_into
+    monkeypatch.setattr(chunked, "_recompute_into", lambda *a: recomputed.append(a[7].numel()) or original(*a))
+    runs = []
+    for predict in (True, False):
+        model = variable_length_fast_model(tokenizer)
+        assert fast_path_available(model)
+        trainer = GRPOTrainer(model, length_reward, tiny_config(tmp_path / str(predict), max_completion_length=10,
+                                                                **options),
+                              train_dataset=addition_dataset, processing_class=tokenizer)
+        if not predict:
+            monkeypatch.setattr(trainer, "_loss_gradient", lambda mb, norm: None)
+        trainer.optimizer.optimizer = torch.optim.SGD(
+            [p for p in trainer.policy.parameters() if p.requires_grad], lr=trainer.args.learning_rate)
+        steps = capture_gradients(trainer)
+        recomputed.clear()
+        trainer.train()
+        token_local = options.get("top_entropy_quantile", 1.0) == 1.0 and not (
+            options.get("importance_sampling_level") == "sequence" and options.get("num_iterations", 1) > 1)
+        assert recomputed and (sum(recomputed) == 0) == (predict and token_local), recomputed
+        runs.append(steps)
+    lengths = trainer.state.log_history[0]
+    assert lengths["completions/min_length"] < lengths["completions/max_length"]
+    for step_a, step_b in zip(*runs):
+        for name in step_b:
+            assert torch.allclose(step_a[name], step_b[name], rtol=1e-4, atol=1e-7), name

@@ -101,12 +101,13 @@ class GRPOTrainer:
         self.callbacks = list(callbacks or [])
         self.state, self.control = TrainerState(), TrainerControl()
 
+        trust_remote_code = bool((args.model_init_kwargs or {}).get("trust_remote_code", False))
         model = load_causal_lm(model, args.model_init_kwargs)
-        self.tokenizer = load_tokenizer(processing_class or model.config._name_or_path)
+        self.tokenizer = load_tokenizer(processing_class or model.config._name_or_path, trust_remote_code)
         came_with_adapter = is_peft_model(model)
         model = self._prepare_model(model, peft_config)
         self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, trust_remote_code)
         self.reward_weights = self._reward_weights()
         for f in self.reward_funcs:
             if f.model is not None:
@@ -216,6 +217,7 @@ class GRPOTrainer:
         self.state.epoch = prompt_round.epoch
         rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
         prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
+        prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
         self.generator.sync_weights(export_weights(self.model))
         rollouts = self.generator.generate(prompt_ids)
 
@@ -224,7 +226,7 @@ class GRPOTrainer:
         columns = {c: [row[c] for row in rows] for c in self.prompts.columns}
         bad_rows = [] if args.on_bad_reward == "skip" else None
         local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
-                              self.state.global_step + 1, bad_rows)
+                              self.state.global_step + 1, bad_rows, prompt_indices)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
         adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
@@ -306,6 +308,25 @@ class GRPOTrainer:
             return mb
         return mb.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
 
+    def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer):
+        """[b, C] log-probs -> d loss / d log-probs, when each token's loss term depends on its own log-prob only.
+
+        It lets the output layer's gradient be computed during the forward (models/chunked.py). Not so with an
+        entropy quantile (it looks at every token) or a sequence-level ratio to stored old log-probs.
+        """
+        if self.args.top_entropy_quantile < 1.0 or (
+                mb.old_logps is not None and self.args.importance_sampling_level == "sequence"):
+            return None
+
+        def gradient(logps: torch.Tensor) -> torch.Tensor:
+            x = logps.detach().requires_grad_()
+            with torch.enable_grad():
+                out = self.loss_fn(LossInputs(logps=x, old_logps=mb.old_logps, ref_logps=mb.ref_logps,
+                                              advantages=mb.advantages, mask=mb.loss_mask), self.loss_params, norm)
+                return torch.autograd.grad(out.loss, x)[0]
+
+        return gradient
+
     def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool) -> dict:
         all_tokens = mb.loss_mask.sum()
         if self.skip_zero_advantage_rows:
@@ -314,7 +335,8 @@ class GRPOTrainer:
         sync_ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
         with sync_ctx, self.accelerator.autocast():
             logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                            r.completion_mask, self.args.temperature, with_entropy=True)
+                                            r.completion_mask, self.args.temperature, with_entropy=True,
+                                            loss_gradient=self._loss_gradient(mb, norm))
             inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps,
                                 advantages=mb.advantages, mask=mb.loss_mask,
                                 entropy_mask=self._entropy_mask(entropy, mb.loss_mask))

@@ -5,13 +5,27 @@ Forward: for each chunk of rows, logits = h W^T (+ b), divided by the temperatur
 log-sum-exp, the chosen token's log-prob and the entropy. Backward: recompute each chunk's logits,
 d logits = (onehot(id) - softmax) * g / T, then dh = d logits W and dW = d logits^T h.
 Peak extra memory is one chunk of logits (CHUNK_ELEMENTS floats) instead of rows x V.
+
+Predicted gradient: when the caller can say, at forward time, what the gradient of the loss with
+respect to each log-prob will be (`predict_grad`; GRPO's token-level losses can, since each token's
+term depends on its own log-prob only), the forward also computes dh and dW from each chunk's logits
+while they are in memory, and the backward has no logits to recompute: three products over V per
+chunk instead of four. The backward compares the gradient it receives with the prediction, and rows
+where they differ get the difference through the recomputing path, so the result is exact whatever
+the prediction (gradients are linear in g).
+
 The arithmetic is float32 whatever the autocast context: under bf16 autocast the matmul would otherwise
 run in bf16 and the log-sum-exp over V entries would lose the precision log-probs need.
 """
 
+from typing import Callable
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 logits per chunk: big enough for the matmul to run near peak
+
+# (row slice, log-probs of those rows [k]) -> predicted d loss / d log-prob of those rows [k]
+GradPredictor = Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -34,7 +48,10 @@ def _chunk_logits(h, weight, bias, temperature):
 
 
 def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
-    """(log-sum-exp [k], chosen log-prob [k], entropy [k] or None) of [k, V] logits, which it overwrites."""
+    """Statistics of [k, V] logits, which it overwrites with exp(logits - max).
+
+    Returns (log-sum-exp [k], chosen log-prob [k], entropy [k] or None, exp(logits - max) [k, V], its row sums [k]).
+    """
     chosen = logits.gather(-1, ids[:, None]).squeeze(-1)
     top = logits.amax(-1, keepdim=True)  # amax: max() also computes indices, 20x slower here
     shifted = logits.sub_(top)
@@ -43,37 +60,77 @@ def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
         weights = shifted.exp()
         z = weights.sum(-1)
         entropy = z.log() - torch.linalg.vecdot(weights, shifted) / z  # log Z - E_p[shifted logits]
-        log_z = z.log()
     else:
-        log_z = shifted.exp_().sum(-1).log()
-    lse = top.squeeze(-1) + log_z
-    return lse, chosen - lse, entropy
+        weights = shifted.exp_()
+        z = weights.sum(-1)
+    lse = top.squeeze(-1) + z.log()
+    return lse, chosen - lse, entropy, weights, z
+
+
+class _Grads:
+    """Gradients of (h, weight, bias) accumulated chunk by chunk from d logits."""
+
+    def __init__(self, h, weight, bias, needs):
+        need_h, need_w, need_b = needs[0], needs[1], bias is not None and needs[2]
+        self.h = torch.zeros_like(h) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        self.b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+
+    def add(self, rows, d_logits, h_rows, w32):
+        """Accumulate one chunk: `rows` indexes h (a slice or an index tensor), d_logits is [k, V] float32."""
+        if self.h is not None:
+            self.h[rows] += (d_logits @ w32).to(self.h.dtype)
+        if self.w is not None:
+            self.w.addmm_(d_logits.T, h_rows.float())
+        if self.b is not None:
+            self.b += d_logits.sum(0)
+
+    def result(self, weight, bias):
+        return (self.h, self.w.to(weight.dtype) if self.w is not None else None,
+                self.b.to(bias.dtype) if self.b is not None else None)
+
+
+def _d_logits(probs: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, temperature: float) -> torch.Tensor:
+    """d loss / d logits = (onehot(id) - softmax) * g / T, from [k, V] softmax probabilities (overwritten)."""
+    d = probs.mul_(-g[:, None])
+    d.scatter_add_(-1, ids[:, None], g[:, None])
+    if temperature != 1.0:
+        d /= temperature
+    return d
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy) -> (logps [M], entropy [M])."""
+    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad)
+    -> (logps [M], entropy [M])."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, temperature, with_entropy):
+    def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad):
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy)
+            return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy):
+    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad):
         w32, b32 = _float32(weight, bias)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
+        predicted = torch.zeros_like(logps) if predict_grad is not None else None
+        grads = _Grads(h, weight, bias, ctx.needs_input_grad) if predict_grad is not None else None
         step = _rows_per_chunk(weight.size(0))
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
             logits = _chunk_logits(h[rows], w32, b32, temperature)  # [k, V]
-            lse, chosen, ent = _chunk_stats(logits, ids[rows], with_entropy)
+            lse, chosen, ent, weights, z = _chunk_stats(logits, ids[rows], with_entropy)
             lse_all[rows], logps[rows] = lse, chosen
             if ent is not None:
                 entropy[rows] = ent
-        ctx.save_for_backward(h, weight, bias, ids, lse_all)
+            if grads is not None:
+                g = predict_grad(rows, chosen).float()
+                predicted[rows] = g
+                grads.add(rows, _d_logits(weights.div_(z[:, None]), ids[rows], g, temperature), h[rows], w32)
+        ctx.save_for_backward(h, weight, bias, ids, lse_all, predicted)
         ctx.temperature = temperature
+        ctx.grads = grads
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -84,34 +141,35 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logps):
-        h, weight, bias, ids, lse_all = ctx.saved_tensors
-        t = ctx.temperature
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        w32, b32 = _float32(weight, bias)
-        step = _rows_per_chunk(weight.size(0))
-        for start in range(0, h.size(0), step):
-            rows = slice(start, start + step)
-            g = grad_logps[rows].float()
-            # d logp / d logits = onehot(id) - softmax; times g, and 1/T for the temperature scaling
-            d = _chunk_logits(h[rows], w32, b32, t).sub_(lse_all[rows, None]).exp_().mul_(-g[:, None])
-            d.scatter_add_(-1, ids[rows, None], g[:, None])
-            if t != 1.0:
-                d /= t
-            if need_h:
-                grad_h[rows] = (d @ w32).to(h.dtype)
-            if need_w:
-                grad_w.addmm_(d.T, h[rows].float())
-            if need_b:
-                grad_b += d.sum(0)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None)
+        h, weight, bias, ids, lse_all, predicted = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        grad_logps = grad_logps.float()
+        if grads is None:
+            grads = _Grads(h, weight, bias, ctx.needs_input_grad)
+            rows = torch.arange(h.size(0), device=h.device)
+        else:  # only what the prediction missed
+            grad_logps = grad_logps - predicted
+            rows = grad_logps.nonzero().squeeze(1)
+        _recompute_into(grads, h, weight, bias, ids, lse_all, grad_logps, rows, ctx.temperature)
+        return (*grads.result(weight, bias), None, None, None, None)
+
+
+def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, rows: torch.Tensor, temperature):
+    """Add the gradient of sum(grad_logps * logps) over `rows` (indices into h) to `grads`, recomputing logits."""
+    if rows.numel() == 0:
+        return
+    w32, b32 = _float32(weight, bias)
+    step = _rows_per_chunk(weight.size(0))
+    for start in range(0, rows.numel(), step):
+        idx = rows[start:start + step]
+        h_rows = h[idx]
+        probs = _chunk_logits(h_rows, w32, b32, temperature).sub_(lse_all[idx, None]).exp_()
+        grads.add(idx, _d_logits(probs, ids[idx], grad_logps[idx], temperature), h_rows, w32)
 
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                           temperature: float = 1.0, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           temperature: float = 1.0, with_entropy: bool = True,
+                           predict_grad: GradPredictor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
 
     Args:
@@ -119,7 +177,10 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         weight: [V, H] output layer weight; bias: [V] or None.
         ids: [M] token ids whose log-prob is wanted.
         with_entropy: also compute the entropy (one more pass over each chunk); zeros otherwise.
+        predict_grad: optional (row slice, log-probs of those rows) -> the d loss / d log-prob that the backward
+            is expected to receive for them. A right prediction saves recomputing the logits in the backward; a
+            wrong one costs a recompute of the rows it got wrong, never correctness.
     Returns:
         (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, no gradient).
     """
-    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy)
+    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy, predict_grad)

@@ -17,6 +17,7 @@ it, as Qwen2 did on transformers 4.48), slicing when more came back.
 
 import functools
 import inspect
+from typing import Callable
 
 import torch
 
@@ -126,7 +127,8 @@ def _check_fast_path(plain) -> bool:
 
 
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                   completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
+                   completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                   loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
 
     Args:
@@ -134,6 +136,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
         completion_ids, completion_mask: [N, C] right-padded completions and their mask.
         temperature: the sampling temperature; the policy being trained is softmax(logits / temperature).
         with_entropy: also return the per-token entropy (no gradient).
+        loss_gradient: optional [N, C] log-probs -> [N, C] d loss / d log-probs, for a loss in which each token's
+            term depends on its own log-prob only (it is called with other tokens' entries set to 0). On the fast
+            path it lets the output layer's gradient be computed in the forward (see models/chunked.py).
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -142,18 +147,34 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     if fast_path_available(model):
         return _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
-                                 with_entropy)
+                                 with_entropy, loss_gradient)
     return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy)
 
 
+def _row_predictor(loss_gradient, mask: torch.Tensor):
+    """A chunk-level gradient predictor (models/chunked.py) from a [N, C] -> [N, C] loss gradient: the chunk's
+    rows are the masked positions of [N, C] in row-major order."""
+    if loss_gradient is None:
+        return None
+    positions = mask.reshape(-1).nonzero().squeeze(1)  # flat index of each masked row
+
+    def predict(rows: slice, logps: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(mask.shape, dtype=torch.float32, device=logps.device)
+        full.view(-1)[positions[rows]] = logps
+        grad = loss_gradient(full).reshape(-1)[positions[rows]]
+        return torch.where(torch.isfinite(grad), grad, 0.0)  # a non-finite guess becomes 0: recomputed if wrong
+
+    return predict
+
+
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
-                      with_entropy):
+                      with_entropy, loss_gradient=None):
     n = completion_ids.size(1)
     hidden = _final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
     layer = output_layer(model)
     mask = completion_mask.bool()
     logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],
-                                            temperature, with_entropy)
+                                            temperature, with_entropy, _row_predictor(loss_gradient, mask))
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
     full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
     if not with_entropy:
