@@ -13,8 +13,8 @@ import dataclasses
 import sys
 
 from posttrain._version import __version__
-from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build, field_help,
-                               field_types, load_yaml, split_values, suggest)
+from posttrain.configs import (UNKNOWN_HINT, ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build,
+                               field_help, field_types, load_yaml, split_values, suggest)
 
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
 
@@ -56,7 +56,7 @@ def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOCon
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         known = [n for cls in CONFIG_CLASSES for n in field_types(cls)]
-        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known)}")
+        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, UNKNOWN_HINT)}")
     values = load_yaml(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     values.update(flags)

@@ -11,6 +11,7 @@ The fields are grouped into small dataclasses (training loop, sampling, GRPO obj
 import dataclasses
 import difflib
 import json
+import numbers
 import os
 import typing
 from dataclasses import dataclass, field
@@ -180,6 +181,7 @@ class GRPOConfig(TrainingLoopConfig, SamplingConfig, GRPOObjectiveConfig):
 
     def __post_init__(self):
         self._coerce_aliases()
+        _check_types(self)
         _check_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps",
                         "max_completion_length", "num_iterations", "logging_steps", "save_steps")
         if self.max_prompt_length is not None:
@@ -315,6 +317,27 @@ class LoraArguments:
 # --------------------------------------------------------------------------------------------
 
 
+_TYPE_HINTS = {int: "a whole number", float: "a number", bool: "true or false", dict: "a mapping (JSON object)",
+               list: "a list", str: "a string"}
+
+
+def _invalid(name: str, value, base) -> ConfigError:
+    hint = _TYPE_HINTS.get(base, getattr(base, "__name__", str(base)))
+    return ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}: use {hint}.")
+
+
+def _check_types(cfg) -> None:
+    """Numbers and flags set from Python must have their field's type (YAML and flags are converted by `coerce`)."""
+    for name, tp in field_types(type(cfg)).items():
+        value, base = getattr(cfg, name), _base_type(tp)
+        if value is None or base not in (int, float, bool):
+            continue
+        if isinstance(value, bool) != (base is bool):
+            raise _invalid(name, value, base)
+        if not isinstance(value, numbers.Integral if base is int else numbers.Real):
+            raise _invalid(name, value, base)
+
+
 def _check_positive(cfg, *names):
     for name in names:
         value = getattr(cfg, name)
@@ -369,7 +392,7 @@ def coerce(name: str, tp, value):
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional or base is type(None):
             return None
-        raise ConfigError(f"{name} cannot be None.")
+        raise ConfigError(f"{name} cannot be None: give a value, or leave it out for the default.")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -398,12 +421,16 @@ def coerce(name: str, tp, value):
             return value if isinstance(value, str) else str(value)
     except (ValueError, TypeError, json.JSONDecodeError):
         pass
-    raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}.")
+    raise _invalid(name, value, base)
 
 
-def suggest(name: str, known) -> str:
+UNKNOWN_HINT = " `posttrain grpo --help` and docs/config.md list every field."
+
+
+def suggest(name: str, known, otherwise: str = "") -> str:
+    """' Did you mean <closest>?' for a misspelled name, else `otherwise`."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" Did you mean {close[0]}?" if close else ""
+    return f" Did you mean {close[0]}?" if close else otherwise
 
 
 def build(cls, values: dict, extra_known=()):
@@ -411,7 +438,7 @@ def build(cls, values: dict, extra_known=()):
     types = field_types(cls)
     for key in values:
         if key not in types and key not in extra_known:
-            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, list(types) + list(extra_known))}")
+            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, list(types) + list(extra_known), UNKNOWN_HINT)}")
     kwargs = {k: coerce(k, types[k], v) for k, v in values.items() if k in types}
     return cls(**kwargs)
 
@@ -434,7 +461,7 @@ def split_values(values: dict, *classes) -> list:
     every = set().union(*names)
     for key in values:
         if key not in every:
-            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every)}")
+            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every, UNKNOWN_HINT)}")
     return [{k: v for k, v in values.items() if k in n} for n in names]
 
 

@@ -79,8 +79,10 @@ class PromptEncoder:
         if not is_conversational(prompt):
             return prompt
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise DataError("Conversational prompts need a chat template, and this tokenizer has none: set "
-                            "tokenizer.chat_template or use plain-string prompts.")
+            name = getattr(self.tokenizer, "name_or_path", "")
+            whose = f"the tokenizer of {name!r}" if name else "this tokenizer"
+            raise DataError(f"Conversational prompts need a chat template, and {whose} has none: use a model with "
+                            "one (e.g. an -Instruct model), set tokenizer.chat_template, or use plain-string prompts.")
         return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                                   **self.chat_template_kwargs)
 
@@ -108,6 +110,7 @@ class PromptRound:
     rows: list[dict]
     prompt_ids: list[list[int]]
     epoch: float
+    indices: list[int]  # each row's position in the dataset (in reading order for an iterable dataset)
 
 
 class PromptSource:
@@ -170,7 +173,8 @@ class PromptSource:
             for r in range(self.rounds_per_epoch):
                 idx = order[r * self.per_round:(r + 1) * self.per_round]
                 rows = [self.dataset[i] for i in idx]
-                yield PromptRound(rows, [self.prompt_ids[i] for i in idx], epoch + (r + 1) / self.rounds_per_epoch)
+                yield PromptRound(rows, [self.prompt_ids[i] for i in idx], epoch + (r + 1) / self.rounds_per_epoch,
+                                  idx)
             epoch += 1
 
     def _iterable_rounds(self) -> Iterator[PromptRound]:
@@ -182,8 +186,9 @@ class PromptSource:
                 batch.append(row)
                 index += 1
                 if len(batch) == self.per_round:
-                    ids = self.encoder.encode([r["prompt"] for r in batch], list(range(index - len(batch), index)))
-                    yield PromptRound(batch, ids, float(epoch))
+                    indices = list(range(index - len(batch), index))
+                    ids = self.encoder.encode([r["prompt"] for r in batch], indices)
+                    yield PromptRound(batch, ids, float(epoch), indices)
                     batch = []
             if index == 0:
                 raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")

@@ -17,7 +17,8 @@ def evaluate_rewards(trainer, dataset) -> dict:
         completion_ids, _, completions = reward_inputs(trainer.tokenizer, rollouts, isinstance(row["prompt"], list))
         columns = {c: [row[c]] * G for c in source.columns}
         matrices.append(score(trainer.reward_funcs, [row["prompt"]] * G, completions, completion_ids, columns,
-                              trainer.state, trainer.state.global_step))
+                              trainer.state, trainer.state.global_step,
+                              prompt_indices=[prompt_round.indices[0]] * G))
     rewards = torch.cat(matrices)  # [len(dataset) * G, F]
     total = (rewards * trainer.reward_weights).nansum(1)
     out = {"eval_reward": float(nanmean(total)), "eval_reward_std": float(nanstd(total))}

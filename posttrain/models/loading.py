@@ -30,6 +30,7 @@ def _init_kwargs(kwargs: dict | None) -> dict:
     from packaging.version import Version
 
     kwargs = dict(kwargs or {})
+    kwargs.setdefault("trust_remote_code", False)  # never transformers' interactive prompt
     dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in _DTYPES:
@@ -59,12 +60,33 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
     try:
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except ValueError as err:
-        if "trust_remote_code" in str(err):
-            raise ModelLoadError(f"Model {model!r} ships its own code: set trust_remote_code=True "
-                                 "(--trust_remote_code true) if you trust it.") from err
-        raise
+        raise _explained(model, err) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
+
+
+def _explained(model: str, err: ValueError) -> Exception:
+    """A ModelLoadError for the ValueErrors of `from_pretrained` a user can fix; `err` itself otherwise."""
+    text = str(err)
+    if "trust_remote_code" in text:
+        return ModelLoadError(f"Model {model!r} ships its own modelling code, which runs only if you allow it: pass "
+                              "trust_remote_code=True in model_init_kwargs (--trust_remote_code on the command line) "
+                              "if you trust that code.")
+    if "does not recognize this architecture" in text:
+        model_type = _model_type(model)
+        return ModelLoadError(f"Model {model!r} has model_type {model_type!r}, which this version of transformers "
+                              "does not know: upgrade transformers (pip install -U transformers).")
+    return err
+
+
+def _model_type(model: str) -> str | None:
+    import json
+
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def load_tokenizer(source, trust_remote_code: bool = False):
@@ -84,11 +106,26 @@ def load_tokenizer(source, trust_remote_code: bool = False):
         tokenizer = source
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap a tokenizer
     if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelLoadError("The tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token.")
-        logger.warning("The tokenizer has no pad token: using its EOS token %r for padding.", tokenizer.eos_token)
-        tokenizer.pad_token = tokenizer.eos_token
+        _pad_with_eos(tokenizer)
     return tokenizer
+
+
+_PAD_WARNED: set[str] = set()  # tokenizer paths already reported as padding with EOS
+
+
+def _pad_with_eos(tokenizer) -> None:
+    """Use EOS as the pad token, saying so once per tokenizer (and once per path when it is loaded again)."""
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    whose = f"The tokenizer of {name!r}" if name else "The tokenizer"
+    if tokenizer.eos_token is None:
+        raise ModelLoadError(f"{whose} has neither a pad nor an EOS token: set tokenizer.pad_token (e.g. "
+                             "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the embeddings).")
+    if name not in _PAD_WARNED:
+        logger.warning("%s has no pad token: using its EOS token %r for padding (set tokenizer.pad_token to choose "
+                       "another).", whose, tokenizer.eos_token)
+    if name:
+        _PAD_WARNED.add(name)
+    tokenizer.pad_token = tokenizer.eos_token
 
 
 def unwrap(model):

@@ -126,7 +126,8 @@ def check_required_columns(funcs: list[RewardFunction], columns) -> None:
                 inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
             if required and name not in CONVENTION_ARGS and name not in columns:
                 raise DataError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
-                                 f"no {name!r} column (columns: {', '.join(sorted(columns))}).")
+                                f"no {name!r} column (columns: {', '.join(sorted(columns)) or 'none'}): add the "
+                                "column, or give the argument a default.")
 
 
 def _run_async(coroutines):
@@ -159,8 +160,8 @@ def _check_output(f: RewardFunction, values, n: int, step: int, bad_rows: list |
     try:
         values = list(values)
     except TypeError:
-        raise RewardError(f"Reward function {f.name!r} returned {type(values).__name__} at step {step}, "
-                          "not a list of floats.") from None
+        raise RewardError(f"Reward function {f.name!r} returned {type(values).__name__} at step {step}: return a "
+                          "list with one float (or None) per completion.") from None
     if len(values) != n:
         raise RewardError(f"Reward function {f.name!r} returned {len(values)} values for {n} completions at "
                           f"step {step}: return one float (or None) per completion.")
@@ -196,7 +197,8 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
 
 
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None) -> torch.Tensor:
+          columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None,
+          prompt_indices: list[int] | None = None) -> torch.Tensor:
     """Call every reward function on N completions.
 
     Args:
@@ -205,6 +207,7 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
         columns: other dataset columns, each a list of N values.
         bad_rows: None to stop on a NaN/inf reward; a list to skip instead: such values become NaN and the
             completion's index is appended to the list.
+        prompt_indices: each completion's prompt's index in the dataset, named when a function raises.
     Returns:
         [N, F] float32 rewards, NaN where a function returned None.
     """
@@ -222,17 +225,58 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
             else:
                 results[k] = f.fn(**call)
         except Exception as err:
-            raise RewardError(f"Reward function {f.name!r} raised {type(err).__name__} at step {step}: {err}") from err
+            raise _raised(f, err, step, call, prompt_indices) from err
     if pending:
         outputs = _run_async([funcs[k].fn(**call) for k in pending])
         for k, out in zip(pending, outputs):
             if isinstance(out, BaseException):
-                raise RewardError(f"Reward function {funcs[k].name!r} raised {type(out).__name__} at step {step}: "
-                                  f"{out}") from out
+                raise _raised(funcs[k], out, step, call, prompt_indices) from out
             results[k] = out
-    matrix = [_check_output(funcs[k], results[k], n, step, bad_rows) for k in range(len(funcs))]
+    matrix = [_checked(funcs[k], results[k], n, step, bad_rows) for k in range(len(funcs))]
     for f, values in zip(funcs, matrix):
         if all(math.isnan(v) for v in values):
             logger.warning("Reward function %r returned None for all %d completions at step %d: it adds nothing to "
                            "training. Check that the dataset has the columns it reads.", f.name, n, step)
     return torch.tensor(matrix, dtype=torch.float32).T.reshape(n, len(funcs))
+
+
+def _checked(f: RewardFunction, values, n: int, step: int, bad_rows: list | None) -> list[float]:
+    """_check_output, and with on_bad_reward=skip one warning per function that returned NaN or inf."""
+    skipped = [] if bad_rows is not None else None
+    out = _check_output(f, values, n, step, skipped)
+    if skipped:
+        logger.warning("Reward function %r returned NaN or inf for %d completion(s) at step %d (first: completion "
+                       "%d): their groups are skipped (on_bad_reward=skip).", f.name, len(skipped), step, skipped[0])
+        bad_rows.extend(skipped)
+    return out
+
+
+def _raised(f: RewardFunction, err: BaseException, step: int, call: dict, prompt_indices) -> RewardError:
+    """The error for a reward function that raised, naming the first completion that alone makes it raise."""
+    row = _failing_row(f, call)
+    where = ""
+    if row is not None:
+        where = f" on completion {row}" + (f" (prompt {prompt_indices[row]} of the dataset)" if prompt_indices else "")
+    text = str(err).strip()
+    detail = f": {text.splitlines()[0].rstrip('.')}" if text else ""
+    return RewardError(f"Reward function {f.name!r} raised {type(err).__name__} at step {step}{where}{detail}. "
+                       "Fix the function, or have it return None for completions it cannot score.")
+
+
+def _failing_row(f: RewardFunction, call: dict) -> int | None:
+    """Call `f` on one completion at a time; the index of the first call that raises, or None.
+
+    Run only after `f` raised on the whole batch, to say which input did it.
+    """
+    if f.fn is None:
+        return None
+    n = len(call["completions"])
+    for i in range(n):
+        one = {k: v if k == "trainer_state" else v[i:i + 1] for k, v in call.items()}
+        try:
+            out = _run_async([f.fn(**one)])[0] if f.is_async else f.fn(**one)
+        except Exception:
+            return i
+        if isinstance(out, BaseException):
+            return i
+    return None
