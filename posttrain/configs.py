@@ -447,7 +447,7 @@ def load_yaml(path: str) -> dict:
     import yaml
 
     if not os.path.exists(path):
-        raise ConfigError(f"Config file {path} does not exist.")
+        raise ConfigError(f"Config file {path} does not exist: check the path given to --config.")
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):

@@ -29,7 +29,7 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     ext = os.path.splitext(name)[1].lower()
     if ext in LOCAL_FORMATS:
         if not os.path.exists(name):
-            raise DataError(f"Dataset file {name!r} does not exist.")
+            raise DataError(f"Dataset file {name!r} does not exist: check dataset_name.")
         return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
         loaded = datasets.load_from_disk(name)
@@ -50,7 +50,8 @@ def check_prompt(prompt, index) -> None:
                         "lists of {'role', 'content'} messages.")
     for message in prompt:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise DataError(f"Prompt {index} has a message without 'role' and 'content': {message!r}.")
+            raise DataError(f"Prompt {index} has a message without 'role' and 'content' ({message!r}): write each "
+                            "message as {'role': ..., 'content': ...}.")
         if message["role"] not in VALID_ROLES:
             raise DataError(f"Prompt {index} has a message with role {message['role']!r}: use one of "
                             f"{', '.join(sorted(VALID_ROLES))}.")
