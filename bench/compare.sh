@@ -3,6 +3,7 @@
 # ../shared/bench/README.md, alternating TRL and posttrain REPEATS times per row in one session; print a
 # JSON line per run (take the medians).
 #   REPEATS=3 TRL_PY=/tmp/trl-venv/bin/python PT_PY=python3 bash bench/compare.sh /tmp/bench-models
+# ONLY=v152k (a model directory name) runs just that model's rows.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 shared=${SHARED:-$here/../../shared/bench}
@@ -22,6 +23,7 @@ rows=(
 )
 for row in "${rows[@]}"; do
   model=${row%%|*}; flags=${row#*|}
+  if [ -n "${ONLY:-}" ] && [ "$model" != "$ONLY" ]; then continue; fi
   for rep in $(seq "$REPEATS"); do
     for side in trl posttrain; do
       if [ $side = trl ]; then out=$($TRL_PY "$shared/trl_grpo.py" "$models/$model" $flags 2>/dev/null | tail -n 1)

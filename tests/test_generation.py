@@ -4,7 +4,7 @@ import torch
 from posttrain.configs import GRPOConfig
 from posttrain.generation import SamplingParams
 from posttrain.generation.sampling import filter_logits, sample
-from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.generation.transformers_backend import ModelStepper, TransformersGenerator
 from posttrain.models.logprobs import token_logprobs
 
 
@@ -78,3 +78,56 @@ def test_generation_kwargs_are_used_or_rejected():
     assert params.min_new_tokens == 4 and params.top_k == 7
     with pytest.raises(ValueError, match="num_beams"):
         SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 4}))
+
+
+def _llama(tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", ["qwen2", "llama", "qwen2-lora"])
+def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make):
+    """Same seed, same tokens and sampler log-probs, whether decoding runs through LeanDecoder or the model."""
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    if make == "llama":
+        model = _llama(tokenizer)
+    else:
+        model = tiny_model(tokenizer, hidden=32, layers=2)
+    if make == "qwen2-lora":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    assert lean_decoder.supports(model)
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, min_new_tokens=10)
+    runs = [TransformersGenerator(model, tokenizer, params, seed=3, lean=lean).generate(_prompts(tokenizer) * 2)
+            for lean in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.allclose(runs[0].sampler_logprobs, runs[1].sampler_logprobs, atol=1e-5)
+
+
+def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):
+    """A Qwen2 subclass that changes its logits, and a sliding-window config, decode through the model's forward."""
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    class Shifted(Qwen2ForCausalLM):
+        def forward(self, *args, **kw):
+            out = super().forward(*args, **kw)
+            out.logits[..., 5] += 1.0
+            return out
+
+    assert not lean_decoder.supports(tiny_model(tokenizer, hidden=32, layers=1, model_class=Shifted))
+    windowed = tiny_model(tokenizer, hidden=32, layers=1)
+    windowed.config.use_sliding_window, windowed.config.sliding_window = True, 4
+    assert not lean_decoder.supports(windowed)
+    gen = TransformersGenerator(windowed, tokenizer, SamplingParams(max_new_tokens=4), seed=0)
+    assert isinstance(gen._stepper(torch.ones(2, 3, dtype=torch.bool), 4), ModelStepper)

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-from posttrain.generation import Rollouts, SamplingParams
+from posttrain.generation import Rollouts, SamplingParams, lean_decoder
 from posttrain.generation.sampling import apply_repetition_penalty, filter_logits, sample
 from posttrain.models.logprobs import forward_accepts, logits_to_keep_kwarg, positions_from_mask
 
@@ -35,6 +35,38 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+class ModelStepper:
+    """Prefill and one-token steps through the model's own forward and a transformers KV cache."""
+
+    def __init__(self, model, prompt_mask: torch.Tensor):
+        self.model = model
+        self.attention = prompt_mask.long()
+        self.cache = None
+        self.kwargs = {"use_cache": True}
+        keep = logits_to_keep_kwarg(model)
+        if keep is not None:
+            self.kwargs[keep] = 1
+        self.pass_positions = forward_accepts(model, "position_ids")
+
+    def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, P] ids and positions -> next-token logits [N, V] float32."""
+        return self._forward(prompt_ids, positions)
+
+    def step(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N] ids, [N, 1] positions -> next-token logits [N, V] float32."""
+        ones = torch.ones((token_ids.size(0), 1), dtype=self.attention.dtype, device=self.attention.device)
+        self.attention = torch.cat([self.attention, ones], dim=1)
+        return self._forward(token_ids.unsqueeze(1), positions)
+
+    def _forward(self, ids, positions):
+        kwargs = dict(self.kwargs, past_key_values=self.cache)
+        if self.pass_positions:
+            kwargs["position_ids"] = positions
+        out = self.model(input_ids=ids, attention_mask=self.attention, **kwargs)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :].float()
+
+
 class TransformersGenerator:
     """Samples with a transformers causal LM in this process.
 
@@ -44,10 +76,14 @@ class TransformersGenerator:
         tokenizer: gives the pad and EOS ids.
         params: sampling parameters.
         seed: seed of the sampling RNG (one stream per generator, independent of the global RNG).
+        shares_policy: whether `model` is the policy being trained (then there are no weights to copy).
+        lean: decode with `LeanDecoder` where it reproduces the model; False always uses the model's forward.
     """
 
-    def __init__(self, model, tokenizer, params: SamplingParams, seed: int = 0, shares_policy: bool = True):
+    def __init__(self, model, tokenizer, params: SamplingParams, seed: int = 0, shares_policy: bool = True,
+                 lean: bool = True):
         self.model = model
+        self.lean = lean
         self.params = params
         self.shares_policy = shares_policy
         self.pad_id = tokenizer.pad_token_id
@@ -70,16 +106,6 @@ class TransformersGenerator:
     def close(self) -> None:
         self.model = None
 
-    def _step(self, input_ids, attention_mask, positions, cache):
-        kwargs = {"use_cache": True, "past_key_values": cache}
-        keep = logits_to_keep_kwarg(self.model)
-        if keep is not None:
-            kwargs[keep] = 1
-        if forward_accepts(self.model, "position_ids"):
-            kwargs["position_ids"] = positions
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return out.logits[:, -1, :].float(), out.past_key_values
-
     @torch.no_grad()  # not inference_mode: the rollouts feed autograd computations later
     def generate(self, prompts: list[list[int]]) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned."""
@@ -98,11 +124,12 @@ class TransformersGenerator:
         tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(n, dtype=torch.bool, device=device)
-        attention = prompt_mask.long()
-        positions = positions_from_mask(attention)
-        step_ids, cache, seen = prompt_ids, None, None
+        positions = positions_from_mask(prompt_mask)
+        stepper = self._stepper(prompt_mask, p.max_new_tokens)
+        logits, seen = stepper.prefill(prompt_ids, positions), None  # [N, V]
         for t in range(p.max_new_tokens):
-            logits, cache = self._step(step_ids, attention, positions, cache)  # [N, V]
+            if t > 0:
+                logits = stepper.step(tokens[:, t - 1], positions)
             if p.repetition_penalty != 1.0:
                 if seen is None:
                     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, prompt_ids, prompt_mask)
@@ -118,10 +145,14 @@ class TransformersGenerator:
             done = done | torch.isin(token, eos)
             if bool(done.all()):
                 break
-            step_ids = token.unsqueeze(1)
             positions = positions[:, -1:] + 1
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
         return self._rollouts(prompt_ids, prompt_mask, tokens[:, :t + 1], logprobs[:, :t + 1], eos)
+
+    def _stepper(self, prompt_mask: torch.Tensor, max_new_tokens: int):
+        """The lean decoder when it reproduces this model (generation/lean_decoder.py), else the model's forward."""
+        if self.lean and lean_decoder.supports(self.model):
+            return lean_decoder.LeanDecoder(self.model, prompt_mask, max_new_tokens)
+        return ModelStepper(self.model, prompt_mask)
 
     def _rollouts(self, prompt_ids, prompt_mask, tokens, logprobs, eos) -> Rollouts:
         is_eos_token = torch.isin(tokens, eos)
