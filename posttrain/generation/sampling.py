@@ -72,7 +72,8 @@ def _draw(weights: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]
     return (start + pick).clamp_(max=vocab - 1).squeeze(-1), cum[:, -1].log().float()
 
 
-def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, generator: torch.Generator | None = None,
+           overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from softmax(logits) and return it with its log-probability.
 
     Inverse-CDF sampling needs N random numbers instead of N x V: `torch.multinomial` and the
@@ -80,12 +81,15 @@ def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> tu
 
     Args:
         logits: [N, V] processed logits (-inf where filtered).
+        overwrite: the caller no longer needs `logits` (float32): exp(logits - max) is computed in place, sparing
+            a fresh [N, V] tensor per token.
     Returns:
         (tokens [N] long, logprobs [N] float32).
     """
     logits = logits.float()
     top = logits.amax(-1, keepdim=True)
-    weights = (logits - top).exp_()  # [N, V] in [0, 1]
+    weights = logits.sub_(top).exp_() if overwrite else (logits - top).exp_()  # [N, V] in [0, 1]
     tokens, log_z = _draw(weights, generator)
-    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, chosen - top.squeeze(-1) - log_z
+    # log of the chosen weight is its shifted logit to ~1e-7 (a token whose weight underflowed is never drawn)
+    chosen = weights.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
+    return tokens, chosen - log_z

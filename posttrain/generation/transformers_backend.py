@@ -136,7 +136,7 @@ class TransformersGenerator:
                 logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
             if t < p.min_new_tokens:
                 logits[:, eos] = float("-inf")
-            token, logp = sample(filter_logits(logits, p), self.rng)
+            token, logp = sample(filter_logits(logits, p), self.rng, overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
             tokens[:, t] = token
             logprobs[:, t] = logp.masked_fill(done, 0.0)
