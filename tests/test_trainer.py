@@ -48,12 +48,17 @@ def test_smoke_finite_loss_params_move_and_outputs(tokenizer, addition_dataset, 
     assert (tmp_path / "out" / "model.safetensors").exists() and trainer.state.global_step == 3
 
 
+@pytest.mark.parametrize("path", ["logits", "chunked"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
-def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, addition_dataset, tmp_path, loss_type):
+def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, addition_dataset, tmp_path, loss_type,
+                                                                  path):
+    """Same gradient and update for 1x8, 2x4 and 8x1, through the logits path and through the chunked output
+    layer (with its gradient computed in the forward)."""
+    make = variable_length_model if path == "logits" else variable_length_fast_model
     results, lengths = {}, None
     for micro, accum in ((8, 1), (4, 2), (1, 8)):
         trainer, params, grads = _run(tokenizer, addition_dataset, tmp_path / f"{micro}x{accum}", capture=True,
-                                      sgd=True, model=variable_length_model(tokenizer), max_steps=1,
+                                      sgd=True, model=make(tokenizer), max_steps=1,
                                       per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                                       generation_batch_size=8, max_completion_length=10, loss_type=loss_type,
                                       beta=0.04)
