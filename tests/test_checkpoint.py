@@ -145,6 +145,10 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tokenizer, addition_
     resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, save_steps=1)
     resumed.train(resume_from_checkpoint=True)  # picks checkpoint-1, the newest complete one
     assert resumed.state.global_step == 4 and [s for s, _ in checkpoints(tmp_path / "out")][-1] == 4
+    straight = _trainer(tokenizer, addition_dataset, tmp_path / "straight", max_steps=4, save_strategy="no")
+    straight.train()
+    a, b = _params(straight), _params(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)  # the killed run, resumed, ends where an unbroken one does
 
 
 def test_non_finite_loss_stops_before_the_update_and_saves_the_last_good_state(tokenizer, addition_dataset, tmp_path):
