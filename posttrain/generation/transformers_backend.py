@@ -135,7 +135,7 @@ class TransformersGenerator:
                     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, prompt_ids, prompt_mask)
                 logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
             if t < p.min_new_tokens:
-                logits[:, eos] = float("-inf")
+                logits.index_fill_(1, eos, float("-inf"))
             token, logp = sample(filter_logits(logits, p), self.rng, overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
             tokens[:, t] = token
