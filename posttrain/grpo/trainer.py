@@ -308,6 +308,12 @@ class GRPOTrainer:
             return mb
         return mb.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
 
+    def _loss(self, mb: TrainingBatch, logps: torch.Tensor, norm: StepNormalizer, entropy_mask=None):
+        """The configured loss of micro-batch `mb` given the policy's [b, C] log-probs."""
+        inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps, advantages=mb.advantages,
+                            mask=mb.loss_mask, entropy_mask=entropy_mask)
+        return self.loss_fn(inputs, self.loss_params, norm)
+
     def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer):
         """[b, C] log-probs -> d loss / d log-probs, when each token's loss term depends on its own log-prob only.
 
@@ -321,9 +327,7 @@ class GRPOTrainer:
         def gradient(logps: torch.Tensor) -> torch.Tensor:
             x = logps.detach().requires_grad_()
             with torch.enable_grad():
-                out = self.loss_fn(LossInputs(logps=x, old_logps=mb.old_logps, ref_logps=mb.ref_logps,
-                                              advantages=mb.advantages, mask=mb.loss_mask), self.loss_params, norm)
-                return torch.autograd.grad(out.loss, x)[0]
+                return torch.autograd.grad(self._loss(mb, x, norm).loss, x)[0]
 
         return gradient
 
@@ -337,10 +341,7 @@ class GRPOTrainer:
             logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                             r.completion_mask, self.args.temperature, with_entropy=True,
                                             loss_gradient=self._loss_gradient(mb, norm))
-            inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps,
-                                advantages=mb.advantages, mask=mb.loss_mask,
-                                entropy_mask=self._entropy_mask(entropy, mb.loss_mask))
-            out = self.loss_fn(inputs, self.loss_params, norm)
+            out = self._loss(mb, logps, norm, self._entropy_mask(entropy, mb.loss_mask))
             self.accelerator.backward(out.loss)
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
