@@ -85,27 +85,37 @@ def test_generation_kwargs_are_used_or_rejected():
         SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 4}))
 
 
-def _llama(tokenizer):
+def _llama_family(tokenizer, kind: str):
+    """A tiny Llama-family model: "llama", "llama-dynamic-rope" (cos/sin recomputed per call rather than
+    tabled) or "qwen3" (per-head q/k norms)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **sizes))
+    config = LlamaConfig(**sizes)
+    if kind == "llama-dynamic-rope":
+        config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     return LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("make", ["qwen2", "llama", "qwen2-lora"])
-def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make):
-    """Same seed, same tokens and sampler log-probs, whether decoding runs through LeanDecoder or the model."""
+@pytest.mark.parametrize("make", ["qwen2", "qwen2-unfused", "llama", "llama-dynamic-rope", "qwen3", "qwen2-lora"])
+def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make, monkeypatch):
+    """Same seed, same tokens and sampler log-probs, whether decoding runs through LeanDecoder or the model.
+    The prompts come twice, so the shared prefill is used."""
     from posttrain.generation import lean_decoder
     from posttrain.testing import tiny_model
 
-    if make == "llama":
-        model = _llama(tokenizer)
+    if make in ("llama", "llama-dynamic-rope", "qwen3"):
+        model = _llama_family(tokenizer, make)
     else:
         model = tiny_model(tokenizer, hidden=32, layers=2)
+    if make == "qwen2-unfused":
+        monkeypatch.setattr(lean_decoder, "FUSED_COPY_BUDGET", 0)
     if make == "qwen2-lora":
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
@@ -115,6 +125,27 @@ def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make):
             for lean in (True, False)]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.allclose(runs[0].sampler_logprobs, runs[1].sampler_logprobs, atol=1e-5)
+
+
+def test_lean_decoder_builds_what_its_model_has():
+    """The parts the shared prefill, the cos/sin table and the fused products rely on are in place."""
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(hidden=32, layers=2)
+    mask = torch.tensor([[False, True, True], [True, True, True], [False, True, True]])
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6]])
+    with torch.no_grad():
+        decoder = lean_decoder.LeanDecoder(model, mask, 4)
+        logits = decoder.prefill(ids, (mask.long().cumsum(1) - 1).clamp(min=0))
+    assert decoder.rope_table is not None and decoder.rope_table[0].shape == (3 + 4, 8)  # [S, D]
+    assert torch.equal(logits[0], logits[2])  # rows 0 and 2 share one prefill
+    assert torch.equal(decoder.keys[:, 0, :, :3], decoder.keys[:, 2, :, :3])  # the prompt's 3 cache positions
+    assert torch.equal(decoder.values[:, 0, :, :3], decoder.values[:, 2, :, :3])
+    assert not torch.equal(decoder.keys[:, 0, :, :3], decoder.keys[:, 1, :, :3])
+    x = torch.randn(2, 3, 4, 8)
+    rotated = x @ decoder.rotate_half
+    assert torch.equal(rotated, torch.cat((-x[..., 4:], x[..., :4]), dim=-1))
 
 
 def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):

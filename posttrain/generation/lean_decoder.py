@@ -45,12 +45,15 @@ def _known_structure(plain) -> bool:
     return all(_has(layer, part) for part in _LAYER_PARTS) and _has(layer, "self_attn.scaling")
 
 
+FUSED_COPY_BUDGET = 64 << 20  # bytes: the most that fused copies of q/k/v and gate/up weights may take per decode
+
+
 def _direct(module):
     """A plain function computing `module(x)`, bound once per decode: a float32 `nn.Linear`, RMSNorm or SiLU
     becomes a direct call on its tensors, skipping nn.Module's call and attribute machinery (about 10% of a
     small model's decode step); anything else (LoRA layers, other dtypes) stays the module itself."""
     weight = getattr(module, "weight", None)
-    if type(module) is torch.nn.Linear and weight.dtype == torch.float32:
+    if _plain_linear(module):
         bias = module.bias
         return lambda x: F.linear(x, weight, bias)
     eps = getattr(module, "variance_epsilon", None)
@@ -61,28 +64,78 @@ def _direct(module):
     return module
 
 
-class _Layer:
-    """One decoder layer's parts as direct calls (see `_direct`)."""
+def _plain_linear(module) -> bool:
+    return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
 
-    def __init__(self, layer):
+
+def _concatenated(modules, fuse: bool):
+    """`x -> cat([m(x) for m in modules], -1)`. With `fuse` and plain float32 Linears, one product with the
+    weights (and biases) concatenated once per decode: one kernel instead of three for q/k/v."""
+    if fuse and all(_plain_linear(m) for m in modules):
+        weight = torch.cat([m.weight for m in modules])
+        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
+        bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
+        return lambda x: F.linear(x, weight, bias)
+    calls = [_direct(m) for m in modules]
+    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+
+
+def _plus(module):
+    """`(x, y) -> x + module(y)`; for a bias-free float32 Linear one `addmm` that adds into the product."""
+    if _plain_linear(module) and module.bias is None:
+        weight_t = module.weight.T
+        return lambda x, y: torch.addmm(x.flatten(0, -2), y.flatten(0, -2), weight_t).view(x.shape)
+    call = _direct(module)
+    return lambda x, y: x + call(y)
+
+
+def _fused_bytes(layers) -> int:
+    """Bytes that concatenated q/k/v and gate/up weights of every layer would take."""
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    total = 0
+    for layer in layers:
+        for dotted in parts:
+            module = layer.get_submodule(dotted)
+            weight = getattr(module, "weight", None)
+            total += weight.numel() * weight.element_size() if weight is not None else 0
+    return total
+
+
+class _Layer:
+    """One decoder layer's parts as direct calls (see `_direct`); q/k/v and gate/up each as one product when
+    `fuse` (small models, where a decode step is mostly per-kernel overhead)."""
+
+    def __init__(self, layer, fuse: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm_in, self.norm_mid = _direct(layer.input_layernorm), _direct(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (_direct(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.qkv = _concatenated((attn.q_proj, attn.k_proj, attn.v_proj), fuse)  # [.., (h + 2k) * D]
+        self.o_plus = _plus(attn.o_proj)
         q_norm = getattr(attn, "q_norm", None)  # Qwen3-style per-head norms
         self.q_norm = _direct(q_norm) if q_norm is not None else None
         self.k_norm = _direct(attn.k_norm) if q_norm is not None else None
-        self.gate, self.up, self.down = (_direct(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.gate_up = _concatenated((mlp.gate_proj, mlp.up_proj), fuse)  # [.., 2 I]
+        self.down_plus = _plus(mlp.down_proj)
         self.act = _direct(mlp.act_fn)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention): x [N, heads, L, D], cos/sin [N, 1, L, D]."""
-    half = x.size(-1) // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate_half_matrix(head_dim: int, dtype, device) -> torch.Tensor:
+    """R [D, D] with x @ R = cat(-x[D/2:], x[:D/2]) exactly (one signed 1 per column)."""
+    half = head_dim // 2
+    r = torch.zeros((head_dim, head_dim), dtype=dtype, device=device)
+    r[torch.arange(half, head_dim), torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half, head_dim)] = 1.0
+    return r
+
+
+# rotary types whose cos/sin at a position do not depend on the other positions (others are recomputed per call)
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
 class LeanDecoder:
     """Prefill, then one token per call, for a batch of left-padded prompts.
+
+    Rows with identical prompts (GRPO's num_generations copies) are prefilled once and their keys and values
+    copied to every copy.
 
     Args:
         model: the causal LM (possibly DDP- or PEFT-wrapped); must pass `supports`.
@@ -96,22 +149,31 @@ class LeanDecoder:
         attn = self.body.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         n, p = prompt_mask.shape
-        config = plain.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        config, device = plain.config, prompt_mask.device
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.q_heads = config.num_attention_heads
         dtype = self.body.embed_tokens.weight.dtype
-        shape = (len(self.body.layers), n, kv_heads, p + max_new_tokens, self.head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=prompt_mask.device)
+        shape = (len(self.body.layers), n, self.kv_heads, p + max_new_tokens, self.head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
-        self.key_mask = torch.zeros((n, 1, 1, p + max_new_tokens), dtype=torch.bool, device=prompt_mask.device)
+        self.key_mask = torch.zeros((n, 1, 1, p + max_new_tokens), dtype=torch.bool, device=device)
         self.key_mask[:, 0, 0, :p] = prompt_mask
-        self.layers = [_Layer(layer) for layer in self.body.layers]
+        fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
+        self.layers = [_Layer(layer, fuse) for layer in self.body.layers]
         self.final_norm = _direct(self.body.norm)
+        self.rotate_half = _rotate_half_matrix(self.head_dim, dtype, device)
+        self.rope_table = None
+        if getattr(self.body.rotary_emb, "rope_type", None) in _STATIC_ROPE:
+            # positions never exceed p - 1 + max_new_tokens; cos/sin [S, D] each, looked up per call
+            at = torch.arange(p + max_new_tokens, device=device).unsqueeze(0)
+            self.rope_table = tuple(t[0] for t in self.body.rotary_emb(self.keys[0, :1, 0], at))
         self.length = 0  # cache positions filled
-        self.gqa = kv_heads != config.num_attention_heads
+        self.gqa = self.kv_heads != self.q_heads
+        self.copies = None  # [N] index of each row's prefilled prompt while prefilling shared prompts
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
         plain_head = type(self.head) is torch.nn.Linear and self.head.bias is None
-        self.logits = (torch.empty((n, self.head.weight.size(0)), dtype=torch.float32, device=prompt_mask.device)
+        self.logits = (torch.empty((n, self.head.weight.size(0)), dtype=torch.float32, device=device)
                        if plain_head and self.head.weight.dtype == torch.float32 else None)
 
     def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -120,43 +182,75 @@ class LeanDecoder:
         The logits returned by `prefill` and `step` may be one buffer that the next call overwrites.
         """
         p = prompt_ids.size(1)
+        prompt_mask = self.key_mask[:, 0, 0, :p]
+        rows = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
+        unique, copies = torch.unique(rows, dim=0, return_inverse=True)  # [M, 2P], [N]
+        if unique.size(0) < rows.size(0):
+            first = torch.full((unique.size(0),), rows.size(0), dtype=torch.long, device=rows.device)
+            first.scatter_reduce_(0, copies, torch.arange(rows.size(0), device=rows.device), "amin")
+            self.copies = copies
+            logits = self._prefill(prompt_ids[first], positions[first], self.key_mask[first])
+            self.copies = None
+            return logits[copies]
+        return self._prefill(prompt_ids, positions, self.key_mask)
+
+    def _prefill(self, prompt_ids, positions, key_mask) -> torch.Tensor:
+        p = prompt_ids.size(1)
         causal = torch.ones((p, p), dtype=torch.bool, device=prompt_ids.device).tril_()
         # padded query rows see themselves too: a row that sees nothing would give NaN (its output is unused)
-        mask = (causal & self.key_mask[:, :, :, :p]) | torch.eye(p, dtype=torch.bool, device=prompt_ids.device)
-        return self._forward(prompt_ids, positions, mask)
+        mask = (causal & key_mask[:, :, :, :p]) | torch.eye(p, dtype=torch.bool, device=prompt_ids.device)
+        return self._forward(prompt_ids, positions, mask, logits_buffer=self.copies is None)
 
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row ([N] ids, [N, 1] positions); return the next-token logits [N, V] float32."""
         self.key_mask[:, 0, 0, self.length] = True
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 logits_buffer: bool = True) -> torch.Tensor:
         x = self.body.embed_tokens(ids)  # [N, L, H]
-        cos, sin = self.body.rotary_emb(x, positions)  # [N, L, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.rope_table is not None:
+            cos, sin = (F.embedding(positions, table) for table in self.rope_table)  # [N, L, D]
+        else:
+            cos, sin = self.body.rotary_emb(x, positions)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, L, 1, D]
         start, end = self.length, self.length + ids.size(1)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end)
-            h = layer.norm_mid(x)
-            x = x + layer.down(layer.act(layer.gate(h)) * layer.up(h))
+            x = layer.o_plus(x, self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end))
+            gate, up = layer.gate_up(layer.norm_mid(x)).chunk(2, dim=-1)
+            x = layer.down_plus(x, layer.act(gate) * up)
         self.length = end
         last = self.final_norm(x[:, -1])  # [N, H]
-        if self.logits is not None:
+        if self.logits is not None and logits_buffer:
             return torch.mm(last, self.head.weight.T, out=self.logits)
         return self.head(last).float()
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (rotate-half convention): x [N, L, heads, D], cos/sin [N, L, 1, D]."""
+        return torch.addcmul(x * cos, torch.matmul(x, self.rotate_half), sin)
+
     def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end) -> torch.Tensor:
+        """Attention of x [N, L, H] over the cache; returns [N, L, h * D] before the output projection."""
         n, length, _ = x.shape
-        q = layer.q(x).view(n, length, -1, self.head_dim).transpose(1, 2)  # [N, h, L, D]
-        k = layer.k(x).view(n, length, -1, self.head_dim).transpose(1, 2)  # [N, k, L, D]
-        v = layer.v(x).view(n, length, -1, self.head_dim).transpose(1, 2)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        self.keys[i, :, :, start:end] = _rotate(k, cos, sin)
-        self.values[i, :, :, start:end] = v
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), self.keys[i, :, :, :end], self.values[i, :, :, :end],
-                                             attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa)
-        return layer.o(out.transpose(1, 2).reshape(n, length, -1))
+        h, k = self.q_heads, self.kv_heads
+        qkv = layer.qkv(x).view(n, length, h + 2 * k, self.head_dim)
+        if layer.q_norm is None:
+            qk = self._rotate(qkv[:, :, :h + k], cos, sin)  # queries and keys rotated together
+            q, key = qk[:, :, :h], qk[:, :, h:]
+        else:
+            q = self._rotate(layer.q_norm(qkv[:, :, :h]), cos, sin)
+            key = self._rotate(layer.k_norm(qkv[:, :, h:h + k]), cos, sin)
+        value = qkv[:, :, h + k:]
+        rows = slice(None) if self.copies is None else self.copies  # prefill of shared prompts: fill every copy
+        self.keys[i, :, :, start:end] = key.transpose(1, 2)[rows]
+        self.values[i, :, :, start:end] = value.transpose(1, 2)[rows]
+        if self.copies is None:
+            keys, values = self.keys[i, :, :, :end], self.values[i, :, :, :end]
+        else:
+            keys, values = key.transpose(1, 2), value.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.gqa)  # [N, h, L, D]
+        return out.transpose(1, 2).reshape(n, length, -1)
 
 
 def supports(model) -> bool:
