@@ -58,7 +58,8 @@ def _direct(module):
         return lambda x: F.linear(x, weight, bias)
     eps = getattr(module, "variance_epsilon", None)
     if type(module).__name__.endswith("RMSNorm") and eps is not None and weight.dtype == torch.float32:
-        return lambda x: weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        shape = weight.shape
+        return lambda x: F.rms_norm(x, shape, weight, eps)
     if type(module) is torch.nn.SiLU:
         return F.silu
     return module
