@@ -6,6 +6,12 @@ CPU. This decoder calls the model's own modules (embedding, norms, projections, 
 output layer; LoRA-wrapped modules work as they are) with the attention written out: keys and values go
 into a cache allocated once for prompt + completion, and `scaled_dot_product_attention` reads it.
 
+For a small model a decode step is mostly per-call overhead, so the decoder also trims calls: float32
+Linear/RMSNorm/SiLU parts become direct calls, q/k/v and gate/up each become one product on weights
+concatenated once per decode (while the copies take at most FUSED_COPY_BUDGET), the residual adds go inside
+`addmm`, cos/sin come from a table, queries and keys are rotated together, and rows with identical prompts
+(GRPO's num_generations copies) are prefilled once. docs/performance.md has what each saves.
+
 It is used only for models whose structure it knows and, checked once per model object, whose logits it
 reproduces (`supports`); anything else decodes through the model's own forward.
 
@@ -170,7 +176,6 @@ class LeanDecoder:
             self.rope_table = tuple(t[0] for t in self.body.rotary_emb(self.keys[0, :1, 0], at))
         self.length = 0  # cache positions filled
         self.gqa = self.kv_heads != self.q_heads
-        self.copies = None  # [N] index of each row's prefilled prompt while prefilling shared prompts
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
         plain_head = type(self.head) is torch.nn.Linear and self.head.bias is None
@@ -189,26 +194,23 @@ class LeanDecoder:
         if unique.size(0) < rows.size(0):
             first = torch.full((unique.size(0),), rows.size(0), dtype=torch.long, device=rows.device)
             first.scatter_reduce_(0, copies, torch.arange(rows.size(0), device=rows.device), "amin")
-            self.copies = copies
-            logits = self._prefill(prompt_ids[first], positions[first], self.key_mask[first])
-            self.copies = None
-            return logits[copies]
+            return self._prefill(prompt_ids[first], positions[first], self.key_mask[first], copies)[copies]
         return self._prefill(prompt_ids, positions, self.key_mask)
 
-    def _prefill(self, prompt_ids, positions, key_mask) -> torch.Tensor:
+    def _prefill(self, prompt_ids, positions, key_mask, copies=None) -> torch.Tensor:
+        """Prefill M distinct prompts; `copies` [N] maps each cache row to its prompt (None: the rows themselves)."""
         p = prompt_ids.size(1)
         causal = torch.ones((p, p), dtype=torch.bool, device=prompt_ids.device).tril_()
         # padded query rows see themselves too: a row that sees nothing would give NaN (its output is unused)
         mask = (causal & key_mask[:, :, :, :p]) | torch.eye(p, dtype=torch.bool, device=prompt_ids.device)
-        return self._forward(prompt_ids, positions, mask, logits_buffer=self.copies is None)
+        return self._forward(prompt_ids, positions, mask, copies)
 
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row ([N] ids, [N, 1] positions); return the next-token logits [N, V] float32."""
         self.key_mask[:, 0, 0, self.length] = True
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                 logits_buffer: bool = True) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, copies=None) -> torch.Tensor:
         x = self.body.embed_tokens(ids)  # [N, L, H]
         if self.rope_table is not None:
             cos, sin = (F.embedding(positions, table) for table in self.rope_table)  # [N, L, D]
@@ -217,12 +219,12 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, L, 1, D]
         start, end = self.length, self.length + ids.size(1)
         for i, layer in enumerate(self.layers):
-            x = layer.o_plus(x, self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end))
+            x = layer.o_plus(x, self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end, copies))
             gate, up = layer.gate_up(layer.norm_mid(x)).chunk(2, dim=-1)
             x = layer.down_plus(x, layer.act(gate) * up)
         self.length = end
         last = self.final_norm(x[:, -1])  # [N, H]
-        if self.logits is not None and logits_buffer:
+        if self.logits is not None and copies is None:  # the buffer has N rows
             return torch.mm(last, self.head.weight.T, out=self.logits)
         return self.head(last).float()
 
@@ -230,8 +232,9 @@ class LeanDecoder:
         """Rotary embedding (rotate-half convention): x [N, L, heads, D], cos/sin [N, L, 1, D]."""
         return torch.addcmul(x * cos, torch.matmul(x, self.rotate_half), sin)
 
-    def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end) -> torch.Tensor:
-        """Attention of x [N, L, H] over the cache; returns [N, L, h * D] before the output projection."""
+    def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end, copies=None) -> torch.Tensor:
+        """Attention of x [N, L, H] over the cache; returns [N, L, h * D] before the output projection. With
+        `copies` (a prefill of M distinct prompts), x is [M, L, H] and the keys and values go to every copy."""
         n, length, _ = x.shape
         h, k = self.q_heads, self.kv_heads
         qkv = layer.qkv(x).view(n, length, h + 2 * k, self.head_dim)
@@ -242,10 +245,10 @@ class LeanDecoder:
             q = self._rotate(layer.q_norm(qkv[:, :, :h]), cos, sin)
             key = self._rotate(layer.k_norm(qkv[:, :, h:h + k]), cos, sin)
         value = qkv[:, :, h + k:]
-        rows = slice(None) if self.copies is None else self.copies  # prefill of shared prompts: fill every copy
+        rows = slice(None) if copies is None else copies
         self.keys[i, :, :, start:end] = key.transpose(1, 2)[rows]
         self.values[i, :, :, start:end] = value.transpose(1, 2)[rows]
-        if self.copies is None:
+        if copies is None:
             keys, values = self.keys[i, :, :, :end], self.values[i, :, :, :end]
         else:
             keys, values = key.transpose(1, 2), value.transpose(1, 2)
