@@ -67,7 +67,7 @@ def test_cispo_weight_detached_and_capped():
 
 def test_k3_kl_and_beta():
     inp = _inputs([[-1.0]], ref=[[-2.0]], adv=(0.0,))
-    kl = float(k3_kl(inp))
+    kl = float(k3_kl(inp).detach())
     assert math.isclose(kl, math.exp(-1) + 1 - 1, rel_tol=1e-6)  # exp(ref-logp) - (ref-logp) - 1
     out = get_loss("dapo")(inp, LossParams(beta=0.1), StepNormalizer(1, 1.0, 1.0))
     assert math.isclose(out.loss.item(), 0.1 * kl, rel_tol=1e-5)
