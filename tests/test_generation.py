@@ -130,6 +130,7 @@ def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make, mo
 def test_lean_decoder_builds_what_its_model_has():
     """The parts the shared prefill, the cos/sin table and the fused products rely on are in place."""
     from posttrain.generation import lean_decoder
+    from posttrain.models.logprobs import positions_from_mask
     from posttrain.testing import tiny_model
 
     model = tiny_model(hidden=32, layers=2)
@@ -137,7 +138,7 @@ def test_lean_decoder_builds_what_its_model_has():
     ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6]])
     with torch.no_grad():
         decoder = lean_decoder.LeanDecoder(model, mask, 4)
-        logits = decoder.prefill(ids, (mask.long().cumsum(1) - 1).clamp(min=0))
+        logits = decoder.prefill(ids, positions_from_mask(mask))
     assert decoder.rope_table is not None and decoder.rope_table[0].shape == (3 + 4, 8)  # [S, D]
     assert torch.equal(logits[0], logits[2])  # rows 0 and 2 share one prefill
     assert torch.equal(decoder.keys[:, 0, :, :3], decoder.keys[:, 2, :, :3])  # the prompt's 3 cache positions

@@ -79,9 +79,9 @@ def _concatenated(modules, fuse: bool):
     """`x -> cat([m(x) for m in modules], -1)`. With `fuse` and plain float32 Linears, one product with the
     weights (and biases) concatenated once per decode: one kernel instead of three for q/k/v."""
     if fuse and all(_plain_linear(m) for m in modules):
-        weight = torch.cat([m.weight for m in modules])
-        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
-        bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
+        weight, bias = torch.cat([m.weight for m in modules]), None
+        if any(m.bias is not None for m in modules):
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
         return lambda x: F.linear(x, weight, bias)
     calls = [_direct(m) for m in modules]
     return lambda x: torch.cat([call(x) for call in calls], dim=-1)
