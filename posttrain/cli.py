@@ -19,11 +19,15 @@ from posttrain.configs import (UNKNOWN_HINT, ConfigError, GRPOConfig, LoraArgume
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
+def _add_fields(parser: argparse.ArgumentParser, cls, seen: set) -> None:
+    """One flag per field of `cls` not already in `seen` (a field shared by two classes is one flag)."""
     group = parser.add_argument_group(cls.__name__)
     types, helps = field_types(cls), field_help(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, tp in types.items():
+        if name in seen:
+            continue
+        seen.add(name)
         is_list = "list" in str(tp).lower()
         is_bool = tp is bool or str(tp).endswith("bool]")
         kwargs = {"nargs": "+"} if is_list else {"nargs": "?", "const": "true"} if is_bool else {}
@@ -39,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpo = sub.add_parser("grpo", help="Train with GRPO from a YAML config and flags.", allow_abbrev=False,
                           description="Train with GRPO. Flags override the values in --config.")
     grpo.add_argument("--config", help="YAML file of field: value pairs (any field below).")
+    seen: set = set()
     for cls in CONFIG_CLASSES:
-        _add_fields(grpo, cls)
+        _add_fields(grpo, cls, seen)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
     demo.add_argument("--output_dir", default="posttrain-demo")
     demo.add_argument("--max_steps", type=int, default=1200)

@@ -121,7 +121,8 @@ class PromptSource:
     last incomplete round of an epoch is dropped. Iterable datasets are read in order.
     """
 
-    def __init__(self, dataset, encoder: PromptEncoder, per_round: int, shuffle: bool = True, seed: int = 42):
+    def __init__(self, dataset, encoder: PromptEncoder, per_round: int, shuffle: bool = True, seed: int = 42,
+                 full_rounds: bool = True):
         import datasets
 
         self.dataset = dataset
@@ -132,7 +133,7 @@ class PromptSource:
         self.iterable = isinstance(dataset, datasets.IterableDataset)
         self.columns = self._columns()
         self.prompt_ids = None if self.iterable else self._encode_all()
-        if not self.iterable and len(dataset) < per_round:
+        if full_rounds and not self.iterable and len(dataset) < per_round:
             raise DataError(f"The dataset has {len(dataset)} prompts, fewer than the {per_round} unique prompts one "
                             "generation batch needs (generation_batch_size / num_generations): add prompts or "
                             "lower the batch size.")
@@ -177,6 +178,28 @@ class PromptSource:
                 yield PromptRound(rows, [self.prompt_ids[i] for i in idx], epoch + (r + 1) / self.rounds_per_epoch,
                                   idx)
             epoch += 1
+
+    def one_pass(self) -> Iterator[PromptRound]:
+        """Every prompt once, in dataset order, in rounds of `per_round` (the last one may be shorter)."""
+        if self.iterable:
+            batch, index = [], 0
+            for row in self.dataset:
+                check_prompt(row["prompt"], index)
+                batch.append(row)
+                index += 1
+                if len(batch) == self.per_round:
+                    yield self._round(batch, index)
+                    batch = []
+            if batch:
+                yield self._round(batch, index)
+            return
+        for start in range(0, len(self.dataset), self.per_round):
+            idx = list(range(start, min(start + self.per_round, len(self.dataset))))
+            yield PromptRound([self.dataset[i] for i in idx], [self.prompt_ids[i] for i in idx], 1.0, idx)
+
+    def _round(self, batch: list[dict], end: int) -> PromptRound:
+        indices = list(range(end - len(batch), end))
+        return PromptRound(batch, self.encoder.encode([r["prompt"] for r in batch], indices), 1.0, indices)
 
     def _iterable_rounds(self) -> Iterator[PromptRound]:
         epoch, index = 0, 0

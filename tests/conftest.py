@@ -98,3 +98,9 @@ def capture_gradients(trainer) -> list:
 
     trainer.optimizer.step = capturing_step
     return steps
+
+
+def last_train_record(trainer) -> dict:
+    """The last training-step record of log_history (after it comes the end-of-training summary, as in
+    transformers)."""
+    return [r for r in trainer.state.log_history if "loss" in r][-1]

@@ -65,8 +65,8 @@ def test_right_prediction_recomputes_nothing(monkeypatch):
     recomputed = []
     original = chunked._recompute_into
     monkeypatch.setattr(chunked, "_recompute_into",
-                        lambda grads, h, w, b, ids, lse, g, rows, t: recomputed.append(rows.numel()) or
-                        original(grads, h, w, b, ids, lse, g, rows, t))
+                        lambda grads, h, w, b, ids, lse, g, rows, t, *rest: recomputed.append(rows.numel()) or
+                        original(grads, h, w, b, ids, lse, g, rows, t, *rest))
     torch.manual_seed(0)
     h = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(40, 16, requires_grad=True)
@@ -93,3 +93,25 @@ def test_float32_inside_bf16_autocast():
     ref = (h @ w.T).log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
     assert logps.dtype == torch.float32 and torch.allclose(logps, ref, atol=1e-5)
     assert w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("predicted", [False, True])
+def test_entropy_gradient_equals_autograd_of_full_logits(predicted):
+    """With entropy_grad the entropy carries its gradient (for an entropy bonus), through the recomputing backward
+    and beside a predicted log-prob gradient alike."""
+    torch.manual_seed(0)
+    h = torch.randn(7, 5, requires_grad=True)
+    w = torch.randn(11, 5, requires_grad=True)
+    b = torch.randn(11, requires_grad=True)
+    ids = torch.randint(0, 11, (7,))
+    g_logp, g_entropy, temperature = torch.randn(7), torch.randn(7), 0.7
+    predict = (lambda rows, lp: g_logp[rows]) if predicted else None
+    logps, entropy = chunked_token_logprobs(h, w, b, ids, temperature, True, predict, entropy_grad=True)
+    ours = torch.autograd.grad((logps * g_logp).sum() + (entropy * g_entropy).sum(), (h, w, b))
+    log_p = ((h @ w.T + b) / temperature).log_softmax(-1)
+    full_entropy = -(log_p.exp() * log_p).sum(-1)
+    theirs = torch.autograd.grad((log_p.gather(-1, ids[:, None]).squeeze(-1) * g_logp).sum()
+                                 + (full_entropy * g_entropy).sum(), (h, w, b))
+    assert torch.allclose(entropy, full_entropy, atol=1e-5)
+    for a, c in zip(ours, theirs):
+        assert torch.allclose(a, c, atol=1e-5)

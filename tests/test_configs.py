@@ -30,7 +30,7 @@ def test_trl_defaults_and_derived_batches():
     (dict(scale_rewards="std"), "scale_rewards='std'"),
     (dict(delta=1.1), "delta=1.1 must be greater than 1 \\+ epsilon_high"),
     (dict(temperature=0), "temperature=0 must be > 0"),
-    (dict(report_to="tensorboard"), "report_to='tensorboard'"),
+    (dict(report_to="tensorbord"), "report_to='tensorbord' is not one of: none, all, wandb, trackio, tensorboard"),
 ])
 def test_impossible_configs_fail_with_one_sentence(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import capture_gradients, length_reward, tiny_config, variable_length_fast_model, variable_length_model
+from conftest import (capture_gradients, last_train_record, length_reward, tiny_config, variable_length_fast_model,
+                      variable_length_model)
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
@@ -67,7 +68,7 @@ def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, add
                                       generation_batch_size=8, max_completion_length=10, loss_type=loss_type,
                                       beta=0.04)
         results[(micro, accum)] = (params, grads[0])
-        record = trainer.state.log_history[-1]
+        record = last_train_record(trainer)
         lengths = (record["completions/min_length"], record["completions/max_length"])
     assert lengths[0] < lengths[1]  # completions of different lengths: the normalisers really differ
     ref_params, ref_grads = results[(8, 1)]
@@ -144,7 +145,7 @@ def test_callbacks_and_epochs(tokenizer, addition_dataset, tmp_path):
 
     class Recorder:
         def on_log(self, args, state, control, logs=None, **kw):
-            events.append(("log", state.global_step, logs["step"]))
+            events.append(("log", state.global_step, logs["step"], "train_runtime" in logs))
 
         def on_step_end(self, args, state, control, **kw):
             control.should_training_stop = state.global_step >= 2
@@ -154,7 +155,9 @@ def test_callbacks_and_epochs(tokenizer, addition_dataset, tmp_path):
                           processing_class=tokenizer, callbacks=[Recorder()])
     assert trainer.total_steps == 8  # 16 prompts / 2 per generation batch
     trainer.train()
-    assert events == [("log", 1, 1), ("log", 2, 2)] and trainer.state.global_step == 2
+    # two logging steps, then the end-of-training summary (as transformers logs it)
+    assert events == [("log", 1, 1, False), ("log", 2, 2, False), ("log", 2, 2, True)]
+    assert trainer.state.global_step == 2
 
 
 def test_evaluate_reports_rewards(tokenizer, addition_dataset, tmp_path):
@@ -183,7 +186,7 @@ def test_option_paths_train(tokenizer, addition_dataset, tmp_path, options):
 
     rewards = [length_reward, accuracy] if "reward_weights" in options else length_reward
     trainer, _, _ = _run(tokenizer, addition_dataset, tmp_path, reward=rewards, max_steps=2, **options)
-    last = trainer.state.log_history[-1]
+    last = last_train_record(trainer)
     assert math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"]) and last["step"] == 2
 
 
@@ -220,7 +223,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(tokenizer, tmp
         steps = capture_gradients(trainer)
         trainer.train()
         grads.append(steps[0])
-        assert trainer.state.log_history[-1]["frac_reward_zero_std"] > 0
+        assert last_train_record(trainer)["frac_reward_zero_std"] > 0
     for name in grads[1]:
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name
 
@@ -229,7 +232,7 @@ def test_bf16_mixed_precision_trains(tokenizer, addition_dataset, tmp_path):
     """bf16=True (the default on CUDA devices with bf16) runs the whole step under autocast; here on CPU."""
     trainer, _, _ = _run(tokenizer, addition_dataset, tmp_path, max_steps=2, bf16=True, beta=0.04)
     assert trainer.accelerator.mixed_precision == "bf16"
-    last = trainer.state.log_history[-1]
+    last = last_train_record(trainer)
     assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl", "entropy"))
 
 
@@ -237,7 +240,7 @@ def test_bfloat16_weights_train(tokenizer, addition_dataset, tmp_path):
     """A model loaded in bfloat16 (model_init_kwargs dtype) trains; the output layer math is float32."""
     model = tiny_model(tokenizer, hidden=32, layers=1).to(torch.bfloat16)
     trainer, after, _ = _run(tokenizer, addition_dataset, tmp_path, model=model, max_steps=2, beta=0.04)
-    last = trainer.state.log_history[-1]
+    last = last_train_record(trainer)
     assert all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "kl"))
     assert all(p.dtype == torch.bfloat16 for p in after.values())
 
@@ -288,7 +291,7 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
                                                                 **options),
                               train_dataset=addition_dataset, processing_class=tokenizer)
         if not predict:
-            monkeypatch.setattr(trainer, "_loss_gradient", lambda mb, norm: None)
+            monkeypatch.setattr(trainer, "_loss_gradient", lambda mb, norm, bonus=0.0: None)
         sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
                                         lr=trainer.args.learning_rate)
         trainer.optimizer.optimizer = sgd_optimizer
@@ -297,8 +300,11 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
         steps = capture_gradients(trainer)
         recomputed.clear()
         trainer.train()
+        sequence = options.get("importance_sampling_level") == "sequence"
+        # a sequence-level ratio on stored old log-probs, or weighting the KL (use_bias_correction_kl, TRL's
+        # default), ties each token's loss to the rest of its sequence
         token_local = options.get("top_entropy_quantile", 1.0) == 1.0 and not (
-            options.get("importance_sampling_level") == "sequence" and options.get("num_iterations", 1) > 1)
+            sequence and (options.get("num_iterations", 1) > 1 or options.get("beta", 0.0) > 0))
         assert recomputed and (sum(recomputed) == 0) == (predict and token_local), recomputed
         runs.append(steps)
     lengths = trainer.state.log_history[0]

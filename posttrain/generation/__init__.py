@@ -89,6 +89,21 @@ class Rollouts:
             parts[name] = parts[name][:, :last]
         return Rollouts(**parts)
 
+    def padded(self, multiple: int | None) -> "Rollouts":
+        """The same rows with the prompt width (on the left) and the completion width (on the right) padded to a
+        multiple of `multiple`; padding is masked out. None or 1 returns self."""
+        if not multiple or multiple == 1:
+            return self
+        left = -self.prompt_ids.size(1) % multiple
+        right = -self.completion_ids.size(1) % multiple
+        if not left and not right:
+            return self
+        pad = torch.nn.functional.pad
+        return Rollouts(prompt_ids=pad(self.prompt_ids, (left, 0)), prompt_mask=pad(self.prompt_mask, (left, 0)),
+                        completion_ids=pad(self.completion_ids, (0, right)),
+                        completion_mask=pad(self.completion_mask, (0, right)), is_eos=self.is_eos,
+                        sampler_logprobs=pad(self.sampler_logprobs, (0, right)))
+
 
 class Generator(Protocol):
     """What the trainer needs from a generation engine."""

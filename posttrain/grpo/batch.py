@@ -40,7 +40,50 @@ class TrainingBatch:
         return TrainingBatch(rollouts, self.advantages[index], take(self.loss_mask), take(self.old_logps),
                              take(self.ref_logps))
 
+    def padded(self, multiple: int | None) -> "TrainingBatch":
+        """Prompt and completion widths padded to a multiple of `multiple` (see Rollouts.padded)."""
+        rollouts = self.rollouts.padded(multiple)
+        right = rollouts.completion_ids.size(1) - self.rollouts.completion_ids.size(1)
+        if rollouts is self.rollouts:
+            return self
+
+        def pad(x):
+            return None if x is None else torch.nn.functional.pad(x, (0, right))
+
+        return TrainingBatch(rollouts, self.advantages, pad(self.loss_mask), pad(self.old_logps), pad(self.ref_logps))
+
     def micro_batches(self, size: int, generator: torch.Generator) -> list["TrainingBatch"]:
         """Shuffle the rows once and split them into micro-batches of `size`."""
         order = torch.randperm(len(self), generator=generator)
         return [self.select(order[i:i + size]) for i in range(0, len(self), size)]
+
+
+_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs")
+_BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps")
+
+
+def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:
+    """Buffered micro-batches as a flat name -> tensor dict (for a checkpoint's safetensors file)."""
+    out = {}
+    for i, mb in enumerate(buffer):
+        for name in _ROLLOUT_FIELDS:
+            out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
+        for name in _BATCH_FIELDS:
+            value = getattr(mb, name)
+            if value is not None:
+                out[f"{i}.{name}"] = value.contiguous().cpu()
+    return out
+
+
+def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[TrainingBatch]:
+    """The micro-batches `buffer_tensors` flattened, on `device`."""
+    count = len({key.split(".")[0] for key in tensors})
+    buffer = []
+    for i in range(count):
+        def get(name):
+            key = f"{i}.{name}"
+            return tensors[key].to(device) if key in tensors else None
+
+        rollouts = Rollouts(**{name: get(name) for name in _ROLLOUT_FIELDS})
+        buffer.append(TrainingBatch(rollouts, **{name: get(name) for name in _BATCH_FIELDS}))
+    return buffer

@@ -1,28 +1,31 @@
-"""GRPO-family policy losses: pure tensor functions in one name -> function table.
+"""GRPO-family policy losses: pure tensor functions in one name -> (objective, aggregation) table.
 
-A loss is an objective per token (the clipped surrogate of PPO/GRPO, or CISPO's clipped-weight
-REINFORCE), optionally plus beta times the k3 KL to a reference, then aggregated. Aggregation divides
-by a normaliser of the whole optimizer step (all its micro-batches), never of one micro-batch, so
-the update is the same for any split of the step into micro-batches:
+A loss is a per-token objective (PPO/GRPO's clipped surrogate, CISPO's clipped-weight REINFORCE, SAPO's soft gate,
+VESPO's Gamma-weighted REINFORCE), optionally masked (off-policy sequences, low-entropy tokens), plus beta times the
+k3 KL to a reference (times the importance ratio when `use_bias_correction_kl`), then aggregated. Aggregation
+divides by a normaliser of the whole optimizer step (all its micro-batches), never of one micro-batch, so the update
+is the same for any split of the step into micro-batches:
 
-    grpo     sum over sequences of (mean over the sequence's tokens) / sequences in the step
-    bnpo     sum over tokens / tokens in this process's step batch
-    dr_grpo  sum over tokens / (sequences in the step * max_completion_length)
-    dapo     sum over tokens / (tokens in the step across all processes / processes)
-    cispo    as dapo, with CISPO's objective
+    per_sequence_mean   grpo, sapo   sum over sequences of (mean over the sequence's tokens) / sequences in the step
+    local_token_mean    bnpo         sum over tokens / tokens in this process's step batch
+    max_length_mean     dr_grpo      sum over tokens / (sequences in the step * max_completion_length)
+    global_token_mean   dapo, cispo, vespo   sum over tokens / (tokens in the step across processes / processes)
+    sequence_sum_mean   luspo        sum over sequences of (sum over the sequence's tokens) / sequences in the step
 
-(DDP averages gradients over processes, which is why dapo divides by the global count per process.)
+(DDP averages gradients over processes, which is why the global mean divides by the count per process.)
 Shapes: b completions in the micro-batch, C completion tokens.
 """
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
 @dataclass(frozen=True)
 class LossParams:
-    """Hyper-parameters fixed at setup."""
+    """Hyper-parameters fixed at setup (GRPOConfig's fields of the same names)."""
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
@@ -30,6 +33,14 @@ class LossParams:
     beta: float = 0.0
     importance_sampling_level: str = "token"
     max_completion_length: int = 1
+    use_bias_correction_kl: bool = True
+    off_policy_mask_threshold: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -80,14 +91,19 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
+def log_ratio(inp: LossInputs) -> torch.Tensor:
+    """log(pi / pi_old) per token [b, C]; 0 (with pi's gradient) when on-policy."""
+    old = inp.old_logps if inp.old_logps is not None else inp.logps.detach()
+    return inp.logps - old
+
+
 def importance_ratio(inp: LossInputs, level: str) -> torch.Tensor:
     """pi/pi_old per token [b, C], or per sequence [b, 1] as exp(mean log-ratio) (GSPO)."""
-    old = inp.old_logps if inp.old_logps is not None else inp.logps.detach()
-    log_ratio = inp.logps - old
+    log_r = log_ratio(inp)
     if level == "sequence":
         mask = inp.mask.float()
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    return torch.exp(log_ratio)
+        log_r = ((log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return torch.exp(log_r)
 
 
 def k3_kl(inp: LossInputs) -> torch.Tensor:
@@ -96,9 +112,13 @@ def k3_kl(inp: LossInputs) -> torch.Tensor:
     return torch.exp(diff) - diff - 1
 
 
-def clipped_surrogate(inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
+# ------------------------------------------------------------------ per-token objectives
+# Each takes the inputs, the params and the importance ratio ([b, C], or [b, 1] at sequence level), and returns the
+# per-token loss (broadcastable to [b, C]) and token sums for metrics.
+
+
+def clipped_surrogate(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """-min(r A, clip(r, 1-eps_low, 1+eps_high) A) per token, with r capped at delta when set."""
-    ratio = importance_ratio(inp, p.importance_sampling_level)
     adv = inp.advantages.unsqueeze(-1)
     clipped = ratio.clamp(1 - p.epsilon_low, 1 + p.epsilon_high)
     unclipped = ratio.clamp(max=p.delta) if p.delta is not None else ratio
@@ -114,65 +134,132 @@ def clipped_surrogate(inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dic
     return loss, stats
 
 
-def cispo_objective(inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
-    """-min(r, eps_high).detach() * A * logp per token (CISPO: the weight is clipped, the gradient kept)."""
-    ratio = importance_ratio(inp, p.importance_sampling_level)
-    weight = ratio.clamp(max=p.epsilon_high).detach()
-    loss = -weight * inp.advantages.unsqueeze(-1) * inp.logps
+def cispo_objective(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """-min(r, eps_high).detach() * A * logp per token (CISPO: the weight is clipped, the gradient kept).
+
+    Its clip count, as TRL's, is the tokens with r > eps_high and a positive advantage."""
+    adv = inp.advantages.unsqueeze(-1)
+    loss = -ratio.clamp(max=p.epsilon_high).detach() * adv * inp.logps
     with torch.no_grad():
-        stats = {"cispo_clip": _masked_sum((ratio > p.epsilon_high).float().expand_as(inp.mask), inp.mask.float())}
+        clipped = ((ratio > p.epsilon_high) & (adv > 0)).float().expand_as(inp.mask)
+        stats = {"cispo_clip": _masked_sum(clipped, inp.mask.float())}
     return loss, stats
 
 
-def _per_token(objective, inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
-    loss, stats = objective(inp, p)
+def sapo_objective(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """-sigmoid(t (r - 1)) * 4 / t * A per token (SAPO's soft gate in place of clipping); t is
+    sapo_temperature_pos for A > 0, sapo_temperature_neg otherwise. At r = 1 the gate is 2 / t, with slope 1."""
+    adv = inp.advantages.unsqueeze(-1)
+    t = torch.where(adv > 0, p.sapo_temperature_pos, p.sapo_temperature_neg)
+    return -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv, {}
+
+
+def vespo_weights(inp: LossInputs, p: LossParams) -> torch.Tensor:
+    """VESPO's Gamma weight per sequence [b, 1], detached: phi(w) = exp(lambda + k log w - lambda w) with w the
+    sequence's importance weight exp(sum of clamped token log-ratios); (k, lambda) by the advantage's sign.
+    phi(1) = 1, so on-policy every weight is 1."""
+    with torch.no_grad():
+        mask = inp.mask.float()
+        seq = (log_ratio(inp).clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+        log_w = seq.clamp(math.log(1e-8), 20.0)
+        nonneg = inp.advantages.unsqueeze(-1) >= 0
+        k = torch.where(nonneg, p.vespo_k_pos, p.vespo_k_neg)
+        lam = torch.where(nonneg, p.vespo_lambda_pos, p.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_objective(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """-phi * A * logp per token, phi the detached Gamma weight of the sequence (VESPO)."""
+    phi = vespo_weights(inp, p)
+    loss = -phi * inp.advantages.unsqueeze(-1) * inp.logps
+    return loss, {"phi_sum": phi.sum(), "sequences": torch.tensor(float(phi.size(0)), device=phi.device)}
+
+
+def off_policy_keep(inp: LossInputs, p: LossParams) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask [b, 1]: 1 where the advantage is >= 0 or the sequence's mean
+    per-token KL(sampler || policy), estimated as mean(old - logp), is at most off_policy_mask_threshold."""
+    old = inp.old_logps if inp.old_logps is not None else inp.logps.detach()
+    mask = inp.mask.float()
+    kl = torch.nan_to_num(old - inp.logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    keep = (inp.advantages.unsqueeze(-1) >= 0) | (mean_kl <= p.off_policy_mask_threshold)
+    return keep.to(mask.dtype)
+
+
+def per_token_loss(objective, inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
+    """The objective with its masks, plus the KL term: [b, C] (or broadcastable) loss, and stats."""
+    ratio = importance_ratio(inp, p.importance_sampling_level)
+    loss, stats = objective(inp, p, ratio)
+    if p.off_policy_mask_threshold is not None:
+        loss = loss * off_policy_keep(inp, p)
     if inp.entropy_mask is not None:
         loss = loss * inp.entropy_mask
     if p.beta != 0.0:
         kl = k3_kl(inp)
+        if p.use_bias_correction_kl:
+            kl = kl * ratio  # the ratio's gradient makes the KL gradient the unbiased reverse-KL one
         loss = loss + p.beta * kl
         stats["kl"] = _masked_sum(kl.detach(), inp.mask.float())
     stats["tokens"] = inp.mask.float().sum()
     return loss, stats
 
 
-def grpo_loss(inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-    """Clipped surrogate, mean over each sequence's tokens, then over the step's sequences."""
-    loss, stats = _per_token(clipped_surrogate, inp, p)
-    mask = inp.mask.float()
-    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    return LossOutputs(per_seq.sum() / norm.sequences, stats)
+# ------------------------------------------------------------------ aggregations over the step
 
 
-def bnpo_loss(inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-    """Clipped surrogate, mean over the tokens of this process's step batch."""
-    loss, stats = _per_token(clipped_surrogate, inp, p)
-    return LossOutputs(_masked_sum(loss, inp.mask.float()) / max(norm.tokens, 1.0), stats)
+def per_sequence_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.Tensor:
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / norm.sequences
 
 
-def dr_grpo_loss(inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-    """Clipped surrogate, summed and divided by sequences * max_completion_length (Dr. GRPO)."""
-    loss, stats = _per_token(clipped_surrogate, inp, p)
-    return LossOutputs(_masked_sum(loss, inp.mask.float()) / (norm.sequences * p.max_completion_length), stats)
+def local_token_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.Tensor:
+    return _masked_sum(loss, mask) / max(norm.tokens, 1.0)
 
 
-def dapo_loss(inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-    """Clipped surrogate, mean over the tokens of the global step batch (DAPO's token-level loss)."""
-    loss, stats = _per_token(clipped_surrogate, inp, p)
-    return LossOutputs(_masked_sum(loss, inp.mask.float()) / max(norm.tokens_per_process, 1.0), stats)
+def max_length_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.Tensor:
+    return _masked_sum(loss, mask) / (norm.sequences * p.max_completion_length)
 
 
-def cispo_loss(inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-    """CISPO's objective, normalised as dapo."""
-    loss, stats = _per_token(cispo_objective, inp, p)
-    return LossOutputs(_masked_sum(loss, inp.mask.float()) / max(norm.tokens_per_process, 1.0), stats)
+def global_token_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.Tensor:
+    return _masked_sum(loss, mask) / max(norm.tokens_per_process, 1.0)
 
 
-LOSSES = {"grpo": grpo_loss, "bnpo": bnpo_loss, "dr_grpo": dr_grpo_loss, "dapo": dapo_loss, "cispo": cispo_loss}
+def sequence_sum_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.Tensor:
+    return _masked_sum(loss, mask) / norm.sequences
 
 
-def get_loss(name: str):
-    """The loss function registered under `name`."""
+@dataclass(frozen=True)
+class Loss:
+    """A loss type: its per-token objective and how the step aggregates it."""
+
+    objective: Callable
+    aggregate: Callable
+
+    def __call__(self, inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
+        loss, stats = per_token_loss(self.objective, inp, p)
+        return LossOutputs(self.aggregate(loss, inp.mask.float(), norm, p), stats)
+
+
+LOSSES = {
+    "grpo": Loss(clipped_surrogate, per_sequence_mean),
+    "bnpo": Loss(clipped_surrogate, local_token_mean),
+    "dr_grpo": Loss(clipped_surrogate, max_length_mean),
+    "dapo": Loss(clipped_surrogate, global_token_mean),
+    "cispo": Loss(cispo_objective, global_token_mean),
+    "sapo": Loss(sapo_objective, per_sequence_mean),
+    "luspo": Loss(clipped_surrogate, sequence_sum_mean),
+    "vespo": Loss(vespo_objective, global_token_mean),
+}
+
+
+def get_loss(name: str) -> Loss:
+    """The loss registered under `name`."""
     if name not in LOSSES:
         raise ValueError(f"Unknown loss_type {name!r}: choose one of {', '.join(LOSSES)}.")
     return LOSSES[name]
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """The step's mean per-token entropy, this micro-batch's share: sum(entropy * mask) / (step tokens across
+    processes / processes). Subtracted from the loss times entropy_coef; [b, C] entropy (with grad) -> scalar."""
+    return _masked_sum(entropy, mask.float()) / max(norm.tokens_per_process, 1.0)

@@ -40,7 +40,7 @@ def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
     """Token-weighted means over the step's micro-batches and all processes: entropy, kl, clip_ratio/*."""
     device = accelerator.device
     sums = {k: accelerator.reduce(torch.stack([s[k].float() for s in stats]).sum().to(device), reduction="sum")
-            for k in stats[0] if not k.endswith("_seq") and k != "loss"}
+            for k in stats[0] if not k.endswith("_seq") and k not in ("loss", "policy_loss")}
     tokens = max(float(sums.pop("tokens")), 1.0)
     out = {"entropy": float(sums["entropy"]) / max(float(sums.pop("entropy_tokens")), 1.0)}
     if beta != 0.0:
@@ -57,4 +57,6 @@ def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
                     "clip_ratio/region_mean": float(sums["clip_region"]) / tokens})
     if "cispo_clip" in sums:
         out["cispo_clip_ratio"] = float(sums["cispo_clip"]) / tokens
+    if "phi_sum" in sums:
+        out["vespo/phi_seq_mean"] = float(sums["phi_sum"]) / max(float(sums["sequences"]), 1.0)
     return out

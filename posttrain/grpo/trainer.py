@@ -1,4 +1,5 @@
-"""The GRPO trainer: one loop on accelerate that composes the stages.
+"""The GRPO trainer: its data (prompt rounds, generation, rewards) and its step, on the shared loop
+(training/trainer.py).
 
     round      = next(prompt rounds)                    # B unique prompts, same on every process
     rollouts   = generator.generate(my share, G each)   # token ids, masks, sampler log-probs
@@ -14,29 +15,27 @@ is independent of how many micro-batches make an optimizer step (gradient_accumu
 import contextlib
 import copy
 import math
-import os
-import time
-from dataclasses import dataclass, field
 
 import torch
+from transformers import TrainerState  # noqa: F401  (what reward functions receive as trainer_state)
 
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.data import DataError, PromptEncoder, PromptSource
 from posttrain.errors import UserError
 from posttrain.generation import make_generator
 from posttrain.grpo.advantages import group_advantages
-from posttrain.grpo.evaluation import evaluate_rewards
-from posttrain.grpo.batch import TrainingBatch
-from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss
+from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
+from posttrain.grpo.completions import CompletionLog, RewardLogs
+from posttrain.grpo.entropy import EntropyControl
+from posttrain.grpo.evaluation import evaluation_metrics
+from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
+from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
 from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, reference_mode
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
-from posttrain.training.checkpoint import load_checkpoint, save_checkpoint
-from posttrain.training.checkpoint import resolve as resolve_checkpoint
-from posttrain.training.logging import MetricsLogger
-from posttrain.training.optim import make_optimizer, make_scheduler
-from posttrain.training.saving import append_completions, save_merged, save_policy
+from posttrain.training.checkpoint import save_checkpoint
+from posttrain.training.trainer import Trainer
 from posttrain.weights import export_weights
 
 
@@ -44,110 +43,91 @@ class TrainingError(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
 
 
-@dataclass
-class TrainerState:
-    """What reward functions and callbacks see of the run (the attributes TRL users read)."""
-
-    global_step: int = 0
-    max_steps: int = 0
-    epoch: float = 0.0
-    num_train_epochs: float = 0.0
-    log_history: list = field(default_factory=list)
-
-
-@dataclass
-class TrainerControl:
-    """Callbacks may set `should_training_stop` to end the run after the current step."""
-
-    should_training_stop: bool = False
-
-
-def _accelerator(cpu: bool, mixed_precision: str):
-    """An Accelerator; in a process that already made one with another precision (a notebook, a test run),
-    its process-wide state is reset first. The distributed state (process group) is kept."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
-
-
-class GRPOTrainer:
+class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization, with TRL's GRPOTrainer signature.
 
     Args:
         model: a causal LM, or the path / hub id of one.
         reward_funcs: a reward function, a built-in name, a dotted import path, a reward model (or its path),
             or a list of these.
-        args: the GRPOConfig.
+        args: the GRPOConfig (default: TRL's defaults, output_dir `<model name>-GRPO`).
         train_dataset: a `datasets.Dataset` or `IterableDataset` with a `prompt` column.
-        eval_dataset: prompts for `evaluate()`.
-        processing_class: the tokenizer; loaded from the model's path when None.
+        eval_dataset: prompts for evaluation (a dataset, or a dict of them).
+        processing_class: the tokenizer (or a processor holding one); loaded from the model's path when None.
+        reward_processing_classes: tokenizers of reward models (one, or one per reward function; None entries load
+            the reward model's own).
+        callbacks: transformers TrainerCallbacks (instances or classes), see training/callbacks.py.
+        optimizers: (optimizer, lr_scheduler); None entries are built from the config.
         peft_config: a peft LoraConfig to train adapters instead of all weights (needs `posttrain[peft]`).
-        callbacks: objects with any of on_train_begin / on_step_end / on_log / on_save / on_train_end, called as
-            transformers' TrainerCallback methods are: (args, state, control, **kwargs).
     """
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, callbacks=None):
-        from accelerate.utils import set_seed
+    _title = "GRPO"
+    # fields whose change makes a checkpoint's optimizer state, buffer or data position mean something else
+    _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                       "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
+                       "seed", "shuffle_dataset")
 
-        self.args = args = args or GRPOConfig()
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
+        super().__init__(args, callbacks, optimizers)
         if train_dataset is None:
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
-        self.accelerator = _accelerator(args.use_cpu, self._mixed_precision())
-        set_seed(args.seed)
-        self.callbacks = list(callbacks or [])
-        self.state, self.control = TrainerState(), TrainerControl()
-
-        trust_remote_code = bool((args.model_init_kwargs or {}).get("trust_remote_code", False))
-        model = load_causal_lm(model, args.model_init_kwargs)
-        self.tokenizer = load_tokenizer(processing_class or model.config._name_or_path, trust_remote_code)
+        trust_remote_code = args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
+        model = load_causal_lm(model, {"trust_remote_code": trust_remote_code, **(args.model_init_kwargs or {})})
+        self.processing_class = processing_class or load_tokenizer(model.config._name_or_path, trust_remote_code)
+        self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
         model = self._prepare_model(model, peft_config)
         self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, trust_remote_code)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, trust_remote_code, reward_processing_classes)
         self.reward_weights = self._reward_weights()
         for f in self.reward_funcs:
             if f.model is not None:
                 f.model.to(self.accelerator.device)
 
-        encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length,
-                                getattr(model.config, "max_position_embeddings", None), args.max_completion_length)
-        self.prompts = PromptSource(train_dataset, encoder, args.prompts_per_generation, args.shuffle_dataset, args.seed)
-        check_required_columns(self.reward_funcs, self.prompts.columns)
+        self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length,
+                                     getattr(model.config, "max_position_embeddings", None),
+                                     args.max_completion_length)
+        data_seed = args.data_seed if args.data_seed is not None else args.seed
+        self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
+                                    data_seed)
+        # TRL's remove_unused_columns=True drops every column but the prompt before the reward functions see them
+        self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
+        check_required_columns(self.reward_funcs, self.reward_columns)
         self.eval_dataset = eval_dataset
-        self.encoder = encoder
 
-        self.total_steps = self._total_steps()
-        self.state.max_steps, self.state.num_train_epochs = self.total_steps, args.num_train_epochs
-        optimizer = make_optimizer(model, args)
-        scheduler = make_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.policy = self.accelerator.unwrap_model(self.model)
+        self._prepare(model, self._total_steps())
         self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
         self.loss_fn = get_loss(args.loss_type)
-        self.loss_params = LossParams(args.epsilon, args.epsilon_high, args.delta, args.beta,
-                                      args.importance_sampling_level, args.max_completion_length)
+        self.loss_params = LossParams(
+            args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,
+            args.max_completion_length, args.use_bias_correction_kl, args.off_policy_mask_threshold,
+            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
+            args.vespo_k_neg, args.vespo_lambda_neg)
+        self.entropy_control = EntropyControl.from_config(args)
         # Old log-probs are needed only when an optimizer step can land between sampling and training.
         self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-        # A row with advantage 0 has zero gradient unless a KL term or an entropy quantile (which looks at
-        # every row) involves it: such rows skip the forward and backward.
-        self.skip_zero_advantage_rows = args.beta == 0.0 and args.top_entropy_quantile >= 1.0
-        self.shuffle_rng = torch.Generator().manual_seed(args.seed)
+        # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
+        # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
+        # covers every sequence.)
+        self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
+                                         and not self.entropy_control.enabled and args.loss_type != "vespo")
+        self.pad_to_multiple_of = self._padding_multiple()
+        self.shuffle_rng = torch.Generator().manual_seed(data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
         self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
+        self._stream_epoch = 0.0
         self._pending_metrics: dict = {}
+        self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
+        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
-
-    def _mixed_precision(self) -> str:
-        bf16 = self.args.bf16
-        if bf16 is None:
-            bf16 = (not self.args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-        return "bf16" if bf16 else "no"
 
     def _prepare_model(self, model, peft_config):
         args = self.args
@@ -157,11 +137,10 @@ class GRPOTrainer:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if args.cast_lm_head_to_fp32:
+            cast_output_layer_to_fp32(model)
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
-            if hasattr(model, "enable_input_require_grads"):
-                model.enable_input_require_grads()
+            enable_checkpointing(model, args.gradient_checkpointing_kwargs)
         model.config.use_cache = False
         return model.to(self.accelerator.device).train()
 
@@ -174,6 +153,10 @@ class GRPOTrainer:
         if self.args.beta == 0.0:
             return None, None
         if is_peft_model(model):
+            if self.args.sync_ref_model:
+                raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "
+                                  "reference is the policy with adapters off): set sync_ref_model=False, or train "
+                                  "all weights.")
             return None, (add_reference_adapter(model) if came_with_adapter else None)
         return copy.deepcopy(model).eval().requires_grad_(False), None
 
@@ -183,8 +166,14 @@ class GRPOTrainer:
             return torch.ones(len(self.reward_funcs))
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
-                             "functions: give one weight per function.")
+                              "functions: give one weight per function.")
         return torch.tensor([float(w) for w in weights])
+
+    def _padding_multiple(self) -> int | None:
+        multiple = self.args.pad_to_multiple_of
+        if multiple == "auto":  # Neuron compiles once per shape; nowhere else does padding pay
+            return 128 if self.accelerator.device.type == "neuron" else None
+        return multiple
 
     def _total_steps(self) -> int:
         args = self.args
@@ -210,11 +199,15 @@ class GRPOTrainer:
         start = self.accelerator.process_index * n
         return items[start:start + n]
 
-    def _generate_and_score(self) -> TrainingBatch:
-        args, G = self.args, self.args.num_generations
+    def _next_round(self):
         prompt_round = next(self._rounds)
         self.rounds_consumed += 1
-        self.state.epoch = prompt_round.epoch
+        self._stream_epoch = prompt_round.epoch
+        return prompt_round
+
+    def _generate_and_score(self) -> TrainingBatch:
+        args, G = self.args, self.args.num_generations
+        prompt_round = self._next_round()
         rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
         prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
         prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
@@ -223,10 +216,11 @@ class GRPOTrainer:
 
         prompts = [row["prompt"] for row in rows]
         completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
-        columns = {c: [row[c] for row in rows] for c in self.prompts.columns}
+        columns = {c: [row[c] for row in rows] for c in self.reward_columns}
         bad_rows = [] if args.on_bad_reward == "skip" else None
+        logs = RewardLogs()
         local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
-                              self.state.global_step + 1, bad_rows, prompt_indices)
+                              self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers())
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
         adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
@@ -241,10 +235,11 @@ class GRPOTrainer:
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
                                  **({"rewards/skipped_groups": skipped} if bad_rows is not None else {}),
                                  **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
-                                                      self.accelerator.gather(rollouts.is_eos).cpu())}
-        if args.log_completions and self.accelerator.is_main_process:
-            append_completions(os.path.join(args.output_dir, "completions.jsonl"), self.state.global_step + 1,
-                               prompts, texts, local_rewards)
+                                                      self.accelerator.gather(rollouts.is_eos).cpu()),
+                                 **logs.reduced_metrics(self.accelerator)}
+        if args.log_completions:
+            self.completion_log.add(self.state.global_step + 1, prompts, texts, rewards, adv.advantages,
+                                    logs.gathered_extra(self.accelerator, len(rows)))
         return batch
 
     def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, n_local: int) -> int:
@@ -267,10 +262,11 @@ class GRPOTrainer:
         size = self.args.per_device_train_batch_size
         with torch.no_grad(), self.accelerator.autocast():
             for i in range(0, len(rollouts), size):
-                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts))))
+                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts)))).padded(self.pad_to_multiple_of)
                 lp, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                                        self.args.temperature)
-                # select() trimmed the columns; pad back to the rollouts' width
+                # select() trimmed the columns (and padding may have widened them): back to the rollouts' width
+                lp = lp[:, :rollouts.completion_ids.size(1)]
                 logps.append(torch.nn.functional.pad(lp, (0, rollouts.completion_ids.size(1) - lp.size(1))))
         return torch.cat(logps)
 
@@ -286,9 +282,12 @@ class GRPOTrainer:
 
     def _normalizer(self, micro: list[TrainingBatch]) -> StepNormalizer:
         tokens = sum(float(m.loss_mask.sum()) for m in micro)
-        total = self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), reduction="sum")
+        seen = sum(float(m.rollouts.prompt_mask.sum() + m.rollouts.completion_mask.sum()) for m in micro)
+        totals = self.accelerator.reduce(torch.tensor([tokens, seen], device=self.accelerator.device),
+                                         reduction="sum")
+        self.state.total_flos += self._flops_per_token * float(totals[1])
         return StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
-                              tokens_per_process=float(total) / self.accelerator.num_processes)
+                              tokens_per_process=float(totals[0]) / self.accelerator.num_processes)
 
     def _entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         q = self.args.top_entropy_quantile
@@ -314,14 +313,19 @@ class GRPOTrainer:
                             mask=mb.loss_mask, entropy_mask=entropy_mask)
         return self.loss_fn(inputs, self.loss_params, norm)
 
-    def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer):
+    def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float = 0.0):
         """[b, C] log-probs -> d loss / d log-probs, when each token's loss term depends on its own log-prob only.
 
-        It lets the output layer's gradient be computed during the forward (models/chunked.py). Not so with an
-        entropy quantile (it looks at every token) or a sequence-level ratio to stored old log-probs.
+        It lets the output layer's gradient be computed in the forward (models/chunked.py). Not so with an entropy
+        quantile (it looks at every token) or bonus (its gradient is recomputed anyway), a sequence-level ratio or
+        weight on stored old log-probs, or a bias-corrected KL weighted by a sequence-level ratio.
         """
-        if self.args.top_entropy_quantile < 1.0 or (
-                mb.old_logps is not None and self.args.importance_sampling_level == "sequence"):
+        args = self.args
+        sequence_level = args.importance_sampling_level == "sequence"
+        off_policy = mb.old_logps is not None and (sequence_level or args.loss_type == "vespo"
+                                                   or args.off_policy_mask_threshold is not None)
+        sequence_kl = args.beta != 0.0 and args.use_bias_correction_kl and sequence_level
+        if args.top_entropy_quantile < 1.0 or bonus != 0.0 or off_policy or sequence_kl:
             return None
 
         def gradient(logps: torch.Tensor) -> torch.Tensor:
@@ -331,130 +335,143 @@ class GRPOTrainer:
 
         return gradient
 
-    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool) -> dict:
+    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool, bonus: float) -> dict:
         all_tokens = mb.loss_mask.sum()
         if self.skip_zero_advantage_rows:
             mb = self._rows_with_gradient(mb)
+        mb = mb.padded(self.pad_to_multiple_of)
         r = mb.rollouts
         sync_ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
         with sync_ctx, self.accelerator.autocast():
             logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                             r.completion_mask, self.args.temperature, with_entropy=True,
-                                            loss_gradient=self._loss_gradient(mb, norm))
-            out = self._loss(mb, logps, norm, self._entropy_mask(entropy, mb.loss_mask))
-            self.accelerator.backward(out.loss)
+                                            loss_gradient=self._loss_gradient(mb, norm, bonus),
+                                            entropy_grad=self.entropy_control.enabled)
+            kept = self._entropy_mask(entropy.detach(), mb.loss_mask)
+            out = self._loss(mb, logps, norm, kept)
+            effective = mb.loss_mask if kept is None else kept
+            loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
+            self.accelerator.backward(loss)
+        entropy = entropy.detach()
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
-        return dict(out.stats, tokens=all_tokens, loss=out.loss.detach(), entropy=(entropy * mb.loss_mask).sum(),
-                    entropy_tokens=mb.loss_mask.sum())
+        return dict(out.stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.loss.detach(),
+                    entropy=(entropy * mb.loss_mask).sum(), entropy_tokens=mb.loss_mask.sum(),
+                    bonus_entropy=(entropy * effective).sum(), bonus_tokens=effective.sum())
 
     def _optimizer_step(self) -> dict:
-        micro = [self._next_micro_batch() for _ in range(self.args.gradient_accumulation_steps)]
+        args = self.args
+        micro = [self._next_micro_batch() for _ in range(args.gradient_accumulation_steps)]
         norm = self._normalizer(micro)
-        stats = [self._micro_step(mb, norm, sync=(i == len(micro) - 1)) for i, mb in enumerate(micro)]
+        bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
+        stats = []
+        for i, mb in enumerate(micro):
+            stats.append(self._micro_step(mb, norm, sync=(i == len(micro) - 1), bonus=bonus))
+            if i < len(micro) - 1:
+                self._call("on_substep_end")
         grad_norm = self._clip_gradients()
-        step = self.state.global_step + 1
         loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
+        self._check_finite(loss, grad_norm)
+        self._call("on_pre_optimizer_step")
+        self.optimizer.step()
+        self._call("on_optimizer_step")
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = loss_metrics(stats, self.accelerator, args.beta)
+        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0])
+        if self.entropy_control.enabled:
+            metrics.update(self._entropy_step(stats))
+        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
+            self._sync_reference()
+        metrics.update(self._pending_metrics)
+        self._pending_metrics = {}
+        return metrics
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state."""
+        step = self.state.global_step + 1
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if not math.isfinite(value):
                 self.optimizer.zero_grad(set_to_none=True)
                 path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
                 raise TrainingError(f"Step {step}: {name} is {value}; the update was not applied and the last good "
                                     f"state is saved in {path}. Lower the learning_rate or check the rewards.")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = loss_metrics(stats, self.accelerator, self.args.beta)
-        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.scheduler.get_last_lr()[0])
-        return metrics
+
+    def _entropy_step(self, stats: list[dict]) -> dict:
+        """Update the entropy coefficient from the step's entropy across processes; its metrics."""
+        device = self.accelerator.device
+        local = torch.stack([sum(s["bonus_entropy"] for s in stats).float(),
+                             sum(s["bonus_tokens"] for s in stats).float()]).to(device)
+        total = self.accelerator.reduce(local, reduction="sum")
+        self.entropy_control.update(float(total[0]) / max(float(total[1]), 1.0))
+        policy = float(self.accelerator.reduce(sum(s["policy_loss"] for s in stats), reduction="mean"))
+        return {"policy_loss": policy, "entropy_coef": self.entropy_control.coef}
+
+    def _sync_reference(self) -> None:
+        """TR-DPO: ref = alpha * policy + (1 - alpha) * ref, parameter by parameter."""
+        alpha = self.args.ref_model_mixup_alpha
+        with torch.no_grad():
+            for ref, pol in zip(self.ref_model.parameters(), self.policy.parameters()):
+                ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         return float(self.accelerator.clip_grad_norm_(params, max_norm))
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
-    def _resume(self, path: str) -> None:
-        """Restore everything a checkpoint holds and move the prompt stream to where it was."""
-        state = load_checkpoint(self, path)
-        self.state.global_step, self.state.epoch = state["global_step"], state["epoch"]
-        self.state.log_history = state["log_history"]
+    def _epoch(self) -> float:
+        """Epochs of data trained on: micro-batches consumed over micro-batches per epoch (the stream's epoch for an
+        iterable dataset)."""
+        rounds = self.prompts.rounds_per_epoch
+        if rounds is None:
+            return self._stream_epoch
+        per_round = self.args.steps_per_generation * self.args.num_iterations
+        return (self.rounds_consumed * per_round - len(self.buffer)) / (rounds * per_round)
+
+    def _skip_rest_of_epoch(self) -> None:
+        rounds = self.prompts.rounds_per_epoch
+        if rounds is None:
+            return
+        self.buffer = []
+        for _ in range(-self.rounds_consumed % rounds):
+            self._next_round()
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        return evaluation_metrics(self, dataset, prefix)
+
+    def log(self, logs: dict, start_time=None, to_file: bool = True) -> None:
+        super().log(logs, start_time, to_file)
+        if "loss" in logs:
+            self.completion_log.show(self.state.global_step)
+
+    def _checkpoint_meta(self) -> dict:
+        return {"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()}
+
+    def _restore_position(self, state: dict) -> None:
+        """Move the prompt stream to where the checkpoint left it (or to the start, with ignore_data_skip)."""
         self._rounds = self.prompts.rounds()
-        for _ in range(state["rounds_consumed"]):
-            next(self._rounds)
         self.rounds_consumed = state["rounds_consumed"]
+        if not self.args.ignore_data_skip:
+            for _ in range(self.rounds_consumed):
+                next(self._rounds)
+        if "entropy_control" in state:
+            self.entropy_control.load(state["entropy_control"])
 
-    def train(self, resume_from_checkpoint=None) -> TrainerState:
-        """Run `max_steps` optimizer steps (or `num_train_epochs`), then save the final model.
+    def _checkpoint_tensors(self) -> dict:
+        return buffer_tensors(self.buffer)
 
-        Args:
-            resume_from_checkpoint: a checkpoint directory, or True for the newest in output_dir; default
-                `args.resume_from_checkpoint`.
-        """
-        args = self.args
-        path = resolve_checkpoint(resume_from_checkpoint if resume_from_checkpoint is not None
-                                  else args.resume_from_checkpoint, args.output_dir)
-        if path is not None:
-            self._resume(path)
-        logger = MetricsLogger(args.output_dir, self.total_steps, args.logging_steps, args.report_to,
-                               enabled=self.accelerator.is_main_process, run_config=args.to_dict(),
-                               append=path is not None, start_step=self.state.global_step)
-        self._callback("on_train_begin")
-        try:
-            while self.state.global_step < self.total_steps and not self.control.should_training_stop:
-                start = time.perf_counter()
-                metrics = self._optimizer_step()
-                self.state.global_step += 1
-                metrics.update(self._pending_metrics, step_time=time.perf_counter() - start)
-                self._pending_metrics = {}
-                logger.add(metrics)
-                record = logger.step_done(self.state.global_step, self.state.epoch)
-                self._callback("on_step_end")
-                if record is not None:
-                    self.state.log_history.append(record)
-                    self._callback("on_log", logs=record)
-                if args.save_strategy == "steps" and self.state.global_step % args.save_steps == 0:
-                    save_checkpoint(self, args.output_dir, args.save_total_limit)
-                    self._callback("on_save")
-        finally:
-            logger.close()
-        self.save_model(args.output_dir)
-        if args.save_merged:
-            self.save_merged(os.path.join(args.output_dir, "merged"))
-        self._callback("on_train_end")
-        self.logger = logger
-        return self.state
+    def _load_checkpoint_tensors(self, tensors: dict, device) -> None:
+        self.buffer = buffer_from_tensors(tensors, device)
+
+    def _checkpoint_generators(self) -> dict:
+        return {"sampler": self.generator.rng, "shuffle": self.shuffle_rng}
+
+    def _checkpoint_models(self) -> dict:
+        return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
 
     def close(self) -> None:
         """Release the generator and, in a multi-process run, the process group (call once, at the end)."""
         self.generator.close()
-        self.accelerator.wait_for_everyone()
-        self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
-
-    def _callback(self, event: str, **kwargs):
-        for cb in self.callbacks:
-            method = getattr(cb, event, None)
-            if method is not None:
-                method(self.args, self.state, self.control, **kwargs)
-
-    def save_model(self, output_dir: str) -> None:
-        """Save the model (or adapter), tokenizer and config to `output_dir`, from the main process."""
-        self._on_main(save_policy, self.policy, self.tokenizer, self.args.to_dict(), output_dir)
-
-    def save_merged(self, output_dir: str) -> None:
-        """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
-        self._on_main(save_merged, self.policy, self.tokenizer, output_dir)
-
-    def _on_main(self, fn, *args):
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            fn(*args)
-        self.accelerator.wait_for_everyone()
-
-    def evaluate(self, eval_dataset=None) -> dict:
-        """Sample G completions for every prompt of the eval dataset and return reward means (eval_*)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate).")
-        return evaluate_rewards(self, dataset)
+        super().close()

@@ -111,16 +111,17 @@ def _d_logits(probs: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, temperatu
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad)
+    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad, entropy_grad)
     -> (logps [M], entropy [M])."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad):
+    def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad=False):
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad)
+            return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad,
+                                                 entropy_grad)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad):
+    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad):
         w32, b32 = _float32(weight, bias)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
@@ -140,49 +141,70 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 g = predict_grad(rows, chosen).float()
                 predicted[rows] = g
                 grads.add(rows, _d_logits(weights.div_(z[:, None]), ids[rows], g, temperature), h[rows], w32)
-        ctx.save_for_backward(h, weight, bias, ids, lse_all, predicted)
+        ctx.save_for_backward(h, weight, bias, ids, lse_all, predicted, entropy if entropy_grad else None)
         ctx.temperature = temperature
         ctx.grads = grads
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
+    def backward(ctx, grad_logps, grad_entropy):
         with torch.autocast(device_type=grad_logps.device.type, enabled=False):
-            return ChunkedTokenLogprobs._backward(ctx, grad_logps)
+            return ChunkedTokenLogprobs._backward(ctx, grad_logps, grad_entropy)
 
     @staticmethod
-    def _backward(ctx, grad_logps):
-        h, weight, bias, ids, lse_all, predicted = ctx.saved_tensors
+    def _backward(ctx, grad_logps, grad_entropy):
+        h, weight, bias, ids, lse_all, predicted, entropy = ctx.saved_tensors
         grads, ctx.grads = ctx.grads, None
         grad_logps = grad_logps.float()
+        grad_entropy = grad_entropy.float() if ctx.entropy_grad and grad_entropy is not None else None
         if grads is None:
             grads = _Grads(h, weight, bias, ctx.needs_input_grad)
             rows = torch.arange(h.size(0), device=h.device)
-        else:  # only what the prediction missed
+        else:  # only what the prediction missed (the entropy's gradient is never predicted)
             grad_logps = grad_logps - predicted
-            rows = grad_logps.nonzero().squeeze(1)
-        _recompute_into(grads, h, weight, bias, ids, lse_all, grad_logps, rows, ctx.temperature)
-        return (*grads.result(weight, bias), None, None, None, None)
+            missed = grad_logps != 0 if grad_entropy is None else (grad_logps != 0) | (grad_entropy != 0)
+            rows = missed.nonzero().squeeze(1)
+        _recompute_into(grads, h, weight, bias, ids, lse_all, grad_logps, rows, ctx.temperature,
+                        grad_entropy, entropy)
+        return (*grads.result(weight, bias), None, None, None, None, None)
 
 
-def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, rows: torch.Tensor, temperature):
-    """Add the gradient of sum(grad_logps * logps) over `rows` (indices into h) to `grads`, recomputing logits."""
+def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, rows: torch.Tensor, temperature,
+                    grad_entropy=None, entropy=None):
+    """Add the gradient of sum(grad_logps * logps) (+ sum(grad_entropy * entropy)) over `rows` (indices into h) to
+    `grads`, recomputing logits.
+
+    With s = logits / T and p = softmax(s): d logp_id / ds = onehot(id) - p, and d H / ds = -p (log p + H).
+    """
     if rows.numel() == 0:
         return
     w32, b32 = _float32(weight, bias)
     step = max(1, min(_rows_per_chunk(weight.size(0)), rows.numel()))
-    buffer = _workspace(step, weight.size(0), h.device, 1)[0]
+    buffers = _workspace(step, weight.size(0), h.device, 1 if grad_entropy is None else 2)
     for start in range(0, rows.numel(), step):
         idx = rows[start:start + step]
         h_rows = h[idx]
-        probs = _chunk_logits(h_rows, w32, b32, temperature, buffer).sub_(lse_all[idx, None]).exp_()
-        grads.add(idx, _d_logits(probs, ids[idx], grad_logps[idx], temperature), h_rows, w32)
+        log_p = _chunk_logits(h_rows, w32, b32, temperature, buffers[0]).sub_(lse_all[idx, None])
+        if grad_entropy is None:
+            d = _d_logits(log_p.exp_(), ids[idx], grad_logps[idx], temperature)
+        else:
+            probs = torch.exp(log_p, out=buffers[1][:idx.numel()])
+            # p * (g_logp + g_H (log p + H)), negated, plus g_logp at the chosen token
+            coeff = log_p.add_(entropy[idx, None]).mul_(grad_entropy[idx, None]).add_(grad_logps[idx, None])
+            d = coeff.mul_(probs).neg_()
+            d.scatter_add_(-1, ids[idx, None], grad_logps[idx, None])
+            if temperature != 1.0:
+                d /= temperature
+        grads.add(idx, d, h_rows, w32)
 
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                            temperature: float = 1.0, with_entropy: bool = True,
-                           predict_grad: GradPredictor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           predict_grad: GradPredictor | None = None,
+                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
 
     Args:
@@ -193,7 +215,11 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         predict_grad: optional (row slice, log-probs of those rows) -> the d loss / d log-prob that the backward
             is expected to receive for them. A right prediction saves recomputing the logits in the backward; a
             wrong one costs a recompute of the rows it got wrong, never correctness.
+        entropy_grad: the entropy carries a gradient too (an entropy bonus in the loss); its rows are recomputed in
+            the backward.
     Returns:
-        (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, no gradient).
+        (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, with gradient only when
+        entropy_grad).
     """
-    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy, predict_grad)
+    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy or entropy_grad, predict_grad,
+                                      entropy_grad)

@@ -139,3 +139,75 @@ def unwrap(model):
             model = model.get_base_model()
         else:
             return model
+
+
+def cast_output_layer_to_fp32(model) -> None:
+    """Keep the output layer's weights in float32 and compute logits in float32, autocast or not (TRL's
+    cast_lm_head_to_fp32).
+
+    The layer becomes a `Float32Linear`. With tied embeddings the shared weight becomes float32 too, so the input
+    embedding's output is cast back to the model's dtype, leaving the body's activations as they were.
+    """
+    import torch
+
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ModelLoadError("cast_lm_head_to_fp32=True needs a plain Linear output layer, and this one is "
+                             f"{type(head).__name__} (a LoRA adapter on lm_head?): remove lm_head from the adapter's "
+                             "target modules, or set cast_lm_head_to_fp32=False.")
+    dtype = head.weight.dtype
+    head.float()
+    head.__class__ = _float32_linear()
+    embedding = model.get_input_embeddings()
+    if dtype != torch.float32 and embedding is not None and embedding.weight is head.weight:
+        embedding.register_forward_hook(_CastOutput(dtype))
+
+
+class _CastOutput:
+    """A forward hook casting a module's output to `dtype` (a class, so that deep copies keep it)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return output.to(self.dtype)
+
+
+_FLOAT32_LINEAR = None
+
+
+def _float32_linear():
+    """nn.Linear whose forward runs in float32 with autocast off (made on first use: this module avoids torch at
+    import)."""
+    global _FLOAT32_LINEAR
+    if _FLOAT32_LINEAR is None:
+        import torch
+
+        class Float32Linear(torch.nn.Linear):
+            def forward(self, x):
+                with torch.autocast(device_type=x.device.type, enabled=False):
+                    return torch.nn.functional.linear(x.float(), self.weight.float(),
+                                                      None if self.bias is None else self.bias.float())
+
+        _FLOAT32_LINEAR = Float32Linear
+    return _FLOAT32_LINEAR
+
+
+def is_plain_linear(layer) -> bool:
+    """An nn.Linear computing exactly x W^T + b (the plain class, or the float32 one above)."""
+    import torch
+
+    return type(layer) in (torch.nn.Linear, _float32_linear())
+
+
+def enable_checkpointing(model, kwargs: dict | None) -> None:
+    """Activation (gradient) checkpointing, non-reentrant unless `kwargs` say otherwise, through transformers 5's
+    `activation_checkpointing_enable` where the model has it (its older name warns that it is deprecated)."""
+    kwargs = kwargs or {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.loading import unwrap
+from posttrain.models.loading import is_plain_linear, unwrap
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 
@@ -87,7 +87,7 @@ def output_layer(model) -> torch.nn.Linear | None:
     """The model's output projection if it is a plain Linear (not LoRA-wrapped or custom)."""
     get = getattr(unwrap(model), "get_output_embeddings", None)
     layer = get() if get is not None else None
-    return layer if type(layer) is torch.nn.Linear else None
+    return layer if is_plain_linear(layer) else None
 
 
 def _final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
@@ -128,27 +128,29 @@ def _check_fast_path(plain) -> bool:
 
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                   loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                   loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
 
     Args:
         prompt_ids, prompt_mask: [N, P] left-padded prompts and their mask.
         completion_ids, completion_mask: [N, C] right-padded completions and their mask.
         temperature: the sampling temperature; the policy being trained is softmax(logits / temperature).
-        with_entropy: also return the per-token entropy (no gradient).
+        with_entropy: also return the per-token entropy (no gradient unless entropy_grad).
         loss_gradient: optional [N, C] log-probs -> [N, C] d loss / d log-probs, for a loss in which each token's
             term depends on its own log-prob only (it is called with other tokens' entries set to 0). On the fast
             path it lets the output layer's gradient be computed in the forward (see models/chunked.py).
+        entropy_grad: return the entropy with its gradient (for an entropy bonus); implies with_entropy.
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    with_entropy = with_entropy or entropy_grad
     if fast_path_available(model):
         return _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
-                                 with_entropy, loss_gradient)
-    return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy)
+                                 with_entropy, loss_gradient, entropy_grad)
+    return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad)
 
 
 def _row_predictor(loss_gradient, mask: torch.Tensor):
@@ -168,13 +170,14 @@ def _row_predictor(loss_gradient, mask: torch.Tensor):
 
 
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
-                      with_entropy, loss_gradient=None):
+                      with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
     hidden = _final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
     layer = output_layer(model)
     mask = completion_mask.bool()
     logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],
-                                            temperature, with_entropy, _row_predictor(loss_gradient, mask))
+                                            temperature, with_entropy, _row_predictor(loss_gradient, mask),
+                                            entropy_grad)
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
     full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
     if not with_entropy:
@@ -182,7 +185,7 @@ def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completi
     return full, torch.zeros_like(full).masked_scatter(mask, entropy)
 
 
-def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy):
+def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):
     n = completion_ids.size(1)
     logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
     # No full-size copy unless needed: float32 at temperature 1 is used as it comes back.
@@ -198,7 +201,7 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
         lse = rows.logsumexp(-1)
         logps.append(rows.gather(-1, ids[start:start + step, None]).squeeze(-1) - lse)
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
     shape = completion_ids.shape
     return torch.cat(logps).view(shape), (torch.cat(entropies).view(shape) if with_entropy else None)

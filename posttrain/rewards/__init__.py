@@ -1,9 +1,15 @@
 """Reward functions: resolving what the user named, calling them, and checking what they return.
 
 The calling convention is TRL's: `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`,
-where kwargs hold every other dataset column (one value per completion) and `trainer_state`. Functions
-may be `async def`; those run concurrently. A sequence-classification model scores prompt + completion.
-None means "not applicable"; it becomes NaN in the reward matrix and is left out of statistics.
+where kwargs hold every other dataset column (one value per completion), `trainer_state` (a
+`transformers.TrainerState`), and `log_extra(column, values)` / `log_metric(name, value)` to add columns to the
+completions log and scalars to the metrics. Functions may be `async def`; those run concurrently. A
+sequence-classification model scores prompt + completion, tokenized by its own tokenizer (or the one given in
+`reward_processing_classes`). None means "not applicable"; it becomes NaN in the reward matrix and is left out of
+statistics.
+
+TRL's built-in rewards are importable from here under TRL's names: accuracy_reward, reasoning_accuracy_reward,
+get_cosine_scaled_reward, think_format_reward, get_repetition_penalty_reward, get_soft_overlong_punishment.
 """
 
 import asyncio
@@ -25,7 +31,8 @@ from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
 
 logger = logging.getLogger("posttrain")
-CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state"}
+CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+PASSED_WHOLE = {"trainer_state", "log_extra", "log_metric"}  # keyword arguments that are not one value per completion
 
 
 class RewardError(UserError, RuntimeError):
@@ -56,7 +63,7 @@ def _import_dotted(path: str):
         return None
 
 
-def _load_reward_model(source, trust_remote_code: bool) -> RewardFunction:
+def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> RewardFunction:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from posttrain.models.loading import ModelLoadError, load_tokenizer
@@ -77,28 +84,47 @@ def _load_reward_model(source, trust_remote_code: bool) -> RewardFunction:
     else:
         model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
     try:
-        tokenizer = load_tokenizer(AutoTokenizer.from_pretrained(model.config._name_or_path))
+        tokenizer = load_tokenizer(tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
+            model.config._name_or_path, trust_remote_code=trust_remote_code))
     except (OSError, ModelLoadError) as err:
-        raise ModelLoadError(f"Could not load the tokenizer of reward model {name!r}: {err}") from err
+        raise ModelLoadError(f"Could not load the tokenizer of reward model {name!r}: {err} Pass it in "
+                             "reward_processing_classes.") from err
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval().requires_grad_(False)
     return RewardFunction(name=name.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
 
 
-def resolve_reward_funcs(specs, config, trust_remote_code: bool = False) -> list[RewardFunction]:
-    """Turn callables, built-in names, dotted paths, model paths or loaded models into RewardFunctions."""
+def _processing_classes(classes, n: int) -> list:
+    """TRL's reward_processing_classes: None, one tokenizer (for a single reward), or one entry per reward."""
+    if classes is None:
+        return [None] * n
+    classes = classes if isinstance(classes, (list, tuple)) else [classes]
+    if len(classes) != n:
+        raise ConfigError(f"reward_processing_classes has {len(classes)} entries for {n} reward functions: give one "
+                          "per reward function (None where it is not a reward model).")
+    return list(classes)
+
+
+def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
+                         processing_classes=None) -> list[RewardFunction]:
+    """Turn callables, built-in names, dotted paths, model paths or loaded models into RewardFunctions.
+
+    Args:
+        processing_classes: TRL's reward_processing_classes: the tokenizer of each reward model (None entries, and
+            entries for plain functions, mean: load the model's own).
+    """
     specs = specs if isinstance(specs, (list, tuple)) else [specs]
-    if not specs:
+    if not specs or specs == [None]:
         raise ConfigError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
     funcs = []
-    for spec in specs:
+    for spec, tokenizer in zip(specs, _processing_classes(processing_classes, len(specs))):
         if isinstance(spec, str):
             fn = by_name(spec, config) or _import_dotted(spec)
             funcs.append(RewardFunction(name=spec.split(".")[-1], fn=fn) if fn else
-                         _load_reward_model(spec, trust_remote_code))
+                         _load_reward_model(spec, trust_remote_code, tokenizer))
         elif isinstance(spec, torch.nn.Module):
-            funcs.append(_load_reward_model(spec, trust_remote_code))
+            funcs.append(_load_reward_model(spec, trust_remote_code, tokenizer))
         elif callable(spec):
             funcs.append(RewardFunction(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
         else:
@@ -128,6 +154,9 @@ def check_required_columns(funcs: list[RewardFunction], columns) -> None:
                 raise DataError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
                                 f"no {name!r} column (columns: {', '.join(sorted(columns)) or 'none'}): add the "
                                 "column, or give the argument a default.")
+
+
+_NO_LOGGERS = {"log_extra": lambda column, values: None, "log_metric": lambda name, value: None}
 
 
 def _run_async(coroutines):
@@ -198,7 +227,7 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
 
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None,
-          prompt_indices: list[int] | None = None) -> torch.Tensor:
+          prompt_indices: list[int] | None = None, loggers: dict | None = None) -> torch.Tensor:
     """Call every reward function on N completions.
 
     Args:
@@ -208,11 +237,13 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
         bad_rows: None to stop on a NaN/inf reward; a list to skip instead: such values become NaN and the
             completion's index is appended to the list.
         prompt_indices: each completion's prompt's index in the dataset, named when a function raises.
+        loggers: {"log_extra": f(column, values), "log_metric": f(name, value)} passed to every function; default
+            functions that drop what they are given.
     Returns:
         [N, F] float32 rewards, NaN where a function returned None.
     """
     n = len(completions)
-    kwargs = dict(columns, trainer_state=trainer_state)
+    kwargs = dict(columns, trainer_state=trainer_state, **(loggers or _NO_LOGGERS))
     call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
     results: dict[int, Any] = {}
     pending = []
@@ -272,7 +303,8 @@ def _failing_row(f: RewardFunction, call: dict) -> int | None:
         return None
     n = len(call["completions"])
     for i in range(n):
-        one = {k: v if k == "trainer_state" else v[i:i + 1] for k, v in call.items()}
+        one = {k: v[i:i + 1] for k, v in call.items() if k not in PASSED_WHOLE}
+        one.update(trainer_state=call["trainer_state"], **_NO_LOGGERS)
         try:
             out = _run_async([f.fn(**one)])[0] if f.is_async else f.fn(**one)
         except Exception:
@@ -280,3 +312,13 @@ def _failing_row(f: RewardFunction, call: dict) -> int | None:
         if isinstance(out, BaseException):
             return i
     return None
+
+
+from posttrain.rewards.builtin import (get_repetition_penalty_reward, get_soft_overlong_punishment,  # noqa: E402
+                                       think_format_reward)
+from posttrain.rewards.math_answers import (accuracy_reward, get_cosine_scaled_reward,  # noqa: E402
+                                            reasoning_accuracy_reward)
+
+__all__ = ["RewardError", "RewardFunction", "accuracy_reward", "check_required_columns", "get_cosine_scaled_reward",
+           "get_repetition_penalty_reward", "get_soft_overlong_punishment", "reasoning_accuracy_reward",
+           "resolve_reward_funcs", "reward_inputs", "score", "think_format_reward"]

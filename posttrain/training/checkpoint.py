@@ -2,13 +2,24 @@
 
 A checkpoint directory `checkpoint-<step>` holds:
     model.safetensors (or adapter_model.safetensors), tokenizer, posttrain_config.yaml   policy
+    <name>.safetensors                                         other models whose weights change (e.g. ref_model)
     optimizer.pt, scheduler.pt                                 state dicts, read with weights_only=True
-    rng_state_<rank>.pt                                        python, numpy, torch (+cuda), sampler, shuffle
-    buffer_<rank>.safetensors                                  micro-batches generated but not yet trained on
-    trainer_state.json                                         step, epoch, prompt rounds consumed, log history
+    rng_state_<rank>.pt                                        python, numpy, torch (+cuda), the trainer's generators
+    buffer_<rank>.safetensors                                  the trainer's per-process tensors (GRPO: micro-batches
+                                                               generated but not yet trained on)
+    trainer_state.json                                         step, epoch, log history, the trainer's data position
 It is written to `checkpoint-<step>.tmp` and renamed into place once complete, so a run killed while
 saving leaves the previous checkpoint as it was. trainer_state.json is written last; a directory
-without it is not a checkpoint.
+without it is not a checkpoint. With `save_only_model`, only the policy and trainer_state.json are written, and the
+checkpoint cannot be resumed from.
+
+What a trainer adds to its checkpoints it says through these methods:
+    _checkpoint_meta() -> dict, _restore_position(meta)     JSON state (data position, controllers)
+    _checkpoint_tensors() -> dict, _load_checkpoint_tensors(tensors, device)   per-process tensors
+    _checkpoint_generators() -> dict[str, torch.Generator]  random generators besides the global ones
+    _checkpoint_models() -> dict[str, nn.Module]            extra models whose weights training changes
+    _meaning_fields                                          config fields whose change makes the state mean
+                                                             something else (resume refuses such a change)
 """
 
 import json
@@ -20,14 +31,8 @@ import shutil
 import torch
 
 from posttrain.errors import UserError
-from posttrain.generation import Rollouts
-from posttrain.grpo.batch import TrainingBatch
 
 STATE_FILE = "trainer_state.json"
-# Fields whose change makes the saved optimizer state, buffer or data position mean something else.
-MEANING_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                  "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
-                  "seed", "shuffle_dataset")
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -66,18 +71,19 @@ def resolve(resume, output_dir: str) -> str | None:
 # ------------------------------------------------------------------ pieces of state
 
 
-def rng_state(generator_rng: torch.Generator, shuffle_rng: torch.Generator) -> dict:
+def rng_state(generators: dict) -> dict:
+    """The global random states (python, numpy, torch, CUDA) and those of `generators` (name -> Generator)."""
     import numpy as np
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state(), "sampler": generator_rng.get_state(), "shuffle": shuffle_rng.get_state()}
+             "torch": torch.get_rng_state(), **{name: g.get_state() for name, g in generators.items()}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict, generator_rng: torch.Generator, shuffle_rng: torch.Generator) -> None:
+def set_rng_state(state: dict, generators: dict) -> None:
     import numpy as np
 
     version, internal, gauss = state["python"]
@@ -85,37 +91,10 @@ def set_rng_state(state: dict, generator_rng: torch.Generator, shuffle_rng: torc
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    generator_rng.set_state(state["sampler"])
-    shuffle_rng.set_state(state["shuffle"])
+    for name, g in generators.items():
+        g.set_state(state[name])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs")
-_BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps")
-
-
-def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:
-    """The buffered micro-batches as a flat name -> tensor dict for safetensors."""
-    out = {}
-    for i, mb in enumerate(buffer):
-        for name in _ROLLOUT_FIELDS:
-            out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
-        for name in _BATCH_FIELDS:
-            value = getattr(mb, name)
-            if value is not None:
-                out[f"{i}.{name}"] = value.contiguous().cpu()
-    return out
-
-
-def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[TrainingBatch]:
-    count = len({key.split(".")[0] for key in tensors})
-    buffer = []
-    for i in range(count):
-        get = lambda name: tensors[f"{i}.{name}"].to(device) if f"{i}.{name}" in tensors else None  # noqa: E731
-        rollouts = Rollouts(**{name: get(name) for name in _ROLLOUT_FIELDS})
-        buffer.append(TrainingBatch(rollouts, **{name: get(name) for name in _BATCH_FIELDS}))
-    return buffer
 
 
 # ------------------------------------------------------------------ writing and reading
@@ -124,7 +103,7 @@ def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[Traini
 def run_identity(trainer) -> dict:
     """What must match between a checkpoint and the run resuming from it: the model and the batch layout."""
     config = trainer.policy.config
-    identity = {k: getattr(trainer.args, k) for k in MEANING_FIELDS}
+    identity = {k: getattr(trainer.args, k) for k in trainer._meaning_fields}
     identity.update(model=getattr(config, "_name_or_path", ""), architecture=(config.architectures or [""])[0]
                     if getattr(config, "architectures", None) else type(trainer.policy).__name__,
                     vocab_size=config.vocab_size, hidden_size=getattr(config, "hidden_size", None),
@@ -141,6 +120,16 @@ def _load_weights(model, state: dict) -> None:
         raise KeyError(f"weights do not match the model (missing {untied}, unexpected {unexpected})")
 
 
+def _write_state(trainer, tmp: str, model_only: bool) -> None:
+    acc = trainer.accelerator
+    state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+             "log_history": trainer.state.log_history, "total_flos": trainer.state.total_flos,
+             "num_processes": acc.num_processes, "identity": run_identity(trainer), "model_only": model_only,
+             **trainer._checkpoint_meta()}
+    with open(os.path.join(tmp, STATE_FILE), "w") as f:
+        json.dump(state, f)
+
+
 def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, prefix: str = "checkpoint") -> str:
     """Write the trainer's full state to output_dir/<prefix>-<step>, atomically. Returns its path.
 
@@ -151,24 +140,26 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     from posttrain.training.saving import save_policy
 
     acc = trainer.accelerator
+    model_only = bool(getattr(trainer.args, "save_only_model", False))
     final = os.path.join(output_dir, f"{prefix}-{trainer.state.global_step}")
     tmp = final + ".tmp"
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(trainer.policy, trainer.tokenizer, trainer.args.to_dict(), tmp)
-        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save(trainer.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp)
+        if not model_only:
+            torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            for name, module in trainer._checkpoint_models().items():
+                save_file({k: v.contiguous() for k, v in module.state_dict().items()},
+                          os.path.join(tmp, f"{name}.safetensors"))
     acc.wait_for_everyone()
-    rank = acc.process_index
-    torch.save(rng_state(trainer.generator.rng, trainer.shuffle_rng), os.path.join(tmp, f"rng_state_{rank}.pt"))
-    save_file(buffer_tensors(trainer.buffer), os.path.join(tmp, f"buffer_{rank}.safetensors"))
+    if not model_only:
+        rank = acc.process_index
+        torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
+        save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
-                 "rounds_consumed": trainer.rounds_consumed, "log_history": trainer.state.log_history,
-                 "num_processes": acc.num_processes, "identity": run_identity(trainer)}
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(state, f)
+        _write_state(trainer, tmp, model_only)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if total_limit:
@@ -178,16 +169,12 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     return final
 
 
-def load_checkpoint(trainer, path: str) -> dict:
-    """Restore weights, optimizer, scheduler, RNG and buffer from `path`; returns its trainer_state.json."""
-    from safetensors.torch import load_file
-
-    from posttrain.models.peft import is_peft_model
-
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
-    changed = {k: (v, run_identity(trainer).get(k)) for k, v in state.get("identity", {}).items()
-               if run_identity(trainer).get(k) != v}
+def _check_resumable(trainer, path: str, state: dict) -> None:
+    if state.get("model_only"):
+        raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model but no optimizer or "
+                              "data position, so it cannot be resumed from; load it as a model instead.")
+    now = run_identity(trainer)
+    changed = {k: (v, now.get(k)) for k, v in state.get("identity", {}).items() if now.get(k) != v}
     if changed:
         listing = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
         raise CheckpointError(f"Cannot resume from {path}: the run differs in what its state means ({listing}). "
@@ -195,6 +182,17 @@ def load_checkpoint(trainer, path: str) -> dict:
     if state["num_processes"] != trainer.accelerator.num_processes:
         raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
                               f"{trainer.accelerator.num_processes}: resume with the same number.")
+
+
+def load_checkpoint(trainer, path: str) -> dict:
+    """Restore weights, optimizer, scheduler, RNG and the trainer's tensors from `path`; returns trainer_state.json."""
+    from safetensors.torch import load_file
+
+    from posttrain.models.peft import is_peft_model
+
+    with open(os.path.join(path, STATE_FILE)) as f:
+        state = json.load(f)
+    _check_resumable(trainer, path, state)
     try:
         if is_peft_model(trainer.policy):
             from peft import set_peft_model_state_dict
@@ -202,14 +200,16 @@ def load_checkpoint(trainer, path: str) -> dict:
             set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
         else:
             _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
+        for name, module in trainer._checkpoint_models().items():
+            module.load_state_dict(load_file(os.path.join(path, f"{name}.safetensors")))
         device = trainer.accelerator.device
         trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
                                                      map_location=device))
-        trainer.scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
         rank = trainer.accelerator.process_index
         set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
-                      trainer.generator.rng, trainer.shuffle_rng)
-        trainer.buffer = buffer_from_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)
+                      trainer._checkpoint_generators())
+        trainer._load_checkpoint_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)
     except (OSError, RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"Checkpoint {path} is incomplete or corrupt ({type(err).__name__}: {err}); "
                               "resume from an earlier one.") from err

@@ -1,63 +1,124 @@
-"""Metrics: averaged over each logging window, written as JSON lines, shown on a progress bar.
+"""Metrics: averaged over each logging window, written as JSON lines, sent to trackers, shown on a progress bar.
 
-Only the main process writes. `metrics.jsonl` in the output directory gets one line per logging step;
-trackers named in `report_to` (wandb, trackio) get the same numbers.
+Only the main process writes. `metrics.jsonl` in the output directory gets one line per record (a training window,
+an evaluation, the end-of-training summary); trackers named in `report_to` (wandb, trackio, tensorboard) get the same
+numbers.
 """
 
+import datetime
+import importlib.util
 import json
 import math
 import os
+import socket
 import sys
 
 from posttrain._optional import require
 
+KNOWN_TRACKERS = ("wandb", "trackio", "tensorboard")
+
+
+class ModuleTracker:
+    """wandb or trackio: a module with init / log / finish."""
+
+    def __init__(self, name: str, args, run_config: dict):
+        self.module = require(name, f"report_to={name}")
+        kwargs = dict(project=os.environ.get("WANDB_PROJECT", args.project) if name == "wandb" else args.project,
+                      name=args.run_name or os.path.basename(os.path.normpath(args.output_dir)), config=run_config)
+        if name == "trackio" and args.trackio_space_id:
+            kwargs["space_id"] = args.trackio_space_id
+        self.module.init(**kwargs)
+
+    def log(self, record: dict, step: int) -> None:
+        self.module.log(record, step=step)
+
+    def close(self) -> None:
+        self.module.finish()
+
+
+def tensorboard_dir(args) -> str:
+    """args.logging_dir, else $TENSORBOARD_LOGGING_DIR, else output_dir/runs/<date>_<host> (transformers' default)."""
+    chosen = args.logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR")
+    if chosen:
+        return os.path.expanduser(chosen)
+    stamp = datetime.datetime.now().strftime("%b%d_%H-%M-%S")
+    return os.path.join(args.output_dir, "runs", f"{stamp}_{socket.gethostname()}")
+
+
+class TensorBoardTracker:
+    """Scalars (and the config as text) through torch's SummaryWriter; needs the tensorboard package."""
+
+    def __init__(self, args, run_config: dict):
+        require("tensorboard", "report_to=tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = tensorboard_dir(args)
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+        self.writer.add_text("args", json.dumps(run_config, indent=2, default=str))
+
+    def log(self, record: dict, step: int) -> None:
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+            elif isinstance(value, str):
+                self.writer.add_text(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_trackers(args, run_config: dict) -> list:
+    names = list(args.report_to)
+    if names == ["all"]:
+        names = [n for n in KNOWN_TRACKERS if importlib.util.find_spec(n) is not None]
+    return [TensorBoardTracker(args, run_config) if n == "tensorboard" else ModuleTracker(n, args, run_config)
+            for n in names]
+
 
 class MetricsLogger:
-    """Collects per-step metrics and emits their mean every `logging_steps` steps.
+    """Collects per-step metrics; `flush` emits their means as one record.
 
     Args:
-        output_dir: where metrics.jsonl goes.
+        args: the trainer config (output_dir, report_to, run_name, project, disable_tqdm, ...).
         total_steps: for the progress bar.
-        logging_steps: window length.
-        report_to: tracker names.
         enabled: False on non-main processes.
         run_config: the config dict sent to trackers.
+        append: resuming: keep metrics.jsonl up to `start_step` instead of starting it afresh.
     """
 
     SHOWN = ("reward", "loss", "kl")
 
-    def __init__(self, output_dir: str, total_steps: int, logging_steps: int, report_to=(), enabled: bool = True,
-                 run_config: dict | None = None, append: bool = False, start_step: int = 0):
+    def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
+                 append: bool = False, start_step: int = 0, title: str = "GRPO"):
         self.enabled = enabled
-        self.logging_steps = logging_steps
         self.total_steps = total_steps
         self.window: dict[str, list[float]] = {}
-        self.history: list[dict] = []
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.trackers = []
         self.progress = None
         # Without a terminal, a plain line per logging step, at most about 50 lines in a run.
-        self.print_every = max(logging_steps, -(-total_steps // 50))
+        self.print_every = max(1, -(-total_steps // 50))
         if not enabled:
             return
-        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(args.output_dir, exist_ok=True)
         if append:  # resuming: keep the lines up to the checkpoint, drop any written after it
             self._truncate_after(start_step)
         else:
             open(self.path, "w").close()
-        for name in report_to:
-            module = require(name, f"report_to={name}")
-            module.init(project=os.environ.get("WANDB_PROJECT", "posttrain"), config=run_config)
-            self.trackers.append(module)
-        if sys.stderr.isatty():
-            self._start_progress()
+        self.trackers = make_trackers(args, run_config or {})
+        show_bar = sys.stderr.isatty() if args.disable_tqdm is None else not args.disable_tqdm
+        if show_bar:
+            self._start_progress(title)
             self.progress.update(self.task, completed=start_step)
 
-    def _start_progress(self):
+    def _start_progress(self, title: str):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.description}"), transient=False)
+        self.progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
         self.progress.start()
         self.task = self.progress.add_task("", total=self.total_steps)
 
@@ -70,26 +131,31 @@ class MetricsLogger:
             f.writelines(kept)
 
     def add(self, metrics: dict) -> None:
+        """One optimizer step's metrics; None and NaN are left out of the window's means."""
         for key, value in metrics.items():
             if value is not None and not (isinstance(value, float) and math.isnan(value)):
                 self.window.setdefault(key, []).append(float(value))
 
-    def step_done(self, step: int, epoch: float) -> dict | None:
-        """Advance the bar; every `logging_steps` (and at the last step) write the window's means."""
+    def advance(self) -> None:
         if self.progress is not None:
             self.progress.advance(self.task)
-        if step % self.logging_steps and step != self.total_steps:
-            return None
-        record = {"step": step, "epoch": round(epoch, 4)}
-        record.update({k: sum(v) / len(v) for k, v in sorted(self.window.items())})
+
+    def flush(self) -> dict:
+        """The window's means (a new window starts)."""
+        record = {k: sum(v) / len(v) for k, v in sorted(self.window.items())}
         self.window = {}
-        self.history.append(record)
-        if self.enabled:
-            self.write(record)
-            for tracker in self.trackers:
-                tracker.log(record, step=step)
-            self._show(record)
         return record
+
+    def emit(self, record: dict, to_file: bool = True) -> None:
+        """Send a complete record (with step and epoch) to metrics.jsonl (unless to_file is False) and the trackers,
+        and show it."""
+        if not self.enabled:
+            return
+        if to_file:
+            self.write(record)
+        for tracker in self.trackers:
+            tracker.log(record, step=record["step"])
+        self._show(record)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -98,6 +164,8 @@ class MetricsLogger:
 
     def _show(self, record: dict):
         text = "  ".join(f"{k}={record[k]:.4g}" for k in self.SHOWN if k in record)
+        if not text:
+            return
         if self.progress is not None:
             self.progress.update(self.task, description=text)
         elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:
@@ -108,5 +176,5 @@ class MetricsLogger:
             self.progress.stop()
             self.progress = None
         for tracker in self.trackers:
-            tracker.finish()
+            tracker.close()
         self.trackers = []

@@ -1,10 +1,8 @@
-"""Writing models and logs to disk: the policy (or its adapter), merged LoRA weights, completions.
+"""Writing models to disk: the policy (or its adapter) and merged LoRA weights.
 
 Callers run these on the main process only.
 """
 
-import json
-import math
 import os
 
 from posttrain.models.peft import is_peft_model
@@ -39,12 +37,3 @@ def save_merged(policy, tokenizer, output_dir: str) -> None:
         if tied is not None:
             plain.config.tie_word_embeddings = tied
     tokenizer.save_pretrained(output_dir)
-
-
-def append_completions(path: str, step: int, prompts: list, texts: list[str], rewards) -> None:
-    """One JSON line per completion: step, prompt, completion text, rewards (None where not applicable)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as f:
-        for prompt, text, row in zip(prompts, texts, rewards.tolist()):
-            f.write(json.dumps({"step": step, "prompt": prompt, "completion": text,
-                                "rewards": [None if math.isnan(x) else x for x in row]}) + "\n")

@@ -1,0 +1,3 @@
+from posttrain.configs import config_reference
+
+print(config_reference(), end="")

@@ -1,0 +1,124 @@
+"""What every config module shares: the error type, field declaration, and the checks fields run at construction.
+
+No torch or transformers here: `posttrain --help` imports this package.
+"""
+
+import dataclasses
+import math
+import numbers
+import typing
+from dataclasses import field
+from typing import Any, Literal, Union
+
+from posttrain.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work; the message names the field and a valid choice."""
+
+
+def _help(text: str, **kw) -> Any:
+    """A dataclass field with its help text (shown by `--help` and in docs/config.md)."""
+    return field(metadata={"help": text}, **kw)
+
+
+def field_types(cls) -> dict:
+    """Map each field name of dataclass `cls` to its resolved type."""
+    return typing.get_type_hints(cls)
+
+
+def field_help(cls) -> dict:
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def union_args(tp) -> list:
+    """The non-None members of Optional/Union `tp`, or [tp] for a plain type."""
+    if typing.get_origin(tp) is Union:
+        return [a for a in typing.get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def base_type(tp):
+    """Optional[X] -> X; a Union with list -> list (the most general); Union[int, str] -> int; Literal -> str."""
+    args = union_args(tp)
+    if len(args) > 1:
+        return list if list in args else base_type(args[0])
+    origin = typing.get_origin(args[0])
+    if origin is Literal:
+        return str
+    return origin or args[0]
+
+
+# ------------------------------------------------------------------ checks run by __post_init__
+
+_TYPE_HINTS = {int: "a whole number", float: "a number", bool: "true or false", dict: "a mapping (JSON object)",
+               list: "a list", str: "a string"}
+
+
+def invalid(name: str, value, base) -> ConfigError:
+    hint = _TYPE_HINTS.get(base, getattr(base, "__name__", str(base)))
+    return ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}: use {hint}.")
+
+
+def check_types(cfg) -> None:
+    """Numbers and flags set from Python must have their field's type (YAML and flags are converted by `coerce`)."""
+    for name, tp in field_types(type(cfg)).items():
+        value, members = getattr(cfg, name), union_args(tp)
+        if value is None or len(members) > 1:
+            continue
+        base = base_type(tp)
+        if base not in (int, float, bool):
+            continue
+        if isinstance(value, bool) != (base is bool):
+            raise invalid(name, value, base)
+        if not isinstance(value, numbers.Integral if base is int else numbers.Real):
+            raise invalid(name, value, base)
+        if base is float and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} must be a finite number.")
+
+
+def check_positive(cfg, *names) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer.")
+
+
+def check_choice(cfg, name: str, choices) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(map(str, choices))}.")
+
+
+def check_range(cfg, name: str, low=None, high=None, low_open=False, high_open=False, why: str = "") -> None:
+    """`name` within [low, high] (open ends where asked); None passes (the field is unset)."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        if low is not None and high is not None:
+            bound = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            bound = f"{'>' if low_open else '>='} {low}"
+        else:
+            bound = f"{'<' if high_open else '<='} {high}"
+        raise ConfigError(f"{name}={value!r} must be {bound}{why}.")
+
+
+def check_steps(cfg, name: str) -> None:
+    """A step interval: a whole number >= 1, or a ratio of the run's total steps in (0, 1) (TRL's convention)."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    if value <= 0 or (value >= 1 and float(value) != int(value)):
+        raise ConfigError(f"{name}={value!r} must be a whole number of steps >= 1, or a fraction of the run's total "
+                          "steps in (0, 1).")
+
+
+def resolve_steps(value, total_steps: int) -> int:
+    """The step interval a `check_steps` value stands for in a run of `total_steps` optimizer steps."""
+    if value < 1:
+        return max(1, math.ceil(value * total_steps))
+    return int(value)

@@ -1,0 +1,280 @@
+"""The field groups every trainer config is built from, with TRL's (and transformers' TrainingArguments') names and
+defaults. Each group checks its own fields in `_check()`; a trainer config combines groups and calls every `_check`.
+
+A step interval (`logging_steps`, `save_steps`, `eval_steps`) is a whole number of optimizer steps, or a fraction in
+(0, 1) of the run's total steps, as in transformers.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from posttrain.configs.base import (ConfigError, _help, check_choice, check_positive, check_range, check_steps)
+
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+# transformers' OptimizerNames that posttrain builds (through transformers' own optimizer table)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", "adamw_bnb_8bit",
+              "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_8bit", "lion_32bit", "paged_lion_32bit",
+              "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "ademamix", "ademamix_8bit",
+              "paged_ademamix_32bit", "paged_ademamix_8bit", "adamw_torch_4bit", "adamw_torch_8bit", "stable_adamw")
+TRACKERS = ("wandb", "trackio", "tensorboard")
+LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class TrainingLoopConfig:
+    """Batches, optimizer and learning-rate schedule: the optimisation loop every trainer shares."""
+
+    output_dir: str = _help("Where checkpoints, the final model, `metrics.jsonl` and the config are written.",
+                            default="trainer_output")
+    seed: int = _help("Random seed for initialisation, sampling and (unless data_seed is set) data order.", default=42)
+    data_seed: Optional[int] = _help("Seed of the data order only; default: seed.", default=None)
+    max_steps: int = _help("Total optimizer steps; -1 means derive from `num_train_epochs`.", default=-1)
+    num_train_epochs: float = _help("Passes over the prompts when `max_steps` is -1.", default=3.0)
+    per_device_train_batch_size: int = _help(
+        "Completions (not prompts) per process in one micro-batch.", default=8)
+    gradient_accumulation_steps: int = _help(
+        "Micro-batches accumulated into one optimizer step. Independent of how often we generate "
+        "(`steps_per_generation`).", default=1)
+    learning_rate: float = _help("Peak learning rate.", default=1e-6)
+    weight_decay: float = _help("Weight decay (not applied to biases and norm weights).", default=0.0)
+    adam_beta1: float = _help("Adam beta1.", default=0.9)
+    adam_beta2: float = _help("Adam beta2.", default=0.999)
+    adam_epsilon: float = _help("Adam epsilon.", default=1e-8)
+    max_grad_norm: float = _help("Clip the global gradient norm to this value; 0 disables clipping.", default=1.0)
+    optim: str = _help(f"Optimizer, by transformers' name: {', '.join(OPTIMIZERS)} (bitsandbytes and torchao ones "
+                       "need their package).", default="adamw_torch_fused")
+    optim_args: Optional[str] = _help(
+        "Extra optimizer arguments as `key=value,key=value` (e.g. momentum=0.9 for sgd), as in transformers.",
+        default=None)
+    lr_scheduler_type: str = _help(
+        f"Learning-rate schedule, by transformers' name: {', '.join(SCHEDULERS)}.", default="linear")
+    lr_scheduler_kwargs: Optional[dict] = _help(
+        "Extra arguments of the schedule, e.g. {\"num_cycles\": 2} for cosine_with_restarts or {\"min_lr_rate\": 0.1}.",
+        default=None)
+    warmup_steps: float = _help(
+        "Linear warm-up steps; a value in (0, 1) is a fraction of the total steps.", default=0)
+    warmup_ratio: Optional[float] = _help(
+        "Fraction of the total steps spent in warm-up (the older transformers name; warmup_steps wins when both are "
+        "set).", default=None)
+    shuffle_dataset: bool = _help("Shuffle the training data each epoch.", default=True)
+    remove_unused_columns: bool = _help(
+        "Drop every dataset column but the prompt before training, so reward functions receive none of them (TRL's "
+        "meaning; its default, False, passes every column to the reward functions).", default=False)
+
+    def _check(self):
+        check_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps={self.max_steps} must be a positive number of steps, or -1 to train for "
+                              "num_train_epochs.")
+        if self.max_steps == -1:
+            check_range(self, "num_train_epochs", 0, low_open=True, why=" (or set max_steps)")
+        check_range(self, "learning_rate", 0)
+        check_range(self, "weight_decay", 0)
+        check_range(self, "adam_beta1", 0, 1, high_open=True)
+        check_range(self, "adam_beta2", 0, 1, high_open=True)
+        check_range(self, "adam_epsilon", 0)
+        check_range(self, "max_grad_norm", 0, why=" (0 disables clipping)")
+        if self.warmup_steps:
+            check_steps(self, "warmup_steps")
+        check_range(self, "warmup_ratio", 0, 1)
+        check_choice(self, "optim", OPTIMIZERS)
+        check_choice(self, "lr_scheduler_type", SCHEDULERS)
+        if self.optim_args is not None:
+            pairs = [p for p in self.optim_args.replace(" ", "").split(",") if p]
+            if any(p.count("=") != 1 for p in pairs):
+                raise ConfigError(f"optim_args={self.optim_args!r} must be `key=value` pairs separated by commas, e.g. "
+                                  "'momentum=0.9,nesterov=True'.")
+        if self.output_dir is not None:
+            self.output_dir = os.path.expanduser(self.output_dir)
+
+
+@dataclass
+class ModelConfig:
+    """How the policy is loaded and run."""
+
+    model_init_kwargs: Optional[dict] = _help(
+        "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id "
+        "(e.g. {\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}).", default=None)
+    trust_remote_code: bool = _help(
+        "Allow models, tokenizers and reward models with custom code from their repository.", default=False)
+    disable_dropout: bool = _help("Set every dropout probability in the policy (and reference) to 0.",
+                                  default=False)
+    cast_lm_head_to_fp32: bool = _help(
+        "Keep the output layer in float32 and compute logits in float32 even when the model is bf16/fp16 (for a tied "
+        "embedding, its output is cast back to the model's dtype).", default=False)
+    gradient_checkpointing: bool = _help(
+        "Recompute activations in the backward pass to save memory (slower; TRL's default).", default=True)
+    gradient_checkpointing_kwargs: Optional[dict] = _help(
+        "Keyword arguments for `model.gradient_checkpointing_enable`; default {\"use_reentrant\": false}.",
+        default=None)
+    activation_checkpointing: Optional[bool] = _help(
+        "transformers 5's name for gradient_checkpointing: when set, it wins, and the two always agree.", default=None)
+    activation_checkpointing_kwargs: Optional[dict] = _help(
+        "transformers 5's name for gradient_checkpointing_kwargs (wins when set).", default=None)
+
+    def _check(self):
+        # transformers 5 renamed gradient_checkpointing*; the new name wins, and afterwards both say the same
+        if self.activation_checkpointing is not None:
+            self.gradient_checkpointing = self.activation_checkpointing
+        if self.activation_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        self.activation_checkpointing = self.gradient_checkpointing
+        self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+
+
+@dataclass
+class DeviceConfig:
+    """Precision, devices and processes."""
+
+    bf16: Optional[bool] = _help(
+        "Train with bfloat16 autocast. None means: on when a CUDA device supports bf16, off on CPU (TRL turns it "
+        "on everywhere; on CPU it is slow and changes the numbers).", default=None)
+    fp16: bool = _help("Train with float16 autocast (with loss scaling on CUDA).", default=False)
+    tf32: Optional[bool] = _help("Allow TF32 matmuls on Ampere+ GPUs (no effect on CPU).", default=None)
+    use_cpu: bool = _help("Train on the CPU even when a GPU is present.", default=False)
+    full_determinism: bool = _help(
+        "Deterministic algorithms everywhere (torch.use_deterministic_algorithms; slower), as transformers' "
+        "enable_full_determinism.", default=False)
+    torch_empty_cache_steps: Optional[int] = _help(
+        "Empty the accelerator's memory cache every this many steps (CUDA only); None never.", default=None)
+    ddp_find_unused_parameters: Optional[bool] = _help("DDP's find_unused_parameters.", default=None)
+    ddp_bucket_cap_mb: Optional[int] = _help("DDP's bucket_cap_mb.", default=None)
+    ddp_broadcast_buffers: Optional[bool] = _help("DDP's broadcast_buffers.", default=None)
+    ddp_static_graph: Optional[bool] = _help("DDP's static_graph.", default=None)
+    ddp_backend: Optional[str] = _help("Process-group backend: nccl, gloo, mpi, ccl, hccl, cncl or mccl.", default=None)
+    ddp_timeout: int = _help("Seconds a collective may wait before the process group times out.", default=1800)
+
+    def _check(self):
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16=True and fp16=True both set: choose one precision.")
+        if self.torch_empty_cache_steps is not None:
+            check_positive(self, "torch_empty_cache_steps")
+        check_positive(self, "ddp_timeout")
+        if self.ddp_bucket_cap_mb is not None:
+            check_positive(self, "ddp_bucket_cap_mb")
+        if self.ddp_backend is not None:
+            check_choice(self, "ddp_backend", ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl"))
+
+
+@dataclass
+class LoggingConfig:
+    """What is logged, where, and how often."""
+
+    logging_strategy: str = _help("When to log: steps (every logging_steps), epoch, or no.", default="steps")
+    logging_steps: float = _help(
+        "Log every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).", default=10)
+    logging_first_step: bool = _help("Also log the first step.", default=False)
+    logging_dir: Optional[str] = _help(
+        "TensorBoard directory (transformers' older field); default $TENSORBOARD_LOGGING_DIR, else "
+        "output_dir/runs/<date>_<host>.", default=None)
+    report_to: Union[str, list] = _help(
+        "Trackers to send metrics to besides `metrics.jsonl`: none, all (every one installed), wandb, trackio or "
+        "tensorboard (install with `pip install 'posttrain[trackers]'`).", default="none")
+    run_name: Optional[str] = _help("Name of the run in trackers; default: the output directory's name.", default=None)
+    project: str = _help("Project name in wandb / trackio (WANDB_PROJECT overrides it for wandb).",
+                         default="huggingface")
+    trackio_space_id: Optional[str] = _help("Hugging Face Space that trackio syncs the run to.", default=None)
+    disable_tqdm: Optional[bool] = _help("Hide the progress bar (None: shown on a terminal).", default=None)
+    log_level: str = _help("Level of posttrain's and transformers' loggers on the main process: passive (leave as "
+                           "is), debug, info, warning, error or critical.", default="passive")
+    log_level_replica: str = _help("The same, on the other processes.", default="warning")
+    log_completions: bool = _help(
+        "Append the prompts, completions, rewards and advantages of each logging step to output_dir/completions.jsonl "
+        "and print a sample.", default=False)
+    num_completions_to_print: Optional[int] = _help(
+        "With log_completions, how many completions to print at each logging step; None prints all.", default=None)
+
+    def _check(self):
+        check_choice(self, "logging_strategy", ("steps", "epoch", "no"))
+        check_steps(self, "logging_steps")
+        check_choice(self, "log_level", LOG_LEVELS)
+        check_choice(self, "log_level_replica", LOG_LEVELS)
+        if self.num_completions_to_print is not None:
+            check_range(self, "num_completions_to_print", 0)
+        self.report_to = trackers(self.report_to)
+        if self.logging_dir is not None:
+            self.logging_dir = os.path.expanduser(self.logging_dir)
+
+
+def trackers(value) -> list:
+    """report_to as a list of tracker names: 'none' -> [], 'all' -> every known tracker (kept if installed)."""
+    names = [value] if isinstance(value, str) or value is None else list(value)
+    names = [n for n in names if n not in ("none", None)]
+    if names == ["all"]:
+        return ["all"]
+    for n in names:
+        if n not in TRACKERS:
+            raise ConfigError(f"report_to={n!r} is not one of: none, all, {', '.join(TRACKERS)}.")
+    return names
+
+
+@dataclass
+class EvaluationConfig:
+    """Evaluation during training (TRL's fields): sampled completions of the eval dataset, scored by the rewards."""
+
+    eval_strategy: str = _help("When to evaluate on eval_dataset: no, steps (every eval_steps) or epoch.",
+                               default="no")
+    eval_steps: Optional[float] = _help(
+        "Evaluate every this many optimizer steps (a value in (0, 1) is a fraction of the total steps); default: "
+        "logging_steps.", default=None)
+    eval_delay: float = _help("Skip evaluations before this many steps (or epochs, with eval_strategy=epoch).",
+                              default=0)
+    eval_on_start: bool = _help("Evaluate once before the first training step.", default=False)
+    per_device_eval_batch_size: int = _help("Completions per process in one evaluation batch.", default=8)
+    num_generations_eval: Optional[int] = _help(
+        "Completions sampled per eval prompt; default num_generations.", default=None)
+
+    def _check(self):
+        check_choice(self, "eval_strategy", ("no", "steps", "epoch"))
+        check_steps(self, "eval_steps")
+        check_range(self, "eval_delay", 0)
+        check_positive(self, "per_device_eval_batch_size")
+        if self.num_generations_eval is not None:
+            check_positive(self, "num_generations_eval")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints, the final model, resuming, and the Hub."""
+
+    save_strategy: str = _help("When to checkpoint: steps (every save_steps and at the end), epoch, or no (only the "
+                               "final model).", default="steps")
+    save_steps: float = _help(
+        "Checkpoint every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).",
+        default=500)
+    save_total_limit: Optional[int] = _help(
+        "Keep at most this many checkpoints (the newest); None keeps all.", default=None)
+    save_only_model: bool = _help(
+        "Checkpoints hold the model only (no optimizer, scheduler, RNG or buffered batches): smaller, but they cannot "
+        "be resumed from.", default=False)
+    resume_from_checkpoint: Optional[str] = _help(
+        "Resume from this checkpoint directory, or `true` for the newest complete one in output_dir.",
+        default=None)
+    ignore_data_skip: bool = _help(
+        "On resume, start again from the first prompts instead of where the checkpoint left off.", default=False)
+    save_merged: bool = _help(
+        "With LoRA, also write merged full weights to output_dir/merged (loadable with plain "
+        "AutoModelForCausalLM.from_pretrained); the adapter is always saved.", default=False)
+    push_to_hub: bool = _help(
+        "Upload output_dir to the Hugging Face Hub at the end of training (needs network access and a token: "
+        "`hf auth login` or hub_token).", default=False)
+    hub_model_id: Optional[str] = _help("Repository to push to (user/name or name); default: output_dir's name.",
+                                        default=None)
+    hub_token: Optional[str] = _help("Token for the Hub; default: the one `hf auth login` stored.", default=None)
+    hub_private_repo: Optional[bool] = _help("Create the repository as private.", default=None)
+    hub_strategy: str = _help("end: push once at the end; every_save: also push output_dir at every checkpoint.",
+                              default="every_save")
+    hub_always_push: bool = _help("With every_save, push even while the previous push is still running (posttrain "
+                                  "pushes synchronously, so every push completes).", default=False)
+    hub_revision: Optional[str] = _help("Branch of the repository to push to.", default=None)
+
+    def _check(self):
+        check_choice(self, "save_strategy", ("steps", "epoch", "no"))
+        check_steps(self, "save_steps")
+        if self.save_total_limit is not None:
+            check_positive(self, "save_total_limit")
+        if self.hub_strategy not in ("end", "every_save"):
+            raise ConfigError(f"hub_strategy={self.hub_strategy!r} is not supported: posttrain pushes output_dir at the "
+                              "end (end) or also at every checkpoint (every_save), not checkpoint folders themselves.")

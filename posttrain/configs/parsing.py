@@ -1,0 +1,135 @@
+"""Values from YAML files and the command line: typed conversion, unknown names with real near-misses, and
+building a config dataclass from a flat dict."""
+
+import json
+import os
+import typing
+from typing import Any, Union
+
+from posttrain.configs.base import ConfigError, base_type, field_types, invalid, union_args
+
+UNKNOWN_HINT = " `posttrain grpo --help` and docs/config.md list every field."
+
+
+def _convert(base, value):
+    """`value` as `base` (bool, int, float, dict, list, str); raises ValueError/TypeError when it is not one."""
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("true", "1", "yes"):
+            return True
+        if text in ("false", "0", "no"):
+            return False
+        raise ValueError(value)
+    if base is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
+    if base is dict:
+        if isinstance(value, dict):
+            return value
+        loaded = json.loads(value)
+        if not isinstance(loaded, dict):
+            raise ValueError(value)
+        return loaded
+    if base is list:
+        if isinstance(value, str):
+            return json.loads(value) if value.startswith("[") else [value]
+        return list(value)
+    if base is str:
+        return value if isinstance(value, str) else str(value)
+    return value  # Any and other types: as given
+
+
+def _members(tp) -> list:
+    return [typing.get_origin(a) or a for a in union_args(tp)]
+
+
+def coerce(name: str, tp, value):
+    """Convert `value` (from YAML or a CLI string) to the field's type, or raise ConfigError."""
+    optional = typing.get_origin(tp) is Union and type(None) in typing.get_args(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional or tp is Any:
+            return None
+        raise ConfigError(f"{name} cannot be None: give a value, or leave it out for the default.")
+    members = _members(tp)
+    if len(members) > 1:
+        if not isinstance(value, str) and any(
+                isinstance(value, m) and not (isinstance(value, bool) and m in (int, float))
+                for m in members if isinstance(m, type)):
+            return value
+        # otherwise (a string from the command line): the first member it converts to, str last as the catch-all
+        for member in sorted(members, key=lambda m: m is str):
+            try:
+                return _convert(member, value)
+            except (ValueError, TypeError, json.JSONDecodeError):
+                continue
+        raise invalid(name, value, base_type(tp))
+    base = base_type(tp)
+    try:
+        return _convert(base, value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise invalid(name, value, base) from None
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and adjacent transpositions."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def suggest(name: str, known, otherwise: str = "") -> str:
+    """' Did you mean <closest>?' for a real near-miss (a typo: a few edits for the name's length), else `otherwise`.
+
+    Names that merely share a suffix (eval_strategy vs save_strategy) are not near-misses.
+    """
+    budget = max(1, len(name) // 5)
+    scored = sorted((_edit_distance(name, k), k) for k in set(known))
+    if scored and scored[0][0] <= budget:
+        return f" Did you mean {scored[0][1]}?"
+    return otherwise
+
+
+def build(cls, values: dict, extra_known=()):
+    """Construct `cls` from a dict of raw values, with typed coercion and a suggestion for unknown keys."""
+    types = field_types(cls)
+    for key in values:
+        if key not in types and key not in extra_known:
+            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, list(types) + list(extra_known), UNKNOWN_HINT)}")
+    kwargs = {k: coerce(k, types[k], v) for k, v in values.items() if k in types}
+    return cls(**kwargs)
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.exists(path):
+        raise ConfigError(f"Config file {path} does not exist: check the path given to --config.")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping of field: value, not {type(data).__name__}.")
+    return data
+
+
+def split_values(values: dict, *classes) -> list:
+    """Distribute a flat dict of field values over dataclasses; unknown keys raise with a suggestion."""
+    names = [set(field_types(c)) for c in classes]
+    every = set().union(*names)
+    for key in values:
+        if key not in every:
+            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every, UNKNOWN_HINT)}")
+    return [{k: v for k, v in values.items() if k in n} for n in names]

@@ -1,0 +1,60 @@
+"""What the command line needs besides a trainer config: model, data, rewards and LoRA (TRL's script names)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from posttrain.configs.base import _help
+
+
+@dataclass
+class ScriptArguments:
+    """Model, dataset and reward functions, as TRL's `ScriptArguments` / `ModelConfig` name them."""
+
+    model_name_or_path: Optional[str] = _help("Local path or hub id of the policy model.", default=None)
+    dataset_name: Optional[str] = _help(
+        "Hub dataset name, or a local .json/.jsonl/.csv/.parquet file or a directory saved with "
+        "`save_to_disk`.", default=None)
+    dataset_config: Optional[str] = _help("Dataset configuration (subset) name.", default=None)
+    dataset_train_split: str = _help("Split to train on.", default="train")
+    dataset_test_split: str = _help("Split to evaluate on.", default="test")
+    reward_funcs: Optional[list] = _help(
+        "Reward functions: built-in names (accuracy, think_format, soft_overlong, length, and TRL's accuracy_reward, "
+        "reasoning_accuracy_reward, think_format_reward, cosine_scaled_reward, repetition_penalty_reward, "
+        "soft_overlong_punishment_reward), dotted import paths (my_module.my_reward), or paths/hub ids of "
+        "sequence-classification reward models.", default=None)
+    trust_remote_code: bool = _help("Allow models with custom code from their repository.", default=False)
+    model_revision: str = _help("Model revision (branch, tag or commit).", default="main")
+    dtype: Optional[str] = _help("Weights dtype for loading: auto, float32, bfloat16 or float16.",
+                                 default=None)
+    attn_implementation: Optional[str] = _help("Attention implementation, e.g. sdpa or eager.", default=None)
+
+
+@dataclass
+class LoraArguments:
+    """LoRA on the command line (TRL's ModelConfig names). Ignored unless `use_peft` is true."""
+
+    use_peft: bool = _help("Train LoRA adapters instead of all weights (needs `pip install 'posttrain[peft]'`).",
+                           default=False)
+    lora_r: int = _help("LoRA rank.", default=16)
+    lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32)
+    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
+    lora_target_modules: Optional[list] = _help(
+        "Module names to adapt, or all-linear; default: peft's choice for the architecture.", default=None)
+    lora_modules_to_save: Optional[list] = _help(
+        "Modules trained in full and saved beside the adapters (e.g. lm_head).", default=None)
+    use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
+    use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
+
+    def to_peft_config(self):
+        """A peft LoraConfig when use_peft is set, else None; raises with the install line if peft is missing."""
+        if not self.use_peft:
+            return None
+        from posttrain._optional import require
+
+        peft = require("peft", "--use_peft")
+        targets = self.lora_target_modules
+        if targets == ["all-linear"]:
+            targets = "all-linear"
+        return peft.LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                               target_modules=targets, modules_to_save=self.lora_modules_to_save,
+                               use_rslora=self.use_rslora, use_dora=self.use_dora, task_type="CAUSAL_LM")

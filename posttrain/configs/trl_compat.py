@@ -1,0 +1,255 @@
+"""TRL 1.16 GRPOConfig fields that posttrain accepts at its own behaviour, and the snapshot of TRL's field list.
+
+Every field of TRL's GRPOConfig (including those it inherits from transformers' TrainingArguments) is either
+implemented with TRL's name, default and meaning (the field groups in configs/fields.py and configs/grpo.py), or
+listed here:
+
+    same behaviour   posttrain does what TRL does for the accepted values (often: the field configures something
+                     posttrain does not have, such as a DataLoader, so any value gives TRL's result);
+    not supported    only the listed values are accepted; any other value stops with one sentence saying why and
+                     what to do instead.
+
+`TRLCompatConfig` is built from the table, so each entry is a real field: `GRPOConfig(use_liger_kernel=False)` and
+`--use_liger_kernel false` work, and `use_liger_kernel=True` is refused. `trl_grpo_fields.json` is the snapshot of
+TRL 1.16.0's field list (with transformers 5.23.0); tests/test_trl_fields.py checks that every field in it (or in the
+installed TRL, when it is importable) is covered.
+"""
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from posttrain.configs.base import ConfigError
+
+SNAPSHOT = os.path.join(os.path.dirname(__file__), "trl_grpo_fields.json")
+ANY = "any value"
+SAME, UNSUPPORTED = "same behaviour", "not supported"
+
+
+@dataclass(frozen=True)
+class Compat:
+    """One TRL field posttrain does not implement as a feature of its own.
+
+    Attributes:
+        accepts: ANY, a tuple of accepted values, or a predicate on the value.
+        why: what posttrain does instead, and (for refused values) what to do; one clause, no final period.
+    """
+
+    name: str
+    type: Any
+    default: Any
+    status: str
+    why: str
+    accepts: Union[str, tuple, Callable[[Any], bool]] = ANY
+
+    def accepted(self, value) -> bool:
+        if self.accepts == ANY:
+            return True
+        if callable(self.accepts):
+            return self.accepts(value)
+        return value in self.accepts
+
+    def accepted_text(self) -> str:
+        if self.accepts == ANY:
+            return "any value"
+        if callable(self.accepts):
+            return getattr(self.accepts, "__doc__", None) or "see why"
+        return " or ".join(repr(v) for v in self.accepts)
+
+
+def _empty(value) -> bool:
+    """empty or None"""
+    return value in (None, "", [], {})
+
+
+def _only(default):
+    return (default,)
+
+
+def same(name, tp, default, why, accepts=ANY) -> Compat:
+    return Compat(name, tp, default, SAME, why, accepts)
+
+
+def unsupported(name, tp, default, why, accepts=None) -> Compat:
+    return Compat(name, tp, default, UNSUPPORTED, why, _only(default) if accepts is None else accepts)
+
+
+_NO_LOADER = "posttrain tokenizes the prompts up front and draws them itself, with no DataLoader"
+_NO_METRICS = "GRPO evaluation reports sampled rewards and the loss, with no compute_metrics"
+_VLLM = "only read when use_vllm=True, which this release refuses"
+
+COMPAT: list[Compat] = [
+    # ---------------------------------------------------------------- transformers TrainingArguments
+    same("average_tokens_across_devices", bool, True,
+         "posttrain always normalises token-level losses by the tokens of every process, so any split of a batch "
+         "gives the same update; False would change that", accepts=(True,)),
+    same("label_smoothing_factor", float, 0.0, "GRPO's loss has no labels to smooth; TRL's GRPOTrainer ignores it too"),
+    unsupported("bf16_full_eval", bool, False, "evaluation runs in the training precision; set bf16 for both"),
+    unsupported("fp16_full_eval", bool, False, "evaluation runs in the training precision; set fp16 for both"),
+    unsupported("torch_compile", bool, False,
+                "posttrain runs the model eagerly (its decode loop and chunked output layer are tuned without "
+                "torch.compile); remove it"),
+    unsupported("torch_compile_backend", Optional[str], None, "torch.compile is not used (see torch_compile)"),
+    unsupported("torch_compile_mode", Optional[str], None, "torch.compile is not used (see torch_compile)"),
+    unsupported("use_liger_kernel", bool, False,
+                "posttrain computes log-probs through its own chunked output layer and never builds full logits, "
+                "which is what Liger's fused loss saves; remove it"),
+    unsupported("liger_kernel_config", Optional[dict], None, "Liger kernels are not used (see use_liger_kernel)"),
+    same("use_cache", bool, False,
+         "training forwards never use a KV cache and generation always does, as in TRL", accepts=(False,)),
+    unsupported("neftune_noise_alpha", Optional[float], None,
+                "NEFTune noise is for supervised fine-tuning, not GRPO; remove it"),
+    unsupported("auto_find_batch_size", bool, False,
+                "halving the batch on out-of-memory would split groups of num_generations (TRL refuses it too); "
+                "lower per_device_train_batch_size instead"),
+    same("log_on_each_node", bool, True, "posttrain logs from the main process of the run only"),
+    same("logging_nan_inf_filter", bool, True,
+         "posttrain stops at a non-finite loss before applying the update, so there is never one to filter"),
+    unsupported("include_num_input_tokens_seen", Union[str, bool], "no",
+                "posttrain logs num_tokens (completion tokens per step) instead; remove it",
+                accepts=("no", False)),
+    unsupported("trackio_bucket_id", Optional[str], None, "posttrain passes only trackio_space_id to trackio"),
+    unsupported("trackio_static_space_id", Optional[str], None, "posttrain passes only trackio_space_id to trackio"),
+    same("prediction_loss_only", bool, False, _NO_METRICS),
+    same("eval_do_concat_batches", bool, True, _NO_METRICS),
+    same("eval_use_gather_object", bool, False, _NO_METRICS),
+    same("eval_accumulation_steps", Optional[int], None, _NO_METRICS),
+    same("include_for_metrics", list, [], _NO_METRICS),
+    same("batch_eval_metrics", bool, False, _NO_METRICS),
+    unsupported("save_on_each_node", bool, False,
+                "checkpoints are written once, by the main process, to a filesystem every node shares"),
+    unsupported("enable_jit_checkpoint", bool, False,
+                "posttrain checkpoints every save_steps and resumes bit-exactly from any of them; lower save_steps"),
+    unsupported("load_best_model_at_end", bool, False,
+                "posttrain keeps the final model (every checkpoint stays loadable); pick a checkpoint by its eval "
+                "metrics in metrics.jsonl"),
+    unsupported("metric_for_best_model", Optional[str], None, "there is no best-model tracking (see "
+                "load_best_model_at_end)"),
+    unsupported("greater_is_better", Optional[bool], None, "there is no best-model tracking (see "
+                "load_best_model_at_end)"),
+    unsupported("restore_callback_states_from_checkpoint", bool, False,
+                "callback state is not saved in checkpoints; restore it in your callback's on_train_begin"),
+    unsupported("accelerator_config", Optional[dict], None,
+                "configure accelerate with `accelerate config` or `accelerate launch` flags", accepts=_empty),
+    unsupported("parallelism_config", Any, None, "tensor, context and sequence parallelism are not supported"),
+    same("dataloader_drop_last", bool, False,
+         f"{_NO_LOADER}; an incomplete last round of prompts is always dropped, as TRL's sampler does"),
+    same("dataloader_num_workers", int, 0, _NO_LOADER),
+    same("dataloader_pin_memory", bool, True, _NO_LOADER),
+    same("dataloader_persistent_workers", bool, False, _NO_LOADER),
+    same("dataloader_prefetch_factor", Optional[int], None, _NO_LOADER),
+    same("dataloader_multiprocessing_context", Optional[str], None, _NO_LOADER),
+    same("dataloader_in_order", bool, True, _NO_LOADER),
+    same("label_names", Optional[list], None, "GRPO has no labels"),
+    same("train_sampling_strategy", str, "random",
+         "GRPO draws prompts in seeded, shuffled rounds of whole groups (shuffle_dataset), as TRL's own sampler "
+         "does whatever this says"),
+    same("length_column_name", str, "length", "only used by group_by_length sampling, which GRPO does not do"),
+    unsupported("fsdp", Union[str, list, None], None,
+                "sharded training is not in this release; launch with DDP (accelerate launch --multi_gpu)",
+                accepts=_empty),
+    unsupported("fsdp_config", Optional[dict], None, "sharded training is not in this release (see fsdp)",
+                accepts=_empty),
+    unsupported("deepspeed", Union[str, dict, None], None,
+                "DeepSpeed is not in this release; launch with DDP (accelerate launch --multi_gpu)"),
+    unsupported("debug", Union[str, list], "",
+                "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not wired in; remove it",
+                accepts=_empty),
+    same("skip_memory_metrics", bool, True,
+         "posttrain adds no memory metrics to the training record (bench/ measures memory)", accepts=(True,)),
+    same("do_train", bool, False, "read only by scripts; transformers' Trainer ignores it too"),
+    same("do_eval", bool, False, "read only by scripts; evaluation follows eval_strategy"),
+    same("do_predict", bool, False, "read only by scripts; transformers' Trainer ignores it too"),
+    same("local_rank", int, -1, "launchers set the process rank through the environment, which posttrain reads"),
+    unsupported("optim_target_modules", Union[str, list, None], None,
+                "GaLore and APOLLO optimizers are not supported; choose another optim"),
+    # ---------------------------------------------------------------- TRL GRPOConfig
+    unsupported("router_aux_loss_coef", Optional[float], None,
+                "the router load-balancing loss of mixture-of-experts models is not added; remove it"),
+    same("ds3_gather_for_generation", bool, True, "only read under DeepSpeed ZeRO-3, which this release does not run"),
+    same("cache_implementation", Optional[str], None,
+         "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
+         "never the samples"),
+    unsupported("use_vllm", bool, False,
+                "generation with vLLM is not in this release: posttrain generates in-process with the policy itself; "
+                "set use_vllm=False"),
+    same("vllm_mode", str, "colocate", _VLLM),
+    same("vllm_model_impl", str, "vllm", _VLLM),
+    same("vllm_enable_sleep_mode", bool, False, _VLLM),
+    same("vllm_structured_outputs_regex", Optional[str], None, _VLLM),
+    same("vllm_server_base_url", Optional[str], None, _VLLM),
+    same("vllm_server_host", str, "0.0.0.0", _VLLM),
+    same("vllm_server_port", int, 8000, _VLLM),
+    same("vllm_server_timeout", float, 240.0, _VLLM),
+    same("vllm_group_port", int, 51216, _VLLM),
+    same("vllm_gpu_memory_utilization", float, 0.3, _VLLM),
+    same("vllm_max_model_length", Optional[int], None, _VLLM),
+    same("vllm_tensor_parallel_size", int, 1, _VLLM),
+    same("vllm_importance_sampling_correction", bool, True, _VLLM),
+    same("vllm_importance_sampling_mode", str, "sequence_mask", _VLLM),
+    same("vllm_importance_sampling_clip_max", Optional[float], 3.0, _VLLM),
+    same("vllm_importance_sampling_clip_min", Optional[float], None, _VLLM),
+    same("vllm_importance_sampling_cap", Optional[float], None, _VLLM),
+    same("max_tool_calling_iterations", Optional[int], None,
+         "only used with tools or environments, which GRPOTrainer here does not take"),
+    same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),
+    unsupported("log_unique_prompts", bool, False,
+                "posttrain does not send completion tables to trackers; completions.jsonl keeps every completion"),
+    unsupported("log_completions_hub_repo", Optional[str], None,
+                "completions are written to output_dir/completions.jsonl, not uploaded; push output_dir instead"),
+    same("use_transformers_continuous_batching", bool, False,
+         "generation already batches every completion of a round in posttrain's decoder; continuous batching would "
+         "change speed, not the samples"),
+    same("transformers_continuous_batching_config", Optional[dict], None, "see use_transformers_continuous_batching"),
+    same("use_transformers_paged", bool, False, "see use_transformers_continuous_batching"),
+]
+
+BY_NAME = {c.name: c for c in COMPAT}
+
+
+def _field(c: Compat):
+    status = f"TRL field, {c.status}: {c.why}."
+    accepted = "" if c.accepts == ANY else f" Accepted: {c.accepted_text()}."
+    meta = {"help": status + accepted}
+    if isinstance(c.default, (list, dict)):
+        return field(default_factory=lambda d=c.default: type(d)(d), metadata=meta)
+    return field(default=c.default, metadata=meta)
+
+
+# A dataclass with one field per table entry; GRPOConfig inherits it, so these are ordinary config fields.
+TRLCompatConfig = dataclasses.make_dataclass("TRLCompatConfig", [(c.name, c.type, _field(c)) for c in COMPAT])
+TRLCompatConfig.__doc__ = "TRL fields accepted at posttrain's behaviour (configs/trl_compat.py)."
+
+
+def check_compat(config) -> None:
+    """Refuse, in one sentence each, a TRL field set to a value posttrain would not honour."""
+    for c in COMPAT:
+        value = getattr(config, c.name)
+        if not c.accepted(value):
+            raise ConfigError(f"{c.name}={value!r} is not supported: {c.why}.")
+
+
+def trl_snapshot() -> dict:
+    """The committed list of TRL 1.16.0's GRPOConfig fields: {"trl", "transformers", "fields": [{name, default,
+    source}]}."""
+    with open(SNAPSHOT) as f:
+        return json.load(f)
+
+
+def installed_trl_fields() -> list[dict] | None:
+    """The installed TRL's GRPOConfig fields in the snapshot's form, or None when TRL cannot be imported."""
+    try:
+        from transformers import TrainingArguments
+        from trl import GRPOConfig as TRLGRPOConfig
+    except ImportError:
+        return None
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    out = []
+    for f in dataclasses.fields(TRLGRPOConfig):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        out.append({"name": f.name, "default": repr(default),
+                    "source": "TrainingArguments" if f.name in base else "GRPOConfig"})
+    return out

@@ -1,0 +1,392 @@
+"""The loop every trainer shares, on accelerate, with transformers' Trainer's public surface.
+
+A trainer subclasses `Trainer` and provides its data and its step:
+
+    _optimizer_step() -> dict         one optimizer step (micro-batches, backward, the update); its metrics
+    _epoch() -> float                 progress in epochs after `state.global_step` steps
+    _evaluation_metrics(dataset, prefix) -> dict    metrics over an eval dataset (the model is in eval mode)
+    _restore_position(checkpoint_state)             move the data to where a checkpoint left it
+
+The loop (`train`) runs steps until `max_steps` or a callback stops it; after each step the default flow
+(training/callbacks.py) and the callbacks decide whether to log, evaluate and checkpoint; at the end it logs the
+train summary (train_runtime, train_loss, ...), saves the model, and pushes to the Hub when asked.
+"""
+
+import datetime
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+
+from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
+from posttrain.training.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.training.checkpoint import resolve as resolve_checkpoint
+from posttrain.training.hub import push_folder
+from posttrain.training.logging import MetricsLogger
+from posttrain.training.optim import make_optimizer, make_scheduler
+from posttrain.training.saving import save_merged, save_policy
+
+logger = logging.getLogger("posttrain")
+
+
+def make_accelerator(args, mixed_precision: str):
+    """An Accelerator for `args` (DDP and process-group options included); in a process that already made one with
+    another precision (a notebook, a test run), its process-wide state is reset first. The distributed state
+    (process group) is kept."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    init = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
+    if args.ddp_backend is not None:
+        init["backend"] = args.ddp_backend
+    handlers = [InitProcessGroupKwargs(**init)]
+    ddp = {key: getattr(args, f"ddp_{key}") for key in ("find_unused_parameters", "bucket_cap_mb",
+                                                          "broadcast_buffers", "static_graph")}
+    ddp = {k: v for k, v in ddp.items() if v is not None}
+    if ddp:
+        handlers.append(DistributedDataParallelKwargs(**ddp))
+    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
+
+
+def _set_log_level(args, is_main: bool) -> None:
+    level = args.log_level if is_main else args.log_level_replica
+    if level == "passive":
+        return
+    import transformers
+
+    logger.setLevel(level.upper())
+    transformers.utils.logging.set_verbosity(getattr(logging, level.upper()))
+
+
+class Trainer:
+    """The shared loop. Subclasses set `self.model` (via `_prepare`), `self.processing_class` and `self.policy`.
+
+    Args:
+        args: the trainer's config.
+        callbacks: TrainerCallback instances or classes (training/callbacks.py).
+        optimizers: (optimizer, lr_scheduler), either None to build it from the config, as in transformers.
+    """
+
+    def __init__(self, args, callbacks=None, optimizers=(None, None)):
+        from transformers import TrainerControl, TrainerState
+        from transformers.trainer_utils import enable_full_determinism, set_seed
+
+        self.args = args
+        self.accelerator = make_accelerator(args, self._mixed_precision())
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        if args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+        _set_log_level(args, self.accelerator.is_main_process)
+        self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
+                                  is_world_process_zero=self.accelerator.is_main_process)
+        self.control = TrainerControl()
+        self.model = self.policy = self.optimizer = self.lr_scheduler = self.processing_class = None
+        self.callback_handler = CallbackHandler(callbacks, self)
+        self._optimizers = optimizers
+        self.logger = None
+        self.eval_dataset = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _mixed_precision(self) -> str:
+        bf16 = self.args.bf16
+        if bf16 is None:
+            bf16 = not self.args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return "bf16" if bf16 else "fp16" if self.args.fp16 else "no"
+
+    def _prepare(self, model, total_steps: int) -> None:
+        """Build (or take) the optimizer and schedule for a run of `total_steps` steps, and prepare them."""
+        optimizer, scheduler = self._optimizers
+        optimizer = optimizer if optimizer is not None else make_optimizer(model, self.args)
+        scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
+        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.policy = self.accelerator.unwrap_model(self.model)
+        self.intervals = Intervals(self.args, total_steps)
+        state = self.state
+        state.max_steps, state.num_train_epochs = total_steps, self.args.num_train_epochs
+        state.logging_steps, state.eval_steps, state.save_steps = (self.intervals.logging, self.intervals.eval,
+                                                                   self.intervals.save)
+        state.train_batch_size = self.args.per_device_train_batch_size
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the run (max_steps, or derived from num_train_epochs)."""
+        return self.state.max_steps
+
+    @property
+    def scheduler(self):
+        """The learning-rate schedule (transformers calls it `lr_scheduler`)."""
+        return self.lr_scheduler
+
+    @scheduler.setter
+    def scheduler(self, value):
+        self.lr_scheduler = value
+
+    # ------------------------------------------------------------------ callbacks
+
+    def add_callback(self, callback) -> None:
+        """Add a TrainerCallback (an instance or a class)."""
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        """Remove a callback (an instance, or the first of a class) and return it."""
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def _call(self, event: str, **kwargs):
+        return self.callback_handler.call(event, **kwargs)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """Run `max_steps` optimizer steps (or `num_train_epochs`), then save the final model.
+
+        Args:
+            resume_from_checkpoint: a checkpoint directory, or True for the newest in output_dir; default
+                `args.resume_from_checkpoint`.
+        Returns:
+            transformers' TrainOutput(global_step, training_loss, metrics).
+        """
+        from transformers.trainer_utils import TrainOutput
+
+        if trial is not None:
+            raise NotImplementedError("Hyper-parameter search trials are not supported: run one config per train().")
+        args = self.args
+        path = resolve_checkpoint(resume_from_checkpoint if resume_from_checkpoint is not None
+                                  else args.resume_from_checkpoint, args.output_dir)
+        if path is not None:
+            self._resume(path)
+        self.logger = MetricsLogger(args, self.state.max_steps, enabled=self.accelerator.is_main_process,
+                                    run_config=args.to_dict(), append=path is not None,
+                                    start_step=self.state.global_step, title=self._title)
+        start_time, start_step, self._loss_sum = time.time(), self.state.global_step, 0.0
+        self._call("on_train_begin")
+        self._epoch_open = False
+        try:
+            if args.eval_on_start and self.state.global_step == 0:
+                self._evaluate_during_training()
+            while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
+                self._one_step()
+            if self._epoch_open:
+                self._end_epoch()
+        finally:
+            self.logger.close()
+        metrics = self._train_summary(start_time, self.state.global_step - start_step)
+        self.save_model(args.output_dir)
+        if getattr(args, "save_merged", False):
+            self.save_merged(os.path.join(args.output_dir, "merged"))
+        self._call("on_train_end")
+        if args.push_to_hub:
+            self.push_to_hub(commit_message="End of training")
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    _title = "train"
+
+    def _one_step(self) -> None:
+        state, control = self.state, self.control
+        if not self._epoch_open:
+            self._epoch_open, self._epoch_index = True, math.floor(state.epoch)
+            self._call("on_epoch_begin")
+        self._call("on_step_begin")
+        start = time.perf_counter()
+        metrics = self._optimizer_step()
+        state.global_step += 1
+        state.epoch = self._epoch()
+        metrics["step_time"] = time.perf_counter() - start
+        self._loss_sum += metrics.get("loss", 0.0)
+        self.logger.add(metrics)
+        self.logger.advance()
+        steps = self.args.torch_empty_cache_steps
+        if steps and state.global_step % steps == 0 and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        flow_after_step(self.args, state, control, self.intervals)
+        self._call("on_step_end")
+        self._act_on_control()
+        if control.should_epoch_stop:
+            self._skip_rest_of_epoch()
+        if control.should_epoch_stop or math.floor(state.epoch) > self._epoch_index:
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._epoch_open = False
+        self._call("on_epoch_end")
+        flow_after_epoch(self.args, self.state, self.control)
+        self._act_on_control()
+
+    def _act_on_control(self) -> None:
+        """Log, evaluate and checkpoint as the flow and the callbacks asked, in transformers' order."""
+        control = self.control
+        if control.should_log:
+            control.should_log = False
+            record = self.logger.flush()
+            if record:
+                self.log(record)
+        if control.should_evaluate:
+            control.should_evaluate = False
+            self._evaluate_during_training()
+        if control.should_save:
+            control.should_save = False
+            self._save_checkpoint()
+
+    def _skip_rest_of_epoch(self) -> None:
+        """A callback set should_epoch_stop: the rest of this epoch's data is not trained on. Subclasses that can
+        skip data override this."""
+
+    def _train_summary(self, start_time: float, steps: int) -> dict:
+        """transformers' end-of-training record, logged to log_history, trackers and callbacks, and written to
+        output_dir/train_results.json."""
+        from transformers.trainer_utils import speed_metrics
+
+        args = self.args
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        metrics = speed_metrics("train", start_time, num_samples=steps * per_step, num_steps=steps)
+        metrics.update(total_flos=float(self.state.total_flos), train_loss=self._loss_sum / max(steps, 1))
+        self.log(metrics, to_file=False)
+        self.save_metrics("train", metrics)
+        return metrics
+
+    def _resume(self, path: str) -> None:
+        state = load_checkpoint(self, path)
+        self.state.global_step, self.state.epoch = state["global_step"], state["epoch"]
+        self.state.log_history = state["log_history"]
+        self.state.total_flos = state.get("total_flos", 0.0)
+        self._restore_position(state)
+
+    def _save_checkpoint(self) -> None:
+        save_checkpoint(self, self.args.output_dir, self.args.save_total_limit)
+        self._call("on_save")
+        if self.args.push_to_hub and self.args.hub_strategy == "every_save":
+            self.push_to_hub(commit_message=f"Training in progress, step {self.state.global_step}")
+
+    # ------------------------------------------------------------------ logging and evaluation
+
+    def log(self, logs: dict, start_time=None, to_file: bool = True) -> None:
+        """Record `logs` at the current step: log_history, metrics.jsonl, trackers, and the on_log callbacks.
+
+        Args:
+            to_file: also append to metrics.jsonl (the end-of-training summary goes to train_results.json instead).
+        """
+        record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
+        self.state.log_history.append(record)
+        if self.logger is not None:
+            self.logger.emit(record, to_file=to_file)
+        elif to_file and self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._call("on_log", logs=record)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Metrics over an eval dataset (default: the trainer's), logged and passed to on_evaluate.
+
+        Args:
+            eval_dataset: a dataset, or a dict of them (each evaluated with the prefix eval_<name>).
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            from posttrain.configs import ConfigError
+
+            raise ConfigError("evaluate() needs an eval_dataset: pass it to the trainer or to evaluate().")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            metrics = self._evaluation_metrics(dataset, metric_key_prefix)
+        finally:
+            self.model.train(was_training)
+        self.log(metrics)
+        self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _evaluate_during_training(self) -> None:
+        if self.eval_dataset is None:
+            from posttrain.configs import ConfigError
+
+            raise ConfigError(f"eval_strategy={self.args.eval_strategy!r} (or eval_on_start) needs an eval_dataset: "
+                              "pass one to the trainer, or set eval_strategy='no'.")
+        self.evaluate()
+
+    # ------------------------------------------------------------------ saving and the Hub
+
+    def _on_main(self, fn, *args):
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            fn(*args)
+        self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model (or adapter), tokenizer and config to `output_dir` (default args.output_dir)."""
+        self._on_main(save_policy, self.policy, self.processing_class, self.args.to_dict(),
+                      output_dir or self.args.output_dir)
+
+    def save_merged(self, output_dir: str) -> None:
+        """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
+        self._on_main(save_merged, self.policy, self.processing_class, output_dir)
+
+    def save_state(self) -> None:
+        """Write the TrainerState to output_dir/trainer_state.json, as transformers does."""
+        if self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` of `split` (train, eval, ...) as transformers' Trainer does, on the main process."""
+        if not self.accelerator.is_main_process:
+            return
+        print(f"***** {split} metrics *****")
+        width = max((len(k) for k in metrics), default=0)
+        for key in sorted(metrics):
+            value = metrics[key]
+            print(f"  {key:<{width}} = {value:>9.4g}" if isinstance(value, float) else f"  {key:<{width}} = {value}")
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """Write `metrics` to output_dir/<split>_results.json (and merge them into all_results.json)."""
+        if not self.accelerator.is_main_process:
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            merged = json.load(open(path)) if os.path.exists(path) else {}
+            merged.update(metrics)
+            with open(path, "w") as f:
+                json.dump(merged, f, indent=4, sort_keys=True)
+
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs) -> str | None:
+        """Save the model to output_dir and upload output_dir to the Hub (args.hub_model_id, else its name).
+
+        It needs network access and a token (`hf auth login`, HF_TOKEN or hub_token); without them it stops with one
+        sentence saying so. Uploads are synchronous. Returns the commit URL on the main process.
+        """
+        self.save_model(self.args.output_dir)
+        self._call("on_push_begin")
+        url = None
+        if self.accelerator.is_main_process:
+            url = push_folder(self.args, self.args.output_dir, commit_message, token=token, revision=revision)
+        self.accelerator.wait_for_everyone()
+        return url
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def close(self) -> None:
+        """Release the process group in a multi-process run (call once, at the end)."""
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
