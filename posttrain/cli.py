@@ -82,12 +82,19 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
     for key in ("dtype", "attn_implementation"):
         if getattr(script, key) is not None:
             init.setdefault(key, getattr(script, key))
-    init.setdefault("trust_remote_code", script.trust_remote_code)
+    config.trust_remote_code = config.trust_remote_code or script.trust_remote_code
+    init.setdefault("trust_remote_code", config.trust_remote_code)
     init.setdefault("revision", script.model_revision)
     config.model_init_kwargs = init
     dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split)
-    trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=script.reward_funcs, args=config,
-                          train_dataset=dataset, peft_config=peft_config)
+    eval_dataset = None
+    if config.eval_strategy != "no" or config.eval_on_start:
+        eval_dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_test_split,
+                                           for_eval=True)
+    rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
+        script.reward_funcs or [])
+    trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
+                          eval_dataset=eval_dataset, peft_config=peft_config)
     try:
         trainer.train()
     finally:

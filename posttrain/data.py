@@ -21,8 +21,11 @@ class DataError(UserError, ValueError):
     """A dataset that cannot be trained on; the message says what to change."""
 
 
-def load_prompt_dataset(name: str, config: str | None = None, split: str = "train"):
-    """Load a dataset split from a local file (.json/.jsonl/.csv/.parquet), a `save_to_disk` directory, or the hub."""
+def load_prompt_dataset(name: str, config: str | None = None, split: str = "train", for_eval: bool = False):
+    """Load a dataset split from a local file (.json/.jsonl/.csv/.parquet), a `save_to_disk` directory, or the hub.
+
+    A single local file is one split: it serves training, and evaluation (for_eval) needs a dataset with splits.
+    """
     import datasets
 
     name = os.path.expanduser(name)
@@ -30,10 +33,20 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     if ext in LOCAL_FORMATS:
         if not os.path.exists(name):
             raise DataError(f"Dataset file {name!r} does not exist: check dataset_name.")
+        if for_eval:
+            raise DataError(f"Evaluation needs a {split!r} split, and the single file {name!r} is one split: save the "
+                            "dataset with its splits (DatasetDict.save_to_disk) and give that directory, or set "
+                            "eval_strategy='no'.")
         return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
-    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
+            os.path.join(name, "dataset_dict.json")):
         loaded = datasets.load_from_disk(name)
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        if not isinstance(loaded, datasets.DatasetDict):
+            return loaded
+        if split not in loaded:
+            raise DataError(f"The dataset {name!r} has no {split!r} split (splits: {', '.join(loaded)}): set "
+                            f"dataset_{'test' if for_eval else 'train'}_split to one of them.")
+        return loaded[split]
     return datasets.load_dataset(name, config, split=split)
 
 

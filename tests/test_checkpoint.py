@@ -61,6 +61,45 @@ def test_resume_in_the_middle_of_a_generation_buffer(tokenizer, addition_dataset
     assert {key.split(".")[0] for key in buffered} == {"0"}  # one micro-batch was waiting to be trained on
 
 
+def test_resume_is_bit_exact_with_a_synced_reference_and_adaptive_entropy(tokenizer, addition_dataset, tmp_path):
+    """The TR-DPO reference (mixed at step 2, before the checkpoint) and the entropy coefficient travel with the
+    checkpoint."""
+    straight, resumed = _straight_vs_resumed(tokenizer, addition_dataset, tmp_path, stop=2, sync_ref_model=True,
+                                             ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, entropy_coef=0.01,
+                                             use_adaptive_entropy=True, entropy_target=100.0)
+    for (name, a), b in zip(straight.ref_model.named_parameters(), resumed.ref_model.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.entropy_control.coef == straight.entropy_control.coef == pytest.approx(0.01 + 4 * 0.005)
+
+
+def test_save_only_model_checkpoints_cannot_be_resumed(tokenizer, addition_dataset, tmp_path):
+    _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, save_only_model=True).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    with pytest.raises(CheckpointError, match="written with save_only_model=True: it holds the model but no"):
+        _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+
+
+def test_ignore_data_skip_restarts_the_data_but_keeps_the_state(tokenizer, addition_dataset, tmp_path):
+    seen = {}
+
+    def recording(prompts, completions, **kwargs):
+        seen.setdefault(kwargs["trainer_state"].global_step, prompts[0])
+        return [len(c) / 10 for c in completions]
+
+    def make(**overrides):
+        return GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), recording,
+                           tiny_config(tmp_path, save_strategy="steps", save_steps=2, **overrides),
+                           train_dataset=addition_dataset, processing_class=tokenizer)
+
+    make(max_steps=2).train()
+    first_prompt = seen[0]
+    seen.clear()
+    resumed = make(max_steps=3, ignore_data_skip=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3 and seen[2] == first_prompt  # step 3 trains on round 1's prompts again
+
+
 @pytest.mark.peft
 def test_resume_is_bit_exact_lora(tokenizer, addition_dataset, tmp_path):
     from peft import LoraConfig

@@ -83,6 +83,36 @@ def test_generation_kwargs_are_used_or_rejected():
     assert params.min_new_tokens == 4 and params.top_k == 7
     with pytest.raises(ValueError, match="num_beams"):
         SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 4}))
+    for kwargs, message in (({"do_sample": False}, "do_sample=False"), ({"temperature": -1}, "temperature=-1"),
+                            ({"bad_words_ids": [[3, 4]]}, "several tokens"), ({"eos_token_id": "x"}, "token id")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.from_config(GRPOConfig(generation_kwargs=kwargs))
+    # generate's names and vLLM's both map onto the sampler; caching keys change nothing
+    params = SamplingParams.from_config(GRPOConfig(generation_kwargs={
+        "stop_token_ids": [5], "suppress_tokens": [7], "bad_words_ids": [[8]], "begin_suppress_tokens": [9],
+        "max_tokens": 6, "use_cache": True, "do_sample": True}))
+    assert (params.eos_token_ids, params.suppress_tokens, params.begin_suppress_tokens) == ((5,), (8,), (9,))
+    assert params.max_new_tokens == 6
+
+
+def test_suppressed_begin_suppressed_and_stop_tokens_are_honoured(tokenizer):
+    from posttrain.generation.transformers_backend import TransformersGenerator
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    stop = tokenizer.convert_tokens_to_ids("a")
+    params = SamplingParams(max_new_tokens=12, temperature=3.0, suppress_tokens=tuple(digits[1:]),
+                            begin_suppress_tokens=(digits[0],), eos_token_ids=(stop,))
+    prompt = tokenizer("1+2=", add_special_tokens=False).input_ids
+    out = TransformersGenerator(model, tokenizer, params, seed=0).generate([prompt] * 64)
+    sampled = out.completion_ids[out.completion_mask]
+    assert not torch.isin(sampled, torch.tensor(digits[1:])).any()  # never sampled
+    assert (out.completion_ids[:, 0] != digits[0]).all()  # never first
+    assert (sampled == digits[0]).any()  # but allowed later (the temperature spreads the draws)
+    ended = out.is_eos.nonzero().squeeze(1)
+    lengths = out.completion_mask.sum(1)
+    assert len(ended) and (out.completion_ids[ended, lengths[ended] - 1] == stop).all()  # "a" ends a completion
 
 
 def _llama_family(tokenizer, kind: str):

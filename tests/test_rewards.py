@@ -2,6 +2,7 @@ import asyncio
 import math
 import time
 
+import pytest
 import torch
 
 from posttrain.configs import GRPOConfig
@@ -80,3 +81,65 @@ def test_dotted_path_and_reward_model(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "rm")
     m = _score([str(tmp_path / "rm")], ["one", "two words"])
     assert m.shape == (2, 1) and torch.isfinite(m).all() and m[0, 0] != m[1, 0]
+
+def test_trl_reward_names_and_import_paths():
+    from posttrain.rewards import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward,
+                                   get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
+
+    # TRL's docstring examples, with their results
+    pytest.importorskip("math_verify")
+    solutions = [r"\frac{1}{3}", r"\frac{1}{3}"]
+    completions = [[{"role": "assistant", "content": r"My answer is \boxed{\frac{1}{3}}"}],
+                   [{"role": "assistant", "content": r"My answer is \boxed{\frac{1}{2}}"}]]
+    assert accuracy_reward(completions, solutions) == [1.0, 0.0]
+    reasoned = [[{"role": "assistant", "content": r"<think> R </think> The final answer is \boxed{\frac{1}{3}}"}],
+                [{"role": "assistant", "content": r"<think> R </think> The final answer is \boxed{\frac{1}{2}}"}],
+                [{"role": "assistant", "content": r"<think> partial \boxed{\frac{1}{3}} but no final answer"}]]
+    assert reasoning_accuracy_reward(reasoned, solutions + [r"\frac{1}{3}"], reasoning_delimiters=["</think>"]) == [
+        1.0, 0.0, 0.0]
+    cosine = get_cosine_scaled_reward(max_len=100)
+    assert cosine.__name__ == "cosine_scaled_reward"
+    assert cosine([[{"content": r"\boxed{\frac{1}{3}}"}], [{"content": r"\boxed{\frac{1}{2}}"}]], solutions,
+                  [[1] * 50, [1] * 50]) == pytest.approx([0.75, -0.75])
+    assert think_format_reward([[{"content": "<think>\nreasoning\n</think>\nanswer"}],
+                                [{"content": "<think>\nreasoning\nanswer"}]]) == [1.0, 0.0]
+    assert get_repetition_penalty_reward(ngram_size=2)([[1, 2, 3, 4], [5, 5, 5, 5, 5]]) == [0.0, -0.75]
+    assert get_soft_overlong_punishment(100, 20)([[1] * 90]) == [-0.5]
+    # an unparseable reference is not applicable (None), and strings work where TRL needs messages
+    logged = {}
+    assert accuracy_reward([r"\boxed{2}", "no answer"], ["no number here", "2"],
+                           log_extra=lambda c, v: logged.update({c: v})) == [None, 0.0]
+    assert logged["answer_parsed"] == ["[skipped]", "[unparseable]"]
+
+
+def test_trl_rewards_give_trl_results():
+    trl_rewards = pytest.importorskip("trl.rewards")
+    pytest.importorskip("math_verify")
+    from posttrain import rewards as ours
+
+    texts = [r"\boxed{4}", r"so 2+2 = \boxed{5}", r"<think>x</think> \boxed{\frac{2}{4}}", "<think>unfinished",
+             r"$0.5$", r"The answer is $\frac{1}{2}$.", "", r"<think>a</think><think>b</think>"]
+    solutions = ["4", "4", r"\frac{1}{2}", "3", "0.5", r"\frac12", "1", "2"]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    ids = [[7] * (5 + 20 * i) for i in range(len(texts))]
+    assert ours.accuracy_reward(completions, solutions) == trl_rewards.accuracy_reward(completions, solutions)
+    assert ours.reasoning_accuracy_reward(completions, solutions) == trl_rewards.reasoning_accuracy_reward(
+        completions, solutions)
+    assert ours.get_cosine_scaled_reward(64)(completions, solutions, ids) == pytest.approx(
+        trl_rewards.get_cosine_scaled_reward(64)(completions, solutions, ids))
+    assert ours.think_format_reward(completions) == trl_rewards.think_format_reward(completions)
+    repeated = [[1, 2, 1, 2, 1, 2], [1, 2, 3], [4], [5, 5, 5, 5]]
+    assert ours.get_repetition_penalty_reward(2, -0.5)(repeated) == trl_rewards.get_repetition_penalty_reward(
+        2, -0.5)(repeated)
+    assert ours.get_soft_overlong_punishment(100, 0)(ids) == trl_rewards.get_soft_overlong_punishment(100, 0)(ids)
+    assert ours.get_soft_overlong_punishment(100, 30)(ids) == trl_rewards.get_soft_overlong_punishment(100, 30)(ids)
+
+
+def test_trl_names_on_the_command_line_resolve():
+    funcs = resolve_reward_funcs(["accuracy_reward", "think_format_reward", "get_soft_overlong_punishment",
+                                  "reasoning_accuracy_reward", "get_repetition_penalty_reward"], GRPOConfig())
+    # named by the function, as TRL names them (so metrics read rewards/soft_overlong_punishment_reward/mean)
+    assert [f.name for f in funcs] == ["accuracy_reward", "think_format_reward", "soft_overlong_punishment_reward",
+                                       "reasoning_accuracy_reward", "repetition_penalty_reward"]
+    overlong = funcs[2].fn
+    assert (overlong.max_len, overlong.cache) == (1280, 256)  # the sizes TRL's grpo script uses

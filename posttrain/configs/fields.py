@@ -86,8 +86,8 @@ class TrainingLoopConfig:
             if any(p.count("=") != 1 for p in pairs):
                 raise ConfigError(f"optim_args={self.optim_args!r} must be `key=value` pairs separated by commas, e.g. "
                                   "'momentum=0.9,nesterov=True'.")
-        if self.output_dir is not None:
-            self.output_dir = os.path.expanduser(self.output_dir)
+        # TRL's (transformers') None means the default directory
+        self.output_dir = os.path.expanduser(self.output_dir if self.output_dir is not None else "trainer_output")
 
 
 @dataclass

@@ -17,11 +17,14 @@ class ScriptArguments:
     dataset_config: Optional[str] = _help("Dataset configuration (subset) name.", default=None)
     dataset_train_split: str = _help("Split to train on.", default="train")
     dataset_test_split: str = _help("Split to evaluate on.", default="test")
+    reward_model_name_or_path: Optional[str] = _help(
+        "Path or hub id of a sequence-classification reward model, used before the reward_funcs (TRL's grpo script "
+        "argument).", default=None)
     reward_funcs: Optional[list] = _help(
-        "Reward functions: built-in names (accuracy, think_format, soft_overlong, length, and TRL's accuracy_reward, "
-        "reasoning_accuracy_reward, think_format_reward, cosine_scaled_reward, repetition_penalty_reward, "
-        "soft_overlong_punishment_reward), dotted import paths (my_module.my_reward), or paths/hub ids of "
-        "sequence-classification reward models.", default=None)
+        "Reward functions: built-in names (accuracy, think_format, soft_overlong, length; and the names TRL's grpo "
+        "script takes: accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment, "
+        "plus get_cosine_scaled_reward and get_repetition_penalty_reward), dotted import paths "
+        "(my_module.my_reward), or paths/hub ids of sequence-classification reward models.", default=None)
     trust_remote_code: bool = _help("Allow models with custom code from their repository.", default=False)
     model_revision: str = _help("Model revision (branch, tag or commit).", default="main")
     dtype: Optional[str] = _help("Weights dtype for loading: auto, float32, bfloat16 or float16.",

@@ -13,9 +13,33 @@ import torch
 from posttrain.configs import ConfigError
 
 
+def _token_ids(key: str, value) -> tuple:
+    ids = [value] if isinstance(value, int) else list(value or [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"generation_kwargs {key}={value!r} must be a token id or a list of token ids.")
+    return tuple(ids)
+
+
+def _bad_words(value) -> tuple:
+    """transformers' bad_words_ids ([[id], ...]); only single-token entries can be honoured token by token."""
+    entries = [list(e) for e in (value or [])]
+    if any(len(e) != 1 for e in entries):
+        raise ConfigError(f"generation_kwargs bad_words_ids={value!r} holds a sequence of several tokens, which the "
+                          "sampler cannot ban token by token: list single tokens ([[id], ...]) or use "
+                          "suppress_tokens.")
+    return _token_ids("bad_words_ids", [e[0] for e in entries])
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample: temperature, filters, lengths. `extra` holds validated `generation_kwargs`."""
+    """How to sample: temperature, filters, lengths, and the token lists of `generation_kwargs`.
+
+    Attributes:
+        eos_token_ids: tokens that end a completion, replacing the model's and tokenizer's EOS (generate's
+            eos_token_id); empty: theirs.
+        suppress_tokens: never sampled (generate's suppress_tokens, and single-token bad_words_ids).
+        begin_suppress_tokens: never sampled as a completion's first token.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -24,32 +48,64 @@ class SamplingParams:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    eos_token_ids: tuple = ()
+    suppress_tokens: tuple = ()
+    begin_suppress_tokens: tuple = ()
 
-    # generation_kwargs keys that map onto these fields; anything else is rejected.
-    KWARG_ALIASES = {"max_new_tokens": "max_new_tokens", "max_tokens": "max_new_tokens", "temperature": "temperature",
-                     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_new_tokens",
-                     "min_tokens": "min_new_tokens"}
+    # generation_kwargs keys (transformers' generate and vLLM's SamplingParams names) the sampler honours, and how
+    KWARGS = {"max_new_tokens": ("max_new_tokens", int), "max_tokens": ("max_new_tokens", int),
+              "temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
+              "min_p": ("min_p", float), "repetition_penalty": ("repetition_penalty", float),
+              "min_new_tokens": ("min_new_tokens", int), "min_tokens": ("min_new_tokens", int),
+              "eos_token_id": ("eos_token_ids", lambda v: _token_ids("eos_token_id", v)),
+              "stop_token_ids": ("eos_token_ids", lambda v: _token_ids("stop_token_ids", v)),
+              "suppress_tokens": ("suppress_tokens", lambda v: _token_ids("suppress_tokens", v)),
+              "bad_words_ids": ("suppress_tokens", _bad_words),
+              "begin_suppress_tokens": ("begin_suppress_tokens",
+                                        lambda v: _token_ids("begin_suppress_tokens", v))}
+    # keys accepted because they cannot change what is sampled (caching, ids the trainer sets anyway)
+    NO_EFFECT = ("use_cache", "cache_implementation", "renormalize_logits", "pad_token_id", "bos_token_id",
+                 "disable_compile")
 
     @classmethod
     def from_config(cls, config) -> "SamplingParams":
-        """Build from a GRPOConfig; `generation_kwargs` override the named fields, unknown keys raise."""
+        """Build from a GRPOConfig; `generation_kwargs` override the named fields, other keys raise."""
         params = cls(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                      top_p=config.top_p, top_k=config.top_k or 0, min_p=config.min_p,
                      repetition_penalty=config.repetition_penalty)
         overrides = {}
         for key, value in (config.generation_kwargs or {}).items():
-            if key == "do_sample" and value:
-                continue  # we always sample
-            if key not in cls.KWARG_ALIASES:
+            if key == "do_sample":
+                if not value:
+                    raise ConfigError("generation_kwargs do_sample=False would make every completion of a group the "
+                                      "same (greedy), leaving GRPO no advantage to learn from: remove it.")
+                continue
+            if key in cls.NO_EFFECT:
+                continue
+            if key not in cls.KWARGS:
                 raise ConfigError(
-                    f"generation_kwargs key {key!r} is not supported by the transformers generator: use one of "
-                    f"{', '.join(sorted(cls.KWARG_ALIASES))} (or the matching config field).")
-            overrides[cls.KWARG_ALIASES[key]] = value
+                    f"generation_kwargs key {key!r} is not one the in-process sampler can honour: use "
+                    f"{', '.join(sorted(cls.KWARGS))} (or {', '.join(cls.NO_EFFECT)}, which do not change the "
+                    "samples).")
+            name, convert = cls.KWARGS[key]
+            try:
+                overrides[name] = convert(value)
+            except ConfigError:
+                raise
+            except (TypeError, ValueError):
+                raise ConfigError(f"generation_kwargs {key}={value!r} is not a valid value.") from None
         params = replace(params, **overrides)
+        for name, ok, bound in (("max_new_tokens", params.max_new_tokens > 0, "> 0"),
+                                ("temperature", params.temperature > 0, "> 0"),
+                                ("top_p", 0 < params.top_p <= 1, "in (0, 1]"), ("top_k", params.top_k >= 0, ">= 0"),
+                                ("min_p", params.min_p is None or 0 <= params.min_p <= 1, "in [0, 1]"),
+                                ("repetition_penalty", params.repetition_penalty > 0, "> 0"),
+                                ("min_new_tokens", params.min_new_tokens >= 0, ">= 0")):
+            if not ok:
+                raise ConfigError(f"generation_kwargs gives {name}={getattr(params, name)!r}, which must be {bound}.")
         if params.min_new_tokens > params.max_new_tokens:
             raise ConfigError(f"min_new_tokens={params.min_new_tokens} exceeds max_completion_length="
-                             f"{params.max_new_tokens}: lower it or raise max_completion_length.")
+                              f"{params.max_new_tokens}: lower it or raise max_completion_length.")
         return params
 
 

@@ -88,7 +88,7 @@ class TransformersGenerator:
         self.params = params
         self.shares_policy = shares_policy
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.eos_ids = list(params.eos_token_ids) or eos_token_ids(model, tokenizer)
         self.rng = torch.Generator(device=self._device()).manual_seed(seed)
 
     def _device(self):
@@ -125,6 +125,7 @@ class TransformersGenerator:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, device)
         n = len(prompts)
         eos = torch.tensor(self.eos_ids, device=device)
+        banned = torch.tensor(p.suppress_tokens, device=device) if p.suppress_tokens else None
         tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(n, dtype=torch.bool, device=device)
@@ -140,6 +141,10 @@ class TransformersGenerator:
                 logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
             if t < p.min_new_tokens:
                 logits.index_fill_(1, eos, float("-inf"))
+            if banned is not None:
+                logits.index_fill_(1, banned, float("-inf"))
+            if t == 0 and p.begin_suppress_tokens:
+                logits.index_fill_(1, torch.tensor(p.begin_suppress_tokens, device=device), float("-inf"))
             token, logp = sample(filter_logits(logits, p), self.rng, overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
             tokens[:, t] = token

@@ -123,15 +123,28 @@ def clipped_surrogate(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tu
     clipped = ratio.clamp(1 - p.epsilon_low, 1 + p.epsilon_high)
     unclipped = ratio.clamp(max=p.delta) if p.delta is not None else ratio
     loss = -torch.min(unclipped * adv, clipped * adv)
-    mask = inp.mask.float()
     with torch.no_grad():
-        low = ((ratio < 1 - p.epsilon_low) & (adv < 0)).float().expand_as(mask)
-        high = ((ratio > 1 + p.epsilon_high) & (adv > 0)).float().expand_as(mask)
-        per_seq = mask.sum(-1).clamp(min=1)
-        stats = {"clip_low": _masked_sum(low, mask), "clip_high": _masked_sum(high, mask),
-                 "clip_region": _masked_sum(((low + high) > 0).float(), mask),
-                 "clip_low_seq": (low * mask).sum(-1) / per_seq, "clip_high_seq": (high * mask).sum(-1) / per_seq}
+        low = ((ratio < 1 - p.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + p.epsilon_high) & (adv > 0)).float()
+        stats = clip_stats(low, high, inp.mask.float(), ratio.size(-1) == 1 and inp.mask.size(-1) > 1)
     return loss, stats
+
+
+def clip_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> dict:
+    """Clip counts as TRL logs them: over tokens, or over sequences when the ratio is one per sequence.
+
+    `clip_units` is what the counts are divided by (tokens or sequences); `*_seq` are each sequence's fractions.
+    """
+    if per_sequence:  # [b, 1]: one decision per sequence
+        seq_low, seq_high = low.squeeze(-1), high.squeeze(-1)
+        return {"clip_low": low.sum(), "clip_high": high.sum(), "clip_region": ((low + high) > 0).float().sum(),
+                "clip_units": torch.tensor(float(low.size(0)), device=low.device),
+                "clip_low_seq": seq_low, "clip_high_seq": seq_high}
+    low, high = low.expand_as(mask), high.expand_as(mask)
+    per_seq = mask.sum(-1).clamp(min=1)
+    return {"clip_low": _masked_sum(low, mask), "clip_high": _masked_sum(high, mask),
+            "clip_region": _masked_sum(((low + high) > 0).float(), mask), "clip_units": mask.sum(),
+            "clip_low_seq": (low * mask).sum(-1) / per_seq, "clip_high_seq": (high * mask).sum(-1) / per_seq}
 
 
 def cispo_objective(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -141,8 +154,12 @@ def cispo_objective(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tupl
     adv = inp.advantages.unsqueeze(-1)
     loss = -ratio.clamp(max=p.epsilon_high).detach() * adv * inp.logps
     with torch.no_grad():
-        clipped = ((ratio > p.epsilon_high) & (adv > 0)).float().expand_as(inp.mask)
-        stats = {"cispo_clip": _masked_sum(clipped, inp.mask.float())}
+        clipped = ((ratio > p.epsilon_high) & (adv > 0)).float()
+        if ratio.size(-1) == 1 and inp.mask.size(-1) > 1:  # one ratio per sequence: counted per sequence
+            stats = {"cispo_clip": clipped.sum(), "clip_units": torch.tensor(float(clipped.size(0)))}
+        else:
+            mask = inp.mask.float()
+            stats = {"cispo_clip": _masked_sum(clipped.expand_as(mask), mask), "clip_units": mask.sum()}
     return loss, stats
 
 

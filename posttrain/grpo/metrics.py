@@ -37,26 +37,29 @@ def completion_metrics(lengths: torch.Tensor, is_eos: torch.Tensor) -> dict:
 
 
 def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
-    """Token-weighted means over the step's micro-batches and all processes: entropy, kl, clip_ratio/*."""
+    """Means over the step's micro-batches and all processes: entropy and kl per token, clip_ratio/* per token (per
+    sequence with a sequence-level ratio), as TRL computes them."""
     device = accelerator.device
-    sums = {k: accelerator.reduce(torch.stack([s[k].float() for s in stats]).sum().to(device), reduction="sum")
+    sums = {k: accelerator.reduce(torch.stack([s[k].detach().float() for s in stats]).sum().to(device),
+                                  reduction="sum")
             for k in stats[0] if not k.endswith("_seq") and k not in ("loss", "policy_loss")}
     tokens = max(float(sums.pop("tokens")), 1.0)
     out = {"entropy": float(sums["entropy"]) / max(float(sums.pop("entropy_tokens")), 1.0)}
     if beta != 0.0:
         out["kl"] = float(sums["kl"]) / tokens
+    units = max(float(sums["clip_units"]), 1.0) if "clip_units" in sums else tokens
     if "clip_low" in sums:
         # per-sequence extremes: reduced locally first, since processes may hold different numbers of rows
         # (zero-advantage rows are skipped), and gather needs the same shape everywhere
         low = accelerator.gather(torch.cat([s["clip_low_seq"] for s in stats]).min().reshape(1).to(device))
         high = accelerator.gather(torch.cat([s["clip_high_seq"] for s in stats]).max().reshape(1).to(device))
-        out.update({"clip_ratio/low_mean": float(sums["clip_low"]) / tokens,
+        out.update({"clip_ratio/low_mean": float(sums["clip_low"]) / units,
                     "clip_ratio/low_min": float(low.min()),
-                    "clip_ratio/high_mean": float(sums["clip_high"]) / tokens,
+                    "clip_ratio/high_mean": float(sums["clip_high"]) / units,
                     "clip_ratio/high_max": float(high.max()),
-                    "clip_ratio/region_mean": float(sums["clip_region"]) / tokens})
+                    "clip_ratio/region_mean": float(sums["clip_region"]) / units})
     if "cispo_clip" in sums:
-        out["cispo_clip_ratio"] = float(sums["cispo_clip"]) / tokens
+        out["cispo_clip_ratio"] = float(sums["cispo_clip"]) / units
     if "phi_sum" in sums:
         out["vespo/phi_seq_mean"] = float(sums["phi_sum"]) / max(float(sums["sequences"]), 1.0)
     return out

@@ -337,6 +337,9 @@ class GRPOTrainer(Trainer):
 
     def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool, bonus: float) -> dict:
         all_tokens = mb.loss_mask.sum()
+        # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
+        sequence_level = self.args.importance_sampling_level == "sequence"
+        clip_units = torch.tensor(float(len(mb)), device=all_tokens.device) if sequence_level else all_tokens
         if self.skip_zero_advantage_rows:
             mb = self._rows_with_gradient(mb)
         mb = mb.padded(self.pad_to_multiple_of)
@@ -355,7 +358,8 @@ class GRPOTrainer(Trainer):
         entropy = entropy.detach()
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
-        return dict(out.stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.loss.detach(),
+        stats = dict(out.stats, clip_units=clip_units) if "clip_units" in out.stats else out.stats
+        return dict(stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.loss.detach(),
                     entropy=(entropy * mb.loss_mask).sum(), entropy_tokens=mb.loss_mask.sum(),
                     bonus_entropy=(entropy * effective).sum(), bonus_tokens=effective.sum())
 

@@ -121,7 +121,8 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
     for spec, tokenizer in zip(specs, _processing_classes(processing_classes, len(specs))):
         if isinstance(spec, str):
             fn = by_name(spec, config) or _import_dotted(spec)
-            funcs.append(RewardFunction(name=spec.split(".")[-1], fn=fn) if fn else
+            # named as TRL names them: by the function's __name__ (a factory's class sets it)
+            funcs.append(RewardFunction(name=getattr(fn, "__name__", spec.split(".")[-1]), fn=fn) if fn else
                          _load_reward_model(spec, trust_remote_code, tokenizer))
         elif isinstance(spec, torch.nn.Module):
             funcs.append(_load_reward_model(spec, trust_remote_code, tokenizer))

@@ -58,12 +58,13 @@ def accuracy(completions, solution=None, answer=None, **kwargs) -> list[float | 
     return rewards
 
 
-def think_format(completions, **kwargs) -> list[float]:
-    """1.0 when the completion opens with one `<think>...</think>` block (and no second `<think>`), else 0.0."""
+def think_format_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the completion opens with one `<think>...</think>` block (and no second `<think>`), else 0.0.
+    TRL's `think_format_reward` (strings are accepted too)."""
     return [1.0 if _THINK.match(completion_text(c)) else 0.0 for c in completions]
 
 
-think_format_reward = think_format  # TRL's name
+think_format = think_format_reward  # posttrain's shorter name
 
 
 class SoftOverlongPunishment:

@@ -135,7 +135,7 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
 
     prefix="emergency-checkpoint" writes one that `resume_from_checkpoint=True` does not pick by itself.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file, save_model
 
     from posttrain.training.saving import save_policy
 
@@ -150,8 +150,7 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
             torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
             for name, module in trainer._checkpoint_models().items():
-                save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-                          os.path.join(tmp, f"{name}.safetensors"))
+                save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
     acc.wait_for_everyone()
     if not model_only:
         rank = acc.process_index
@@ -186,7 +185,7 @@ def _check_resumable(trainer, path: str, state: dict) -> None:
 
 def load_checkpoint(trainer, path: str) -> dict:
     """Restore weights, optimizer, scheduler, RNG and the trainer's tensors from `path`; returns trainer_state.json."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, load_model
 
     from posttrain.models.peft import is_peft_model
 
@@ -201,7 +200,7 @@ def load_checkpoint(trainer, path: str) -> dict:
         else:
             _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
         for name, module in trainer._checkpoint_models().items():
-            module.load_state_dict(load_file(os.path.join(path, f"{name}.safetensors")))
+            load_model(module, os.path.join(path, f"{name}.safetensors"))
         device = trainer.accelerator.device
         trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
                                                      map_location=device))

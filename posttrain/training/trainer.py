@@ -177,9 +177,9 @@ class Trainer:
                 self._one_step()
             if self._epoch_open:
                 self._end_epoch()
+            metrics = self._train_summary(start_time, self.state.global_step - start_step)
         finally:
             self.logger.close()
-        metrics = self._train_summary(start_time, self.state.global_step - start_step)
         self.save_model(args.output_dir)
         if getattr(args, "save_merged", False):
             self.save_merged(os.path.join(args.output_dir, "merged"))

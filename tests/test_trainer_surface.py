@@ -1,0 +1,388 @@
+"""The trainer surface a TRL user relies on: callbacks and control flags, evaluation during training, the train
+summary, saving and the Hub, trackers, schedules and optimizers, and the GRPO fields TRL 1.16 added."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import capture_gradients, last_train_record, length_reward, tiny_config, variable_length_model
+from transformers import TrainerCallback, TrainerControl, TrainerState
+
+from posttrain.configs import ConfigError
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.testing import tiny_model
+
+
+def _trainer(tokenizer, dataset, tmp_path, reward=length_reward, model=None, **overrides):
+    return GRPOTrainer(model or tiny_model(tokenizer, hidden=32, layers=1), reward, tiny_config(tmp_path, **overrides),
+                       train_dataset=dataset, processing_class=tokenizer)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            def record(args, state, control, **kwargs):
+                self.events.append((name, state.global_step))
+                assert {"model", "processing_class", "optimizer", "lr_scheduler"} <= set(kwargs)
+            return record
+        return super().__getattribute__(name)
+
+
+def test_every_callback_event_in_transformers_order(tokenizer, addition_dataset, tmp_path):
+    recorder = Recorder()
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                          tiny_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                                      eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                                      per_device_eval_batch_size=4),
+                          train_dataset=addition_dataset, eval_dataset=addition_dataset.select(range(2)),
+                          processing_class=tokenizer, callbacks=[recorder])
+    trainer.train()
+    names = [e for e, _ in recorder.events]
+    assert names[0] == "on_init_end" and names[1:3] == ["on_train_begin", "on_epoch_begin"]
+    step1 = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end",
+             "on_log"]
+    assert names[3:9] == step1
+    step2 = names[9:]
+    assert step2[:6] == step1
+    # at step 2: evaluation (a prediction step per eval batch: 2 prompts, one per batch of 4 completions), then
+    # the checkpoint, the end of the epoch, the summary
+    assert step2[6:] == ["on_prediction_step", "on_prediction_step", "on_log", "on_evaluate", "on_save",
+                         "on_epoch_end", "on_log", "on_train_end"]
+    assert isinstance(trainer.state, TrainerState) and isinstance(trainer.control, TrainerControl)
+
+
+def test_control_flags_set_by_a_callback_are_honoured(tokenizer, addition_dataset, tmp_path):
+    class Steer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_save = True
+                control.should_evaluate = True
+            if state.global_step == 2:
+                control.should_log = True
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                          tiny_config(tmp_path, max_steps=5, logging_steps=10, per_device_eval_batch_size=4),
+                          train_dataset=addition_dataset, eval_dataset=addition_dataset.select(range(1)),
+                          processing_class=tokenizer, callbacks=[Steer])  # a class is instantiated, as in TRL
+    trainer.train()
+    out = tmp_path / "out"
+    assert os.path.isdir(out / "checkpoint-1") and not os.path.exists(out / "checkpoint-2")
+    history = trainer.state.log_history
+    assert [r["step"] for r in history if "eval_loss" in r] == [1]
+    assert [r["step"] for r in history if "loss" in r] == [2]  # logging_steps=10: only the callback's log
+    assert trainer.state.global_step == 2
+
+
+def test_evaluation_during_training(tokenizer, addition_dataset, tmp_path):
+    from posttrain.rewards.builtin import accuracy
+
+    evaluations = []
+
+    class Seen(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            evaluations.append((state.global_step, sorted(metrics)))
+
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), [accuracy, length_reward],
+                          tiny_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=0.5, eval_on_start=True,
+                                      per_device_eval_batch_size=6, num_generations_eval=3, beta=0.04),
+                          train_dataset=addition_dataset, eval_dataset=addition_dataset.select(range(5)),
+                          processing_class=tokenizer, callbacks=[Seen()])
+    trainer.train()
+    assert [step for step, _ in evaluations] == [0, 2, 4]  # on start, then every 0.5 * 4 steps
+    record = [r for r in trainer.state.log_history if "eval_loss" in r][-1]
+    for key in ("eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/accuracy/mean",
+                "eval_rewards/length_reward/std", "eval_completions/mean_length", "eval_entropy", "eval_kl",
+                "eval_frac_reward_zero_std", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"):
+        assert key in record and math.isfinite(record[key]), key
+    # 5 prompts x 3 completions in batches of 6: 2 prompts per batch, 3 batches (the last with one prompt)
+    assert record["eval_samples_per_second"] > 0 and 0.0 <= record["eval_rewards/accuracy/mean"] <= 1.0
+    lines = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in lines if "eval_loss" in r] == [0, 2, 4]
+    both = trainer.evaluate({"small": addition_dataset.select(range(2)), "big": addition_dataset.select(range(4))})
+    assert "eval_small_reward" in both and "eval_big_loss" in both
+
+
+def test_train_summary_and_the_transformers_helpers(tokenizer, addition_dataset, tmp_path, capsys):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2)
+    result = trainer.train()
+    summary = trainer.state.log_history[-1]
+    for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos"):
+        assert key in summary and key in result.metrics, key
+    assert result.global_step == 2 and summary["step"] == 2 and summary["total_flos"] > 0
+    steps = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert result.training_loss == pytest.approx(sum(steps) / 2)
+    out = tmp_path / "out"
+    assert json.load(open(out / "train_results.json"))["train_loss"] == pytest.approx(result.training_loss)
+    trainer.log_metrics("train", result.metrics)
+    assert "***** train metrics *****" in capsys.readouterr().out
+    trainer.save_metrics("eval", {"eval_reward": 0.5})
+    assert json.load(open(out / "all_results.json"))["eval_reward"] == 0.5
+    trainer.save_state()
+    assert json.load(open(out / "trainer_state.json"))["global_step"] == 2
+    os.remove(out / "model.safetensors")
+    trainer.save_model()  # no argument: args.output_dir
+    assert os.path.exists(out / "model.safetensors") and trainer.processing_class is tokenizer
+
+
+def test_push_to_hub_needs_a_token_and_uploads_output_dir(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from posttrain.training.hub import HubError
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=1, hub_model_id="me/run")
+    trainer.train()
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(HubError, match="needs a Hugging Face token and network access"):
+        trainer.push_to_hub()
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, name, **kw):
+            calls.append(("create", name, kw["private"]))
+            return type("Repo", (), {"repo_id": name})()
+
+        def upload_folder(self, **kw):
+            calls.append(("upload", kw["repo_id"], sorted(os.listdir(kw["folder_path"])), kw["ignore_patterns"]))
+            return "https://huggingface.co/me/run/commit/1"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    trainer.args.hub_token = "hf_x"
+    assert trainer.push_to_hub(commit_message="done") == "https://huggingface.co/me/run/commit/1"
+    assert calls[0] == ("create", "me/run", None) and calls[1][1] == "me/run"
+    assert "model.safetensors" in calls[1][2] and "checkpoint-*" in calls[1][3]
+
+    class Offline(FakeApi):
+        def create_repo(self, name, **kw):
+            raise ConnectionError("no route")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    with pytest.raises(HubError, match="could not reach the Hub .*network access"):
+        trainer.push_to_hub()
+
+
+def test_report_to_tensorboard_writes_the_metrics(tokenizer, addition_dataset, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, report_to="tensorboard",
+             logging_dir=str(logdir)).train()
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"loss", "reward", "learning_rate", "train_runtime"} <= set(tags)
+    assert [e.step for e in events.Scalars("reward")] == [1, 2]
+
+
+@pytest.mark.parametrize("name,kwargs", [("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+                                         ("warmup_stable_decay", {"num_decay_steps": 2}),
+                                         ("polynomial", {"power": 2.0}), ("inverse_sqrt", None)])
+def test_schedules_are_transformers_own(tokenizer, addition_dataset, tmp_path, name, kwargs):
+    from transformers import get_scheduler
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=6, warmup_steps=0.3, lr_scheduler_type=name,
+                       lr_scheduler_kwargs=kwargs)
+    trainer.train()
+    lrs = [r["learning_rate"] for r in trainer.state.log_history if "learning_rate" in r]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    reference = get_scheduler(name, opt, num_warmup_steps=2, num_training_steps=6, scheduler_specific_kwargs=kwargs)
+    expected = []
+    for _ in range(6):
+        opt.step()
+        reference.step()
+        expected.append(reference.get_last_lr()[0])
+    assert lrs == pytest.approx(expected)  # warmup_steps 0.3 of 6 steps = 2
+
+
+@pytest.mark.parametrize("optim,cls", [("adamw_torch", "AdamW"), ("sgd", "SGD"), ("adafactor", "Adafactor"),
+                                       ("rmsprop", "RMSprop")])
+def test_optimizers_by_transformers_name(tokenizer, addition_dataset, tmp_path, optim, cls):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=1, optim=optim,
+                       optim_args="momentum=0.5" if optim == "sgd" else None, weight_decay=0.1)
+    inner = trainer.optimizer.optimizer
+    assert type(inner).__name__ == cls
+    if optim == "sgd":
+        assert inner.param_groups[0]["momentum"] == 0.5
+    assert [g["weight_decay"] for g in inner.param_groups] == [0.1, 0.0]  # none on biases and norms
+    trainer.train()
+
+
+def test_an_optimizer_of_a_missing_package_names_the_install(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    import transformers.trainer_optimizer as table
+
+    from posttrain._optional import MissingDependency
+
+    monkeypatch.setattr(table, "is_bitsandbytes_available", lambda: False)
+    with pytest.raises(MissingDependency, match="optim='adamw_8bit' needs the package 'bitsandbytes'"):
+        _trainer(tokenizer, addition_dataset, tmp_path, optim="adamw_8bit")
+
+
+def test_fractional_logging_and_save_steps(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, logging_steps=0.5, save_strategy="steps",
+                       save_steps=0.25, save_total_limit=2)
+    trainer.train()
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [2, 4]
+    assert sorted(os.listdir(tmp_path / "out" / "")).count("checkpoint-4") == 1
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-2")  # save_total_limit=2 kept 3 and 4
+    assert (trainer.state.logging_steps, trainer.state.save_steps) == (2, 1)
+
+
+def test_logging_strategy_epoch_and_first_step(tokenizer, addition_dataset, tmp_path):
+    # 16 prompts, 2 per generation batch: 8 steps an epoch
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=10, logging_strategy="epoch",
+                       logging_first_step=True)
+    trainer.train()
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 8, 10]
+    assert trainer.state.epoch == pytest.approx(1.25)
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, beta=0.04, sync_ref_model=True,
+                       ref_model_mixup_alpha=0.25, ref_model_sync_steps=2)
+    initial = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    policy = dict(trainer.policy.named_parameters())
+    for name, ref in trainer.ref_model.named_parameters():
+        assert torch.allclose(ref, 0.25 * policy[name] + 0.75 * initial[name], atol=1e-6), name
+    assert any(not torch.equal(ref, initial[n]) for n, ref in trainer.ref_model.named_parameters())
+
+
+def test_sync_ref_model_is_refused_with_lora(tokenizer, addition_dataset, tmp_path):
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match="sync_ref_model=True needs a separate reference model"):
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                    tiny_config(tmp_path, beta=0.04, sync_ref_model=True), train_dataset=addition_dataset,
+                    processing_class=tokenizer, peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_cast_lm_head_to_fp32(tokenizer, addition_dataset, tmp_path):
+    model = tiny_model(tokenizer, hidden=32, layers=1).to(torch.bfloat16)
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, model=model, max_steps=2, beta=0.04,
+                       cast_lm_head_to_fp32=True, bf16=True)
+    head = trainer.policy.get_output_embeddings()
+    assert head.weight.dtype == torch.float32
+    assert trainer.policy.get_input_embeddings().weight is head.weight  # still tied
+    ids = torch.tensor([[5, 6, 7]])
+    with trainer.accelerator.autocast():
+        out = trainer.policy(input_ids=ids)
+        assert out.logits.dtype == torch.float32
+        assert trainer.policy.get_input_embeddings()(ids).dtype == torch.bfloat16  # the body stays in bf16
+    trainer.train()
+    assert math.isfinite(last_train_record(trainer)["loss"])
+
+
+def test_pad_to_multiple_of_changes_shapes_not_numbers(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    from posttrain.grpo import trainer as grpo_trainer
+
+    widths = []
+    original = grpo_trainer.token_logprobs
+
+    def recording(model, prompt_ids, prompt_mask, completion_ids, *args, **kwargs):
+        widths.append((prompt_ids.size(1), completion_ids.size(1)))
+        return original(model, prompt_ids, prompt_mask, completion_ids, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_trainer, "token_logprobs", recording)
+    grads = []
+    for multiple in (None, 16):
+        trainer = _trainer(tokenizer, addition_dataset, tmp_path / str(multiple), model=variable_length_model(tokenizer),
+                           max_steps=1, max_completion_length=10, beta=0.04, pad_to_multiple_of=multiple)
+        step = capture_gradients(trainer)
+        widths.clear()
+        trainer.train()
+        if multiple:
+            assert widths and all(p % 16 == 0 and c % 16 == 0 for p, c in widths)
+        grads.append(step[0])
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_reward_functions_get_trainer_state_log_extra_and_log_metric(tokenizer, addition_dataset, tmp_path):
+    seen = []
+
+    def reward(completions, answer, trainer_state, log_extra=None, log_metric=None, **kwargs):
+        seen.append(type(trainer_state).__name__)
+        log_extra("golden", list(answer))
+        log_metric("my_accuracy", 0.25)
+        return [float(len(c)) for c in completions]
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=reward, max_steps=2, log_completions=True,
+                       num_completions_to_print=2)
+    trainer.train()
+    assert seen == ["TrainerState", "TrainerState"]
+    assert last_train_record(trainer)["my_accuracy"] == 0.25
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "completions.jsonl")]
+    assert len(rows) == 16 and {"step", "prompt", "completion", "rewards", "advantage", "golden"} <= set(rows[0])
+    assert rows[0]["golden"] == [r for r in addition_dataset if r["prompt"] == rows[0]["prompt"]][0]["answer"]
+
+
+def test_remove_unused_columns_hides_the_columns_from_rewards(tokenizer, addition_dataset, tmp_path):
+    from posttrain.data import DataError
+
+    keys = []
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=lambda completions, **kw: keys.append(
+        sorted(kw)) or [0.0] * len(completions), max_steps=1, remove_unused_columns=True)
+    trainer.train()
+    assert keys[0] == ["completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]
+
+    def needs_answer(completions, answer, **kw):
+        return [0.0] * len(completions)
+
+    with pytest.raises(DataError, match="requires the argument 'answer'"):
+        _trainer(tokenizer, addition_dataset, tmp_path, reward=needs_answer, remove_unused_columns=True)
+
+
+def test_reward_processing_classes_tokenize_for_the_reward_model(tokenizer, addition_dataset, tmp_path):
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    reward_model = AutoModelForSequenceClassification.from_config(cfg)
+    calls = []
+
+    class Counting(type(tokenizer)):
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return super().__call__(*args, **kwargs)
+
+    counting = Counting(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<|pad|>", eos_token="<|im_end|>")
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), [reward_model, length_reward],
+                          tiny_config(tmp_path, max_steps=1), train_dataset=addition_dataset,
+                          processing_class=tokenizer, reward_processing_classes=[counting, None])
+    trainer.train()
+    assert calls and trainer.reward_funcs[0].tokenizer is counting
+    with pytest.raises(ConfigError, match="reward_processing_classes has 1 entries for 2 reward functions"):
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), [reward_model, length_reward],
+                    tiny_config(tmp_path), train_dataset=addition_dataset, processing_class=tokenizer,
+                    reward_processing_classes=[counting])
+
+
+def test_entropy_bonus_trains_and_logs_its_coefficient(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, entropy_coef=0.01,
+                       use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.002)
+    trainer.train()
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["entropy_coef"] for r in records] == pytest.approx([0.012, 0.014, 0.016])  # entropy below target
+    assert all(math.isfinite(r["policy_loss"]) for r in records)
+
+
+def test_fp16_trains_on_cpu(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, fp16=True)
+    assert trainer.accelerator.mixed_precision == "fp16"
+    trainer.train()
+    assert math.isfinite(last_train_record(trainer)["loss"])
+
+
+def test_default_args_name_the_output_dir_after_the_model(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model(tokenizer, hidden=32, layers=1, max_positions=1024)  # room for TRL's 512 new tokens
+    model.config._name_or_path = "Org/Tiny-0.5B"
+    trainer = GRPOTrainer(model, length_reward, train_dataset=addition_dataset, processing_class=tokenizer)
+    assert trainer.args.output_dir == "Tiny-0.5B-GRPO" and trainer.args.num_generations == 8

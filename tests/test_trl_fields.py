@@ -1,0 +1,121 @@
+"""Every field of TRL 1.16's GRPOConfig works here or says why (configs/trl_compat.py, docs/config.md)."""
+
+import ast
+import dataclasses
+
+import pytest
+
+from posttrain.configs import ConfigError, GRPOConfig, suggest
+from posttrain.configs.reference import DEFAULT_DIFFERENCES, IMPLEMENTED, trl_field_status
+from posttrain.configs.trl_compat import COMPAT, SAME, UNSUPPORTED, installed_trl_fields, trl_snapshot
+
+
+def _trl_fields() -> list[dict]:
+    """The installed TRL's field list when TRL 1.16 is importable, else the committed snapshot."""
+    installed = installed_trl_fields()
+    return installed if installed is not None else trl_snapshot()["fields"]
+
+
+def _value(default: str):
+    return ast.literal_eval(default)
+
+
+def test_snapshot_matches_the_installed_trl():
+    trl = pytest.importorskip("trl")
+    if not trl.__version__.startswith("1.16."):
+        pytest.skip(f"TRL {trl.__version__} is installed; the snapshot is of 1.16")
+    assert installed_trl_fields() == trl_snapshot()["fields"]
+
+
+def test_every_trl_field_is_implemented_or_accounted_for():
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    statuses = {}
+    for f in _trl_fields():
+        status, note = trl_field_status(f["name"])
+        statuses[f["name"]] = status
+        assert status in (IMPLEMENTED, SAME, UNSUPPORTED), f["name"]
+        assert f["name"] in ours, f["name"]  # a real field: never an unexpected keyword
+        if status == IMPLEMENTED and f["name"] not in DEFAULT_DIFFERENCES:
+            field = ours[f["name"]]
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            assert repr(default) == f["default"], f["name"]  # TRL's default, unless documented otherwise
+    assert list(statuses.values()).count(IMPLEMENTED) >= 110
+
+
+def test_trl_defaults_all_at_once_construct():
+    """A config spelling out every TRL field at TRL's default is accepted as it is."""
+    values = {f["name"]: _value(f["default"]) for f in _trl_fields()}
+    cfg = GRPOConfig(**values)
+    assert cfg.output_dir == "trainer_output" and cfg.use_bias_correction_kl and cfg.loss_type == "dapo"
+
+
+@pytest.mark.parametrize("entry", [c for c in COMPAT if c.status == UNSUPPORTED and not callable(c.accepts)],
+                         ids=lambda c: c.name)
+def test_unsupported_values_are_refused_with_one_sentence(entry):
+    from posttrain.configs.base import base_type
+
+    bad = {bool: not entry.default, str: "x", int: 3, float: 0.5, dict: {"a": 1}, list: ["x"]}.get(
+        base_type(entry.type), "x")
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(**{entry.name: bad})
+    message = str(err.value)
+    assert message.startswith(f"{entry.name}={bad!r} is not supported: ") and message.count(". ") == 0
+    GRPOConfig(**{entry.name: entry.default})  # its default is accepted
+
+
+def test_accepted_values_of_same_behaviour_fields():
+    GRPOConfig(dataloader_num_workers=4, dataloader_pin_memory=False, label_smoothing_factor=0.1, use_vllm=False,
+               vllm_mode="server", cache_implementation="static", do_eval=True, local_rank=3, fsdp="", debug=[],
+               accelerator_config={}, use_liger_kernel=False)
+    with pytest.raises(ConfigError, match="average_tokens_across_devices=False is not supported"):
+        GRPOConfig(average_tokens_across_devices=False)
+
+
+def test_the_fields_a_trl_user_tries_first():
+    """The 22 fields of the drop-in report: all accepted (implemented or at posttrain's behaviour)."""
+    cfg = GRPOConfig(fp16=False, bf16=False, use_vllm=False, logging_dir="logs", eval_strategy="no",
+                     push_to_hub=False, run_name="r", optim="adamw_torch", remove_unused_columns=False,
+                     dataloader_num_workers=2, use_liger_kernel=False, report_to="none", save_strategy="steps",
+                     logging_steps=0.1, save_steps=0.5, warmup_steps=0.1, lr_scheduler_type="cosine_with_min_lr",
+                     lr_scheduler_kwargs={"min_lr_rate": 0.1}, gradient_checkpointing=True, seed=1,
+                     use_bias_correction_kl=False, trust_remote_code=False)
+    assert cfg.run_name == "r" and cfg.optim == "adamw_torch" and cfg.logging_steps == 0.1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(logging_steps=1.5), "logging_steps=1.5 must be a whole number of steps >= 1, or a fraction"),
+    (dict(optim="lomo"), "optim='lomo' is not one of"),
+    (dict(lr_scheduler_type="reduce_lr_on_plateau"), "lr_scheduler_type='reduce_lr_on_plateau' is not one of"),
+    (dict(fp16=True, bf16=True), "choose one precision"),
+    (dict(sync_ref_model=True), "sync_ref_model=True needs a reference model, and beta=0.0"),
+    (dict(hub_strategy="checkpoint"), "hub_strategy='checkpoint' is not supported"),
+    (dict(optim_args="momentum"), "key=value"),
+    (dict(reward_weights=[1.0, float("nan")]), "finite numbers"),
+    (dict(eval_strategy="steps", per_device_eval_batch_size=6, num_generations=4), "multiple of 4"),
+    (dict(pad_to_multiple_of="big"), "pad_to_multiple_of='big'"),
+])
+def test_new_fields_are_validated(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**kwargs)
+
+
+def test_activation_checkpointing_is_transformers_5_name_for_gradient_checkpointing():
+    cfg = GRPOConfig(activation_checkpointing=False)
+    assert cfg.gradient_checkpointing is False and cfg.activation_checkpointing is False
+    assert GRPOConfig().activation_checkpointing is True  # mirrors TRL's gradient_checkpointing=True
+
+
+def test_suggestions_are_real_near_misses_only():
+    known = [f.name for f in dataclasses.fields(GRPOConfig)]
+    assert suggest("learning_rat", known) == " Did you mean learning_rate?"
+    assert suggest("num_generation", known) == " Did you mean num_generations?"
+    assert suggest("eval_strategyy", known) == " Did you mean eval_strategy?"
+    assert suggest("eval_stratagy", known) == " Did you mean eval_strategy?"
+    for far in ("evaluate_strategy", "per_device_batch_size", "use_flash_attention", "kl_coef"):
+        assert suggest(far, known) == "", far
+    assert suggest("acuracy", ["accuracy", "length"]) == " Did you mean accuracy?"
+
+
+def test_hub_token_is_redacted_in_what_is_written():
+    cfg = GRPOConfig(hub_token="hf_secret")
+    assert cfg.to_dict()["hub_token"] == "<HUB_TOKEN>" and cfg.hub_token == "hf_secret"
