@@ -21,7 +21,7 @@ CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
 
 def _add_fields(parser: argparse.ArgumentParser, cls, seen: set) -> None:
     """One flag per field of `cls` not already in `seen` (a field shared by two classes is one flag)."""
-    group = parser.add_argument_group(cls.__name__)
+    group = parser.add_argument_group(cls.__name__, " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()))
     types, helps = field_types(cls), field_help(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, tp in types.items():
@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Train with GRPO. Flags override the values in --config.")
     grpo.add_argument("--config", help="YAML file of field: value pairs (any field below).")
     seen: set = set()
-    for cls in CONFIG_CLASSES:
+    from posttrain.configs.trl_compat import TRLCompatConfig
+
+    # --help shows GRPOConfig group by group, the TRL fields accepted at posttrain's behaviour last
+    for cls in (ScriptArguments, LoraArguments, *GRPOConfig.GROUPS, TRLCompatConfig):
         _add_fields(grpo, cls, seen)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
     demo.add_argument("--output_dir", default="posttrain-demo")

@@ -109,3 +109,49 @@ def test_reward_errors_are_reported_with_the_user_traceback(tmp_path, tiny_model
     assert out.returncode == 2
     assert "return 1 / 0" in out.stderr  # the user's own traceback
     assert "posttrain: error: Reward function 'broken' raised ZeroDivisionError at step 1" in out.stderr
+
+
+def test_a_trl_config_file_runs_unchanged(tmp_path, tiny_model_dir):
+    """A YAML written for `trl grpo`: TRL's field names (some at values posttrain only accepts), TRL's reward names,
+    fractional logging and evaluation on the dataset's test split."""
+    from datasets import Dataset, DatasetDict
+
+    rows = {"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)],
+            "solution": [str(a + b) for a in range(4) for b in range(4)]}
+    DatasetDict({"train": Dataset.from_dict(rows), "test": Dataset.from_dict(rows).select(range(2))}).save_to_disk(
+        str(tmp_path / "data"))
+    cfg = tmp_path / "trl.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {tmp_path / 'data'}\n"
+                   "reward_funcs: [think_format_reward, get_soft_overlong_punishment]\n"
+                   "per_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 4\nmax_steps: 2\n"
+                   "logging_steps: 0.5\neval_strategy: steps\neval_steps: 2\nper_device_eval_batch_size: 4\n"
+                   "use_vllm: false\nvllm_mode: colocate\nbf16: false\nuse_liger_kernel: false\n"
+                   "dataloader_num_workers: 2\nreport_to: none\nrun_name: trl-style\noptim: adamw_torch\n"
+                   "lr_scheduler_type: cosine\nwarmup_steps: 0.1\ngradient_checkpointing: false\nuse_cpu: true\n"
+                   "save_strategy: 'no'\nlog_completions: true\nnum_completions_to_print: 2\n")
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", "--config", str(cfg), "--output_dir",
+                          str(tmp_path / "out")], capture_output=True, text=True, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert "rewards/think_format_reward/mean" in records[0]
+    assert "rewards/soft_overlong_punishment_reward/mean" in records[0]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]
+    assert "Completions at step 2" in out.stderr  # log_completions prints a sample at each logging step
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--use_vllm", "true"], "use_vllm=True is not supported: generation with vLLM is not in this release"),
+    (["--torch_compile", "true"], "torch_compile=True is not supported"),
+    (["--eval_strategyy", "steps"], "Unknown argument '--eval_strategyy'. Did you mean eval_strategy?"),
+    (["--evaluate_every", "5"], "Unknown argument '--evaluate_every'. `posttrain grpo --help`"),
+    (["--eval_strategy", "steps"], "Evaluation needs a 'test' split, and the single file"),
+])
+def test_trl_flags_are_honoured_or_refused_in_one_sentence(tmp_path, tiny_model_dir, flags, message):
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", "--model_name_or_path", tiny_model_dir,
+                          "--dataset_name", str(_write_data(tmp_path)), "--reward_funcs", "accuracy",
+                          "--per_device_eval_batch_size", "8", "--use_cpu", "true", *flags],
+                         capture_output=True, text=True, env=_env())
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert message in out.stderr and out.stderr.count("posttrain: error:") == 1
+    assert "Did you mean save_strategy" not in out.stderr

@@ -119,3 +119,21 @@ def test_suggestions_are_real_near_misses_only():
 def test_hub_token_is_redacted_in_what_is_written():
     cfg = GRPOConfig(hub_token="hf_secret")
     assert cfg.to_dict()["hub_token"] == "<HUB_TOKEN>" and cfg.hub_token == "hf_secret"
+
+
+def test_readme_counts_match_the_table():
+    import os
+    import re
+
+    from posttrain.configs.reference import trl_field_status
+
+    counts = {}
+    for f in trl_snapshot()["fields"]:
+        status = trl_field_status(f["name"])[0]
+        counts[status] = counts.get(status, 0) + 1
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    found = re.search(r"All (\d+) fields of TRL 1.16.*?(\d+) are implemented.*?; (\d+) configure.*?; (\d+) accept only",
+                      readme, re.DOTALL)
+    assert found, "README's count of TRL fields is missing"
+    assert tuple(map(int, found.groups())) == (len(trl_snapshot()["fields"]), counts[IMPLEMENTED], counts[SAME],
+                                               counts[UNSUPPORTED])

@@ -99,6 +99,7 @@ class GRPOTrainer(Trainer):
         self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
         check_required_columns(self.reward_funcs, self.reward_columns)
         self.eval_dataset = eval_dataset
+        self._check_eval_datasets()
 
         self._prepare(model, self._total_steps())
         self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
@@ -159,6 +160,20 @@ class GRPOTrainer(Trainer):
                                   "all weights.")
             return None, (add_reference_adapter(model) if came_with_adapter else None)
         return copy.deepcopy(model).eval().requires_grad_(False), None
+
+    def _check_eval_datasets(self) -> None:
+        """Eval datasets need the prompt and every column the reward functions read from the training data."""
+        if self.eval_dataset is None:
+            return
+        named = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval_dataset": self.eval_dataset}
+        for name, dataset in named.items():
+            columns = getattr(dataset, "column_names", None)
+            if columns is None:  # an iterable dataset of unknown features: checked as it is read
+                continue
+            missing = [c for c in ["prompt", *self.reward_columns] if c not in columns]
+            if missing:
+                raise DataError(f"{name} lacks the column(s) {', '.join(missing)} that the training data has and "
+                                f"the prompts or reward functions need (its columns: {', '.join(columns)}).")
 
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights
