@@ -50,6 +50,20 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     return datasets.load_dataset(name, config, split=split)
 
 
+def check_eval_columns(eval_dataset, required: list[str]) -> None:
+    """An eval dataset (or each of a dict of them) needs the columns the training data gives the prompts and
+    reward functions; an iterable dataset of unknown features is checked as it is read."""
+    if eval_dataset is None:
+        return
+    named = eval_dataset if isinstance(eval_dataset, dict) else {"eval_dataset": eval_dataset}
+    for name, dataset in named.items():
+        columns = getattr(dataset, "column_names", None)
+        missing = [c for c in required if c not in (columns or required)]
+        if missing:
+            raise DataError(f"{name} lacks the column(s) {', '.join(missing)} that the training data has and the "
+                            f"prompts or reward functions need (its columns: {', '.join(columns)}).")
+
+
 def is_conversational(prompt) -> bool:
     return isinstance(prompt, list)
 

@@ -386,3 +386,33 @@ def test_default_args_name_the_output_dir_after_the_model(tokenizer, addition_da
     model.config._name_or_path = "Org/Tiny-0.5B"
     trainer = GRPOTrainer(model, length_reward, train_dataset=addition_dataset, processing_class=tokenizer)
     assert trainer.args.output_dir == "Tiny-0.5B-GRPO" and trainer.args.num_generations == 8
+
+
+def test_should_epoch_stop_skips_the_rest_of_the_epochs_prompts(tokenizer, addition_dataset, tmp_path):
+    epochs = []
+
+    class StopEpoch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_epoch_stop = state.global_step == 1
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            epochs.append((state.global_step, state.epoch))
+
+    # 16 prompts, 2 per generation batch: 8 steps an epoch; stopping the first epoch after step 1
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                          tiny_config(tmp_path, max_steps=3), train_dataset=addition_dataset,
+                          processing_class=tokenizer, callbacks=[StopEpoch()])
+    trainer.train()
+    assert epochs[0] == (1, 1.0)  # the first epoch ended at step 1, its other 7 rounds skipped
+    assert trainer.rounds_consumed == 10 and trainer.state.epoch == pytest.approx(1.25)
+
+
+def test_an_eval_dataset_without_the_training_columns_is_refused(tokenizer, addition_dataset, tmp_path):
+    from datasets import Dataset
+
+    from posttrain.data import DataError
+
+    with pytest.raises(DataError, match=r"eval_dataset lacks the column\(s\) answer that the training data has"):
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward, tiny_config(tmp_path),
+                    train_dataset=addition_dataset, eval_dataset=Dataset.from_dict({"prompt": ["1+1="]}),
+                    processing_class=tokenizer)

@@ -13,14 +13,12 @@ is independent of how many micro-batches make an optimizer step (gradient_accumu
 """
 
 import contextlib
-import copy
 import math
 
 import torch
-from transformers import TrainerState  # noqa: F401  (what reward functions receive as trainer_state)
 
 from posttrain.configs import ConfigError, GRPOConfig
-from posttrain.data import DataError, PromptEncoder, PromptSource
+from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
 from posttrain.errors import UserError
 from posttrain.generation import make_generator
 from posttrain.grpo.advantages import group_advantages
@@ -31,8 +29,8 @@ from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
-from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
-from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, reference_mode
+from posttrain.models.peft import is_peft_model, reference_mode
+from posttrain.models.preparation import make_reference, prepare_policy
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import save_checkpoint
 from posttrain.training.trainer import Trainer
@@ -78,11 +76,12 @@ class GRPOTrainer(Trainer):
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         trust_remote_code = args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
         model = load_causal_lm(model, {"trust_remote_code": trust_remote_code, **(args.model_init_kwargs or {})})
-        self.processing_class = processing_class or load_tokenizer(model.config._name_or_path, trust_remote_code)
+        self.processing_class = (processing_class if processing_class is not None
+                                 else load_tokenizer(model.config._name_or_path, trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
-        model = self._prepare_model(model, peft_config)
-        self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
+        model = prepare_policy(model, args, peft_config, self.accelerator.device)
+        self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
         self.reward_funcs = resolve_reward_funcs(reward_funcs, args, trust_remote_code, reward_processing_classes)
         self.reward_weights = self._reward_weights()
         for f in self.reward_funcs:
@@ -99,7 +98,7 @@ class GRPOTrainer(Trainer):
         self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
         check_required_columns(self.reward_funcs, self.reward_columns)
         self.eval_dataset = eval_dataset
-        self._check_eval_datasets()
+        check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
 
         self._prepare(model, self._total_steps())
         self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
@@ -129,51 +128,6 @@ class GRPOTrainer(Trainer):
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
-
-    def _prepare_model(self, model, peft_config):
-        args = self.args
-        if peft_config is not None:
-            model = apply_peft(model, peft_config)
-        if args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        if args.cast_lm_head_to_fp32:
-            cast_output_layer_to_fp32(model)
-        if args.gradient_checkpointing:
-            enable_checkpointing(model, args.gradient_checkpointing_kwargs)
-        model.config.use_cache = False
-        return model.to(self.accelerator.device).train()
-
-    def _reference(self, model, came_with_adapter: bool):
-        """(reference model, reference adapter name) when beta > 0.
-
-        Full fine-tuning: a frozen copy of the initial policy. LoRA: no copy; the policy with adapters
-        disabled, or with a frozen copy of the adapter it came with (see models/peft.py).
-        """
-        if self.args.beta == 0.0:
-            return None, None
-        if is_peft_model(model):
-            if self.args.sync_ref_model:
-                raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "
-                                  "reference is the policy with adapters off): set sync_ref_model=False, or train "
-                                  "all weights.")
-            return None, (add_reference_adapter(model) if came_with_adapter else None)
-        return copy.deepcopy(model).eval().requires_grad_(False), None
-
-    def _check_eval_datasets(self) -> None:
-        """Eval datasets need the prompt and every column the reward functions read from the training data."""
-        if self.eval_dataset is None:
-            return
-        named = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval_dataset": self.eval_dataset}
-        for name, dataset in named.items():
-            columns = getattr(dataset, "column_names", None)
-            if columns is None:  # an iterable dataset of unknown features: checked as it is read
-                continue
-            missing = [c for c in ["prompt", *self.reward_columns] if c not in columns]
-            if missing:
-                raise DataError(f"{name} lacks the column(s) {', '.join(missing)} that the training data has and "
-                                f"the prompts or reward functions need (its columns: {', '.join(columns)}).")
 
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights

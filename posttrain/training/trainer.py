@@ -212,6 +212,7 @@ class Trainer:
         self._act_on_control()
         if control.should_epoch_stop:
             self._skip_rest_of_epoch()
+            state.epoch = self._epoch()
         if control.should_epoch_stop or math.floor(state.epoch) > self._epoch_index:
             self._end_epoch()
 

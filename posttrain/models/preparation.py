@@ -1,0 +1,43 @@
+"""Turning a loaded model into the policy a trainer trains, and its reference: shared by every trainer."""
+
+import copy
+
+import torch
+
+from posttrain.configs import ConfigError
+from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
+from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model
+
+
+def prepare_policy(model, args, peft_config, device):
+    """Adapters (peft_config), dropout off (disable_dropout), a float32 output layer (cast_lm_head_to_fp32),
+    activation checkpointing (gradient_checkpointing), no KV cache in training forwards; on `device`, in train mode."""
+    if peft_config is not None:
+        model = apply_peft(model, peft_config)
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if args.cast_lm_head_to_fp32:
+        cast_output_layer_to_fp32(model)
+    if args.gradient_checkpointing:
+        enable_checkpointing(model, args.gradient_checkpointing_kwargs)
+    model.config.use_cache = False
+    return model.to(device).train()
+
+
+def make_reference(model, args, came_with_adapter: bool):
+    """(reference model, reference adapter name) when beta > 0; (None, None) otherwise.
+
+    Full fine-tuning: a frozen copy of the initial policy. LoRA: no copy; the policy with adapters
+    disabled, or with a frozen copy of the adapter it came with (see models/peft.py).
+    """
+    if args.beta == 0.0:
+        return None, None
+    if is_peft_model(model):
+        if args.sync_ref_model:
+            raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "
+                              "reference is the policy with adapters off): set sync_ref_model=False, or train "
+                              "all weights.")
+        return None, (add_reference_adapter(model) if came_with_adapter else None)
+    return copy.deepcopy(model).eval().requires_grad_(False), None
