@@ -158,7 +158,10 @@ class Trainer:
         from transformers.trainer_utils import TrainOutput
 
         if trial is not None:
-            raise NotImplementedError("Hyper-parameter search trials are not supported: run one config per train().")
+            from posttrain.configs import ConfigError
+
+            raise ConfigError("train(trial=...) is for transformers' hyper-parameter search, which posttrain does not "
+                              "run: train one config per run.")
         args = self.args
         path = resolve_checkpoint(resume_from_checkpoint if resume_from_checkpoint is not None
                                   else args.resume_from_checkpoint, args.output_dir)
