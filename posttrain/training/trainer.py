@@ -376,13 +376,24 @@ class Trainer:
         It needs network access and a token (`hf auth login`, HF_TOKEN or hub_token); without them it stops with one
         sentence saying so. Uploads are synchronous. Returns the commit URL on the main process.
         """
+        from accelerate.utils import broadcast_object_list
+
+        from posttrain.training.hub import HubError
+
         self.save_model(self.args.output_dir)
         self._call("on_push_begin")
-        url = None
+        outcome = [None, None]  # (url, error message): the main process pushes, every process learns how it went
         if self.accelerator.is_main_process:
-            url = push_folder(self.args, self.args.output_dir, commit_message, token=token, revision=revision)
-        self.accelerator.wait_for_everyone()
-        return url
+            try:
+                outcome[0] = push_folder(self.args, self.args.output_dir, commit_message, token=token,
+                                         revision=revision)
+            except HubError as err:
+                outcome[1] = str(err)
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(outcome, from_process=0)
+        if outcome[1] is not None:
+            raise HubError(outcome[1])
+        return outcome[0]
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
