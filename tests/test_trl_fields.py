@@ -137,3 +137,21 @@ def test_readme_counts_match_the_table():
     assert found, "README's count of TRL fields is missing"
     assert tuple(map(int, found.groups())) == (len(trl_snapshot()["fields"]), counts[IMPLEMENTED], counts[SAME],
                                                counts[UNSUPPORTED])
+
+
+def test_every_trl_field_at_its_default_is_a_flag():
+    """`--<field> <TRL's default>` for every TRL field parses to that default (None as `none`)."""
+    from posttrain.cli import parse_grpo
+
+    for f in _trl_fields():
+        default = _value(f["default"])
+        if default == [] or default == "":
+            continue  # an empty list or string has no flag spelling; its default applies when the flag is absent
+        text = ["none"] if default is None else [str(default).lower()] if isinstance(default, bool) else (
+            [str(v) for v in default] if isinstance(default, list) else [str(default)])
+        _, _, cfg = parse_grpo([f"--{f['name']}", *text])
+        value = getattr(cfg, f["name"])
+        if f["name"] not in ("output_dir", "bf16", "epsilon_high", "steps_per_generation", "generation_batch_size",
+                             "pad_to_multiple_of", "activation_checkpointing", "gradient_checkpointing_kwargs",
+                             "report_to"):  # derived at construction
+            assert value == default, (f["name"], value, default)

@@ -52,9 +52,12 @@ def _members(tp) -> list:
 
 def coerce(name: str, tp, value):
     """Convert `value` (from YAML or a CLI string) to the field's type, or raise ConfigError."""
-    optional = typing.get_origin(tp) is Union and type(None) in typing.get_args(tp)
+    optional = typing.get_origin(tp) is Union and type(None) in typing.get_args(tp) or tp is Any
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        if value[0].lower() in ("none", "null") and optional:
+            value = None  # `--field none` of a list-valued flag arrives as ["none"]
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional or tp is Any:
+        if optional:
             return None
         raise ConfigError(f"{name} cannot be None: give a value, or leave it out for the default.")
     members = _members(tp)

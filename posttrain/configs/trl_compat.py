@@ -61,7 +61,7 @@ class Compat:
 
 def _empty(value) -> bool:
     """empty or None"""
-    return value in (None, "", [], {})
+    return value in (None, "", [], {}) or (isinstance(value, list) and all(v in ("", None) for v in value))
 
 
 def _only(default):
@@ -107,7 +107,7 @@ COMPAT: list[Compat] = [
     same("log_on_each_node", bool, True, "posttrain logs from the main process of the run only"),
     same("logging_nan_inf_filter", bool, True,
          "posttrain stops at a non-finite loss before applying the update, so there is never one to filter"),
-    unsupported("include_num_input_tokens_seen", Union[str, bool], "no",
+    unsupported("include_num_input_tokens_seen", str, "no",
                 "posttrain logs num_tokens (completion tokens per step) instead; remove it",
                 accepts=("no", False)),
     unsupported("trackio_bucket_id", Optional[str], None, "posttrain passes only trackio_space_id to trackio; use that, or remove this"),
