@@ -158,19 +158,15 @@ def test_trl_flags_are_honoured_or_refused_in_one_sentence(tmp_path, tiny_model_
 
 
 @pytest.mark.multiproc
-def test_a_failed_push_stops_both_processes_with_one_sentence(tmp_path, tiny_model_dir):
-    """push_to_hub fails on the main process (no token here): the other process learns it and stops too."""
+def test_a_failed_push_reaches_both_processes(tmp_path, tiny_model_dir):
+    """push_to_hub runs on the main process and fails there (no token): the other process is told the same
+    sentence instead of waiting for it, and both go on to finish."""
     env = _env(HF_HOME=str(tmp_path / "hf"))
     env.pop("HF_TOKEN", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "posttrain.cli", "grpo",
-           "--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
-           "--reward_funcs", "length", "--per_device_train_batch_size", "4", "--num_generations", "4",
-           "--max_completion_length", "4", "--max_steps", "1", "--gradient_checkpointing", "false",
-           "--use_cpu", "true", "--save_strategy", "no", "--push_to_hub", "true", "--output_dir", str(tmp_path / "o")]
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(TESTS, "multiproc_push.py"), tiny_model_dir, str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode != 0
-    # both processes stop with the sentence (each prints it for now; printing it once is issue 11's)
-    assert out.stderr.count("posttrain: error: push_to_hub needs a Hugging Face token and network access") >= 1
-    assert out.stderr.count("exitcode  : 2") == 2  # torchrun's report: both ranks exited with the user-error code
-    assert (tmp_path / "o" / "model.safetensors").exists()  # the model was saved before the push was tried
+    assert out.returncode == 0, out.stderr[-3000:]
+    told = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert told[0] == told[1] and told[0].startswith("push_to_hub needs a Hugging Face token and network access")
