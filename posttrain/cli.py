@@ -10,7 +10,9 @@ override the YAML file.
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
 
 from posttrain._version import __version__
 from posttrain.configs import (UNKNOWN_HINT, ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build,
@@ -100,8 +102,10 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
                           eval_dataset=eval_dataset, peft_config=peft_config)
     try:
         trainer.train()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)  # no process waits for one that stopped
+        raise
+    trainer.close()
 
 
 def print_env() -> None:
@@ -142,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print_env()
     except Exception as err:
+        from posttrain.training.distributed import PeerFailure, reported_elsewhere
+
+        if reported_elsewhere(err, int(os.environ.get("RANK", "0")) == 0):
+            time.sleep(0.5)  # let the main process print it before a launcher tears the job down
+            return 2  # every process stopped on it, and the main one reports it: printed once
+        if isinstance(err, PeerFailure):  # another process failed: its user traceback, then its message
+            print(err.detail, file=sys.stderr, end="")
+            print(f"posttrain: error: {err}", file=sys.stderr)
+            return 2
         if not _is_user_error(err):
             raise
         cause = err.__cause__

@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from posttrain.configs import GRPOConfig
 from posttrain.grpo.trainer import GRPOTrainer
-from posttrain.training.hub import HubError
+from posttrain.errors import UserError
 
 model_dir, out = sys.argv[1], sys.argv[2]
 prompts = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
@@ -20,7 +20,7 @@ trainer.train()
 try:
     trainer.push_to_hub()
     told = "pushed"
-except HubError as err:
+except UserError as err:  # the main process's HubError; the other's PeerFailure
     told = str(err)
 with open(os.path.join(out, f"rank{os.environ['RANK']}.txt"), "w") as f:
     f.write(told)

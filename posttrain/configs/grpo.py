@@ -133,6 +133,10 @@ class GRPOObjectiveConfig:
         "ref = alpha * policy + (1 - alpha) * ref. Needs beta > 0 and full fine-tuning.", default=False)
     ref_model_mixup_alpha: float = _help("TR-DPO's alpha for sync_ref_model.", default=0.6)
     ref_model_sync_steps: int = _help("TR-DPO's tau: optimizer steps between reference syncs.", default=512)
+    reward_timeout: Optional[float] = _help(
+        "Seconds a reward function may take on one batch; past it the run stops naming the function, the step and "
+        "(when one alone hangs it) the completion, or with on_bad_reward=skip the batch is skipped. None (the default, "
+        "as TRL) waits as long as it takes.", default=None)
     on_bad_reward: str = _help(
         "What a NaN or inf reward does: stop (the run, naming the function and step) or skip (its whole group "
         "gets advantage 0; counted in rewards/skipped_groups).", default="stop")
@@ -161,6 +165,7 @@ class GRPOObjectiveConfig:
         check_range(self, "vespo_k_pos", 0)
         check_range(self, "vespo_k_neg", 0)
         check_range(self, "off_policy_mask_threshold", 0)
+        check_range(self, "reward_timeout", 0, low_open=True)
         check_range(self, "top_entropy_quantile", 0, 1)
         check_range(self, "ref_model_mixup_alpha", 0, 1)
         check_range(self, "entropy_coef_min", 0)

@@ -14,6 +14,8 @@ import math
 import os
 from collections import defaultdict
 
+from posttrain.training.distributed import guarded
+
 
 class RewardLogs:
     """Collects one generation round's log_extra / log_metric calls on this process."""
@@ -71,8 +73,11 @@ class CompletionLog:
         from accelerate.utils import gather_object
 
         prompts, texts = gather_object(prompts), gather_object(texts)
-        if not self.accelerator.is_main_process:
-            return
+        with guarded(self.accelerator):  # the main process writes; every process learns whether it could
+            if self.accelerator.is_main_process:
+                self._write(step, prompts, texts, rewards, advantages, extra)
+
+    def _write(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
         rows = []
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             row = {"step": step, "prompt": prompt, "completion": text,

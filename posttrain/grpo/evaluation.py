@@ -18,6 +18,7 @@ from posttrain.grpo.losses import LossInputs, StepNormalizer, entropy_bonus
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import token_logprobs
 from posttrain.rewards import reward_inputs, score
+from posttrain.training.distributed import guarded
 from posttrain.weights import export_weights
 
 
@@ -31,15 +32,17 @@ def _batch_metrics(trainer, prompt_round, G: int) -> dict:
     prompt_ids = trainer._local_share([prompt_round.prompt_ids[i] for i in order for _ in range(G)])
     indices = trainer._local_share([prompt_round.indices[i] for i in order for _ in range(G)])
     is_real = trainer._local_share([n < real for n in range(padded) for _ in range(G)])
-    trainer.generator.sync_weights(export_weights(trainer.model))
-    rollouts = trainer.generator.generate(prompt_ids)
-
-    prompts = [row["prompt"] for row in rows]
-    completion_ids, _, completions = reward_inputs(trainer.tokenizer, rollouts, isinstance(prompts[0], list))
     logs = RewardLogs()
-    local_rewards = score(trainer.reward_funcs, prompts, completions, completion_ids,
-                          {c: [row[c] for row in rows] for c in trainer.reward_columns}, trainer.state,
-                          trainer.state.global_step, prompt_indices=indices, loggers=logs.loggers())
+    with guarded(acc):  # generation and reward functions can fail on one process only
+        trainer.generator.sync_weights(export_weights(trainer.model))
+        rollouts = trainer.generator.generate(prompt_ids)
+        prompts = [row["prompt"] for row in rows]
+        completion_ids, _, completions = reward_inputs(trainer.tokenizer, rollouts, isinstance(prompts[0], list))
+        local_rewards = score(trainer.reward_funcs, prompts, completions, completion_ids,
+                              {c: [row[c] for row in rows] for c in trainer.reward_columns}, trainer.state,
+                              trainer.state.global_step, prompt_indices=indices, loggers=logs.loggers(),
+                              timeout=args.reward_timeout)
+        ref_logps = trainer._reference_logps(rollouts)
     device = acc.device
     rewards = acc.gather(local_rewards.to(device)).cpu()  # [padded * G, F]
     adv = group_advantages(rewards, trainer.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
@@ -54,19 +57,18 @@ def _batch_metrics(trainer, prompt_round, G: int) -> dict:
         mask = mask & rollouts.is_eos.unsqueeze(1)
     lengths = acc.gather(rollouts.completion_mask.sum(1)).cpu()[keep]
     out.update(completion_metrics(lengths, acc.gather(rollouts.is_eos).cpu()[keep]))
-    out.update(_loss_metrics(trainer, rollouts, adv.advantages[local].to(device), mask))
+    out.update(_loss_metrics(trainer, rollouts, ref_logps, adv.advantages[local].to(device), mask))
     out.update(logs.reduced_metrics(acc))
     return out
 
 
-def _loss_metrics(trainer, rollouts, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
+def _loss_metrics(trainer, rollouts, ref_logps, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
     """The on-policy loss of the batch and its loss metrics (entropy, kl, clip ratios)."""
     args, acc = trainer.args, trainer.accelerator
     tokens = float(mask.sum())
     total = float(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum"))
     norm = StepNormalizer(sequences=max(int(mask.any(1).sum()), 1), tokens=tokens,
                           tokens_per_process=total / acc.num_processes)
-    ref_logps = trainer._reference_logps(rollouts)
     r = rollouts
     with torch.no_grad(), acc.autocast():
         logps, entropy = token_logprobs(trainer.model, r.prompt_ids, r.prompt_mask, r.completion_ids,

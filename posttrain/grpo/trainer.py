@@ -33,6 +33,7 @@ from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import make_reference, prepare_policy
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import save_checkpoint
+from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.trainer import Trainer
 from posttrain.weights import export_weights
 
@@ -72,6 +73,42 @@ class GRPOTrainer(Trainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
         super().__init__(args, callbacks, optimizers)
+        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
+            model = self._setup(model, reward_funcs, train_dataset, eval_dataset, processing_class,
+                                reward_processing_classes, peft_config)
+        self._prepare(model, self._total_steps())
+        self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
+        self.loss_fn = get_loss(args.loss_type)
+        self.loss_params = LossParams(
+            args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,
+            args.max_completion_length, args.use_bias_correction_kl, args.off_policy_mask_threshold,
+            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
+            args.vespo_k_neg, args.vespo_lambda_neg)
+        self.entropy_control = EntropyControl.from_config(args)
+        # Old log-probs are needed only when an optimizer step can land between sampling and training.
+        self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
+        # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
+        # covers every sequence.)
+        self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
+                                         and not self.entropy_control.enabled and args.loss_type != "vespo")
+        self.pad_to_multiple_of = self._padding_multiple()
+        self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
+        self.buffer: list[TrainingBatch] = []
+        self._rounds = self.prompts.rounds()
+        self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
+        self._stream_epoch = 0.0
+        self._pending_metrics: dict = {}
+        self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
+        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._call("on_init_end")
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+               peft_config):
+        """Load the model and tokenizer, the reference, the rewards and the data; returns the prepared policy."""
+        args = self.args
         if train_dataset is None:
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         trust_remote_code = args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
@@ -91,43 +128,18 @@ class GRPOTrainer(Trainer):
         self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length,
                                      getattr(model.config, "max_position_embeddings", None),
                                      args.max_completion_length)
-        data_seed = args.data_seed if args.data_seed is not None else args.seed
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
-                                    data_seed)
+                                    self._data_seed)
         # TRL's remove_unused_columns=True drops every column but the prompt before the reward functions see them
         self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
         check_required_columns(self.reward_funcs, self.reward_columns)
         self.eval_dataset = eval_dataset
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
+        return model
 
-        self._prepare(model, self._total_steps())
-        self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
-        self.loss_fn = get_loss(args.loss_type)
-        self.loss_params = LossParams(
-            args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,
-            args.max_completion_length, args.use_bias_correction_kl, args.off_policy_mask_threshold,
-            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
-            args.vespo_k_neg, args.vespo_lambda_neg)
-        self.entropy_control = EntropyControl.from_config(args)
-        # Old log-probs are needed only when an optimizer step can land between sampling and training.
-        self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-        # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
-        # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
-        # covers every sequence.)
-        self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
-                                         and not self.entropy_control.enabled and args.loss_type != "vespo")
-        self.pad_to_multiple_of = self._padding_multiple()
-        self.shuffle_rng = torch.Generator().manual_seed(data_seed)
-        self.buffer: list[TrainingBatch] = []
-        self._rounds = self.prompts.rounds()
-        self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
-        self._stream_epoch = 0.0
-        self._pending_metrics: dict = {}
-        self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
-        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
-        self._call("on_init_end")
-
-    # ------------------------------------------------------------------ setup
+    @property
+    def _data_seed(self) -> int:
+        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
 
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights
@@ -176,20 +188,23 @@ class GRPOTrainer(Trainer):
 
     def _generate_and_score(self) -> TrainingBatch:
         args, G = self.args, self.args.num_generations
-        prompt_round = self._next_round()
-        rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
-        prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
-        prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
-        self.generator.sync_weights(export_weights(self.model))
-        rollouts = self.generator.generate(prompt_ids)
-
-        prompts = [row["prompt"] for row in rows]
-        completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
-        columns = {c: [row[c] for row in rows] for c in self.reward_columns}
         bad_rows = [] if args.on_bad_reward == "skip" else None
         logs = RewardLogs()
-        local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
-                              self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers())
+        with guarded(self.accelerator):  # reading data, generation and rewards can fail on one process only
+            prompt_round = self._next_round()
+            rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
+            prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
+            prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
+            self.generator.sync_weights(export_weights(self.model))
+            rollouts = self.generator.generate(prompt_ids)
+            prompts = [row["prompt"] for row in rows]
+            completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
+            columns = {c: [row[c] for row in rows] for c in self.reward_columns}
+            local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+                                  self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers(),
+                                  args.reward_timeout)
+            old_logps = self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None
+            ref_logps = self._reference_logps(rollouts)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
         adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
@@ -199,8 +214,7 @@ class GRPOTrainer(Trainer):
         if args.mask_truncated_completions:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
-                              old_logps=self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None,
-                              ref_logps=self._reference_logps(rollouts))
+                              old_logps=old_logps, ref_logps=ref_logps)
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
                                  **({"rewards/skipped_groups": skipped} if bad_rows is not None else {}),
                                  **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
@@ -367,8 +381,9 @@ class GRPOTrainer(Trainer):
             if not math.isfinite(value):
                 self.optimizer.zero_grad(set_to_none=True)
                 path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
-                raise TrainingError(f"Step {step}: {name} is {value}; the update was not applied and the last good "
-                                    f"state is saved in {path}. Lower the learning_rate or check the rewards.")
+                raise mark_agreed(TrainingError(  # every process sees the same reduced values, and raises together
+                    f"Step {step}: {name} is {value}; the update was not applied and the last good state is saved in "
+                    f"{path}. Lower the learning_rate or check the rewards."))
 
     def _entropy_step(self, stats: list[dict]) -> dict:
         """Update the entropy coefficient from the step's entropy across processes; its metrics."""
@@ -444,7 +459,7 @@ class GRPOTrainer(Trainer):
     def _checkpoint_models(self) -> dict:
         return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Release the generator and, in a multi-process run, the process group (call once, at the end)."""
         self.generator.close()
-        super().close()
+        super().close(failed)

@@ -29,6 +29,7 @@ from posttrain.configs import ConfigError, suggest
 from posttrain.data import DataError
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
+from posttrain.rewards.timeouts import TimedOut, hanging_row, run_within
 
 logger = logging.getLogger("posttrain")
 CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
@@ -228,18 +229,20 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
 
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None,
-          prompt_indices: list[int] | None = None, loggers: dict | None = None) -> torch.Tensor:
+          prompt_indices: list[int] | None = None, loggers: dict | None = None,
+          timeout: float | None = None) -> torch.Tensor:
     """Call every reward function on N completions.
 
     Args:
         prompts, completions: N prompts and completions (strings, or message lists if conversational).
         completion_ids: N token-id lists without padding.
         columns: other dataset columns, each a list of N values.
-        bad_rows: None to stop on a NaN/inf reward; a list to skip instead: such values become NaN and the
-            completion's index is appended to the list.
+        bad_rows: None to stop on a NaN/inf reward or a timeout; a list to skip instead: such values become NaN and
+            the completions' indices are appended to the list.
         prompt_indices: each completion's prompt's index in the dataset, named when a function raises.
         loggers: {"log_extra": f(column, values), "log_metric": f(name, value)} passed to every function; default
             functions that drop what they are given.
+        timeout: seconds a function may take (reward_timeout); None waits as long as it takes.
     Returns:
         [N, F] float32 rewards, NaN where a function returned None.
     """
@@ -255,21 +258,71 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
             elif f.is_async:
                 pending.append(k)
             else:
-                results[k] = f.fn(**call)
+                results[k] = run_within(lambda f=f: f.fn(**call), timeout)
+        except TimedOut:
+            results[k] = _timed_out(f, step, call, prompt_indices, timeout, bad_rows)
         except Exception as err:
             raise _raised(f, err, step, call, prompt_indices) from err
     if pending:
-        outputs = _run_async([funcs[k].fn(**call) for k in pending])
+        outputs = _run_async_within([funcs[k].fn for k in pending], call, timeout)
         for k, out in zip(pending, outputs):
-            if isinstance(out, BaseException):
+            if isinstance(out, (TimedOut, asyncio.TimeoutError)):
+                results[k] = _timed_out(funcs[k], step, call, prompt_indices, timeout, bad_rows)
+            elif isinstance(out, BaseException):
                 raise _raised(funcs[k], out, step, call, prompt_indices) from out
-            results[k] = out
-    matrix = [_checked(funcs[k], results[k], n, step, bad_rows) for k in range(len(funcs))]
+            else:
+                results[k] = out
+    matrix = [results[k] if results[k] is _SKIPPED else _checked(funcs[k], results[k], n, step, bad_rows)
+              for k in range(len(funcs))]
+    matrix = [[math.nan] * n if values is _SKIPPED else values for values in matrix]
     for f, values in zip(funcs, matrix):
         if all(math.isnan(v) for v in values):
             logger.warning("Reward function %r returned None for all %d completions at step %d: it adds nothing to "
                            "training. Check that the dataset has the columns it reads.", f.name, n, step)
     return torch.tensor(matrix, dtype=torch.float32).T.reshape(n, len(funcs))
+
+
+_SKIPPED = object()  # a timed-out function's result under on_bad_reward=skip: every completion is skipped
+
+
+def _run_async_within(fns: list, call: dict, timeout: float | None) -> list:
+    """Await the async functions together, each within `timeout` (a coroutine that blocks without awaiting is
+    caught by a limit on the whole event loop)."""
+    if timeout is None:
+        return _run_async([fn(**call) for fn in fns])
+    try:
+        return run_within(lambda: _run_async([asyncio.wait_for(fn(**call), timeout) for fn in fns]), timeout + 1.0)
+    except TimedOut:
+        return [TimedOut()] * len(fns)
+
+
+def _timed_out(f: RewardFunction, step: int, call: dict, prompt_indices, timeout: float, bad_rows: list | None):
+    """The error of a reward function past reward_timeout (naming the first completion that alone hangs it), or,
+    with on_bad_reward=skip, a warning and every completion marked to skip."""
+    n = len(call["completions"])
+    if bad_rows is not None:
+        logger.warning("Reward function %r did not return within reward_timeout=%s s at step %d: the %d completions "
+                       "it was scoring are skipped (on_bad_reward=skip).", f.name, timeout, step, n)
+        bad_rows.extend(range(n))
+        return _SKIPPED
+
+    def call_row(i):
+        one = {k: v[i:i + 1] for k, v in call.items() if k not in PASSED_WHOLE}
+        one.update(trainer_state=call["trainer_state"], **_NO_LOGGERS)
+        if not f.is_async:
+            return f.fn(**one)
+        out = _run_async([asyncio.wait_for(f.fn(**one), timeout)])[0]
+        if isinstance(out, asyncio.TimeoutError):
+            raise TimedOut()
+        return out
+
+    row = hanging_row(call_row, n, timeout) if f.fn is not None else None
+    where = ""
+    if row is not None:
+        where = f" on completion {row}" + (f" (prompt {prompt_indices[row]} of the dataset)" if prompt_indices else "")
+    raise RewardError(f"Reward function {f.name!r} did not return within reward_timeout={timeout} s at step {step}"
+                      f"{where}: make it faster, raise reward_timeout, or set on_bad_reward=skip to skip such "
+                      "batches.")
 
 
 def _checked(f: RewardFunction, values, n: int, step: int, bad_rows: list | None) -> list[float]:

@@ -31,6 +31,7 @@ import shutil
 import torch
 
 from posttrain.errors import UserError
+from posttrain.training.distributed import guarded
 
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -143,28 +144,28 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     model_only = bool(getattr(trainer.args, "save_only_model", False))
     final = os.path.join(output_dir, f"{prefix}-{trainer.state.global_step}")
     tmp = final + ".tmp"
-    if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp)
+    with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp)
+            if not model_only:
+                torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+                for name, module in trainer._checkpoint_models().items():
+                    save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
+    with guarded(acc, writing=tmp):
         if not model_only:
-            torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            for name, module in trainer._checkpoint_models().items():
-                save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
-    acc.wait_for_everyone()
-    if not model_only:
-        rank = acc.process_index
-        torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
-        save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        _write_state(trainer, tmp, model_only)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if total_limit:
-            for _, old in checkpoints(output_dir)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
+            rank = acc.process_index
+            torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
+            save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
+    with guarded(acc, writing=final):
+        if acc.is_main_process:
+            _write_state(trainer, tmp, model_only)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if total_limit:
+                for _, old in checkpoints(output_dir)[:-total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
     return final
 
 

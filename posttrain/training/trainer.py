@@ -24,6 +24,7 @@ import torch
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
 from posttrain.training.checkpoint import load_checkpoint, save_checkpoint
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
+from posttrain.training.distributed import guarded
 from posttrain.training.hub import push_folder
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
@@ -142,7 +143,11 @@ class Trainer:
         self.callback_handler.pop(callback)
 
     def _call(self, event: str, **kwargs):
-        return self.callback_handler.call(event, **kwargs)
+        """Run a callback event; a callback that raises on one process stops every process."""
+        if self.accelerator.num_processes == 1:
+            return self.callback_handler.call(event, **kwargs)
+        with guarded(self.accelerator):
+            return self.callback_handler.call(event, **kwargs)
 
     # ------------------------------------------------------------------ the loop
 
@@ -280,13 +285,16 @@ class Trainer:
         """
         record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
         self.state.log_history.append(record)
+        self._on_main(self._emit, record, to_file)
+        self._call("on_log", logs=record)
+
+    def _emit(self, record: dict, to_file: bool) -> None:
         if self.logger is not None:
             self.logger.emit(record, to_file=to_file)
-        elif to_file and self.accelerator.is_main_process:
+        elif to_file:
             os.makedirs(self.args.output_dir, exist_ok=True)
             with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
-        self._call("on_log", logs=record)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """Metrics over an eval dataset (default: the trainer's), logged and passed to on_evaluate.
@@ -325,10 +333,11 @@ class Trainer:
     # ------------------------------------------------------------------ saving and the Hub
 
     def _on_main(self, fn, *args):
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            fn(*args)
-        self.accelerator.wait_for_everyone()
+        """`fn(*args)` on the main process; every process waits for it and learns whether it failed (a failed disk
+        write as one sentence)."""
+        with guarded(self.accelerator, writing=self.args.output_dir):
+            if self.accelerator.is_main_process:
+                fn(*args)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model (or adapter), tokenizer and config to `output_dir` (default args.output_dir)."""
@@ -341,9 +350,11 @@ class Trainer:
 
     def save_state(self) -> None:
         """Write the TrainerState to output_dir/trainer_state.json, as transformers does."""
-        if self.accelerator.is_main_process:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+        self._on_main(self._write_state_json)
+
+    def _write_state_json(self) -> None:
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
 
     def log_metrics(self, split: str, metrics: dict) -> None:
         """Print `metrics` of `split` (train, eval, ...) as transformers' Trainer does, on the main process."""
@@ -357,8 +368,9 @@ class Trainer:
 
     def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
         """Write `metrics` to output_dir/<split>_results.json (and merge them into all_results.json)."""
-        if not self.accelerator.is_main_process:
-            return
+        self._on_main(self._write_metrics, split, metrics, combined)
+
+    def _write_metrics(self, split: str, metrics: dict, combined: bool) -> None:
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
             json.dump(metrics, f, indent=4, sort_keys=True)
@@ -376,24 +388,13 @@ class Trainer:
         It needs network access and a token (`hf auth login`, HF_TOKEN or hub_token); without them it stops with one
         sentence saying so. Uploads are synchronous. Returns the commit URL on the main process.
         """
-        from accelerate.utils import broadcast_object_list
-
-        from posttrain.training.hub import HubError
-
         self.save_model(self.args.output_dir)
         self._call("on_push_begin")
-        outcome = [None, None]  # (url, error message): the main process pushes, every process learns how it went
-        if self.accelerator.is_main_process:
-            try:
-                outcome[0] = push_folder(self.args, self.args.output_dir, commit_message, token=token,
-                                         revision=revision)
-            except HubError as err:
-                outcome[1] = str(err)
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(outcome, from_process=0)
-        if outcome[1] is not None:
-            raise HubError(outcome[1])
-        return outcome[0]
+        url = None
+        with guarded(self.accelerator):  # the main process pushes; every process learns whether it failed
+            if self.accelerator.is_main_process:
+                url = push_folder(self.args, self.args.output_dir, commit_message, token=token, revision=revision)
+        return url
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
@@ -401,7 +402,13 @@ class Trainer:
     def is_local_process_zero(self) -> bool:
         return self.accelerator.is_local_main_process
 
-    def close(self) -> None:
-        """Release the process group in a multi-process run (call once, at the end)."""
-        self.accelerator.wait_for_everyone()
+    def close(self, failed: bool = False) -> None:
+        """Release the process group in a multi-process run (call once, at the end).
+
+        Args:
+            failed: the run stopped on an error. Then no process waits for the others (one that died never
+                arrives); each releases its own part and exits.
+        """
+        if not failed:
+            self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise

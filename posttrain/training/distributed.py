@@ -1,0 +1,93 @@
+"""A failure on one process reaches every process: no process is left waiting in a collective for one that died.
+
+Work that can fail on some processes only (generation, reward functions, user callbacks, the main process's
+writes) runs inside `guarded(accelerator)`. At its end every process takes part in one small all-reduce saying
+whether it failed; if any did, every process raises: the first failing process its own error, the others a
+`PeerFailure` carrying that process's message (and the traceback of the user code that raised, if any). The main
+process is the one that reports it, so the message is printed once (training/trainer.py and cli.py).
+
+A run of one process pays nothing: the error is raised where it happened.
+"""
+
+import contextlib
+import traceback
+
+from posttrain.errors import UserError, is_storage_failure, storage_error
+
+# set on an exception that every process raises together: only the main process reports it
+AGREED = "_posttrain_agreed"
+
+
+class PeerFailure(UserError, RuntimeError):
+    """Another process failed. `detail` is the traceback text of the user code (or internal error) behind it."""
+
+    def __init__(self, message: str, rank: int, detail: str = ""):
+        super().__init__(f"on process {rank}: {message}")
+        self.rank = rank
+        self.detail = detail
+
+
+def _report(error: BaseException, rank: int) -> tuple:
+    """(rank, message, traceback text worth showing) of an error, for the other processes."""
+    detail = ""
+    if not isinstance(error, UserError):  # an internal error: its own traceback
+        detail = "".join(traceback.format_exception(error))
+    elif error.__cause__ is not None and not isinstance(error.__cause__, (UserError, OSError, ImportError)):
+        detail = "".join(traceback.format_exception(error.__cause__))  # the user's code that raised
+    text = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    return rank, text, detail
+
+
+def agree(accelerator, error: BaseException | None) -> None:
+    """Called by every process at the same point: returns when no process failed, else raises on every process."""
+    if accelerator.num_processes == 1:
+        if error is not None:
+            raise error
+        return
+    import torch
+    from accelerate.utils import gather_object
+
+    failed = accelerator.reduce(torch.tensor([0.0 if error is None else 1.0], device=accelerator.device),
+                                reduction="sum")
+    if float(failed) == 0:
+        return
+    mine = _report(error, accelerator.process_index) if error is not None else None
+    reports = [r for r in gather_object([mine]) if r is not None]
+    rank, message, detail = reports[0]
+    if error is not None and rank == accelerator.process_index:
+        setattr(error, AGREED, True)
+        raise error
+    failure = PeerFailure(message, rank, detail)
+    setattr(failure, AGREED, True)
+    raise failure
+
+
+@contextlib.contextmanager
+def guarded(accelerator, writing: str | None = None):
+    """Run the block; then every process learns whether any process's block failed (see `agree`).
+
+    Args:
+        writing: the path the block writes to: a failed disk write then becomes one sentence naming the path and
+            the cause (posttrain.errors.storage_error) instead of an OSError's traceback.
+    """
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any failure must reach the other processes
+        failure = error
+        if writing is not None and is_storage_failure(error) and not isinstance(error, UserError):
+            failure = storage_error(error, "write", writing)
+            failure.__cause__ = error
+        agree(accelerator, failure)  # raises, on every process
+        raise
+    agree(accelerator, None)
+
+
+def mark_agreed(error: BaseException) -> BaseException:
+    """For an error every process raises at once by construction (it follows from reduced values)."""
+    setattr(error, AGREED, True)
+    return error
+
+
+def reported_elsewhere(error: BaseException, is_main: bool) -> bool:
+    """Whether this process should stay quiet about `error`: every process raised it, and the main one reports it."""
+    return getattr(error, AGREED, False) and not is_main

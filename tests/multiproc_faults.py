@@ -1,0 +1,108 @@
+"""Faults on one of two processes, for tests/test_multiproc_faults.py.
+
+    python multiproc_faults.py FAULT OUT_DIR -- <posttrain grpo arguments>
+
+patches one place to fail on one process only, writes the time of the fault to OUT_DIR/fault_time, then runs the
+command line as a user would. FAULT is reward (rank 1's reward function raises at step 2), generation (rank 1's
+generator at its second round), data (rank 1's prompt stream breaks after its first round), saving (the main
+process cannot write checkpoint-1), nonfinite (rank 1's loss turns NaN at step 2).
+"""
+
+import os
+import sys
+import time
+
+FAULT, OUT = sys.argv[1], sys.argv[2]
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def _mark():
+    with open(os.path.join(OUT, "fault_time"), "w") as f:
+        f.write(repr(time.time()))
+
+
+def faulty_reward(completions, trainer_state, **kwargs):
+    """Scores by length; on rank 1 at step 2 it raises, as a reward function with a bad row would."""
+    if FAULT == "reward" and RANK == 1 and trainer_state.global_step == 1:
+        _mark()
+        raise ValueError("rank 1 cannot score this completion")
+    return [float(len(c)) for c in completions]
+
+
+def _patch():
+    if FAULT == "generation" and RANK == 1:
+        from posttrain.generation.transformers_backend import TransformersGenerator
+
+        original, calls = TransformersGenerator.generate, []
+
+        def generate(self, prompts):
+            calls.append(1)
+            if len(calls) == 2:
+                _mark()
+                raise RuntimeError("CUDA out of memory (simulated) while generating")
+            return original(self, prompts)
+
+        TransformersGenerator.generate = generate
+    elif FAULT == "data" and RANK == 1:
+        from posttrain.data import DataError, PromptSource
+
+        original = PromptSource.rounds
+
+        def rounds(self):
+            stream = original(self)
+            yield next(stream)
+            _mark()
+            raise DataError("row 17 of the prompt stream could not be read")
+
+        PromptSource.rounds = rounds
+    elif FAULT == "saving" and RANK == 0:
+        from posttrain.training import checkpoint
+
+        original = checkpoint.save_policy if hasattr(checkpoint, "save_policy") else None
+        import posttrain.training.saving as saving
+
+        real = saving.save_policy
+
+        def save_policy(policy, tokenizer, config, output_dir):
+            if "checkpoint-1" in output_dir:
+                _mark()
+                raise OSError(28, "No space left on device", output_dir)
+            return real(policy, tokenizer, config, output_dir)
+
+        saving.save_policy = save_policy
+        del original
+    elif FAULT == "nonfinite" and RANK == 1:
+        from posttrain.grpo import losses
+
+        original = losses.Loss.__call__
+
+        def call(self, inputs, params, norm):
+            out = original(self, inputs, params, norm)
+            if inputs.logps.requires_grad and os.path.exists(os.path.join(OUT, "step1_done")):
+                _mark()
+                return losses.LossOutputs(out.loss * float("nan"), out.stats)
+            return out
+
+        losses.Loss.__call__ = call
+
+
+if __name__ == "__main__":
+    _patch()
+    from transformers import TrainerCallback
+
+    from posttrain import cli
+
+    class MarkSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            open(os.path.join(OUT, "step1_done"), "w").close()
+
+    from posttrain.grpo import trainer as grpo_trainer
+
+    real_init = grpo_trainer.GRPOTrainer.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs["callbacks"] = [MarkSteps()]
+        real_init(self, *args, **kwargs)
+
+    grpo_trainer.GRPOTrainer.__init__ = init
+    sys.exit(cli.main(["grpo", *sys.argv[sys.argv.index("--") + 1:]]))

@@ -1,0 +1,48 @@
+"""A failure on one of two processes stops both, within seconds, with the original message printed once.
+
+Each test launches two gloo processes with accelerate (tests/multiproc_faults.py injects the fault on one of
+them) under a timeout: before the failure was shared, the survivor waited in a collective for the failed process,
+and both hung.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+FAULTS = {
+    "reward": "Reward function 'faulty_reward' raised ValueError at step 2",
+    "generation": "RuntimeError: CUDA out of memory (simulated) while generating",
+    "data": "row 17 of the prompt stream could not be read",
+    "saving": "checkpoint-1.tmp: the disk is full. Free some space",
+    "nonfinite": "Step 2: loss is nan; the update was not applied",
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--",
+           "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
+           "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
+           "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "4", "--logging_steps", "1",
+           "--gradient_checkpointing", "false", "--use_cpu", "true", "--save_strategy", "steps", "--save_steps", "1",
+           "--output_dir", str(tmp_path / "out")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    ended = time.time()
+    assert out.returncode != 0
+    fault_time = float((tmp_path / "fault_time").read_text())
+    print(f"{fault}: both processes stopped {ended - fault_time:.1f} s after the fault")
+    assert ended - fault_time < 30, ended - fault_time  # stopped within seconds, not at a collective's timeout
+    lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
+    assert len(lines) == 1 and FAULTS[fault] in lines[0], out.stderr[-3000:]  # the original message, once
