@@ -148,9 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         from posttrain.training.distributed import PeerFailure, reported_elsewhere
 
+        code = getattr(err, "exit_code", 2)  # an interrupt exits 128 + its signal
         if reported_elsewhere(err, int(os.environ.get("RANK", "0")) == 0):
             time.sleep(0.5)  # let the main process print it before a launcher tears the job down
-            return 2  # every process stopped on it, and the main one reports it: printed once
+            return code  # every process stopped on it, and the main one reports it: printed once
+        from posttrain.training.interrupts import Interrupted
+
+        if isinstance(err, Interrupted):
+            print(f"posttrain: {err}", file=sys.stderr)
+            return code
         if isinstance(err, PeerFailure):  # another process failed: its user traceback, then its message
             print(err.detail, file=sys.stderr, end="")
             print(f"posttrain: error: {err}", file=sys.stderr)
@@ -164,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exception(cause, file=sys.stderr)
         print(f"posttrain: error: {err}", file=sys.stderr)
-        return 2
+        return code
+    except KeyboardInterrupt:  # a second SIGINT: stopped at once, mid-step
+        print("posttrain: interrupted mid-step; resume from the newest checkpoint in output_dir "
+              "(resume_from_checkpoint=true).", file=sys.stderr)
+        return 130
     return 0
 
 

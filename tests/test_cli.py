@@ -1,10 +1,12 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -171,3 +173,37 @@ def test_a_failed_push_reaches_both_processes(tmp_path, tiny_model_dir):
     told = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert told[0].startswith("push_to_hub needs a Hugging Face token and network access")
     assert told[1] == f"on process 0: {told[0]}"  # told by the process that failed
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_at_the_step_with_a_checkpoint_and_one_line(tmp_path, tiny_model_dir, signum):
+    from safetensors.torch import load_file
+
+    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
+              "--reward_funcs", "length", "--per_device_train_batch_size", "8", "--num_generations", "4",
+              "--max_completion_length", "6", "--max_steps", "6", "--logging_steps", "1", "--save_strategy", "no",
+              "--gradient_checkpointing", "false", "--use_cpu", "true"]
+    run = [sys.executable, "-m", "posttrain.cli", "grpo", *common]
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([*run, "--output_dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    step = len(metrics.read_text().splitlines())
+    lines = [line for line in stderr.splitlines() if line.startswith("posttrain:")]
+    assert lines == [f"posttrain: Interrupted ({signal.Signals(signum).name}) at step {step} of 6; the newest "
+                     f"checkpoint is {out}/checkpoint-{step}: resume with resume_from_checkpoint=true."]
+    assert step < 6 and "Traceback" not in stderr
+    resumed = subprocess.run([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"],
+                             capture_output=True, text=True, env=_env())
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    straight = subprocess.run([*run, "--output_dir", str(tmp_path / "straight")], capture_output=True, text=True,
+                              env=_env())
+    assert straight.returncode == 0
+    a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "straight" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # interrupted and resumed = never interrupted

@@ -143,3 +143,44 @@ def test_trl_names_on_the_command_line_resolve():
                                        "reasoning_accuracy_reward", "repetition_penalty_reward"]
     overlong = funcs[2].fn
     assert (overlong.max_len, overlong.cache) == (1280, 256)  # the sizes TRL's grpo script uses
+
+
+def _slow_on_row(hang_row: int, asynchronous: bool = False):
+    """A reward that never returns when it is given the completion "hang" (row `hang_row` of the batch)."""
+    import threading
+
+    never = threading.Event()
+
+    def hangs(completions, **kw):
+        if "hang" in completions:
+            never.wait()
+        return [1.0] * len(completions)
+
+    async def hangs_async(completions, **kw):
+        if "hang" in completions:
+            await asyncio.sleep(3600)
+        return [1.0] * len(completions)
+
+    return hangs_async if asynchronous else hangs
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_reward_timeout_names_the_function_step_and_completion(asynchronous):
+    from posttrain.rewards import RewardError
+
+    funcs = resolve_reward_funcs([_slow_on_row(2, asynchronous)], GRPOConfig())
+    completions = ["a", "b", "hang", "c"]
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"Reward function 'hangs(_async)?' did not return within reward_timeout=0.2 s "
+                                          r"at step 3 on completion 2 \(prompt 7 of the dataset\)"):
+        score(funcs, ["p"] * 4, completions, [[1]] * 4, {}, None, step=3, prompt_indices=[5, 6, 7, 8], timeout=0.2)
+    assert time.perf_counter() - start < 5  # the whole batch, then rows 0, 1 and 2 alone: about 4 limits
+
+
+def test_reward_timeout_skips_under_on_bad_reward_skip():
+    funcs = resolve_reward_funcs([_slow_on_row(0), "length"], GRPOConfig(max_completion_length=8))
+    bad = []
+    m = score(funcs, ["p"] * 2, ["hang", "x"], [[1], [1, 2]], {}, None, step=1, bad_rows=bad, timeout=0.2)
+    assert bad == [0, 1] and math.isnan(m[0, 0]) and math.isnan(m[1, 0]) and m[1, 1] == -0.25
+    # and without a limit nothing changes: a function that returns is called once, on this thread
+    assert score(funcs[1:], ["p"], ["x"], [[1]], {}, None, step=1, timeout=None).tolist() == [[-0.125]]

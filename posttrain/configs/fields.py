@@ -249,6 +249,9 @@ class CheckpointConfig:
     save_only_model: bool = _help(
         "Checkpoints hold the model only (no optimizer, scheduler, RNG or buffered batches): smaller, but they cannot "
         "be resumed from.", default=False)
+    save_on_interrupt: bool = _help(
+        "On SIGINT or SIGTERM, finish the current step, checkpoint it, and stop saying where the checkpoint is.",
+        default=True)
     resume_from_checkpoint: Optional[str] = _help(
         "Resume from this checkpoint directory, or `true` for the newest complete one in output_dir.",
         default=None)

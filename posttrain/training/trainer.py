@@ -22,9 +22,10 @@ import time
 import torch
 
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
-from posttrain.training.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.training.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
-from posttrain.training.distributed import guarded
+from posttrain.training.distributed import guarded, mark_agreed
+from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
@@ -179,10 +180,14 @@ class Trainer:
         self._call("on_train_begin")
         self._epoch_open = False
         try:
-            if args.eval_on_start and self.state.global_step == 0:
-                self._evaluate_during_training()
-            while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
-                self._one_step()
+            with InterruptWatch(self.accelerator) as interrupts:
+                if args.eval_on_start and self.state.global_step == 0:
+                    self._evaluate_during_training()
+                while self.state.global_step < self.state.max_steps and not self.control.should_training_stop:
+                    self._one_step()
+                    signum = interrupts.received()
+                    if signum:
+                        self._stop_on_signal(signum)
             if self._epoch_open:
                 self._end_epoch()
             metrics = self._train_summary(start_time, self.state.global_step - start_step)
@@ -223,6 +228,22 @@ class Trainer:
             state.epoch = self._epoch()
         if control.should_epoch_stop or math.floor(state.epoch) > self._epoch_index:
             self._end_epoch()
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """SIGINT / SIGTERM arrived during the step just finished: log its window, checkpoint it, and stop."""
+        import signal
+
+        record = self.logger.flush()
+        if record:
+            self.log(record)
+        newest = checkpoints(self.args.output_dir)
+        path = newest[-1][1] if newest else None
+        if self.args.save_on_interrupt and not (newest and newest[-1][0] == self.state.global_step):
+            path = save_checkpoint(self, self.args.output_dir, self.args.save_total_limit)
+        where = (f"the newest checkpoint is {path}: resume with resume_from_checkpoint=true" if path
+                 else "there is no checkpoint to resume from (save_on_interrupt is off)")
+        raise mark_agreed(Interrupted(f"Interrupted ({signal.Signals(signum).name}) at step {self.state.global_step} "
+                                      f"of {self.state.max_steps}; {where}.", signum))
 
     def _end_epoch(self) -> None:
         self._epoch_open = False
