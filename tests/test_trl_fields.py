@@ -1,6 +1,7 @@
 """Every field of TRL 1.16's GRPOConfig works here or says why (configs/trl_compat.py, docs/config.md)."""
 
 import ast
+import re
 import dataclasses
 
 import pytest
@@ -155,3 +156,36 @@ def test_every_trl_field_at_its_default_is_a_flag():
                              "pad_to_multiple_of", "activation_checkpointing", "gradient_checkpointing_kwargs",
                              "report_to"):  # derived at construction
             assert value == default, (f["name"], value, default)
+
+
+def test_every_numeric_field_has_a_documented_range_that_is_checked():
+    from posttrain.configs.base import base_type, field_types
+
+    types = field_types(GRPOConfig)
+    numeric = [f for f in dataclasses.fields(GRPOConfig) if base_type(types[f.name]) in (int, float)]
+    assert len(numeric) > 60
+    missing = [f.name for f in numeric if "range" not in f.metadata]
+    assert not missing, missing
+    refused = 0
+    for f in numeric:
+        bounds = f.metadata["range"]
+        for outside in ([bounds.low - 1] if bounds.low is not None else []) + (
+                [bounds.high + 1] if bounds.high is not None else []):
+            value = int(outside) if base_type(types[f.name]) is int else float(outside)
+            with pytest.raises(ConfigError, match=rf"^{f.name}=") as err:
+                GRPOConfig(**{f.name: value})
+            assert err.value.args[0].endswith("."), f.name
+            refused += 1
+    assert refused > 60  # each bound of each field refuses a value beyond it, naming the field
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_p=1.5), "min_p=1.5 must be in [0, 1]."), (dict(repetition_penalty=0), "repetition_penalty=0 must be > 0"),
+    (dict(repetition_penalty=-1.0), "must be > 0"), (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0 must be >= 0"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1 must be >= 0"), (dict(warmup_ratio=1.5), "warmup_ratio=1.5 must be in"),
+    (dict(epsilon=1.0), "epsilon=1.0 must be in [0, 1)"), (dict(save_total_limit=0), "must be a positive integer"),
+    (dict(seed=-1), "seed=-1 must be in [0, 4294967295]"), (dict(learning_rate=float("inf")), "must be a finite"),
+])
+def test_values_the_issue_found_accepted_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        GRPOConfig(**kwargs)

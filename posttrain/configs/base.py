@@ -7,7 +7,7 @@ import dataclasses
 import math
 import numbers
 import typing
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from posttrain.errors import UserError
@@ -17,9 +17,63 @@ class ConfigError(UserError, ValueError):
     """A config value that cannot work; the message names the field and a valid choice."""
 
 
-def _help(text: str, **kw) -> Any:
-    """A dataclass field with its help text (shown by `--help` and in docs/config.md)."""
-    return field(metadata={"help": text}, **kw)
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts, checked at construction and shown in docs/config.md."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""  # what a boundary value means, e.g. "0 disables clipping"
+
+    def contains(self, value) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def text(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        if low is None and high is None:
+            return "any"
+        if low is not None and high is not None:
+            return f"{'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if low is not None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"{'<' if self.high_open else '<='} {high}"
+
+
+def _number(x):
+    return None if x is None else int(x) if float(x).is_integer() else x
+
+
+ANY = Range()
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+FRACTION = Range(0, 1)
+SEED = Range(0, 2 ** 32 - 1)  # numpy's seeds
+
+
+def _help(text: str, range: Range | None = None, **kw) -> Any:
+    """A dataclass field with its help text (shown by `--help` and in docs/config.md) and, for a number, its range."""
+    metadata = {"help": text} if range is None else {"help": text, "range": range}
+    return field(metadata=metadata, **kw)
+
+
+def check_ranges(cfg) -> None:
+    """Every numeric field inside its declared range (None, where a field allows it, means unset)."""
+    for f in dataclasses.fields(cfg):
+        bounds = f.metadata.get("range")
+        value = getattr(cfg, f.name)
+        if bounds is None or value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue
+        if not bounds.contains(value):
+            whole = isinstance(value, int) and bounds == AT_LEAST_ONE
+            two_sided = bounds.low is not None and bounds.high is not None
+            wanted = "a positive integer" if whole else f"in {bounds.text()}" if two_sided else bounds.text()
+            note = f" ({bounds.note})" if bounds.note else ""
+            raise ConfigError(f"{f.name}={value!r} must be {wanted}{note}.")
 
 
 def field_types(cls) -> dict:

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from posttrain.configs.base import (ConfigError, _help, check_choice, check_positive, check_range, check_steps)
+from posttrain.configs.base import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, SEED, ConfigError, Range, _help,
+                                    check_choice, check_positive, check_steps)
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
@@ -28,21 +29,26 @@ class TrainingLoopConfig:
 
     output_dir: str = _help("Where checkpoints, the final model, `metrics.jsonl` and the config are written.",
                             default="trainer_output")
-    seed: int = _help("Random seed for initialisation, sampling and (unless data_seed is set) data order.", default=42)
-    data_seed: Optional[int] = _help("Seed of the data order only; default: seed.", default=None)
-    max_steps: int = _help("Total optimizer steps; -1 means derive from `num_train_epochs`.", default=-1)
-    num_train_epochs: float = _help("Passes over the prompts when `max_steps` is -1.", default=3.0)
+    seed: int = _help("Random seed for initialisation, sampling and (unless data_seed is set) data order.",
+        range=SEED, default=42)
+    data_seed: Optional[int] = _help("Seed of the data order only; default: seed.", range=SEED, default=None)
+    max_steps: int = _help("Total optimizer steps; -1 means derive from `num_train_epochs`.",
+                           range=Range(-1, note="-1 derives it from num_train_epochs; 0 trains nothing"), default=-1)
+    num_train_epochs: float = _help("Passes over the prompts when `max_steps` is -1 (then > 0).", range=NON_NEGATIVE,
+                                    default=3.0)
     per_device_train_batch_size: int = _help(
-        "Completions (not prompts) per process in one micro-batch.", default=8)
+        "Completions (not prompts) per process in one micro-batch.", range=AT_LEAST_ONE, default=8)
     gradient_accumulation_steps: int = _help(
         "Micro-batches accumulated into one optimizer step. Independent of how often we generate "
-        "(`steps_per_generation`).", default=1)
-    learning_rate: float = _help("Peak learning rate.", default=1e-6)
-    weight_decay: float = _help("Weight decay (not applied to biases and norm weights).", default=0.0)
-    adam_beta1: float = _help("Adam beta1.", default=0.9)
-    adam_beta2: float = _help("Adam beta2.", default=0.999)
-    adam_epsilon: float = _help("Adam epsilon.", default=1e-8)
-    max_grad_norm: float = _help("Clip the global gradient norm to this value; 0 disables clipping.", default=1.0)
+        "(`steps_per_generation`).", range=AT_LEAST_ONE, default=1)
+    learning_rate: float = _help("Peak learning rate.", range=NON_NEGATIVE, default=1e-6)
+    weight_decay: float = _help("Weight decay (not applied to biases and norm weights).",
+        range=NON_NEGATIVE, default=0.0)
+    adam_beta1: float = _help("Adam beta1.", range=Range(0, 1, high_open=True), default=0.9)
+    adam_beta2: float = _help("Adam beta2.", range=Range(0, 1, high_open=True), default=0.999)
+    adam_epsilon: float = _help("Adam epsilon.", range=NON_NEGATIVE, default=1e-8)
+    max_grad_norm: float = _help("Clip the global gradient norm to this value; 0 disables clipping.",
+        range=Range(0, note="0 disables clipping"), default=1.0)
     optim: str = _help(f"Optimizer, by transformers' name: {', '.join(OPTIMIZERS)} (bitsandbytes and torchao ones "
                        "need their package).", default="adamw_torch_fused")
     optim_args: Optional[str] = _help(
@@ -54,10 +60,10 @@ class TrainingLoopConfig:
         "Extra arguments of the schedule, e.g. {\"num_cycles\": 2} for cosine_with_restarts or {\"min_lr_rate\": 0.1}.",
         default=None)
     warmup_steps: float = _help(
-        "Linear warm-up steps; a value in (0, 1) is a fraction of the total steps.", default=0)
+        "Linear warm-up steps; a value in (0, 1) is a fraction of the total steps.", range=NON_NEGATIVE, default=0)
     warmup_ratio: Optional[float] = _help(
         "Fraction of the total steps spent in warm-up (the older transformers name; warmup_steps wins when both are "
-        "set).", default=None)
+        "set).", range=FRACTION, default=None)
     shuffle_dataset: bool = _help("Shuffle the training data each epoch.", default=True)
     remove_unused_columns: bool = _help(
         "Drop every dataset column but the prompt before training, so reward functions receive none of them (TRL's "
@@ -68,17 +74,11 @@ class TrainingLoopConfig:
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps={self.max_steps} must be a positive number of steps, or -1 to train for "
                               "num_train_epochs.")
-        if self.max_steps == -1:
-            check_range(self, "num_train_epochs", 0, low_open=True, why=" (or set max_steps)")
-        check_range(self, "learning_rate", 0)
-        check_range(self, "weight_decay", 0)
-        check_range(self, "adam_beta1", 0, 1, high_open=True)
-        check_range(self, "adam_beta2", 0, 1, high_open=True)
-        check_range(self, "adam_epsilon", 0)
-        check_range(self, "max_grad_norm", 0, why=" (0 disables clipping)")
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            raise ConfigError(f"num_train_epochs={self.num_train_epochs} trains for no step: set it > 0, or set "
+                              "max_steps.")
         if self.warmup_steps:
             check_steps(self, "warmup_steps")
-        check_range(self, "warmup_ratio", 0, 1)
         check_choice(self, "optim", OPTIMIZERS)
         check_choice(self, "lr_scheduler_type", SCHEDULERS)
         if self.optim_args is not None:
@@ -138,13 +138,15 @@ class DeviceConfig:
         "Deterministic algorithms everywhere (torch.use_deterministic_algorithms; slower), as transformers' "
         "enable_full_determinism.", default=False)
     torch_empty_cache_steps: Optional[int] = _help(
-        "Empty the accelerator's memory cache every this many steps (CUDA only); None never.", default=None)
+        "Empty the accelerator's memory cache every this many steps (CUDA only); None never.",
+        range=AT_LEAST_ONE, default=None)
     ddp_find_unused_parameters: Optional[bool] = _help("DDP's find_unused_parameters.", default=None)
-    ddp_bucket_cap_mb: Optional[int] = _help("DDP's bucket_cap_mb.", default=None)
+    ddp_bucket_cap_mb: Optional[int] = _help("DDP's bucket_cap_mb.", range=AT_LEAST_ONE, default=None)
     ddp_broadcast_buffers: Optional[bool] = _help("DDP's broadcast_buffers.", default=None)
     ddp_static_graph: Optional[bool] = _help("DDP's static_graph.", default=None)
     ddp_backend: Optional[str] = _help("Process-group backend: nccl, gloo, mpi, ccl, hccl, cncl or mccl.", default=None)
-    ddp_timeout: int = _help("Seconds a collective may wait before the process group times out.", default=1800)
+    ddp_timeout: int = _help("Seconds a collective may wait before the process group times out.",
+        range=AT_LEAST_ONE, default=1800)
 
     def _check(self):
         if self.bf16 and self.fp16:
@@ -164,7 +166,8 @@ class LoggingConfig:
 
     logging_strategy: str = _help("When to log: steps (every logging_steps), epoch, or no.", default="steps")
     logging_steps: float = _help(
-        "Log every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).", default=10)
+        "Log every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).",
+        range=POSITIVE, default=10)
     logging_first_step: bool = _help("Also log the first step.", default=False)
     logging_dir: Optional[str] = _help(
         "TensorBoard directory (transformers' older field); default $TENSORBOARD_LOGGING_DIR, else "
@@ -184,15 +187,14 @@ class LoggingConfig:
         "Append the prompts, completions, rewards and advantages of each logging step to output_dir/completions.jsonl "
         "and print a sample.", default=False)
     num_completions_to_print: Optional[int] = _help(
-        "With log_completions, how many completions to print at each logging step; None prints all.", default=None)
+        "With log_completions, how many completions to print at each logging step; None prints all.",
+        range=NON_NEGATIVE, default=None)
 
     def _check(self):
         check_choice(self, "logging_strategy", ("steps", "epoch", "no"))
         check_steps(self, "logging_steps")
         check_choice(self, "log_level", LOG_LEVELS)
         check_choice(self, "log_level_replica", LOG_LEVELS)
-        if self.num_completions_to_print is not None:
-            check_range(self, "num_completions_to_print", 0)
         self.report_to = trackers(self.report_to)
         if self.logging_dir is not None:
             self.logging_dir = os.path.expanduser(self.logging_dir)
@@ -218,18 +220,18 @@ class EvaluationConfig:
                                default="no")
     eval_steps: Optional[float] = _help(
         "Evaluate every this many optimizer steps (a value in (0, 1) is a fraction of the total steps); default: "
-        "logging_steps.", default=None)
+        "logging_steps.", range=POSITIVE, default=None)
     eval_delay: float = _help("Skip evaluations before this many steps (or epochs, with eval_strategy=epoch).",
-                              default=0)
+                              range=NON_NEGATIVE, default=0)
     eval_on_start: bool = _help("Evaluate once before the first training step.", default=False)
-    per_device_eval_batch_size: int = _help("Completions per process in one evaluation batch.", default=8)
+    per_device_eval_batch_size: int = _help("Completions per process in one evaluation batch.",
+        range=AT_LEAST_ONE, default=8)
     num_generations_eval: Optional[int] = _help(
-        "Completions sampled per eval prompt; default num_generations.", default=None)
+        "Completions sampled per eval prompt; default num_generations.", range=AT_LEAST_ONE, default=None)
 
     def _check(self):
         check_choice(self, "eval_strategy", ("no", "steps", "epoch"))
         check_steps(self, "eval_steps")
-        check_range(self, "eval_delay", 0)
         check_positive(self, "per_device_eval_batch_size")
         if self.num_generations_eval is not None:
             check_positive(self, "num_generations_eval")
@@ -243,9 +245,9 @@ class CheckpointConfig:
                                "final model).", default="steps")
     save_steps: float = _help(
         "Checkpoint every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).",
-        default=500)
+        range=POSITIVE, default=500)
     save_total_limit: Optional[int] = _help(
-        "Keep at most this many checkpoints (the newest); None keeps all.", default=None)
+        "Keep at most this many checkpoints (the newest); None keeps all.", range=AT_LEAST_ONE, default=None)
     save_only_model: bool = _help(
         "Checkpoints hold the model only (no optimizer, scheduler, RNG or buffered batches): smaller, but they cannot "
         "be resumed from.", default=False)

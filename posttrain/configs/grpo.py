@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from posttrain.configs.base import (ConfigError, _help, check_choice, check_positive, check_range, check_types)
+from posttrain.configs.base import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range, _help,
+                                    check_choice, check_positive, check_ranges, check_types)
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
 from posttrain.configs.trl_compat import TRLCompatConfig, check_compat
@@ -27,17 +28,20 @@ class SamplingConfig:
 
     max_prompt_length: Optional[int] = _help(
         "If set, prompts longer than this many tokens are truncated from the left (TRL before 1.0 had this field).",
-        default=None)
-    max_completion_length: int = _help("Maximum completion length in tokens.", default=512)
+        range=AT_LEAST_ONE, default=None)
+    max_completion_length: int = _help("Maximum completion length in tokens.", range=AT_LEAST_ONE, default=512)
     temperature: float = _help(
-        "Sampling temperature; training log-probs are computed from logits divided by it too.", default=1.0)
+        "Sampling temperature; training log-probs are computed from logits divided by it too.",
+        range=POSITIVE, default=1.0)
     top_p: float = _help("Nucleus sampling: keep the smallest set of tokens with this much probability.",
-                         default=1.0)
-    top_k: int = _help("Keep only the k most likely tokens; 0 disables.", default=0)
+                         range=Range(0, 1, low_open=True), default=1.0)
+    top_k: int = _help("Keep only the k most likely tokens; 0 disables.",
+        range=Range(0, note="0 disables it"), default=0)
     min_p: Optional[float] = _help(
-        "Drop tokens whose probability is below min_p times the most likely one's.", default=None)
+        "Drop tokens whose probability is below min_p times the most likely one's.", range=FRACTION, default=None)
     repetition_penalty: float = _help(
-        "Penalise tokens already in the prompt or completion (> 1 discourages repeats).", default=1.0)
+        "Penalise tokens already in the prompt or completion (> 1 discourages repeats).",
+        range=Range(0, low_open=True, note="1.0 disables it"), default=1.0)
     generation_kwargs: Optional[dict] = _help(
         "Extra sampling options, as transformers' generate takes them (e.g. {\"min_new_tokens\": 8, "
         "\"suppress_tokens\": [13]}); docs/grpo.md lists the keys the sampler honours. Any other key is an error, "
@@ -50,48 +54,55 @@ class SamplingConfig:
         check_positive(self, "max_completion_length")
         if self.max_prompt_length is not None:
             check_positive(self, "max_prompt_length")
-        check_range(self, "temperature", 0, low_open=True)
-        check_range(self, "top_p", 0, 1, low_open=True)
-        check_range(self, "top_k", 0, why=" (0 disables it)")
-        check_range(self, "min_p", 0, 1)
-        check_range(self, "repetition_penalty", 0, low_open=True, why=" (1.0 disables it)")
 
 
 @dataclass
 class GRPOObjectiveConfig:
     """Groups, advantages, the policy loss and its regularisers."""
 
-    num_generations: int = _help("Completions sampled per prompt (the group size G); at least 2.", default=8)
+    num_generations: int = _help("Completions sampled per prompt (the group size G); at least 2.",
+        range=Range(2), default=8)
     generation_batch_size: Optional[int] = _help(
         "Completions generated at once across all processes. Default: "
-        "per_device_train_batch_size * num_processes * steps_per_generation.", default=None)
+        "per_device_train_batch_size * num_processes * steps_per_generation.", range=AT_LEAST_ONE, default=None)
     steps_per_generation: Optional[int] = _help(
-        "Micro-batches taken from one generation batch. Default: gradient_accumulation_steps.", default=None)
-    num_iterations: int = _help("Passes over each generation batch (the mu of the GRPO paper).", default=1)
+        "Micro-batches taken from one generation batch. Default: gradient_accumulation_steps.",
+        range=AT_LEAST_ONE, default=None)
+    num_iterations: int = _help("Passes over each generation batch (the mu of the GRPO paper).",
+        range=AT_LEAST_ONE, default=1)
     pad_to_multiple_of: Optional[Union[int, str]] = _help(
         "Pad the prompt and completion widths of every training forward to a multiple of this; \"auto\" pads to 128 "
-        "on Neuron devices (which compile once per shape) and nowhere else.", default="auto")
+        "on Neuron devices (which compile once per shape) and nowhere else.",
+        range=Range(1, note='or "auto", or None for no padding'), default="auto")
     beta: float = _help(
-        "Weight of the k3 KL penalty to a frozen reference model; 0 loads no reference model.", default=0.0)
+        "Weight of the k3 KL penalty to a frozen reference model; 0 loads no reference model.",
+        range=NON_NEGATIVE, default=0.0)
     use_bias_correction_kl: bool = _help(
         "Multiply the per-token KL by the (differentiable) importance ratio, which makes its gradient the unbiased "
         "reverse-KL gradient (DeepSeek-V3.2). It changes the KL gradient even on-policy, where the ratio's value is 1.",
         default=True)
-    epsilon: float = _help("Lower clipping range of the ratio: 1 - epsilon.", default=0.2)
+    epsilon: float = _help("Lower clipping range of the ratio: 1 - epsilon.",
+        range=Range(0, 1, high_open=True), default=0.2)
     epsilon_high: Optional[float] = _help(
         "Upper clipping range: 1 + epsilon_high (DAPO's clip-higher); default epsilon. For loss_type cispo it "
-        "is the cap of the (detached) ratio itself; 5.0 is the value recommended for cispo.", default=None)
+        "is the cap of the (detached) ratio itself; 5.0 is the value recommended for cispo.",
+        range=NON_NEGATIVE, default=None)
     delta: Optional[float] = _help(
         "Two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon_high), so negative advantages "
-        "cannot push an arbitrarily large ratio.", default=None)
+        "cannot push an arbitrarily large ratio.",
+        range=Range(1, low_open=True, note="and above 1 + epsilon_high"), default=None)
     sapo_temperature_neg: float = _help(
-        "SAPO: temperature of the soft gate for tokens with a non-positive advantage.", default=1.05)
-    sapo_temperature_pos: float = _help("SAPO: temperature of the soft gate for positive advantages.", default=1.0)
-    vespo_k_pos: float = _help("VESPO: power k of the Gamma weight for non-negative advantages.", default=2.0)
+        "SAPO: temperature of the soft gate for tokens with a non-positive advantage.", range=POSITIVE, default=1.05)
+    sapo_temperature_pos: float = _help("SAPO: temperature of the soft gate for positive advantages.",
+        range=POSITIVE, default=1.0)
+    vespo_k_pos: float = _help("VESPO: power k of the Gamma weight for non-negative advantages.",
+        range=NON_NEGATIVE, default=2.0)
     vespo_lambda_pos: float = _help("VESPO: decay lambda of the Gamma weight for non-negative advantages.",
-                                    default=3.0)
-    vespo_k_neg: float = _help("VESPO: power k of the Gamma weight for negative advantages.", default=3.0)
-    vespo_lambda_neg: float = _help("VESPO: decay lambda of the Gamma weight for negative advantages.", default=2.0)
+                                    range=POSITIVE, default=3.0)
+    vespo_k_neg: float = _help("VESPO: power k of the Gamma weight for negative advantages.",
+        range=NON_NEGATIVE, default=3.0)
+    vespo_lambda_neg: float = _help("VESPO: decay lambda of the Gamma weight for negative advantages.",
+        range=POSITIVE, default=2.0)
     loss_type: str = _help(
         "Loss: grpo (per-sequence mean), bnpo (mean over the local batch's tokens), dr_grpo "
         "(sum over tokens / (sequences * max_completion_length)), dapo (mean over the global batch's tokens), "
@@ -103,7 +114,7 @@ class GRPOObjectiveConfig:
     off_policy_mask_threshold: Optional[float] = _help(
         "Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the sequences with a negative "
         "advantage whose mean per-token KL between sampler and policy exceeds this (e.g. 0.5); None disables.",
-        default=None)
+        range=NON_NEGATIVE, default=None)
     scale_rewards: str = _help(
         "Divide advantages by the group's reward std (group), the whole batch's (batch) or not at all "
         "(none, as in Dr. GRPO). true/false are accepted as group/none.", default="group")
@@ -116,27 +127,29 @@ class GRPOObjectiveConfig:
         "Exclude completions that hit max_completion_length without EOS from the loss.", default=False)
     top_entropy_quantile: float = _help(
         "Train only on the tokens whose entropy is in this top fraction of the micro-batch; 1.0 trains on all, 0.0 "
-        "keeps only the highest-entropy token.", default=1.0)
+        "keeps only the highest-entropy token.", range=FRACTION, default=1.0)
     entropy_coef: float = _help(
         "Weight of an entropy bonus: the loss minus entropy_coef times the mean per-token entropy (whatever the "
-        "loss_type). With use_adaptive_entropy, the starting coefficient.", default=0.0)
+        "loss_type). With use_adaptive_entropy, the starting coefficient.",
+        range=Range(note="negative values penalise entropy"), default=0.0)
     use_adaptive_entropy: bool = _help(
         "Adapt entropy_coef each optimizer step (Skywork-OR1): up by entropy_coef_delta while the step's entropy is "
         "at or below entropy_target, down otherwise; the bonus applies only at or below the target.", default=False)
-    entropy_coef_min: float = _help("Lower bound of the adaptive entropy coefficient.", default=0.0)
-    entropy_coef_max: float = _help("Upper bound of the adaptive entropy coefficient.", default=1.0)
-    entropy_coef_delta: float = _help("Step of the adaptive entropy coefficient.", default=0.005)
+    entropy_coef_min: float = _help("Lower bound of the adaptive entropy coefficient.", range=NON_NEGATIVE, default=0.0)
+    entropy_coef_max: float = _help("Upper bound of the adaptive entropy coefficient.", range=NON_NEGATIVE, default=1.0)
+    entropy_coef_delta: float = _help("Step of the adaptive entropy coefficient.", range=NON_NEGATIVE, default=0.005)
     entropy_target: float = _help(
-        "Target mean per-token entropy (nats) of adaptive entropy control.", default=0.2)
+        "Target mean per-token entropy (nats) of adaptive entropy control.", range=NON_NEGATIVE, default=0.2)
     sync_ref_model: bool = _help(
         "TR-DPO: every ref_model_sync_steps steps, move the reference model towards the policy: "
         "ref = alpha * policy + (1 - alpha) * ref. Needs beta > 0 and full fine-tuning.", default=False)
-    ref_model_mixup_alpha: float = _help("TR-DPO's alpha for sync_ref_model.", default=0.6)
-    ref_model_sync_steps: int = _help("TR-DPO's tau: optimizer steps between reference syncs.", default=512)
+    ref_model_mixup_alpha: float = _help("TR-DPO's alpha for sync_ref_model.", range=FRACTION, default=0.6)
+    ref_model_sync_steps: int = _help("TR-DPO's tau: optimizer steps between reference syncs.",
+        range=AT_LEAST_ONE, default=512)
     reward_timeout: Optional[float] = _help(
         "Seconds a reward function may take on one batch; past it the run stops naming the function, the step and "
         "(when one alone hangs it) the completion, or with on_bad_reward=skip the batch is skipped. None (the default, "
-        "as TRL) waits as long as it takes.", default=None)
+        "as TRL) waits as long as it takes.", range=POSITIVE, default=None)
     on_bad_reward: str = _help(
         "What a NaN or inf reward does: stop (the run, naming the function and step) or skip (its whole group "
         "gets advantage 0; counted in rewards/skipped_groups).", default="stop")
@@ -151,25 +164,12 @@ class GRPOObjectiveConfig:
                               ("multi_objective_aggregation", AGGREGATIONS),
                               ("importance_sampling_level", IS_LEVELS), ("on_bad_reward", ("stop", "skip"))):
             check_choice(self, name, choices)
-        check_range(self, "beta", 0)
-        check_range(self, "epsilon", 0, 1, high_open=True)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        check_range(self, "epsilon_high", 0)
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ConfigError(
                 f"delta={self.delta} must be greater than 1 + epsilon_high = {1 + self.epsilon_high} "
                 "(e.g. delta=4.0), otherwise it clips the ratio below the trust region.")
-        for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_lambda_pos", "vespo_lambda_neg"):
-            check_range(self, name, 0, low_open=True)
-        check_range(self, "vespo_k_pos", 0)
-        check_range(self, "vespo_k_neg", 0)
-        check_range(self, "off_policy_mask_threshold", 0)
-        check_range(self, "reward_timeout", 0, low_open=True)
-        check_range(self, "top_entropy_quantile", 0, 1)
-        check_range(self, "ref_model_mixup_alpha", 0, 1)
-        check_range(self, "entropy_coef_min", 0)
-        check_range(self, "entropy_coef_delta", 0)
         if self.entropy_coef_max < self.entropy_coef_min:
             raise ConfigError(f"entropy_coef_max={self.entropy_coef_max} is below entropy_coef_min="
                               f"{self.entropy_coef_min}: raise it or lower entropy_coef_min.")
@@ -213,6 +213,7 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
             group._check(self)
         self._derive_batches()
         self._check_eval_batches()
+        check_ranges(self)
 
     def _coerce_aliases(self):
         # TRL accepted booleans for scale_rewards before it grew the group/batch/none choice.

@@ -64,11 +64,14 @@ def config_reference() -> str:
              "Generated from `posttrain/configs/` by `python -m posttrain.configs > docs/config.md`.",
              "`GRPOConfig` holds every group but the last two (flat, as TRL's). On the command line every field is a "
              "flag (`--name value`) and a YAML key. A step interval (`logging_steps`, `save_steps`, `eval_steps`, "
-             "`warmup_steps`) may be a fraction in (0, 1) of the run's total steps.", ""]
+             "`warmup_steps`) may be a fraction in (0, 1) of the run's total steps. Every number has the range shown, "
+             "checked when the config is built: a value outside it stops with one sentence.", ""]
     for title, cls in GROUPS:
-        lines += [f"## {title}", "", "| field | default | meaning |", "|---|---|---|"]
+        lines += [f"## {title}", "", "| field | default | range | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{f.name}` | `{default!r}` | {f.metadata.get('help', '')} |")
+            bounds = f.metadata.get("range")
+            shown = "" if bounds is None else bounds.text() + (f" ({bounds.note})" if bounds.note else "")
+            lines.append(f"| `{f.name}` | `{default!r}` | {shown} | {f.metadata.get('help', '')} |")
         lines.append("")
     return "\n".join(lines + trl_table())

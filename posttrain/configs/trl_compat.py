@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from posttrain.configs.base import ConfigError
+from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "trl_grpo_fields.json")
 ANY = "any value"
@@ -43,6 +43,7 @@ class Compat:
     status: str
     why: str
     accepts: Union[str, tuple, Callable[[Any], bool]] = ANY
+    range: Range | None = None  # for a number: the values it can take at all
 
     def accepted(self, value) -> bool:
         if self.accepts == ANY:
@@ -68,12 +69,12 @@ def _only(default):
     return (default,)
 
 
-def same(name, tp, default, why, accepts=ANY) -> Compat:
-    return Compat(name, tp, default, SAME, why, accepts)
+def same(name, tp, default, why, accepts=ANY, range=None) -> Compat:
+    return Compat(name, tp, default, SAME, why, accepts, range)
 
 
-def unsupported(name, tp, default, why, accepts=None) -> Compat:
-    return Compat(name, tp, default, UNSUPPORTED, why, _only(default) if accepts is None else accepts)
+def unsupported(name, tp, default, why, accepts=None, range=None) -> Compat:
+    return Compat(name, tp, default, UNSUPPORTED, why, _only(default) if accepts is None else accepts, range)
 
 
 _NO_LOADER = "posttrain tokenizes the prompts up front and draws them itself, with no DataLoader"
@@ -85,7 +86,7 @@ COMPAT: list[Compat] = [
     same("average_tokens_across_devices", bool, True,
          "posttrain always normalises token-level losses by the tokens of every process, so any split of a batch "
          "gives the same update; False would change that", accepts=(True,)),
-    same("label_smoothing_factor", float, 0.0, "GRPO's loss has no labels to smooth; TRL's GRPOTrainer ignores it too"),
+    same("label_smoothing_factor", float, 0.0, "GRPO's loss has no labels to smooth; TRL's GRPOTrainer ignores it too", range=FRACTION),
     unsupported("bf16_full_eval", bool, False, "evaluation runs in the training precision; set bf16 for both"),
     unsupported("fp16_full_eval", bool, False, "evaluation runs in the training precision; set fp16 for both"),
     unsupported("torch_compile", bool, False,
@@ -100,7 +101,7 @@ COMPAT: list[Compat] = [
     same("use_cache", bool, False,
          "training forwards never use a KV cache and generation always does, as in TRL", accepts=(False,)),
     unsupported("neftune_noise_alpha", Optional[float], None,
-                "NEFTune noise is for supervised fine-tuning, not GRPO; remove it"),
+                "NEFTune noise is for supervised fine-tuning, not GRPO; remove it", range=NON_NEGATIVE),
     unsupported("auto_find_batch_size", bool, False,
                 "halving the batch on out-of-memory would split groups of num_generations (TRL refuses it too); "
                 "lower per_device_train_batch_size instead"),
@@ -115,7 +116,7 @@ COMPAT: list[Compat] = [
     same("prediction_loss_only", bool, False, _NO_METRICS),
     same("eval_do_concat_batches", bool, True, _NO_METRICS),
     same("eval_use_gather_object", bool, False, _NO_METRICS),
-    same("eval_accumulation_steps", Optional[int], None, _NO_METRICS),
+    same("eval_accumulation_steps", Optional[int], None, _NO_METRICS, range=AT_LEAST_ONE),
     same("include_for_metrics", list, [], _NO_METRICS),
     same("batch_eval_metrics", bool, False, _NO_METRICS),
     unsupported("save_on_each_node", bool, False,
@@ -136,10 +137,10 @@ COMPAT: list[Compat] = [
     unsupported("parallelism_config", Any, None, "tensor, context and sequence parallelism are not supported; remove it"),
     same("dataloader_drop_last", bool, False,
          f"{_NO_LOADER}; an incomplete last round of prompts is always dropped, as TRL's sampler does"),
-    same("dataloader_num_workers", int, 0, _NO_LOADER),
+    same("dataloader_num_workers", int, 0, _NO_LOADER, range=NON_NEGATIVE),
     same("dataloader_pin_memory", bool, True, _NO_LOADER),
     same("dataloader_persistent_workers", bool, False, _NO_LOADER),
-    same("dataloader_prefetch_factor", Optional[int], None, _NO_LOADER),
+    same("dataloader_prefetch_factor", Optional[int], None, _NO_LOADER, range=AT_LEAST_ONE),
     same("dataloader_multiprocessing_context", Optional[str], None, _NO_LOADER),
     same("dataloader_in_order", bool, True, _NO_LOADER),
     same("label_names", Optional[list], None, "GRPO has no labels"),
@@ -162,12 +163,12 @@ COMPAT: list[Compat] = [
     same("do_train", bool, False, "read only by scripts; transformers' Trainer ignores it too"),
     same("do_eval", bool, False, "read only by scripts; evaluation follows eval_strategy"),
     same("do_predict", bool, False, "read only by scripts; transformers' Trainer ignores it too"),
-    same("local_rank", int, -1, "launchers set the process rank through the environment, which posttrain reads"),
+    same("local_rank", int, -1, "launchers set the process rank through the environment, which posttrain reads", range=Range(-1)),
     unsupported("optim_target_modules", Union[str, list, None], None,
                 "GaLore and APOLLO optimizers are not supported; choose another optim"),
     # ---------------------------------------------------------------- TRL GRPOConfig
     unsupported("router_aux_loss_coef", Optional[float], None,
-                "the router load-balancing loss of mixture-of-experts models is not added; remove it"),
+                "the router load-balancing loss of mixture-of-experts models is not added; remove it", range=NON_NEGATIVE),
     same("ds3_gather_for_generation", bool, True, "only read under DeepSpeed ZeRO-3, which this release does not run"),
     same("cache_implementation", Optional[str], None,
          "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
@@ -181,19 +182,19 @@ COMPAT: list[Compat] = [
     same("vllm_structured_outputs_regex", Optional[str], None, _VLLM),
     same("vllm_server_base_url", Optional[str], None, _VLLM),
     same("vllm_server_host", str, "0.0.0.0", _VLLM),
-    same("vllm_server_port", int, 8000, _VLLM),
-    same("vllm_server_timeout", float, 240.0, _VLLM),
-    same("vllm_group_port", int, 51216, _VLLM),
-    same("vllm_gpu_memory_utilization", float, 0.3, _VLLM),
-    same("vllm_max_model_length", Optional[int], None, _VLLM),
-    same("vllm_tensor_parallel_size", int, 1, _VLLM),
+    same("vllm_server_port", int, 8000, _VLLM, range=Range(1, 65535)),
+    same("vllm_server_timeout", float, 240.0, _VLLM, range=POSITIVE),
+    same("vllm_group_port", int, 51216, _VLLM, range=Range(1, 65535)),
+    same("vllm_gpu_memory_utilization", float, 0.3, _VLLM, range=Range(0, 1, low_open=True)),
+    same("vllm_max_model_length", Optional[int], None, _VLLM, range=AT_LEAST_ONE),
+    same("vllm_tensor_parallel_size", int, 1, _VLLM, range=AT_LEAST_ONE),
     same("vllm_importance_sampling_correction", bool, True, _VLLM),
     same("vllm_importance_sampling_mode", str, "sequence_mask", _VLLM),
-    same("vllm_importance_sampling_clip_max", Optional[float], 3.0, _VLLM),
-    same("vllm_importance_sampling_clip_min", Optional[float], None, _VLLM),
-    same("vllm_importance_sampling_cap", Optional[float], None, _VLLM),
+    same("vllm_importance_sampling_clip_max", Optional[float], 3.0, _VLLM, range=POSITIVE),
+    same("vllm_importance_sampling_clip_min", Optional[float], None, _VLLM, range=NON_NEGATIVE),
+    same("vllm_importance_sampling_cap", Optional[float], None, _VLLM, range=POSITIVE),
     same("max_tool_calling_iterations", Optional[int], None,
-         "only used with tools or environments, which GRPOTrainer here does not take"),
+         "only used with tools or environments, which GRPOTrainer here does not take", range=NON_NEGATIVE),
     same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),
     unsupported("log_unique_prompts", bool, False,
                 "posttrain does not send completion tables to trackers; completions.jsonl keeps every completion, so "
@@ -214,6 +215,8 @@ def _field(c: Compat):
     status = f"TRL field, {c.status}: {c.why}."
     accepted = "" if c.accepts == ANY else f" Accepted: {c.accepted_text()}."
     meta = {"help": status + accepted}
+    if c.range is not None:
+        meta["range"] = c.range
     if isinstance(c.default, (list, dict)):
         return field(default_factory=lambda d=c.default: type(d)(d), metadata=meta)
     return field(default=c.default, metadata=meta)
