@@ -14,6 +14,7 @@ is independent of how many micro-batches make an optimizer step (gradient_accumu
 
 import contextlib
 import math
+import os
 
 import torch
 
@@ -111,6 +112,10 @@ class GRPOTrainer(Trainer):
         args = self.args
         if train_dataset is None:
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)) and os.path.realpath(
+                os.path.expanduser(model)) == os.path.realpath(args.output_dir):
+            raise ConfigError(f"output_dir {args.output_dir!r} is the model's own directory: the final save would "
+                              "overwrite the model being trained; choose another output_dir.")
         trust_remote_code = args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
         model = load_causal_lm(model, {"trust_remote_code": trust_remote_code, **(args.model_init_kwargs or {})})
         self.processing_class = (processing_class if processing_class is not None

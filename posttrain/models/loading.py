@@ -23,6 +23,31 @@ def _check_path(name: str):
                              "like 'Qwen/Qwen2.5-0.5B-Instruct'.")
 
 
+def hub_reachable_or_cached(name: str, what: str = "model", revision: str | None = None) -> None:
+    """For a hub id: stop at once, in one sentence, when it is neither in the local cache nor downloadable (no
+    network, or HF_HUB_OFFLINE), instead of transformers' retries. Local directories pass."""
+    if os.path.isdir(name) or name.count("/") != 1:
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if isinstance(cached, str) and os.path.exists(cached):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"The {what} {name!r} is not a local directory and not in the Hugging Face cache, and "
+                             "HF_HUB_OFFLINE is set: download it first (hf download) or give a local path.")
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        raise ModelLoadError(f"The {what} {name!r} is not a local directory and not in the Hugging Face cache, and "
+                             f"{host} cannot be reached (offline?): download it where there is network access, or give "
+                             "a local path.") from None
+
+
 def _init_kwargs(kwargs: dict | None) -> dict:
     """Normalise `model_init_kwargs`: dtype strings to torch dtypes, and the dtype keyword's name."""
     import torch
@@ -57,6 +82,7 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
     model = os.path.expanduser(model)
     _check_path(model)
     kwargs = _init_kwargs(init_kwargs)
+    hub_reachable_or_cached(model, "model", kwargs.get("revision"))
     try:
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except ValueError as err:
@@ -98,6 +124,7 @@ def load_tokenizer(source, trust_remote_code: bool = False):
     if isinstance(source, str):
         from transformers import AutoTokenizer
 
+        hub_reachable_or_cached(source, "tokenizer")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         except OSError as err:

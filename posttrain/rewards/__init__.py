@@ -70,18 +70,15 @@ def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> Rewar
     from posttrain.models.loading import ModelLoadError, load_tokenizer
 
     if isinstance(source, str):
+        source = os.path.expanduser(source)
         if "/" not in source and not os.path.isdir(source):  # neither a local directory nor an org/name hub id
             raise ConfigError(
                 f"Reward {source!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), an importable dotted path, a "
                 f"local reward-model directory or a hub id (org/name).{suggest(source, BUILTIN_NAMES)}")
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=1, trust_remote_code=trust_remote_code)
-        except OSError as err:
-            raise ConfigError(
-                f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable dotted "
-                f"path, nor a loadable reward model.{suggest(source, BUILTIN_NAMES)}") from err
-        name = source
+        if not os.path.isdir(source) and (source.startswith((".", "/")) or source.count("/") > 1):
+            raise ConfigError(f"Reward model path {source!r} does not exist: check the path (or give a hub id such "
+                              "as 'org/name').")
+        model, name = _reward_model(source, trust_remote_code), source
     else:
         model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
     try:
@@ -94,6 +91,30 @@ def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> Rewar
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval().requires_grad_(False)
     return RewardFunction(name=name.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
+
+
+def _reward_model(source: str, trust_remote_code: bool):
+    """A sequence-classification model whose score head was trained (loading a causal LM this way would give it a
+    randomly initialised head that scores noise)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.loading import ModelLoadError, hub_reachable_or_cached
+
+    hub_reachable_or_cached(source, "reward model")
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
+                             f"dotted path, nor a loadable reward model ({str(err).splitlines()[0]})."
+                             f"{suggest(source, BUILTIN_NAMES)}") from err
+    head = getattr(model, "base_model_prefix", "model")
+    untrained = [k for k in info.get("missing_keys", []) if not k.startswith(head + ".")]
+    if untrained:
+        raise ModelLoadError(f"{source!r} has no trained classification head ({', '.join(sorted(untrained)[:2])} "
+                             "missing): it is not a reward model, and as one it would score noise. Give a "
+                             "sequence-classification reward model, or write a reward function.")
+    return model
 
 
 def _processing_classes(classes, n: int) -> list:
@@ -185,34 +206,54 @@ def _model_scores(f: RewardFunction, prompts, completions) -> list[float]:
     return logits[:, 0].float().tolist()
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are float32 tensors: anything larger becomes inf
+
+
+def _as_number(v):
+    """A reward value as a Python float; None for None; raises TypeError for anything that is not a number.
+
+    numpy and torch scalars (bools too, as Python's bools are) count as numbers."""
+    if v is None:
+        return None
+    if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", getattr(v, "dim", lambda: 0)) in (0, ()):
+        v = v.item()  # numpy / torch scalars
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(type(v).__name__)
+
+
 def _check_output(f: RewardFunction, values, n: int, step: int, bad_rows: list | None) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
-    try:
-        values = list(values)
-    except TypeError:
-        raise RewardError(f"Reward function {f.name!r} returned {type(values).__name__} at step {step}: return a "
-                          "list with one float (or None) per completion.") from None
+    if isinstance(values, (dict, set, frozenset, str, bytes)) or not hasattr(values, "__len__"):
+        kind = {dict: "a dict (its keys would be taken as the rewards)", set: "a set (it has no order)",
+                frozenset: "a set (it has no order)"}.get(type(values), type(values).__name__)
+        raise RewardError(f"Reward function {f.name!r} returned {kind} at step {step}: return a list with one float "
+                          "(or None) per completion, in the order of the completions.")
+    values = list(values)
     if len(values) != n:
         raise RewardError(f"Reward function {f.name!r} returned {len(values)} values for {n} completions at "
                           f"step {step}: return one float (or None) per completion.")
     out = []
     for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, numbers.Real):
-            if not math.isfinite(float(v)):
-                if bad_rows is None:
-                    raise RewardError(f"Reward function {f.name!r} returned {v} for completion {i} at step {step}: "
-                                      "rewards must be finite (return None for 'not applicable', or set "
-                                      "on_bad_reward=skip to skip such groups).")
-                bad_rows.append(i)
-                out.append(math.nan)
-                continue
-            out.append(float(v))
-        else:
+        try:
+            number = _as_number(v)
+        except TypeError:
             raise RewardError(f"Reward function {f.name!r} returned {v!r} ({type(v).__name__}) for completion "
-                              f"{i} at step {step}: rewards must be numbers or None.")
+                              f"{i} at step {step}: rewards must be numbers or None.") from None
+        if number is None:
+            out.append(math.nan)
+        elif not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+            if bad_rows is None:
+                problem = "rewards must be finite" if not math.isfinite(number) else (
+                    "rewards must fit in float32 (|r| < 3.4e38), or they become inf")
+                raise RewardError(f"Reward function {f.name!r} returned {v} for completion {i} at step {step}: "
+                                  f"{problem} (return None for 'not applicable', or set on_bad_reward=skip to skip "
+                                  "such groups).")
+            bad_rows.append(i)
+            out.append(math.nan)
+        else:
+            out.append(number)
     return out
 
 

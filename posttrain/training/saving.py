@@ -9,6 +9,19 @@ from posttrain.models.peft import is_peft_model
 from posttrain.weights import embeddings_still_tied, export_weights
 
 
+def save_policy_atomically(policy, tokenizer, config: dict, output_dir: str) -> None:
+    """save_policy into output_dir/.final.tmp, then each file renamed into output_dir: a run killed while saving
+    never leaves a half-written model file in output_dir."""
+    import shutil
+
+    tmp = os.path.join(output_dir, ".final.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(policy, tokenizer, config, tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
 def save_policy(policy, tokenizer, config: dict, output_dir: str) -> None:
     """The model, or a LoRA policy's adapter (safetensors), with the tokenizer and posttrain_config.yaml."""
     import yaml

@@ -29,7 +29,8 @@ from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.optim import make_optimizer, make_scheduler
-from posttrain.training.saving import save_merged, save_policy
+from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
+from posttrain.training.saving import save_merged, save_policy_atomically
 
 logger = logging.getLogger("posttrain")
 
@@ -93,6 +94,9 @@ class Trainer:
         self._optimizers = optimizers
         self.logger = None
         self.eval_dataset = None
+        with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
+            if self.accelerator.is_main_process:
+                check_writable(args.output_dir)
 
     # ------------------------------------------------------------------ setup
 
@@ -161,13 +165,26 @@ class Trainer:
         Returns:
             transformers' TrainOutput(global_step, training_loss, metrics).
         """
-        from transformers.trainer_utils import TrainOutput
-
         if trial is not None:
             from posttrain.configs import ConfigError
 
             raise ConfigError("train(trial=...) is for transformers' hyper-parameter search, which posttrain does not "
                               "run: train one config per run.")
+        args = self.args
+        lock = OutputLock(args.output_dir)
+        with guarded(self.accelerator):  # one run per output_dir; saves a killed run left half-done are removed
+            if self.accelerator.is_main_process:
+                lock.__enter__()
+                remove_stale_temporaries(args.output_dir)
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            lock.__exit__()
+
+    def _train(self, resume_from_checkpoint):
+        """train() within the output_dir lock."""
+        from transformers.trainer_utils import TrainOutput
+
         args = self.args
         path = resolve_checkpoint(resume_from_checkpoint if resume_from_checkpoint is not None
                                   else args.resume_from_checkpoint, args.output_dir)
@@ -362,7 +379,7 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model (or adapter), tokenizer and config to `output_dir` (default args.output_dir)."""
-        self._on_main(save_policy, self.policy, self.processing_class, self.args.to_dict(),
+        self._on_main(save_policy_atomically, self.policy, self.processing_class, self.args.to_dict(),
                       output_dir or self.args.output_dir)
 
     def save_merged(self, output_dir: str) -> None:
