@@ -17,7 +17,7 @@ MAX_DIGIT = 4
 
 def cache_dir() -> str:
     root = os.environ.get("POSTTRAIN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "posttrain"))
-    return os.path.join(root, "demo-model-v1")
+    return os.path.join(root, "demo-model-v2")  # v2: byte-level tokens, which survive reloading by path
 
 
 def demo_model_path() -> str:
@@ -27,7 +27,7 @@ def demo_model_path() -> str:
     path = cache_dir()
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         tmp = f"{path}.tmp-{os.getpid()}"
-        save_tiny(tmp, tiny_tokenizer(DEMO_CHARS), seed=0, hidden=64, layers=2, max_positions=64)
+        save_tiny(tmp, tiny_tokenizer(DEMO_CHARS, all_bytes=False), seed=0, hidden=64, layers=2, max_positions=64)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.replace(tmp, path)  # atomic: a concurrent or killed build never leaves half a model
     return path

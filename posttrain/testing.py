@@ -1,7 +1,7 @@
 """Tiny models and tokenizers built in-process, offline, for tests and the demo.
 
-The tokenizer is character-level (one token per character of a fixed alphabet plus a few special
-tokens) with a ChatML-style chat template, so prompts of either format work. Models are small
+The tokenizer is byte-level with no merges (one token per byte, the characters of a fixed alphabet first, plus a
+few special tokens) with a ChatML-style chat template, so prompts of either format work. Models are small
 Qwen2-architecture causal LMs with random, seeded weights.
 """
 
@@ -15,21 +15,34 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(chars: str = DEFAULT_CHARS):
+def tiny_tokenizer(chars: str = DEFAULT_CHARS, all_bytes: bool = True):
     """A character-level `PreTrainedTokenizerFast`: pad `<|pad|>`, EOS `<|im_end|>`, no BOS.
 
-    Args:
-        chars: the alphabet; characters outside it become `<|endoftext|>` (the unk token).
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    Tokens are byte-level symbols (GPT-2's byte-to-unicode map, as Qwen2's tokenizer uses), one per byte: the
+    characters of `chars` first, in order, then (with `all_bytes`) every other byte, so any text round-trips. Saved
+    beside a Qwen2 model, transformers 5 reloads it as a Qwen2Tokenizer, which rebuilds a byte-level pipeline: with
+    byte-level symbols that pipeline gives the same ids (a raw " " or "\n" token would be dropped).
 
-    alphabet = list(dict.fromkeys(chars))
+    Args:
+        chars: the alphabet whose characters get the first ids.
+        all_bytes: add the remaining byte symbols; without them, other characters become `<|endoftext|>` (unk) in
+            this tokenizer and are dropped by a reloaded one.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbol = bytes_to_unicode()  # byte -> printable unicode character
+    alphabet = [symbol[b] for c in chars for b in c.encode()]
+    if all_bytes:
+        alphabet += [symbol[b] for b in range(256)]
+    alphabet = list(dict.fromkeys(alphabet))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
-    # A BPE model without merges splits any text into single characters.
+    # A BPE model without merges splits any text into single bytes.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
     tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|endoftext|>")
     hf.chat_template = CHAT_TEMPLATE

@@ -64,13 +64,13 @@ def case(category: str, input: str, raises: type | None, match: str):
 def _tokenizer():
     from posttrain.testing import tiny_tokenizer
 
-    return tiny_tokenizer()
+    return tiny_tokenizer(all_bytes=False)
 
 
 def _fresh_tokenizer(**attrs):
     from posttrain.testing import tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(all_bytes=False)
     for key, value in attrs.items():
         setattr(tokenizer, key, value)
     return tokenizer

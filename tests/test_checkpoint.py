@@ -163,7 +163,7 @@ else:  # killed while writing checkpoint-2's optimizer state
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(obj, path)
     ck.torch.save = save
-tok = tiny_tokenizer()
+tok = tiny_tokenizer(all_bytes=False)
 ds = Dataset.from_dict({{"prompt": [f"{{a}}+{{b}}=" for a in range(4) for b in range(4)]}})
 cfg = tiny_config(Path(sys.argv[1]), max_steps=4, save_strategy="steps", save_steps=1, beta=0.04)
 GRPOTrainer(tiny_model(tok, hidden=32, layers=1), length_reward, cfg, train_dataset=ds, processing_class=tok).train()

@@ -38,3 +38,22 @@ def test_local_files(tmp_path):
     assert load_prompt_dataset(str(tmp_path / "d.csv"))["answer"] == [1]
     with pytest.raises(DataError, match="does not exist"):
         load_prompt_dataset(str(tmp_path / "missing.parquet"))
+
+
+def test_tiny_tokenizer_round_trips_through_a_saved_model_directory(tmp_path):
+    """Saved beside a Qwen2 model and reloaded by path (as the CLI and the demo do), the tiny tokenizer gives the
+    same ids and text: spaces, newlines and non-ASCII included."""
+    from transformers import AutoTokenizer
+
+    from posttrain.testing import save_tiny, tiny_tokenizer
+
+    original = tiny_tokenizer()
+    save_tiny(str(tmp_path), original, hidden=16, layers=1)
+    reloaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["a b\\nc  d", "1+2= 3\\n\\n\\tx", "é€ naïve 日本 ok", ""]:
+        ids = original(text, add_special_tokens=False).input_ids
+        assert reloaded(text, add_special_tokens=False).input_ids == ids, text
+        assert original.decode(ids) == reloaded.decode(ids) == text
+    chat = [{"role": "user", "content": "say 1 2\\n3"}]
+    assert reloaded.apply_chat_template(chat, add_generation_prompt=True) == original.apply_chat_template(
+        chat, add_generation_prompt=True)

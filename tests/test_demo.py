@@ -12,4 +12,4 @@ def test_demo_learns(tmp_path, monkeypatch):
     assert summary["sampled_accuracy_after"] - summary["sampled_accuracy_before"] >= 0.3
     lines = [json.loads(line) for line in open(tmp_path / "demo" / "metrics.jsonl")]
     assert lines[-1]["summary"] == summary and len(lines) == 1201
-    assert (tmp_path / "cache" / "demo-model-v1" / "model.safetensors").exists()
+    assert (tmp_path / "cache" / "demo-model-v2" / "model.safetensors").exists()
