@@ -17,6 +17,7 @@ import time
 from posttrain._version import __version__
 from posttrain.configs import (UNKNOWN_HINT, ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build,
                                field_help, field_types, load_yaml, split_values, suggest)
+from posttrain.configs.parsing import refuse_repeated_flags
 
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOConfig]:
     """Merge YAML and flags into the three configs; unknown flags raise with the closest valid name."""
+    refuse_repeated_flags(argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(["grpo", *argv])
     if unknown:

@@ -37,7 +37,10 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
             raise DataError(f"Evaluation needs a {split!r} split, and the single file {name!r} is one split: save the "
                             "dataset with its splits (DatasetDict.save_to_disk) and give that directory, or set "
                             "eval_strategy='no'.")
-        return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
+        try:
+            return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
+        except Exception as err:  # noqa: BLE001 - datasets and pyarrow raise many types for a bad file
+            raise _unreadable(name, ext, err) from err
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
             os.path.join(name, "dataset_dict.json")):
         loaded = datasets.load_from_disk(name)
@@ -48,6 +51,35 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
                             f"dataset_{'test' if for_eval else 'train'}_split to one of them.")
         return loaded[split]
     return datasets.load_dataset(name, config, split=split)
+
+
+def _unreadable(name: str, ext: str, err: Exception) -> Exception:
+    """One sentence for a local dataset file that datasets could not read: the bad JSON line when there is one, the
+    cache directory it could not write, or what datasets said."""
+    from posttrain.errors import is_storage_failure, storage_error
+
+    if is_storage_failure(err):
+        return storage_error(err, "write the datasets cache at", getattr(err, "filename", None) or "HF_DATASETS_CACHE")
+    if ext == ".jsonl" or ext == ".json":
+        import json
+
+        with open(name, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        try:
+            json.loads(text)
+            return DataError(f"{name} is one JSON document, not one record per line: write a JSON list of records, or "
+                             "one JSON object per line (.jsonl).")
+        except ValueError:
+            pass
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except ValueError as bad:
+                    return DataError(f"Line {number} of {name} is not valid JSON ({bad.msg} at column {bad.colno}): "
+                                     "fix or remove that line.")
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return DataError(f"{name} could not be read as {ext[1:]} ({cause}): check the file.")
 
 
 def check_eval_columns(eval_dataset, required: list[str]) -> None:
@@ -84,6 +116,27 @@ def check_prompt(prompt, index) -> None:
                             f"{', '.join(sorted(VALID_ROLES))}.")
 
 
+def _check_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """chat_template_kwargs keys must be variables the chat template reads: jinja ignores any other one, so a typo
+    (enable_thinkng) would silently do nothing."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or template is None:
+        return
+    import jinja2
+    from jinja2 import meta
+
+    from posttrain.configs import ConfigError, suggest
+
+    templates = template.values() if isinstance(template, dict) else [template]
+    used = set()
+    for text in templates:
+        used |= meta.find_undeclared_variables(jinja2.Environment().parse(text))
+    for key in kwargs:
+        if key not in used:
+            raise ConfigError(f"chat_template_kwargs has {key!r}, which the tokenizer's chat template never reads (it "
+                              f"reads: {', '.join(sorted(used))}), so it would change nothing.{suggest(key, used)}")
+
+
 class PromptEncoder:
     """Turns prompts into token ids: chat template for conversational ones, plain text otherwise.
 
@@ -99,6 +152,12 @@ class PromptEncoder:
                  max_completion_length=0):
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs or {}
+        _check_template_kwargs(tokenizer, self.chat_template_kwargs)
+        if max_total_length and max_completion_length >= max_total_length:
+            from posttrain.configs import ConfigError
+
+            raise ConfigError(f"max_completion_length={max_completion_length} leaves no room for a prompt in the "
+                              f"model's context of {max_total_length} tokens: set it below {max_total_length}.")
         self.max_prompt_length = max_prompt_length
         self.max_total_length = max_total_length
         self.max_completion_length = max_completion_length

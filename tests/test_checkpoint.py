@@ -126,7 +126,7 @@ def test_corrupt_checkpoint_is_reported_by_name(tokenizer, addition_dataset, tmp
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2)
     trainer.train()
     os.remove(tmp_path / "out" / "checkpoint-2" / "optimizer.pt")
-    with pytest.raises(CheckpointError, match="checkpoint-2 is incomplete or corrupt"):
+    with pytest.raises(CheckpointError, match="checkpoint-2 is corrupt: optimizer.pt is missing"):
         _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4).train(resume_from_checkpoint=True)
 
 
@@ -214,3 +214,74 @@ def test_non_finite_loss_stops_before_the_update_and_saves_the_last_good_state(t
     resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4)
     resumed.train(resume_from_checkpoint=str(emergency))
     assert resumed.state.global_step == 4
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "empty state", "garbled optimizer"])
+def test_a_damaged_checkpoint_is_named_and_resume_falls_back_to_an_intact_one(tokenizer, addition_dataset, tmp_path,
+                                                                           damage, caplog):
+    _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, save_steps=1).train()
+    out = tmp_path / "out"
+    newest = out / "checkpoint-2"
+    if damage == "truncated weights":
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
+        problem = "model.safetensors does not match the checksum written with it"
+    elif damage == "empty state":
+        (newest / "trainer_state.json").write_text("")
+        problem = "its trainer_state.json cannot be read"
+    else:
+        (newest / "optimizer.pt").write_bytes(b"\x00" * 64)
+        problem = "optimizer.pt does not match the checksum"
+    with pytest.raises(CheckpointError, match=f"checkpoint-2 is corrupt: {problem}"):
+        _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3).train(resume_from_checkpoint=str(newest))
+    resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, save_steps=1)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"checkpoint-2 is corrupt: {problem}" in caplog.text and "Resuming from" in caplog.text
+    assert resumed.state.global_step == 3 and [r["step"] for r in resumed.state.log_history if "loss" in r] == [1, 2, 3]
+
+
+def test_an_update_that_makes_weights_non_finite_is_never_saved_as_good(tokenizer, addition_dataset, tmp_path):
+    """Step 2's loss and gradient are finite, its update is not (as with an extreme learning rate): the run stops
+    at step 2 naming the weight, and the poisoned weights are never saved as a good state."""
+    from posttrain.grpo.trainer import TrainingError
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, save_steps=1)
+    real_step = trainer.optimizer.step
+
+    def poisoning_step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        if trainer.state.global_step == 1:
+            with torch.no_grad():
+                trainer.policy.model.norm.weight[0] = float("inf")
+        return out
+
+    trainer.optimizer.step = poisoning_step
+    with pytest.raises(TrainingError, match=r"Step 2: the update made weights non-finite \(first: model\.norm\.weight\), "
+                                            r"so they are not saved; the newest checkpoint is .*checkpoint-1\. Lower"):
+        trainer.train()
+    assert [step for step, _ in checkpoints(tmp_path / "out")] == [1]
+    assert not list((tmp_path / "out").glob("emergency-*"))
+
+
+def test_resume_identifies_the_model_by_what_it_is_not_how_its_path_is_spelled(tokenizer, addition_dataset, tmp_path):
+    from posttrain.testing import save_tiny
+
+    model_dir = save_tiny(str(tmp_path / "models" / "tiny"), tokenizer, hidden=32, layers=1)
+    config = tiny_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    GRPOTrainer(model_dir, length_reward, config, train_dataset=addition_dataset).train()
+    # the same model, by a relative path with a trailing slash, through a symlink, and after a move
+    os.symlink(tmp_path / "models", tmp_path / "link")
+    spellings = [os.path.relpath(model_dir) + "/", str(tmp_path / "link" / "tiny")]
+    shutil.move(model_dir, tmp_path / "moved")
+    spellings = [s.replace("models/tiny", "moved") if "link" not in s else str(tmp_path / "moved")
+                 for s in spellings] + [str(tmp_path / "moved")]
+    for spelling in spellings:
+        resumed = GRPOTrainer(spelling, length_reward, tiny_config(tmp_path, max_steps=3, save_strategy="no"),
+                              train_dataset=addition_dataset)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        assert resumed.state.global_step == 3, spelling
+    other = save_tiny(str(tmp_path / "other"), tokenizer, seed=1, hidden=32, layers=1)  # same config, other weights
+    with pytest.raises(CheckpointError, match=r"it was written for another model \(its config or weights differ"):
+        GRPOTrainer(other, length_reward, tiny_config(tmp_path, max_steps=3), train_dataset=addition_dataset).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))

@@ -116,13 +116,37 @@ def build(cls, values: dict, extra_known=()):
     return cls(**kwargs)
 
 
+def _strict_loader():
+    """yaml's SafeLoader refusing a key given twice in one mapping (PyYAML would keep the last one silently)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{key!r} is given twice in {loader.name} (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}): keep one.")
+            seen[key] = key_node.start_mark.line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return StrictLoader
+
+
 def load_yaml(path: str) -> dict:
     import yaml
 
     if not os.path.exists(path):
         raise ConfigError(f"Config file {path} does not exist: check the path given to --config.")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.load(f, Loader=_strict_loader()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"Config file {path} is not valid YAML ({str(err).splitlines()[0]}): fix it.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping of field: value, not {type(data).__name__}.")
     return data
@@ -136,3 +160,14 @@ def split_values(values: dict, *classes) -> list:
         if key not in every:
             raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every, UNKNOWN_HINT)}")
     return [{k: v for k, v in values.items() if k in n} for n in names]
+
+
+def refuse_repeated_flags(argv: list[str]) -> None:
+    """A flag given twice (argparse would keep the last one silently) is refused, --config included."""
+    seen = {}
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name = token[2:].split("=", 1)[0]
+            if name in seen:
+                raise ConfigError(f"--{name} is given twice on the command line: give it once.")
+            seen[name] = True

@@ -33,7 +33,7 @@ from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import make_reference, prepare_policy
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
-from posttrain.training.checkpoint import save_checkpoint
+from posttrain.training.checkpoint import checkpoints, model_fingerprint, save_checkpoint
 from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.trainer import Trainer
 from posttrain.weights import export_weights
@@ -77,6 +77,7 @@ class GRPOTrainer(Trainer):
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, reward_funcs, train_dataset, eval_dataset, processing_class,
                                 reward_processing_classes, peft_config)
+        self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
         self._prepare(model, self._total_steps())
         self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
         self.loss_fn = get_loss(args.loss_type)
@@ -366,6 +367,7 @@ class GRPOTrainer(Trainer):
         self._check_finite(loss, grad_norm)
         self._call("on_pre_optimizer_step")
         self.optimizer.step()
+        self._check_weights_finite()
         self._call("on_optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -380,7 +382,8 @@ class GRPOTrainer(Trainer):
         return metrics
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
-        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state."""
+        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state (the
+        weights are finite: every update was checked)."""
         step = self.state.global_step + 1
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if not math.isfinite(value):
@@ -389,6 +392,20 @@ class GRPOTrainer(Trainer):
                 raise mark_agreed(TrainingError(  # every process sees the same reduced values, and raises together
                     f"Step {step}: {name} is {value}; the update was not applied and the last good state is saved in "
                     f"{path}. Lower the learning_rate or check the rewards."))
+
+    def _check_weights_finite(self) -> None:
+        """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
+        such weights are never saved as a good state."""
+        params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+        finite = torch.stack([torch.isfinite(p).all() for _, p in params])
+        if bool(finite.all()):
+            return
+        name = params[int((~finite).nonzero()[0])][0]
+        newest = checkpoints(self.args.output_dir)
+        where = f"the newest checkpoint is {newest[-1][1]}" if newest else "there is no checkpoint"
+        raise mark_agreed(TrainingError(  # DDP keeps the weights identical, so every process sees it
+            f"Step {self.state.global_step + 1}: the update made weights non-finite (first: {name}), so they are not "
+            f"saved; {where}. Lower the learning_rate (or max_grad_norm)."))
 
     def _entropy_step(self, stats: list[dict]) -> dict:
         """Update the entropy coefficient from the step's entropy across processes; its metrics."""

@@ -85,10 +85,38 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
     hub_reachable_or_cached(model, "model", kwargs.get("revision"))
     try:
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    except TypeError as err:
+        raise _unknown_init_kwarg(model, kwargs, err) from err
     except ValueError as err:
         raise _explained(model, err) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
+
+
+def _unknown_init_kwarg(model: str, kwargs: dict, err: TypeError) -> Exception:
+    """A ConfigError for a model_init_kwargs key that from_pretrained and the model do not take (a typo); `err`
+    itself when it is some other TypeError."""
+    import inspect
+    import re
+
+    from transformers import AutoConfig, PreTrainedModel
+
+    from posttrain.configs import ConfigError, suggest
+
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    if not found or found.group(1) not in kwargs:
+        return err
+    source = inspect.getsource(PreTrainedModel.from_pretrained)
+    known = set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
+    known |= set(re.findall(r'kwargs\.pop\(\s*"(\w+)"', source)) | {"revision", "trust_remote_code"}
+    try:
+        known |= set(AutoConfig.from_pretrained(model, trust_remote_code=kwargs.get("trust_remote_code", False))
+                     .to_dict())
+    except (OSError, ValueError):
+        pass
+    key = found.group(1)
+    return ConfigError(f"model_init_kwargs has {key!r}, which neither from_pretrained nor the model's config takes."
+                       f"{suggest(key, known, ' Remove it.')}")
 
 
 def _explained(model: str, err: ValueError) -> Exception:
@@ -229,8 +257,22 @@ def is_plain_linear(layer) -> bool:
 
 def enable_checkpointing(model, kwargs: dict | None) -> None:
     """Activation (gradient) checkpointing, non-reentrant unless `kwargs` say otherwise, through transformers 5's
-    `activation_checkpointing_enable` where the model has it (its older name warns that it is deprecated)."""
+    `activation_checkpointing_enable` where the model has it (its older name warns that it is deprecated).
+
+    The kwargs reach torch.utils.checkpoint.checkpoint at the first forward: a key it does not take is refused here,
+    in one sentence, rather than as a TypeError in the middle of training."""
+    import inspect
+
+    import torch.utils.checkpoint
+
+    from posttrain.configs import ConfigError, suggest
+
     kwargs = kwargs or {"use_reentrant": False}
+    known = set(inspect.signature(torch.utils.checkpoint.checkpoint).parameters) - {"function", "args", "kwargs"}
+    for key in kwargs:
+        if key not in known:
+            raise ConfigError(f"gradient_checkpointing_kwargs has {key!r}, which torch's checkpoint does not take "
+                              f"(it takes {', '.join(sorted(known))}).{suggest(key, known)}")
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)

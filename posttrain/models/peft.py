@@ -24,7 +24,33 @@ def apply_peft(model, peft_config):
     peft = require("peft", "Training LoRA adapters (peft_config / --use_peft)")
     if is_peft_model(model):
         raise ConfigError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
-    return peft.get_peft_model(model, peft_config)
+    targets = getattr(peft_config, "target_modules", None)
+    if isinstance(targets, (list, set, tuple)):  # peft ignores a misspelled name as long as another one matches
+        names = [name for name, _ in model.named_modules()]
+        if any(not any(n == t or n.endswith("." + t) for n in names) for t in targets):
+            raise _unknown_targets(model, peft_config)
+    try:
+        return peft.get_peft_model(model, peft_config)
+    except ValueError as err:
+        if "not found in the base model" not in str(err):
+            raise
+        raise _unknown_targets(model, peft_config) from err
+
+
+def _unknown_targets(model, peft_config) -> ConfigError:
+    """The LoRA target modules that match nothing in the model, with the names that exist."""
+    import torch
+
+    from posttrain.configs import suggest
+
+    names = [name for name, _ in model.named_modules()]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    targets = peft_config.target_modules
+    targets = [targets] if isinstance(targets, str) else sorted(targets or [])
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    hint = suggest(missing[0], linear) if missing else ""
+    return ConfigError(f"LoRA target modules {missing or targets} match no module of the model (its linear layers: "
+                       f"{', '.join(linear)}).{hint}")
 
 
 def add_reference_adapter(model) -> str:

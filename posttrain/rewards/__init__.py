@@ -166,7 +166,12 @@ def _dedupe_names(funcs):
 
 
 def check_required_columns(funcs: list[RewardFunction], columns) -> None:
-    """Stop before training when a reward function requires a keyword the dataset has no column for."""
+    """Stop before training when a reward function requires a keyword the dataset has no column for, or a column
+    is named like an argument reward functions already receive (the two would collide)."""
+    clashing = sorted(set(columns) & CONVENTION_ARGS)
+    if clashing:
+        raise DataError(f"The dataset's column {clashing[0]!r} has the name of an argument reward functions already "
+                        f"receive ({', '.join(sorted(CONVENTION_ARGS))}): rename the column.")
     for f in funcs:
         if f.fn is None:
             continue

@@ -23,6 +23,7 @@ What a trainer adds to its checkpoints it says through these methods:
 """
 
 import json
+import logging
 import os
 import random
 import re
@@ -33,6 +34,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.training.distributed import guarded
 
+logger = logging.getLogger("posttrain")
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -55,18 +57,83 @@ def checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def resolve(resume, output_dir: str) -> str | None:
-    """The checkpoint to resume from: a path, True for the newest in output_dir, or None/False for none."""
+    """The checkpoint to resume from: a path, True for the newest intact one in output_dir, or None/False for none.
+
+    With True, a checkpoint that fails its checksums (or whose state file does not parse) is skipped, with a
+    warning naming it and the one resumed from instead.
+    """
     if resume in (None, False, "", "false", "False"):
         return None
     if resume is True or resume in ("true", "True"):
         found = checkpoints(output_dir)
         if not found:
             raise CheckpointError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.")
-        return found[-1][1]
+        problems = []
+        for _, path in reversed(found):
+            try:
+                verify(path)
+            except CheckpointError as err:
+                problems.append(str(err))
+                continue
+            for problem in problems:
+                logger.warning("%s Resuming from %s instead.", problem, path)
+            return path
+        raise CheckpointError(f"No checkpoint in {output_dir} is intact: {' '.join(problems)}")
     if not os.path.exists(os.path.join(resume, STATE_FILE)):
         raise CheckpointError(f"{resume} is not a complete checkpoint (no {STATE_FILE}): pick another, or True "
                               "for the newest complete one.")
     return resume
+
+
+def _digest(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(directory: str) -> dict[str, str]:
+    """SHA-256 of every file in a checkpoint directory but its state file."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(root, name)
+            relative = os.path.relpath(full, directory)
+            if relative != STATE_FILE:
+                out[relative] = _digest(full)
+    return dict(sorted(out.items()))
+
+
+def read_state(path: str) -> dict:
+    """A checkpoint's trainer_state.json; CheckpointError, naming it, when it cannot be read or parsed."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"Checkpoint {path} is corrupt: its {STATE_FILE} cannot be read "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'empty'}).") from err
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise CheckpointError(f"Checkpoint {path} is corrupt: its {STATE_FILE} is not a posttrain trainer state.")
+    return state
+
+
+def verify(path: str) -> dict:
+    """Check every file of a checkpoint against the SHA-256 written with it; returns its state.
+
+    Checkpoints from before checksums were written are only checked for a readable state file.
+    """
+    state = read_state(path)
+    for name, digest in state.get("files", {}).items():
+        full = os.path.join(path, name)
+        if not os.path.exists(full):
+            raise CheckpointError(f"Checkpoint {path} is corrupt: {name} is missing.")
+        if _digest(full) != digest:
+            raise CheckpointError(f"Checkpoint {path} is corrupt: {name} does not match the checksum written with it "
+                                  "(truncated or changed since).")
+    return state
 
 
 # ------------------------------------------------------------------ pieces of state
@@ -101,13 +168,41 @@ def set_rng_state(state: dict, generators: dict) -> None:
 # ------------------------------------------------------------------ writing and reading
 
 
+# config entries that say how a model was loaded or where from, not what it is
+_VOLATILE = {"_name_or_path", "transformers_version", "use_cache", "_attn_implementation", "_commit_hash",
+             "torch_dtype", "dtype", "architectures"}
+
+
+def model_fingerprint(model) -> str:
+    """What the model is, not how its path is spelled: a hash of its config (less where it was loaded from) and of
+    its weights as they were before training (names, shapes, dtypes and an evenly strided sample of the values;
+    LoRA adapters left out, since they start fresh each run).
+
+    Computed once, at the trainer's set-up, so a resumed run (loading the same base) gets the same value wherever
+    the model's directory now is or however its path is written.
+    """
+    import hashlib
+
+    from posttrain.models.loading import unwrap
+
+    plain = unwrap(model)
+    h = hashlib.sha256()
+    config = {k: v for k, v in plain.config.to_dict().items() if k not in _VOLATILE}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, p in sorted(plain.named_parameters()):
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def run_identity(trainer) -> dict:
     """What must match between a checkpoint and the run resuming from it: the model and the batch layout."""
-    config = trainer.policy.config
     identity = {k: getattr(trainer.args, k) for k in trainer._meaning_fields}
-    identity.update(model=getattr(config, "_name_or_path", ""), architecture=(config.architectures or [""])[0]
-                    if getattr(config, "architectures", None) else type(trainer.policy).__name__,
-                    vocab_size=config.vocab_size, hidden_size=getattr(config, "hidden_size", None),
+    identity.update(model=trainer._model_fingerprint,
                     peft=type(trainer.policy).__name__ if hasattr(trainer.policy, "peft_config") else None)
     return identity
 
@@ -126,7 +221,8 @@ def _write_state(trainer, tmp: str, model_only: bool) -> None:
     state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
              "log_history": trainer.state.log_history, "total_flos": trainer.state.total_flos,
              "num_processes": acc.num_processes, "identity": run_identity(trainer), "model_only": model_only,
-             **trainer._checkpoint_meta()}
+             "model_path": getattr(trainer.policy.config, "_name_or_path", ""),
+             **trainer._checkpoint_meta(), "files": _digests(tmp)}
     with open(os.path.join(tmp, STATE_FILE), "w") as f:
         json.dump(state, f)
 
@@ -173,15 +269,22 @@ def _check_resumable(trainer, path: str, state: dict) -> None:
     if state.get("model_only"):
         raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model but no optimizer or "
                               "data position, so it cannot be resumed from; load it as a model instead.")
+    if state["num_processes"] != trainer.accelerator.num_processes:  # first: it explains batch-size differences too
+        raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
+                              f"{trainer.accelerator.num_processes}: resume with the same number of processes (and the "
+                              "same per-device batch sizes).")
     now = run_identity(trainer)
-    changed = {k: (v, now.get(k)) for k, v in state.get("identity", {}).items() if now.get(k) != v}
+    then = state.get("identity", {})
+    if "model" in then and then["model"] != now["model"] and len(str(then["model"])) == 16:
+        raise CheckpointError(f"Cannot resume from {path}: it was written for another model (its config or weights "
+                              f"differ from this run's; that run loaded {state.get('model_path')!r}, this one "
+                              f"{getattr(trainer.policy.config, '_name_or_path', '')!r}). Load the same model, or start "
+                              "a new run.")
+    changed = {k: (v, now.get(k)) for k, v in then.items() if k != "model" and now.get(k) != v}
     if changed:
         listing = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
         raise CheckpointError(f"Cannot resume from {path}: the run differs in what its state means ({listing}). "
                               "Use the checkpoint's values, or start a new run.")
-    if state["num_processes"] != trainer.accelerator.num_processes:
-        raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
-                              f"{trainer.accelerator.num_processes}: resume with the same number.")
 
 
 def load_checkpoint(trainer, path: str) -> dict:
@@ -190,8 +293,7 @@ def load_checkpoint(trainer, path: str) -> dict:
 
     from posttrain.models.peft import is_peft_model
 
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
+    state = verify(path)  # every file against its checksum, before anything is loaded
     _check_resumable(trainer, path, state)
     try:
         if is_peft_model(trainer.policy):
@@ -210,7 +312,8 @@ def load_checkpoint(trainer, path: str) -> dict:
         set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
                       trainer._checkpoint_generators())
         trainer._load_checkpoint_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)
-    except (OSError, RuntimeError, KeyError, ValueError) as err:
-        raise CheckpointError(f"Checkpoint {path} is incomplete or corrupt ({type(err).__name__}: {err}); "
-                              "resume from an earlier one.") from err
+    except Exception as err:  # noqa: BLE001 - safetensors, torch and json each raise their own types
+        raise CheckpointError(f"Checkpoint {path} is incomplete or corrupt ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else 'no detail'}); resume from an earlier "
+                              "one.") from err
     return state
