@@ -59,7 +59,8 @@ def _unreadable(name: str, ext: str, err: Exception) -> Exception:
     from posttrain.errors import is_storage_failure, storage_error
 
     if is_storage_failure(err):
-        return storage_error(err, "write the datasets cache at", getattr(err, "filename", None) or "HF_DATASETS_CACHE")
+        return storage_error(err, "write the datasets cache at", getattr(err, "filename", None) or "HF_DATASETS_CACHE",
+                             fix="set HF_DATASETS_CACHE to a writable directory")
     if ext == ".jsonl" or ext == ".json":
         import json
 

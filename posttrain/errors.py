@@ -28,8 +28,8 @@ def is_storage_failure(err: BaseException) -> bool:
     return isinstance(err, OSError) or (isinstance(err, RuntimeError) and "unexpected pos" in str(err))
 
 
-def storage_error(err: BaseException, doing: str, path: str) -> StorageError:
+def storage_error(err: BaseException, doing: str, path: str,
+                  fix: str = "choose another output_dir") -> StorageError:
     """One sentence for a failed disk operation: what, where, why, and what to do."""
     where = getattr(err, "filename", None) or path
-    return StorageError(f"Could not {doing} {where}: {_cause(err)}. Free some space, fix the permissions, or choose "
-                        "another output_dir.")
+    return StorageError(f"Could not {doing} {where}: {_cause(err)}. Free some space, fix the permissions, or {fix}.")

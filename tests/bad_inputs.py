@@ -676,6 +676,36 @@ def resume_with_another_model(tmp):
              max_steps=2).train(resume_from_checkpoint=str(path))
 
 
+@case("Checkpoints", "resume with another number of processes (the batch size was blamed)", CheckpointError,
+      r"checkpoint-1 was written by 2 process\(es\); this run has 1: resume with the same number of processes")
+def resume_with_other_process_count(tmp):
+    import json
+
+    state_file = _checkpointed(tmp) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["num_processes"] = 2
+    state_file.write_text(json.dumps(state))
+    _trainer(tmp, max_steps=2).train(resume_from_checkpoint=str(state_file.parent))
+
+
+@case("Storage", "an unwritable datasets cache", StorageError,
+      r"Could not write the datasets cache at <dir>/file/cache: a part of the path is a file, not a directory\. .* "
+      r"set HF_DATASETS_CACHE to a writable directory\.", kind="crash")
+def unwritable_datasets_cache(tmp):
+    from pathlib import Path as _Path
+
+    import datasets.config
+
+    from posttrain.data import load_prompt_dataset
+
+    _write(tmp / "file", "not a directory")
+    real, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, _Path(tmp / "file" / "cache")
+    try:
+        load_prompt_dataset(_write(tmp / "prompts.jsonl", '{"prompt": "a"}\n'))
+    finally:
+        datasets.config.HF_DATASETS_CACHE = real
+
+
 @case("Storage", "`output_dir` is an existing file", StorageError,
       r"Could not write to output_dir <dir>/out: .*\. Free some space, fix the permissions, or choose another output_dir",
       kind="crash")

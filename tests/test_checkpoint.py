@@ -184,6 +184,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tokenizer, addition_
     resumed = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, save_steps=1)
     resumed.train(resume_from_checkpoint=True)  # picks checkpoint-1, the newest complete one
     assert resumed.state.global_step == 4 and [s for s, _ in checkpoints(tmp_path / "out")][-1] == 4
+    assert not list((tmp_path / "out").glob("*.tmp"))  # the killed save's leftovers were removed
     straight = _trainer(tokenizer, addition_dataset, tmp_path / "straight", max_steps=4, save_strategy="no")
     straight.train()
     a, b = _params(straight), _params(resumed)

@@ -61,3 +61,9 @@ def test_docs_config_reference_is_current():
 
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert f.read() == config_reference(), "regenerate with: python -m posttrain.configs > docs/config.md"
+
+
+def test_a_tilde_in_output_dir_is_the_home_directory():
+    assert GRPOConfig(output_dir="~/runs/a").output_dir == os.path.expanduser("~/runs/a")
+    _, _, cfg = parse_grpo(["--output_dir", "~/runs/b"])
+    assert cfg.output_dir == os.path.expanduser("~/runs/b")

@@ -184,3 +184,11 @@ def test_reward_timeout_skips_under_on_bad_reward_skip():
     assert bad == [0, 1] and math.isnan(m[0, 0]) and math.isnan(m[1, 0]) and m[1, 1] == -0.25
     # and without a limit nothing changes: a function that returns is called once, on this thread
     assert score(funcs[1:], ["p"], ["x"], [[1]], {}, None, step=1, timeout=None).tolist() == [[-0.125]]
+
+
+def test_numpy_and_torch_scalars_count_as_numbers():
+    import numpy as np
+
+    m = _score([lambda completions, **kw: [np.bool_(True), np.float32(0.5), torch.tensor(2.0), False]],
+               ["a", "b", "c", "d"])
+    assert m[:, 0].tolist() == [1.0, 0.5, 2.0, 0.0]
