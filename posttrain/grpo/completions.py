@@ -73,7 +73,7 @@ class CompletionLog:
         from accelerate.utils import gather_object
 
         prompts, texts = gather_object(prompts), gather_object(texts)
-        with guarded(self.accelerator):  # the main process writes; every process learns whether it could
+        with guarded(self.accelerator, writing=self.path):  # the main process writes; every process learns
             if self.accelerator.is_main_process:
                 self._write(step, prompts, texts, rewards, advantages, extra)
 

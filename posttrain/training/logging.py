@@ -14,6 +14,7 @@ import socket
 import sys
 
 from posttrain._optional import require
+from posttrain.errors import storage_error
 
 KNOWN_TRACKERS = ("wandb", "trackio", "tensorboard")
 
@@ -159,8 +160,11 @@ class MetricsLogger:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as err:
+                raise storage_error(err, "write", self.path) from err
 
     def _show(self, record: dict):
         text = "  ".join(f"{k}={record[k]:.4g}" for k in self.SHOWN if k in record)

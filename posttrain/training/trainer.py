@@ -24,6 +24,7 @@ import torch
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
 from posttrain.training.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
+from posttrain.errors import storage_error
 from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder
@@ -323,16 +324,20 @@ class Trainer:
         """
         record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
         self.state.log_history.append(record)
-        self._on_main(self._emit, record, to_file)
+        self._on_main(self._emit, record, to_file, writing=None)  # trackers' network errors are not disk writes
         self._call("on_log", logs=record)
 
     def _emit(self, record: dict, to_file: bool) -> None:
         if self.logger is not None:
             self.logger.emit(record, to_file=to_file)
         elif to_file:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            path = os.path.join(self.args.output_dir, "metrics.jsonl")
+            try:
+                os.makedirs(self.args.output_dir, exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as err:
+                raise storage_error(err, "write", path) from err
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """Metrics over an eval dataset (default: the trainer's), logged and passed to on_evaluate.
@@ -370,10 +375,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving and the Hub
 
-    def _on_main(self, fn, *args):
+    def _on_main(self, fn, *args, writing: str | None = "output_dir"):
         """`fn(*args)` on the main process; every process waits for it and learns whether it failed (a failed disk
-        write as one sentence)."""
-        with guarded(self.accelerator, writing=self.args.output_dir):
+        write under `writing`, default output_dir, as one sentence; None for work that is not a write)."""
+        path = self.args.output_dir if writing == "output_dir" else writing
+        with guarded(self.accelerator, writing=path):
             if self.accelerator.is_main_process:
                 fn(*args)
 
