@@ -2,12 +2,13 @@
 
 This package imports no torch and no transformers, so that `posttrain --help` stays fast.
 
-Field names and defaults follow TRL's `GRPOConfig` (and the `transformers.TrainingArguments` fields it inherits):
-every TRL field is either implemented or listed in `trl_compat.py` with what posttrain does instead.
+Field names and defaults follow TRL's `GRPOConfig` and `SFTConfig` (and the `transformers.TrainingArguments` fields
+they inherit): every TRL field is either implemented or listed in `trl_compat.py` with what posttrain does instead.
 
     base.py        ConfigError, field declaration, the checks fields run at construction
     fields.py      field groups every trainer shares: loop, model, devices, logging, evaluation, checkpoints
     grpo.py        sampling and the GRPO objective; GRPOConfig
+    sft.py         SFT data preparation and loss; SFTConfig
     trl_compat.py  TRL fields accepted at posttrain's behaviour; the snapshot of TRL's field list
     script.py      ScriptArguments, LoraArguments (the command line)
     parsing.py     YAML, typed conversion of flags, unknown names with their real near-misses
@@ -16,6 +17,7 @@ every TRL field is either implemented or listed in `trl_compat.py` with what pos
 
 from posttrain.configs.base import ConfigError, field_help, field_types, resolve_steps
 from posttrain.configs.grpo import GRPOConfig
+from posttrain.configs.sft import SFTConfig
 from posttrain.configs.parsing import UNKNOWN_HINT, build, coerce, load_yaml, split_values, suggest
 from posttrain.configs.script import LoraArguments, ScriptArguments
 
@@ -26,5 +28,5 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "GRPOConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT", "build", "coerce",
+__all__ = ["ConfigError", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT", "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

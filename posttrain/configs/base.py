@@ -144,6 +144,20 @@ def check_choice(cfg, name: str, choices) -> None:
         raise ConfigError(f"{name}={value!r} is not one of: {', '.join(map(str, choices))}.")
 
 
+def check_padding_multiple(cfg) -> None:
+    """pad_to_multiple_of: a positive integer, "auto" or None (a string from YAML or a flag is converted)."""
+    value = cfg.pad_to_multiple_of
+    if isinstance(value, str):
+        if value.lower() in ("none", "null"):
+            cfg.pad_to_multiple_of = None
+        elif value.isdigit():
+            cfg.pad_to_multiple_of = int(value)
+        elif value != "auto":
+            raise ConfigError(f"pad_to_multiple_of={value!r} must be a positive integer, \"auto\" or None.")
+    if cfg.pad_to_multiple_of not in (None, "auto"):
+        check_positive(cfg, "pad_to_multiple_of")
+
+
 def check_range(cfg, name: str, low=None, high=None, low_open=False, high_open=False, why: str = "") -> None:
     """`name` within [low, high] (open ends where asked); None passes (the field is unset)."""
     value = getattr(cfg, name)

@@ -5,6 +5,7 @@ A step interval (`logging_steps`, `save_steps`, `eval_steps`) is a whole number 
 (0, 1) of the run's total steps, as in transformers.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -34,13 +35,14 @@ class TrainingLoopConfig:
     data_seed: Optional[int] = _help("Seed of the data order only; default: seed.", range=SEED, default=None)
     max_steps: int = _help("Total optimizer steps; -1 means derive from `num_train_epochs`.",
                            range=Range(-1, note="-1 derives it from num_train_epochs; 0 trains nothing"), default=-1)
-    num_train_epochs: float = _help("Passes over the prompts when `max_steps` is -1 (then > 0).", range=NON_NEGATIVE,
+    num_train_epochs: float = _help("Passes over the training data when `max_steps` is -1 (then > 0).", range=NON_NEGATIVE,
                                     default=3.0)
     per_device_train_batch_size: int = _help(
-        "Completions (not prompts) per process in one micro-batch.", range=AT_LEAST_ONE, default=8)
+        "Rows per process in one micro-batch: completions (not prompts) in GRPO, sequences (or packed rows) in SFT.",
+        range=AT_LEAST_ONE, default=8)
     gradient_accumulation_steps: int = _help(
-        "Micro-batches accumulated into one optimizer step. Independent of how often we generate "
-        "(`steps_per_generation`).", range=AT_LEAST_ONE, default=1)
+        "Micro-batches accumulated into one optimizer step (in GRPO independent of how often it generates: "
+        "`steps_per_generation`).", range=AT_LEAST_ONE, default=1)
     learning_rate: float = _help("Peak learning rate.", range=NON_NEGATIVE, default=1e-6)
     weight_decay: float = _help("Weight decay (not applied to biases and norm weights).",
         range=NON_NEGATIVE, default=0.0)
@@ -64,10 +66,6 @@ class TrainingLoopConfig:
     warmup_ratio: Optional[float] = _help(
         "Fraction of the total steps spent in warm-up (the older transformers name; warmup_steps wins when both are "
         "set).", range=FRACTION, default=None)
-    shuffle_dataset: bool = _help("Shuffle the training data each epoch.", default=True)
-    remove_unused_columns: bool = _help(
-        "Drop every dataset column but the prompt before training, so reward functions receive none of them (TRL's "
-        "meaning; its default, False, passes every column to the reward functions).", default=False)
 
     def _check(self):
         check_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps")
@@ -88,6 +86,13 @@ class TrainingLoopConfig:
                                   "'momentum=0.9,nesterov=True'.")
         # TRL's (transformers') None means the default directory
         self.output_dir = os.path.expanduser(self.output_dir if self.output_dir is not None else "trainer_output")
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict, with `hub_token` redacted (this dict is written to disk and to trackers)."""
+        values = dataclasses.asdict(self)
+        if values.get("hub_token"):
+            values["hub_token"] = "<HUB_TOKEN>"
+        return values
 
 
 @dataclass
@@ -183,12 +188,6 @@ class LoggingConfig:
     log_level: str = _help("Level of posttrain's and transformers' loggers on the main process: passive (leave as "
                            "is), debug, info, warning, error or critical.", default="passive")
     log_level_replica: str = _help("The same, on the other processes.", default="warning")
-    log_completions: bool = _help(
-        "Append the prompts, completions, rewards and advantages of each logging step to output_dir/completions.jsonl "
-        "and print a sample.", default=False)
-    num_completions_to_print: Optional[int] = _help(
-        "With log_completions, how many completions to print at each logging step; None prints all.",
-        range=NON_NEGATIVE, default=None)
 
     def _check(self):
         check_choice(self, "logging_strategy", ("steps", "epoch", "no"))
@@ -214,7 +213,8 @@ def trackers(value) -> list:
 
 @dataclass
 class EvaluationConfig:
-    """Evaluation during training (TRL's fields): sampled completions of the eval dataset, scored by the rewards."""
+    """Evaluation during training (TRL's fields): GRPO samples and scores completions of the eval prompts; SFT
+    computes the loss on the eval sequences."""
 
     eval_strategy: str = _help("When to evaluate on eval_dataset: no, steps (every eval_steps) or epoch.",
                                default="no")
@@ -224,17 +224,13 @@ class EvaluationConfig:
     eval_delay: float = _help("Skip evaluations before this many steps (or epochs, with eval_strategy=epoch).",
                               range=NON_NEGATIVE, default=0)
     eval_on_start: bool = _help("Evaluate once before the first training step.", default=False)
-    per_device_eval_batch_size: int = _help("Completions per process in one evaluation batch.",
+    per_device_eval_batch_size: int = _help("Rows per process in one evaluation batch (completions in GRPO).",
         range=AT_LEAST_ONE, default=8)
-    num_generations_eval: Optional[int] = _help(
-        "Completions sampled per eval prompt; default num_generations.", range=AT_LEAST_ONE, default=None)
 
     def _check(self):
         check_choice(self, "eval_strategy", ("no", "steps", "epoch"))
         check_steps(self, "eval_steps")
         check_positive(self, "per_device_eval_batch_size")
-        if self.num_generations_eval is not None:
-            check_positive(self, "num_generations_eval")
 
 
 @dataclass
@@ -258,7 +254,7 @@ class CheckpointConfig:
         "Resume from this checkpoint directory, or `true` for the newest complete one in output_dir.",
         default=None)
     ignore_data_skip: bool = _help(
-        "On resume, start again from the first prompts instead of where the checkpoint left off.", default=False)
+        "On resume, start again from the first rows of the data instead of where the checkpoint left off.", default=False)
     save_merged: bool = _help(
         "With LoRA, also write merged full weights to output_dir/merged (loadable with plain "
         "AutoModelForCausalLM.from_pretrained); the adapter is always saved.", default=False)

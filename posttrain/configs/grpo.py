@@ -5,16 +5,16 @@ and the GRPO objective here; configs/trl_compat.py for TRL fields that posttrain
 The result is flat, as in TRL: `GRPOConfig(num_generations=8, beta=0.0)`.
 """
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from posttrain.configs.base import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range, _help,
-                                    check_choice, check_positive, check_ranges, check_types)
+                                    check_choice, check_padding_multiple, check_positive, check_ranges,
+                                    check_types)
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
-from posttrain.configs.trl_compat import TRLCompatConfig, check_compat
+from posttrain.configs.trl_compat import GRPO_COMPAT, GRPOCompatConfig, check_compat
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -49,11 +49,34 @@ class SamplingConfig:
     chat_template_kwargs: Optional[dict] = _help(
         "Keyword arguments for `apply_chat_template` with conversational prompts (e.g. enable_thinking).",
         default=None)
+    num_generations_eval: Optional[int] = _help(
+        "Completions sampled per eval prompt; default num_generations.", range=AT_LEAST_ONE, default=None)
 
     def _check(self):
         check_positive(self, "max_completion_length")
         if self.max_prompt_length is not None:
             check_positive(self, "max_prompt_length")
+        if self.num_generations_eval is not None:
+            check_positive(self, "num_generations_eval")
+
+
+@dataclass
+class PromptDataConfig:
+    """The prompts' order, the columns reward functions see, and the log of completions."""
+
+    shuffle_dataset: bool = _help("Shuffle the training prompts each epoch.", default=True)
+    remove_unused_columns: bool = _help(
+        "Drop every dataset column but the prompt before training, so reward functions receive none of them (TRL's "
+        "meaning; its default, False, passes every column to the reward functions).", default=False)
+    log_completions: bool = _help(
+        "Append the prompts, completions, rewards and advantages of each logging step to output_dir/completions.jsonl "
+        "and print a sample.", default=False)
+    num_completions_to_print: Optional[int] = _help(
+        "With log_completions, how many completions to print at each logging step; None prints all.",
+        range=NON_NEGATIVE, default=None)
+
+    def _check(self):
+        pass
 
 
 @dataclass
@@ -181,12 +204,7 @@ class GRPOObjectiveConfig:
                 if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or abs(w) == float("inf"):
                     raise ConfigError(f"reward_weights={self.reward_weights!r} must hold finite numbers, one per "
                                       "reward function.")
-        if isinstance(self.pad_to_multiple_of, str):
-            if self.pad_to_multiple_of != "auto":
-                raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive integer, "
-                                  "\"auto\" or None.")
-        elif self.pad_to_multiple_of is not None:
-            check_positive(self, "pad_to_multiple_of")
+        check_padding_multiple(self)
 
 
 def _world_size() -> int:
@@ -195,7 +213,7 @@ def _world_size() -> int:
 
 @dataclass
 class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-                 SamplingConfig, GRPOObjectiveConfig, TRLCompatConfig):
+                 PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GRPOCompatConfig):
     """Everything that configures a GRPO run (TRL's `GRPOConfig` names and defaults).
 
     Derived values are filled in at construction: `steps_per_generation`, `generation_batch_size`,
@@ -203,12 +221,13 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     """
 
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-              SamplingConfig, GRPOObjectiveConfig)
+              PromptDataConfig, SamplingConfig, GRPOObjectiveConfig)
+    COMPAT = GRPOCompatConfig
 
     def __post_init__(self):
         self._coerce_aliases()
         check_types(self)
-        check_compat(self)
+        check_compat(self, GRPO_COMPAT)
         for group in self.GROUPS:
             group._check(self)
         self._derive_batches()
@@ -264,10 +283,3 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     def prompts_per_generation(self) -> int:
         """Unique prompts in one generation batch, across all processes."""
         return self.generation_batch_size // self.num_generations
-
-    def to_dict(self) -> dict:
-        """The fields as a plain dict, with `hub_token` redacted (this dict is written to disk and to trackers)."""
-        values = dataclasses.asdict(self)
-        if values.get("hub_token"):
-            values["hub_token"] = "<HUB_TOKEN>"
-        return values

@@ -23,7 +23,9 @@ from typing import Any, Callable, Optional, Union
 
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range
 
-SNAPSHOT = os.path.join(os.path.dirname(__file__), "trl_grpo_fields.json")
+SNAPSHOTS = {"grpo": os.path.join(os.path.dirname(__file__), "trl_grpo_fields.json"),
+             "sft": os.path.join(os.path.dirname(__file__), "trl_sft_fields.json")}
+SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
 
@@ -81,8 +83,8 @@ _NO_LOADER = "posttrain tokenizes the prompts up front and draws them itself, wi
 _NO_METRICS = "GRPO evaluation reports sampled rewards and the loss, with no compute_metrics"
 _VLLM = "only read when use_vllm=True, which this release refuses"
 
-COMPAT: list[Compat] = [
-    # ---------------------------------------------------------------- transformers TrainingArguments
+# transformers' TrainingArguments fields, as GRPO takes them (SFT_COMPAT below adjusts them for SFT)
+TRAINING_ARGS: list[Compat] = [
     same("average_tokens_across_devices", bool, True,
          "posttrain always normalises token-level losses by the tokens of every process, so any split of a batch "
          "gives the same update; False would change that", accepts=(True,)),
@@ -166,7 +168,9 @@ COMPAT: list[Compat] = [
     same("local_rank", int, -1, "launchers set the process rank through the environment, which posttrain reads", range=Range(-1)),
     unsupported("optim_target_modules", Union[str, list, None], None,
                 "GaLore and APOLLO optimizers are not supported; choose another optim"),
-    # ---------------------------------------------------------------- TRL GRPOConfig
+]
+
+GRPO_ONLY: list[Compat] = [
     unsupported("router_aux_loss_coef", Optional[float], None,
                 "the router load-balancing loss of mixture-of-experts models is not added; remove it", range=NON_NEGATIVE),
     same("ds3_gather_for_generation", bool, True, "only read under DeepSpeed ZeRO-3, which this release does not run"),
@@ -208,7 +212,49 @@ COMPAT: list[Compat] = [
     same("use_transformers_paged", bool, False, "see use_transformers_continuous_batching"),
 ]
 
-BY_NAME = {c.name: c for c in COMPAT}
+GRPO_COMPAT = TRAINING_ARGS + GRPO_ONLY
+COMPAT = GRPO_COMPAT  # the GRPO table under its first name
+
+_SFT_LOADER = "posttrain batches the tokenized rows itself, with no DataLoader"
+_SFT_METRICS = "SFT evaluation reports eval_loss, eval_entropy and eval_mean_token_accuracy, with no compute_metrics"
+# TrainingArguments fields whose SFT entry differs from GRPO's (None: SFTConfig implements the field itself)
+_SFT_CHANGES = {
+    "label_smoothing_factor": unsupported(
+        "label_smoothing_factor", float, 0.0,
+        "label smoothing needs every position's full logits, which posttrain's chunked loss never builds (TRL "
+        "deprecates it for the same reason); remove it", range=FRACTION),
+    "neftune_noise_alpha": None, "train_sampling_strategy": None, "dataloader_drop_last": None,
+    "auto_find_batch_size": unsupported(
+        "auto_find_batch_size", bool, False,
+        "posttrain does not retry a step at a smaller batch on out-of-memory (the loss normalisation is per optimizer "
+        "step); lower per_device_train_batch_size, or set packing / padding_free"),
+    "include_num_input_tokens_seen": unsupported(
+        "include_num_input_tokens_seen", str, "no", "posttrain logs num_tokens (tokens seen so far) instead; remove it",
+        accepts=("no", False)),
+    "label_names": same("label_names", Optional[list], None, "SFT builds its labels from the data"),
+    "length_column_name": same("length_column_name", str, "length",
+                               "group_by_length sampling measures the tokenized rows itself"),
+}
+for _name in ("prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+              "include_for_metrics", "batch_eval_metrics"):
+    _SFT_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_SFT_METRICS)
+for _name in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+              "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order"):
+    _SFT_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_SFT_LOADER)
+
+SFT_ONLY: list[Compat] = [
+    same("remove_unused_columns", bool, True,
+         "posttrain keeps only the token columns it builds, so no other column ever reaches the model"),
+    unsupported("router_aux_loss_coef", Optional[float], None,
+                "the router load-balancing loss of mixture-of-experts models is not added; remove it",
+                range=NON_NEGATIVE),
+    same("dataset_num_proc", Optional[int], None,
+         "posttrain tokenizes in batches with the fast tokenizer in each process; the result is the same",
+         range=AT_LEAST_ONE),
+]
+SFT_COMPAT = [_SFT_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _SFT_CHANGES.get(c.name, c) is not None] + SFT_ONLY
+
+BY_NAME = {c.name: c for c in GRPO_COMPAT}
 
 
 def _field(c: Compat):
@@ -222,38 +268,47 @@ def _field(c: Compat):
     return field(default=c.default, metadata=meta)
 
 
-# A dataclass with one field per table entry; GRPOConfig inherits it, so these are ordinary config fields.
-TRLCompatConfig = dataclasses.make_dataclass("TRLCompatConfig", [(c.name, c.type, _field(c)) for c in COMPAT])
-TRLCompatConfig.__doc__ = "TRL fields accepted at posttrain's behaviour (configs/trl_compat.py)."
+def compat_config(name: str, table: list[Compat]):
+    """A dataclass with one field per table entry; a trainer config inherits it, so these are ordinary fields."""
+    cls = dataclasses.make_dataclass(name, [(c.name, c.type, _field(c)) for c in table])
+    cls.__doc__ = "TRL fields accepted at posttrain's behaviour (configs/trl_compat.py)."
+    return cls
 
 
-def check_compat(config) -> None:
+GRPOCompatConfig = compat_config("GRPOCompatConfig", GRPO_COMPAT)
+TRLCompatConfig = GRPOCompatConfig  # its first name
+SFTCompatConfig = compat_config("SFTCompatConfig", SFT_COMPAT)
+
+
+def check_compat(config, table: list[Compat] = GRPO_COMPAT) -> None:
     """Refuse, in one sentence each, a TRL field set to a value posttrain would not honour."""
-    for c in COMPAT:
+    for c in table:
         value = getattr(config, c.name)
         if not c.accepted(value):
             raise ConfigError(f"{c.name}={value!r} is not supported: {c.why}.")
 
 
-def trl_snapshot() -> dict:
-    """The committed list of TRL 1.16.0's GRPOConfig fields: {"trl", "transformers", "fields": [{name, default,
-    source}]}."""
-    with open(SNAPSHOT) as f:
+def trl_snapshot(trainer: str = "grpo") -> dict:
+    """The committed list of TRL 1.16.0's GRPOConfig (or SFTConfig) fields: {"trl", "transformers", "fields":
+    [{name, default, source}]}."""
+    with open(SNAPSHOTS[trainer]) as f:
         return json.load(f)
 
 
-def installed_trl_fields() -> list[dict] | None:
-    """The installed TRL's GRPOConfig fields in the snapshot's form, or None when TRL cannot be imported."""
+def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
+    """The installed TRL's GRPOConfig (or SFTConfig) fields in the snapshot's form, or None when TRL cannot be
+    imported."""
     try:
+        import trl
         from transformers import TrainingArguments
-        from trl import GRPOConfig as TRLGRPOConfig
     except ImportError:
         return None
+    name = {"grpo": "GRPOConfig", "sft": "SFTConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
-    for f in dataclasses.fields(TRLGRPOConfig):
+    for f in dataclasses.fields(getattr(trl, name)):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         out.append({"name": f.name, "default": repr(default),
-                    "source": "TrainingArguments" if f.name in base else "GRPOConfig"})
+                    "source": "TrainingArguments" if f.name in base else name})
     return out

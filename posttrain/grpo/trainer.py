@@ -12,15 +12,12 @@ Generation happens whenever the buffer is empty, so how often we generate (steps
 is independent of how many micro-batches make an optimizer step (gradient_accumulation_steps).
 """
 
-import contextlib
 import math
-import os
 
 import torch
 
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
-from posttrain.errors import UserError
 from posttrain.generation import make_generator
 from posttrain.grpo.advantages import group_advantages
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
@@ -29,18 +26,14 @@ from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
-from posttrain.models import load_causal_lm, load_tokenizer, token_logprobs
-from posttrain.models.peft import is_peft_model, reference_mode
-from posttrain.models.preparation import make_reference, prepare_policy
+from posttrain.models import token_logprobs
+from posttrain.models.peft import reference_mode
+from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
-from posttrain.training.checkpoint import checkpoints, model_fingerprint, save_checkpoint
-from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.training.trainer import Trainer
+from posttrain.training.checkpoint import model_fingerprint
+from posttrain.training.distributed import guarded
+from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError is part of this module's API
 from posttrain.weights import export_weights
-
-
-class TrainingError(UserError, RuntimeError):
-    """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
 
 
 class GRPOTrainer(Trainer):
@@ -62,6 +55,7 @@ class GRPOTrainer(Trainer):
     """
 
     _title = "GRPO"
+    _nonfinite_hint = "Lower the learning_rate or check the rewards."
     # fields whose change makes a checkpoint's optimizer state, buffer or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
                        "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
@@ -113,19 +107,9 @@ class GRPOTrainer(Trainer):
         args = self.args
         if train_dataset is None:
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
-        if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)) and os.path.realpath(
-                os.path.expanduser(model)) == os.path.realpath(args.output_dir):
-            raise ConfigError(f"output_dir {args.output_dir!r} is the model's own directory: the final save would "
-                              "overwrite the model being trained; choose another output_dir.")
-        trust_remote_code = args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
-        model = load_causal_lm(model, {"trust_remote_code": trust_remote_code, **(args.model_init_kwargs or {})})
-        self.processing_class = (processing_class if processing_class is not None
-                                 else load_tokenizer(model.config._name_or_path, trust_remote_code))
-        self.tokenizer = load_tokenizer(self.processing_class)
-        came_with_adapter = is_peft_model(model)
-        model = prepare_policy(model, args, peft_config, self.accelerator.device)
+        model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, trust_remote_code, reward_processing_classes)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
         self.reward_weights = self._reward_weights()
         for f in self.reward_funcs:
             if f.model is not None:
@@ -143,10 +127,6 @@ class GRPOTrainer(Trainer):
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
         return model
 
-    @property
-    def _data_seed(self) -> int:
-        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
-
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights
         if weights is None:
@@ -155,12 +135,6 @@ class GRPOTrainer(Trainer):
             raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
                               "functions: give one weight per function.")
         return torch.tensor([float(w) for w in weights])
-
-    def _padding_multiple(self) -> int | None:
-        multiple = self.args.pad_to_multiple_of
-        if multiple == "auto":  # Neuron compiles once per shape; nowhere else does padding pay
-            return 128 if self.accelerator.device.type == "neuron" else None
-        return multiple
 
     def _total_steps(self) -> int:
         args = self.args
@@ -324,7 +298,7 @@ class GRPOTrainer(Trainer):
 
         return gradient
 
-    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, sync: bool, bonus: float) -> dict:
+    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float) -> dict:
         all_tokens = mb.loss_mask.sum()
         # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
         sequence_level = self.args.importance_sampling_level == "sequence"
@@ -333,8 +307,7 @@ class GRPOTrainer(Trainer):
             mb = self._rows_with_gradient(mb)
         mb = mb.padded(self.pad_to_multiple_of)
         r = mb.rollouts
-        sync_ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
-        with sync_ctx, self.accelerator.autocast():
+        with self.accelerator.autocast():
             logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                             r.completion_mask, self.args.temperature, with_entropy=True,
                                             loss_gradient=self._loss_gradient(mb, norm, bonus),
@@ -357,55 +330,18 @@ class GRPOTrainer(Trainer):
         micro = [self._next_micro_batch() for _ in range(args.gradient_accumulation_steps)]
         norm = self._normalizer(micro)
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        stats = []
-        for i, mb in enumerate(micro):
-            stats.append(self._micro_step(mb, norm, sync=(i == len(micro) - 1), bonus=bonus))
-            if i < len(micro) - 1:
-                self._call("on_substep_end")
-        grad_norm = self._clip_gradients()
+        stats = self._accumulate(micro, lambda mb, sync: self._micro_step(mb, norm, bonus))
         loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
-        self._check_finite(loss, grad_norm)
-        self._call("on_pre_optimizer_step")
-        self.optimizer.step()
-        self._check_weights_finite()
-        self._call("on_optimizer_step")
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._apply_update(loss)
         metrics = loss_metrics(stats, self.accelerator, args.beta)
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0])
         if self.entropy_control.enabled:
             metrics.update(self._entropy_step(stats))
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
-            self._sync_reference()
+            mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         metrics.update(self._pending_metrics)
         self._pending_metrics = {}
         return metrics
-
-    def _check_finite(self, loss: float, grad_norm: float) -> None:
-        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state (the
-        weights are finite: every update was checked)."""
-        step = self.state.global_step + 1
-        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
-            if not math.isfinite(value):
-                self.optimizer.zero_grad(set_to_none=True)
-                path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
-                raise mark_agreed(TrainingError(  # every process sees the same reduced values, and raises together
-                    f"Step {step}: {name} is {value}; the update was not applied and the last good state is saved in "
-                    f"{path}. Lower the learning_rate or check the rewards."))
-
-    def _check_weights_finite(self) -> None:
-        """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
-        such weights are never saved as a good state."""
-        params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
-        finite = torch.stack([torch.isfinite(p).all() for _, p in params])
-        if bool(finite.all()):
-            return
-        name = params[int((~finite).nonzero()[0])][0]
-        newest = checkpoints(self.args.output_dir)
-        where = f"the newest checkpoint is {newest[-1][1]}" if newest else "there is no checkpoint"
-        raise mark_agreed(TrainingError(  # DDP keeps the weights identical, so every process sees it
-            f"Step {self.state.global_step + 1}: the update made weights non-finite (first: {name}), so they are not "
-            f"saved; {where}. Lower the learning_rate (or max_grad_norm)."))
 
     def _entropy_step(self, stats: list[dict]) -> dict:
         """Update the entropy coefficient from the step's entropy across processes; its metrics."""
@@ -416,18 +352,6 @@ class GRPOTrainer(Trainer):
         self.entropy_control.update(float(total[0]) / max(float(total[1]), 1.0))
         policy = float(self.accelerator.reduce(sum(s["policy_loss"] for s in stats), reduction="mean"))
         return {"policy_loss": policy, "entropy_coef": self.entropy_control.coef}
-
-    def _sync_reference(self) -> None:
-        """TR-DPO: ref = alpha * policy + (1 - alpha) * ref, parameter by parameter."""
-        alpha = self.args.ref_model_mixup_alpha
-        with torch.no_grad():
-            for ref, pol in zip(self.ref_model.parameters(), self.policy.parameters()):
-                ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
-
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        return float(self.accelerator.clip_grad_norm_(params, max_norm))
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 

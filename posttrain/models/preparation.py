@@ -41,3 +41,10 @@ def make_reference(model, args, came_with_adapter: bool):
                               "all weights.")
         return None, (add_reference_adapter(model) if came_with_adapter else None)
     return copy.deepcopy(model).eval().requires_grad_(False), None
+
+
+def mix_reference(ref_model, policy, alpha: float) -> None:
+    """TR-DPO's reference update, parameter by parameter: ref = alpha * policy + (1 - alpha) * ref."""
+    with torch.no_grad():
+        for ref, pol in zip(ref_model.parameters(), policy.parameters()):
+            ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)

@@ -2,7 +2,8 @@
 
 A trainer subclasses `Trainer` and provides its data and its step:
 
-    _optimizer_step() -> dict         one optimizer step (micro-batches, backward, the update); its metrics
+    _optimizer_step() -> dict         one optimizer step: its micro-batches through `_accumulate`, then
+                                      `_apply_update(loss)`; returns the step's metrics
     _epoch() -> float                 progress in epochs after `state.global_step` steps
     _evaluation_metrics(dataset, prefix) -> dict    metrics over an eval dataset (the model is in eval mode)
     _restore_position(checkpoint_state)             move the data to where a checkpoint left it
@@ -12,6 +13,7 @@ The loop (`train`) runs steps until `max_steps` or a callback stops it; after ea
 train summary (train_runtime, train_loss, ...), saves the model, and pushes to the Hub when asked.
 """
 
+import contextlib
 import datetime
 import json
 import logging
@@ -24,7 +26,7 @@ import torch
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
 from posttrain.training.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
-from posttrain.errors import storage_error
+from posttrain.errors import UserError, storage_error
 from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder
@@ -34,6 +36,10 @@ from posttrain.training.output_dir import OutputLock, check_writable, remove_sta
 from posttrain.training.saving import save_merged, save_policy_atomically
 
 logger = logging.getLogger("posttrain")
+
+
+class TrainingError(UserError, RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
 
 
 def make_accelerator(args, mixed_precision: str):
@@ -120,6 +126,47 @@ class Trainer:
         state.logging_steps, state.eval_steps, state.save_steps = (self.intervals.logging, self.intervals.eval,
                                                                    self.intervals.save)
         state.train_batch_size = self.args.per_device_train_batch_size
+
+    def _load_policy(self, model, processing_class, peft_config):
+        """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
+        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`.
+
+        Returns:
+            (the prepared policy on this process's device, whether the model came with a peft adapter).
+        """
+        from posttrain.configs import ConfigError
+        from posttrain.models import load_causal_lm, load_tokenizer
+        from posttrain.models.peft import is_peft_model
+        from posttrain.models.preparation import prepare_policy
+
+        args = self.args
+        if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)) and os.path.realpath(
+                os.path.expanduser(model)) == os.path.realpath(args.output_dir):
+            raise ConfigError(f"output_dir {args.output_dir!r} is the model's own directory: the final save would "
+                              "overwrite the model being trained; choose another output_dir.")
+        model = load_causal_lm(model, {"trust_remote_code": self._trust_remote_code, **(args.model_init_kwargs or {})})
+        self.processing_class = (processing_class if processing_class is not None
+                                 else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
+        self.tokenizer = load_tokenizer(self.processing_class)
+        came_with_adapter = is_peft_model(model)
+        return prepare_policy(model, args, peft_config, self.accelerator.device), came_with_adapter
+
+    @property
+    def _trust_remote_code(self) -> bool:
+        args = self.args
+        return args.trust_remote_code or bool((args.model_init_kwargs or {}).get("trust_remote_code"))
+
+    @property
+    def _data_seed(self) -> int:
+        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
+
+    def _padding_multiple(self) -> int | None:
+        """pad_to_multiple_of as a number (or None): "auto" pads to 128 on Neuron, which compiles once per shape, and
+        nowhere else, where padding does not pay."""
+        multiple = self.args.pad_to_multiple_of
+        if multiple == "auto":
+            return 128 if self.accelerator.device.type == "neuron" else None
+        return multiple
 
     @property
     def total_steps(self) -> int:
@@ -246,6 +293,66 @@ class Trainer:
             state.epoch = self._epoch()
         if control.should_epoch_stop or math.floor(state.epoch) > self._epoch_index:
             self._end_epoch()
+
+    # ------------------------------------------------------------------ one optimizer step, for subclasses
+
+    def _accumulate(self, micro_batches: list, micro_step) -> list:
+        """Run `micro_step(micro_batch, sync)` over a step's micro-batches, gradients synchronised across processes
+        only on the last one; `on_substep_end` between them. Returns the micro-steps' results."""
+        results = []
+        for i, mb in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                results.append(micro_step(mb, sync))
+            if not sync:
+                self._call("on_substep_end")
+        return results
+
+    def _apply_update(self, loss: float) -> float:
+        """Clip the accumulated gradients, check that the step's `loss` (the same on every process) and gradient norm
+        are finite, step the optimizer and the schedule. Returns the gradient norm before clipping."""
+        grad_norm = self._clip_gradients()
+        self._check_finite(loss, grad_norm)
+        self._call("on_pre_optimizer_step")
+        self.optimizer.step()
+        self._check_weights_finite()
+        self._call("on_optimizer_step")
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        return float(self.accelerator.clip_grad_norm_(params, max_norm))
+
+    _nonfinite_hint = "Lower the learning_rate or check the data."
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state (the
+        weights are finite: every update was checked)."""
+        step = self.state.global_step + 1
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if not math.isfinite(value):
+                self.optimizer.zero_grad(set_to_none=True)
+                path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
+                raise mark_agreed(TrainingError(  # every process sees the same reduced values, and raises together
+                    f"Step {step}: {name} is {value}; the update was not applied and the last good state is saved in "
+                    f"{path}. {self._nonfinite_hint}"))
+
+    def _check_weights_finite(self) -> None:
+        """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
+        such weights are never saved as a good state."""
+        params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+        finite = torch.stack([torch.isfinite(p).all() for _, p in params])
+        if bool(finite.all()):
+            return
+        name = params[int((~finite).nonzero()[0])][0]
+        newest = checkpoints(self.args.output_dir)
+        where = f"the newest checkpoint is {newest[-1][1]}" if newest else "there is no checkpoint"
+        raise mark_agreed(TrainingError(  # DDP keeps the weights identical, so every process sees it
+            f"Step {self.state.global_step + 1}: the update made weights non-finite (first: {name}), so they are not "
+            f"saved; {where}. Lower the learning_rate (or max_grad_norm)."))
 
     def _stop_on_signal(self, signum: int) -> None:
         """SIGINT / SIGTERM arrived during the step just finished: log its window, checkpoint it, and stop."""
