@@ -1,6 +1,6 @@
-"""posttrain: post-train language models with GRPO and its family, a drop-in for TRL users.
+"""posttrain: post-train language models with GRPO and its family, and SFT, a drop-in for TRL users.
 
-    from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -12,6 +12,8 @@ _EXPORTS = {
     "ScriptArguments": "posttrain.configs",
     "LoraArguments": "posttrain.configs",
     "GRPOTrainer": "posttrain.grpo.trainer",
+    "SFTConfig": "posttrain.configs",
+    "SFTTrainer": "posttrain.sft.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

@@ -59,11 +59,13 @@ def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | 
 
     With a `spare` buffer ([>= k, V]) the entropy is computed too, and exp(logits - max) goes into the spare;
     without one, into `logits` itself.
-    Returns (log-sum-exp [k], chosen log-prob [k], entropy [k] or None, exp(logits - max) [k, V], its row sums [k]).
+    Returns (log-sum-exp [k], chosen log-prob [k], entropy [k] or None, exp(logits - max) [k, V], its row sums [k],
+    whether the chosen token has the largest logit [k]).
     """
     k = logits.size(0)
     chosen = logits.gather(-1, ids[:, None]).squeeze(-1)
     top = logits.amax(-1, keepdim=True)  # amax: max() also computes indices, 20x slower here
+    is_top = chosen >= top.squeeze(-1)
     shifted = logits.sub_(top)
     entropy = None
     if spare is not None:
@@ -75,7 +77,7 @@ def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | 
         weights = shifted.exp_()
         z = weights.sum(-1)
     lse = top.squeeze(-1) + z.log()
-    return lse, chosen - lse, entropy, weights, z
+    return lse, chosen - lse, entropy, weights, z, is_top
 
 
 class _Grads:
@@ -112,7 +114,7 @@ def _d_logits(probs: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, temperatu
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad, entropy_grad)
-    -> (logps [M], entropy [M])."""
+    -> (logps [M], entropy [M], is_top1 [M] bool: the chosen token has the largest logit)."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad=False):
@@ -126,6 +128,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
+        top1 = torch.empty(h.size(0), dtype=torch.bool, device=h.device)
         predicted = torch.zeros_like(logps) if predict_grad is not None else None
         grads = _Grads(h, weight, bias, ctx.needs_input_grad) if predict_grad is not None else None
         step = max(1, min(_rows_per_chunk(weight.size(0)), h.size(0)))
@@ -133,8 +136,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
             logits = _chunk_logits(h[rows], w32, b32, temperature, buffers[0])  # [k, V]
-            lse, chosen, ent, weights, z = _chunk_stats(logits, ids[rows], buffers[1] if with_entropy else None)
-            lse_all[rows], logps[rows] = lse, chosen
+            lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[1] if with_entropy else None)
+            lse_all[rows], logps[rows], top1[rows] = lse, chosen, is_top
             if ent is not None:
                 entropy[rows] = ent
             if grads is not None:
@@ -147,10 +150,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         ctx.entropy_grad = entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return logps, entropy
+        ctx.mark_non_differentiable(top1)
+        return logps, entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
+    def backward(ctx, grad_logps, grad_entropy, grad_top1=None):
         with torch.autocast(device_type=grad_logps.device.type, enabled=False):
             return ChunkedTokenLogprobs._backward(ctx, grad_logps, grad_entropy)
 
@@ -203,8 +207,8 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                            temperature: float = 1.0, with_entropy: bool = True,
-                           predict_grad: GradPredictor | None = None,
-                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           predict_grad: GradPredictor | None = None, entropy_grad: bool = False,
+                           with_top1: bool = False) -> tuple[torch.Tensor, ...]:
     """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
 
     Args:
@@ -217,9 +221,11 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             wrong one costs a recompute of the rows it got wrong, never correctness.
         entropy_grad: the entropy carries a gradient too (an entropy bonus in the loss); its rows are recomputed in
             the backward.
+        with_top1: also return whether each chosen token has the largest logit (token accuracy; a tie counts).
     Returns:
         (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, with gradient only when
-        entropy_grad).
+        entropy_grad), and with `with_top1` a third entry: is_top1 [M] bool.
     """
-    return ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy or entropy_grad, predict_grad,
-                                      entropy_grad)
+    logps, entropy, top1 = ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy or entropy_grad,
+                                                      predict_grad, entropy_grad)
+    return (logps, entropy, top1) if with_top1 else (logps, entropy)

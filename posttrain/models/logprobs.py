@@ -205,3 +205,63 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
                 entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
     shape = completion_ids.shape
     return torch.cat(logps).view(shape), (torch.cat(entropies).view(shape) if with_entropy else None)
+
+
+# ---------------------------------------------------------------------- sequences with their own targets (SFT, DPO)
+
+
+def _sequence_kwargs(model, position_ids, n_keep: int) -> dict:
+    kwargs = {}
+    keep = logits_to_keep_kwarg(model)
+    if keep is not None:
+        kwargs[keep] = n_keep
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if forward_accepts(model, "use_cache"):
+        kwargs["use_cache"] = False  # a cache would also hide packed sequences' boundaries from sdpa and eager
+    return kwargs
+
+
+def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
+                        with_entropy: bool = False, with_top1: bool = False, predict_grad=None):
+    """Log-probabilities of the target tokens of right-padded or packed rows, through the output layer only at the
+    positions that predict a target (never [B, T, V] logits on the fast path).
+
+    Args:
+        input_ids: [B, T] token ids.
+        attention_mask: [B, T] (right padding), or None for padding-free rows, whose sequences are told apart by
+            `position_ids` restarting at 0 (sdpa and eager then build a block-diagonal mask; it needs no cache and
+            no mask, which is why both are left out).
+        position_ids: [B, T] or None (0, 1, 2, ... per row).
+        source_mask: [B, T] bool, True at position t when token t + 1 is a target (its hidden state predicts it).
+        targets: [M] the target token ids, in the row-major order of source_mask's True entries.
+        with_entropy, with_top1: also return each target position's entropy / whether the target is the top token.
+        predict_grad: (rows, logps) -> d loss / d logps, for the chunked output layer (models/chunked.py).
+    Returns:
+        (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None).
+    """
+    if fast_path_available(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                    **_sequence_kwargs(model, position_ids, 1))
+        hidden = out.hidden_states[-1][source_mask]  # [M, H]
+        layer = output_layer(model)
+        logps, entropy, top1 = chunked_token_logprobs(hidden, layer.weight, layer.bias, targets, 1.0, with_entropy,
+                                                      predict_grad, with_top1=True)
+        return logps, entropy if with_entropy else None, top1 if with_top1 else None
+    # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   **_sequence_kwargs(model, position_ids, 0)).logits[source_mask].float()  # [M, V]
+    step = max(1, CHUNK_ELEMENTS // logits.size(1))
+    logps, entropies, tops = [], [], []
+    for start in range(0, logits.size(0), step):
+        rows, ids = logits[start:start + step], targets[start:start + step]
+        lse = rows.logsumexp(-1)
+        chosen = rows.gather(-1, ids[:, None]).squeeze(-1)
+        logps.append(chosen - lse)
+        with torch.no_grad():
+            if with_entropy:
+                entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
+            tops.append(chosen >= rows.amax(-1))
+    logps = torch.cat(logps)
+    return (logps, torch.cat(entropies) if with_entropy else None, torch.cat(tops) if with_top1 else None)

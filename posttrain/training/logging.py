@@ -84,17 +84,19 @@ class MetricsLogger:
 
     Args:
         args: the trainer config (output_dir, report_to, run_name, project, disable_tqdm, ...).
+        cumulative: metric names that are running totals: a window reports the last value instead of the mean.
         total_steps: for the progress bar.
         enabled: False on non-main processes.
         run_config: the config dict sent to trackers.
         append: resuming: keep metrics.jsonl up to `start_step` instead of starting it afresh.
     """
 
-    SHOWN = ("reward", "loss", "kl")
+    SHOWN = ("reward", "loss", "kl", "mean_token_accuracy")
 
     def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
-                 append: bool = False, start_step: int = 0, title: str = "GRPO"):
+                 append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = ()):
         self.enabled = enabled
+        self.cumulative = set(cumulative)  # running totals (e.g. num_tokens seen): a window reports its last value
         self.total_steps = total_steps
         self.window: dict[str, list[float]] = {}
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -143,7 +145,7 @@ class MetricsLogger:
 
     def flush(self) -> dict:
         """The window's means (a new window starts)."""
-        record = {k: sum(v) / len(v) for k, v in sorted(self.window.items())}
+        record = {k: v[-1] if k in self.cumulative else sum(v) / len(v) for k, v in sorted(self.window.items())}
         self.window = {}
         return record
 

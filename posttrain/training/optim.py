@@ -30,7 +30,7 @@ def _optimizer_class(config, model):
                                 f"`pip install {package}`, or choose optim=adamw_torch_fused.") from err
 
 
-def make_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, config, cls_and_kwargs=None) -> torch.optim.Optimizer:
     """The configured optimizer over trainable parameters; no weight decay on tensors of rank < 2.
 
     adamw_torch_fused (the default, as in transformers) runs one fused kernel for all tensors: 1.5 ms against 6.6 ms
@@ -43,7 +43,8 @@ def make_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    cls, kwargs = _optimizer_class(config, model)
+    cls, kwargs = _optimizer_class(config, model) if cls_and_kwargs is None else (cls_and_kwargs[0],
+                                                                                  dict(cls_and_kwargs[1]))
     if kwargs.get("fused") and not all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
         kwargs.pop("fused")
     try:

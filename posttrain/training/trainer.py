@@ -81,9 +81,11 @@ class Trainer:
         args: the trainer's config.
         callbacks: TrainerCallback instances or classes (training/callbacks.py).
         optimizers: (optimizer, lr_scheduler), either None to build it from the config, as in transformers.
+        optimizer_cls_and_kwargs: (optimizer class, keyword arguments) to build the optimizer with, instead of optim
+            and optim_args (transformers' argument).
     """
 
-    def __init__(self, args, callbacks=None, optimizers=(None, None)):
+    def __init__(self, args, callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None):
         from transformers import TrainerControl, TrainerState
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -99,6 +101,7 @@ class Trainer:
         self.model = self.policy = self.optimizer = self.lr_scheduler = self.processing_class = None
         self.callback_handler = CallbackHandler(callbacks, self)
         self._optimizers = optimizers
+        self._optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.logger = None
         self.eval_dataset = None
         with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
@@ -116,7 +119,8 @@ class Trainer:
     def _prepare(self, model, total_steps: int) -> None:
         """Build (or take) the optimizer and schedule for a run of `total_steps` steps, and prepare them."""
         optimizer, scheduler = self._optimizers
-        optimizer = optimizer if optimizer is not None else make_optimizer(model, self.args)
+        if optimizer is None:
+            optimizer = make_optimizer(model, self.args, self._optimizer_cls_and_kwargs)
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.policy = self.accelerator.unwrap_model(self.model)
@@ -240,7 +244,8 @@ class Trainer:
             self._resume(path)
         self.logger = MetricsLogger(args, self.state.max_steps, enabled=self.accelerator.is_main_process,
                                     run_config=args.to_dict(), append=path is not None,
-                                    start_step=self.state.global_step, title=self._title)
+                                    start_step=self.state.global_step, title=self._title,
+                                    cumulative=self._cumulative_metrics)
         start_time, start_step, self._loss_sum = time.time(), self.state.global_step, 0.0
         self._call("on_train_begin")
         self._epoch_open = False
@@ -267,6 +272,7 @@ class Trainer:
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     _title = "train"
+    _cumulative_metrics: tuple = ()  # metrics that are running totals (logged as their latest value)
 
     def _one_step(self) -> None:
         state, control = self.state, self.control
@@ -420,6 +426,23 @@ class Trainer:
         self._call("on_save")
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.push_to_hub(commit_message=f"Training in progress, step {self.state.global_step}")
+
+    # ------------------------------------------------------------------ what checkpoints hold (training/checkpoint.py)
+
+    def _checkpoint_meta(self) -> dict:
+        return {}
+
+    def _checkpoint_tensors(self) -> dict:
+        return {}
+
+    def _load_checkpoint_tensors(self, tensors: dict, device) -> None:
+        pass
+
+    def _checkpoint_generators(self) -> dict:
+        return {}
+
+    def _checkpoint_models(self) -> dict:
+        return {}
 
     # ------------------------------------------------------------------ logging and evaluation
 

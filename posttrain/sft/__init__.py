@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: data formats, token rows and packing, and the SFT trainer."""

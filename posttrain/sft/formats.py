@@ -1,0 +1,357 @@
+"""SFT dataset rows -> token sequences and the tokens they train on, in TRL's dataset formats.
+
+    text                              {"text": "The sky is blue."}                  (the column is dataset_text_field)
+    prompt-completion                 {"prompt": "The sky is", "completion": " blue."}
+    conversational                    {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+                                      ({"conversations": [{"from": "human", "value": ...}]} is converted)
+    conversational prompt-completion  {"prompt": [messages], "completion": [messages]}
+    tokenized                         {"input_ids": [...], "labels" | "completion_mask" | "assistant_masks": [...]}
+
+A `formatting_func(row)` may return a string (the row becomes text) or {"prompt", "completion"} (the row becomes
+prompt-completion, keeping completion-only loss). Per-row `tools` and `chat_template_kwargs` columns reach the chat
+template.
+
+What trains (the label mask): every token, or with completion-only loss the completion's tokens (the completion
+starts where the tokenized prompt and prompt+completion first differ), and with assistant-only loss the assistant
+turns' tokens. The EOS token ends every text and completion (appended when missing), and every conversation must train
+on it, so the model learns to stop.
+"""
+
+import logging
+import re
+
+import numpy as np
+
+from posttrain.configs import ConfigError
+from posttrain.data import VALID_ROLES, DataError
+
+logger = logging.getLogger("posttrain")
+
+FORMATS = ("text", "prompt-completion", "conversational", "conversational prompt-completion", "tokenized")
+ACCEPTED = ("a text column (dataset_text_field), prompt + completion, messages (or conversations), or input_ids; "
+            "or pass a formatting_func")
+# ShareGPT's role names, as chat templates know them
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool", "function_call": "assistant",
+                  "observation": "tool"}
+TEXT = "__formatted_text__"  # where a formatting function's string goes
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_markers(template) -> bool:
+    """Whether a chat template marks assistant turns with {% generation %} (transformers' assistant masks)."""
+    templates = template.values() if isinstance(template, dict) else [template or ""]
+    return any(_GENERATION_TAG.search(t) for t in templates)
+
+
+def common_prefix_length(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def from_sharegpt(messages: list) -> list:
+    """[{"from", "value"}] -> [{"role", "content"}], ShareGPT's human/gpt as user/assistant."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and "from" in m and "value" in m:
+            rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+            out.append({"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"], **rest})
+        else:
+            out.append(m)
+    return out
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def detect_format(row: dict, text_field: str) -> str:
+    """The format of a (formatted) row, or DataError naming its columns and the formats accepted."""
+    if TEXT in row:
+        return "text"
+    if "input_ids" in row:
+        return "tokenized"
+    if "prompt" in row and "completion" in row:
+        return "conversational prompt-completion" if _is_messages(row["prompt"]) else "prompt-completion"
+    if "messages" in row or "conversations" in row:
+        return "conversational"
+    if text_field in row:
+        return "text"
+    found = ", ".join(row) or "none"
+    hint = (f" (the text column is dataset_text_field={text_field!r})" if text_field != "text" else "")
+    if "prompt" in row and "completion" not in row:
+        hint = " (a prompt alone is GRPO's format; SFT needs its completion too)"
+    if "chosen" in row and "rejected" in row:
+        hint = " (prompt/chosen/rejected is a preference dataset, for DPO)"
+    raise DataError(f"The dataset is in no SFT format: its columns are {found}; SFT needs {ACCEPTED}{hint}.")
+
+
+class RowEncoder:
+    """Tokenizes rows of one dataset in its format, with the label mask of each.
+
+    Args:
+        tokenizer: the policy's tokenizer (chat template, EOS and padding already set by the trainer).
+        args: the SFTConfig.
+        formatting_func: optional row -> str | {"prompt", "completion"}.
+        first_row: the dataset's first row, which decides the format (as in TRL).
+        name: the dataset's name in messages (train_dataset, eval_dataset).
+    """
+
+    def __init__(self, tokenizer, args, formatting_func, first_row: dict, name: str = "train_dataset"):
+        self.tokenizer = tokenizer
+        self.args = args
+        self.formatting_func = formatting_func
+        self.name = name
+        self.stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self.format = detect_format(self._formatted(first_row, 0), args.dataset_text_field)
+        self.completion_only = self._completion_only(first_row)
+        self.assistant_only = args.assistant_only_loss
+        if self.assistant_only and not self.format.startswith("conversational"):
+            raise ConfigError(f"assistant_only_loss=True needs conversational data (messages), and {name} is "
+                              f"{self.format}: set assistant_only_loss=False, or use completion_only_loss for "
+                              "prompt-completion data.")
+        if self.format.startswith("conversational"):
+            self._check_chat_template()
+        self.template_masks = self.assistant_only and has_generation_markers(tokenizer.chat_template)
+        self._warned_prefix = False
+
+    # ------------------------------------------------------------------ format and options
+
+    def _formatted(self, row: dict, index: int) -> dict:
+        """The row as the encoder reads it: through formatting_func, conversations converted to messages."""
+        if self.formatting_func is not None:
+            if "input_ids" in row:
+                raise ConfigError(f"formatting_func is given, but {self.name} is already tokenized (input_ids), so "
+                                  "there is nothing to format: remove formatting_func, or pass the untokenized rows.")
+            out = self.formatting_func(row)
+            if isinstance(out, str):
+                row = {TEXT: out, **{k: row[k] for k in ("tools", "chat_template_kwargs") if k in row}}
+            elif isinstance(out, dict) and "prompt" in out and "completion" in out:
+                row = {**{k: v for k, v in row.items() if k not in ("text", "messages", "conversations")},
+                       "prompt": out["prompt"], "completion": out["completion"]}
+            elif isinstance(out, (list, tuple)):
+                raise DataError(f"formatting_func returned a {type(out).__name__} for row {index} of {self.name}: it is "
+                                "called on one row at a time (as in TRL >= 0.13) and must return one string, or a "
+                                "{'prompt', 'completion'} dict.")
+            else:
+                raise DataError(f"formatting_func returned {type(out).__name__} for row {index} of {self.name}: return "
+                                "a string (trained on whole) or a {'prompt': ..., 'completion': ...} dict (trained on "
+                                "the completion).")
+        if "conversations" in row and "messages" not in row:
+            row = {**row, "messages": row["conversations"]}
+        for key in ("messages", "prompt", "completion"):
+            if isinstance(row.get(key), list):
+                row[key] = from_sharegpt(row[key])
+        return row
+
+    def _completion_only(self, first_row: dict) -> bool:
+        """completion_only_loss resolved for this dataset: None means "where the data says where completions are"."""
+        wanted = self.args.completion_only_loss
+        has_boundary = self.format.endswith("prompt-completion") or (
+            self.format == "tokenized" and "completion_mask" in first_row)
+        if self.formatting_func is not None and self.format == "text" and wanted:
+            raise ConfigError("completion_only_loss=True, but formatting_func returns a string, which has no completion "
+                              "to train on alone: return {'prompt': ..., 'completion': ...} from it, or set "
+                              "completion_only_loss=False to train on the whole text.")
+        if wanted and not has_boundary:
+            raise ConfigError(f"completion_only_loss=True, but {self.name} is {self.format} data, which does not say "
+                              "where completions start: use prompt/completion columns (or a completion_mask column, "
+                              "or a formatting_func returning {'prompt', 'completion'}), or set "
+                              "completion_only_loss=False.")
+        return has_boundary if wanted is None else bool(wanted)
+
+    def _check_chat_template(self) -> None:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            name = getattr(self.tokenizer, "name_or_path", "")
+            whose = f"the tokenizer of {name!r}" if name else "this tokenizer"
+            raise DataError(f"{self.name} is conversational, and {whose} has no chat template: use a model with one, "
+                            "set chat_template_path (a .jinja file or a tokenizer that has one), or give text data.")
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, rows: list[dict], first_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(token ids int32 [L], label mask bool [L])] for `rows`, the first of which is row `first_index`."""
+        rows = [self._formatted(r, first_index + i) for i, r in enumerate(rows)]
+        for i, row in enumerate(rows):
+            found = detect_format(row, self.args.dataset_text_field)
+            if found != self.format:
+                raise DataError(f"Row {first_index + i} of {self.name} is {found} data, and the rows before it are "
+                                f"{self.format}: give every row the same columns and kinds of values.")
+        encode = {"text": self._text, "prompt-completion": self._prompt_completion,
+                  "conversational": self._conversations, "conversational prompt-completion": self._conversations,
+                  "tokenized": self._tokenized}[self.format]
+        out = encode(rows, first_index)
+        if self.format != "tokenized":
+            self._check_stop_token(out, first_index)
+        return [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)) for ids, mask in out]
+
+    def _strings(self, rows, column: str, first_index: int) -> list[str]:
+        values = [r[column] for r in rows]
+        for i, v in enumerate(values):
+            if not isinstance(v, str):
+                raise DataError(f"Row {first_index + i} of {self.name} has a {type(v).__name__} in {column!r}: it "
+                                "must be a string.")
+        return values
+
+    def _with_eos(self, ids: list[int]) -> list[int]:
+        return ids if ids and ids[-1] == self.stop_id else ids + [self.stop_id]
+
+    def _text(self, rows, first_index):
+        column = TEXT if TEXT in rows[0] else self.args.dataset_text_field
+        texts = self._strings(rows, column, first_index)
+        return [(ids, [True] * len(ids)) for ids in map(self._with_eos, self.tokenizer(texts)["input_ids"])]
+
+    def _prompt_completion(self, rows, first_index):
+        prompts = self._strings(rows, "prompt", first_index)
+        completions = self._strings(rows, "completion", first_index)
+        prompt_ids = self.tokenizer(prompts)["input_ids"]
+        full_ids = self.tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
+        out = []
+        for i, (p, full) in enumerate(zip(prompt_ids, full_ids)):
+            full = self._with_eos(full)
+            out.append((full, self._completion_mask(p, full, first_index + i)))
+        return out
+
+    def _completion_mask(self, prompt_ids: list, full_ids: list, index: int) -> list[bool]:
+        """Label mask of a prompt + completion: the completion starts where the two tokenizations first differ."""
+        start = common_prefix_length(prompt_ids, full_ids)
+        if start < len(prompt_ids) and not self._warned_prefix:
+            self._warned_prefix = True
+            logger.warning("Row %d of %s: the tokenized prompt is not a prefix of the tokenized prompt + completion "
+                           "(the tokens merge across the boundary, or the chat template renders the prompt alone "
+                           "differently), so the completion is taken to start where they first differ, %d tokens in. "
+                           "Shown once.", index, self.name, start)
+        if not self.completion_only:
+            return [True] * len(full_ids)
+        return [False] * start + [True] * (len(full_ids) - start)
+
+    # ------------------------------------------------------------------ conversations
+
+    def _template_kwargs(self, row: dict) -> dict:
+        import json
+
+        tools = row.get("tools")
+        if isinstance(tools, str):
+            tools = json.loads(tools)
+        kwargs = dict(row.get("chat_template_kwargs") or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        return kwargs
+
+    def _render(self, messages: list, kwargs: dict, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kwargs)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _check_messages(self, messages, index: int, column: str) -> None:
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"Row {index} of {self.name} has {type(messages).__name__} in {column!r}: it must be a "
+                            "non-empty list of {'role', 'content'} messages.")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise DataError(f"Row {index} of {self.name} has a message without 'role' and 'content' in {column!r} "
+                                f"({m!r}): write each message as {{'role': ..., 'content': ...}}.")
+            if m["role"] not in VALID_ROLES:
+                raise DataError(f"Row {index} of {self.name} has a message with role {m['role']!r}: use one of "
+                                f"{', '.join(sorted(VALID_ROLES))}.")
+
+    def _conversations(self, rows, first_index):
+        out = []
+        for i, row in enumerate(rows):
+            index = first_index + i
+            kwargs = self._template_kwargs(row)
+            if self.format == "conversational":
+                self._check_messages(row["messages"], index, "messages")
+                messages, prompt = row["messages"], None
+            else:
+                self._check_messages(row["prompt"], index, "prompt")
+                self._check_messages(row["completion"], index, "completion")
+                messages, prompt = row["prompt"] + row["completion"], row["prompt"]
+            ids, mask = self._conversation(messages, kwargs, index)
+            if prompt is not None:
+                prompt_ids = self._ids(self._render(prompt, kwargs, generation_prompt=True))
+                completion = self._completion_mask(prompt_ids, ids, index)
+                mask = [a and b for a, b in zip(mask, completion)]
+            out.append((ids, mask))
+        return out
+
+    def _conversation(self, messages: list, kwargs: dict, index: int) -> tuple[list, list]:
+        """Token ids of a rendered conversation and its label mask (all tokens, or the assistant turns')."""
+        if self.assistant_only and self.template_masks:
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                          return_assistant_tokens_mask=True, **kwargs)
+            ids, mask = list(rendered["input_ids"]), [bool(b) for b in rendered["assistant_masks"]]
+        else:
+            ids = self._ids(self._render(messages, kwargs))
+            mask = self._assistant_turns(messages, kwargs, ids, index) if self.assistant_only else [True] * len(ids)
+        if self.assistant_only and not any(mask):
+            raise DataError(f"Row {index} of {self.name} has no assistant tokens to train on with "
+                            "assistant_only_loss=True: give every conversation an assistant turn, or set "
+                            "assistant_only_loss=False.")
+        return ids, mask
+
+    def _assistant_turns(self, messages: list, kwargs: dict, ids: list, index: int) -> list[bool]:
+        """Assistant-turn mask for a template without {% generation %} markers: each assistant message's tokens are
+        those the conversation gains from the generation prompt before it to the end of that message."""
+        mask = [False] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._ids(self._render(messages[:i], kwargs, generation_prompt=True)) if i else []
+            through = self._ids(self._render(messages[:i + 1], kwargs))
+            if through != ids[:len(through)]:
+                raise DataError(
+                    f"Row {index} of {self.name}: the chat template renders the conversation up to message {i} "
+                    "differently from the start of the whole conversation (it rewrites earlier turns), so the "
+                    "assistant's tokens cannot be found: use a template with {% generation %} markers "
+                    "(chat_template_path), or set assistant_only_loss=False.")
+            for t in range(common_prefix_length(before, through), len(through)):
+                mask[t] = True
+        return mask
+
+    # ------------------------------------------------------------------ tokenized rows
+
+    def _tokenized(self, rows, first_index):
+        out = []
+        for i, row in enumerate(rows):
+            index = first_index + i
+            ids = list(row["input_ids"])
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+                raise DataError(f"Row {index} of {self.name} has input_ids that are not all token ids (integers).")
+            mask = [True] * len(ids)
+            columns = ["labels"] + (["completion_mask"] if self.completion_only else []) + ["assistant_masks"]
+            for column in columns:
+                if row.get(column) is None:
+                    continue
+                values = list(row[column])
+                if len(values) != len(ids):
+                    raise DataError(f"Row {index} of {self.name} has {len(values)} {column} for {len(ids)} input_ids: "
+                                    "give one per token.")
+                if column == "labels":
+                    if any(v != -100 and v != t for v, t in zip(values, ids)):
+                        raise DataError(f"Row {index} of {self.name} has labels that differ from its input_ids: labels "
+                                        "must be the input_ids, with -100 where a token is not trained on.")
+                    keep = [v != -100 for v in values]
+                else:
+                    keep = [bool(v) for v in values]
+                mask = [a and b for a, b in zip(mask, keep)]
+            out.append((ids, mask))
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_stop_token(self, encoded: list, first_index: int) -> None:
+        """Every sequence trains on the EOS (stop) token, so the model learns to stop."""
+        for i, (ids, mask) in enumerate(encoded):
+            if any(m and t == self.stop_id for t, m in zip(ids, mask)):
+                continue
+            token = self.tokenizer.eos_token
+            raise DataError(
+                f"Row {first_index + i} of {self.name} never trains on the EOS token {token!r}, so the model would not "
+                "learn to stop: the chat template ends turns with another token; set eos_token to that token (e.g. "
+                "eos_token='<|im_end|>'), or use a template that emits the EOS.")

@@ -1,0 +1,297 @@
+"""The SFT trainer: its data (rows tokenized, truncated or packed: formats.py, rows.py, data.py) and its step, on the
+shared loop (training/trainer.py).
+
+    step       = this process's rows of gradient_accumulation_steps micro-batches
+    N          = target tokens of the whole step, summed over processes
+    each micro-batch: logps of its targets (only target positions reach the output layer, in chunks)
+                      loss = sum(-logp) * num_processes / N      (DDP averages gradients over processes)
+so the update is that of the mean over the step's N targets, however the rows are split into micro-batches and
+processes; `loss` is logged as that mean. With loss_type="dft" each term is -logp * p (p detached).
+"""
+
+import contextlib
+import logging
+
+import torch
+
+from posttrain.configs import ConfigError, SFTConfig
+from posttrain.data import DataError
+from posttrain.models.logprobs import next_token_logprobs
+from posttrain.sft.collate import collate
+from posttrain.sft.data import (MapBatches, Preparation, StreamBatches, eval_batches, first_row, is_iterable,
+                                prepare_map_dataset)
+from posttrain.sft.formats import RowEncoder
+from posttrain.sft.rows import EpochPlan
+from posttrain.training.checkpoint import CheckpointError, model_fingerprint
+from posttrain.training.distributed import guarded
+from posttrain.training.trainer import Trainer
+
+logger = logging.getLogger("posttrain")
+
+# TRL SFTTrainer arguments posttrain does not take, and why
+_REFUSED = {
+    "data_collator": "posttrain builds its own batches (padded, or padding-free with packing); prepare the rows in the "
+                     "dataset instead (pre-tokenized input_ids with labels work as they are)",
+    "compute_loss_func": "the loss is computed from chunked log-probabilities, never full logits (TRL deprecates this "
+                         "argument too); subclass SFTTrainer and override _token_losses instead",
+    "compute_metrics": "evaluation reports eval_loss, eval_entropy and eval_mean_token_accuracy, without logits",
+    "preprocess_logits_for_metrics": "evaluation never builds full logits",
+}
+
+
+class SFTTrainer(Trainer):
+    """Supervised fine-tuning, with TRL's SFTTrainer signature.
+
+    Args:
+        model: a causal LM, or the path / hub id of one.
+        args: the SFTConfig (default: TRL's defaults, output_dir `<model name>-SFT`).
+        train_dataset: a `datasets.Dataset` or `IterableDataset` in one of the formats of sft/formats.py.
+        eval_dataset: a dataset (or a dict of them) for eval_loss.
+        processing_class: the tokenizer; loaded from the model's path when None.
+        callbacks: transformers TrainerCallbacks (instances or classes).
+        optimizers: (optimizer, lr_scheduler); None entries are built from the config.
+        optimizer_cls_and_kwargs: (optimizer class, keyword arguments), instead of optim and optim_args.
+        peft_config: a peft LoraConfig to train adapters (needs `posttrain[peft]`).
+        formatting_func: row -> str (trained on whole) or {"prompt", "completion"} (trained on the completion).
+    """
+
+    _title = "SFT"
+    _cumulative_metrics = ("num_tokens",)
+    # fields whose change makes a checkpoint's optimizer state or data position mean something else
+    _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
+                       "packing", "packing_strategy", "padding_free", "shuffle_dataset", "train_sampling_strategy",
+                       "dataloader_drop_last", "seed", "data_seed", "completion_only_loss", "assistant_only_loss")
+
+    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
+        refused = {"data_collator": data_collator, "compute_loss_func": compute_loss_func,
+                   "compute_metrics": compute_metrics, "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
+        for name, value in refused.items():
+            if value is not None:
+                raise ConfigError(f"SFTTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        self.formatting_func = formatting_func
+        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
+            model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
+        self._model_fingerprint = model_fingerprint(model)
+        self._prepare(model, self._total_steps())
+        self._tokens_seen = 0
+        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._neftune = self._add_neftune() if args.neftune_noise_alpha else None
+        self._call("on_init_end")
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, model, train_dataset, eval_dataset, processing_class, peft_config):
+        args = self.args
+        if train_dataset is None:
+            raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
+        model, _ = self._load_policy(model, processing_class, peft_config)
+        self._configure_tokenizer(model)
+        self.pad_to_multiple_of = self._padding_multiple()
+        self.padding_free = args.padding_free or args.packing
+        self.train_preparation = self._preparation(train_dataset, args.packing, "train_dataset")
+        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
+        if is_iterable(train_dataset):
+            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
+                                         processes, args.gradient_accumulation_steps, rank)
+            self.data_fingerprint = None
+        else:
+            rows = prepare_map_dataset(train_dataset, self.train_preparation, self._data_seed)
+            plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, processes,
+                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
+                             args.dataloader_drop_last)
+            if plan.micro_batches == 0:
+                raise DataError(f"train_dataset gives {len(rows)} training rows, fewer than one global batch "
+                                f"({args.per_device_train_batch_size} x {processes} processes) with "
+                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
+            self.batches = MapBatches(rows, plan, rank)
+            self.data_fingerprint = rows.fingerprint()
+        self.eval_dataset = eval_dataset
+        self._eval_rows = {}
+        return model
+
+    def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
+        if not is_iterable(dataset) and len(dataset) == 0:
+            raise DataError(f"{name} is empty: it needs at least one row.")
+        encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name)
+        return Preparation(encoder, self.args, packing, name)
+
+    def _configure_tokenizer(self, model) -> None:
+        """chat_template_path, eos_token and pad_token onto the tokenizer (and the model's configs), as in TRL."""
+        from posttrain.sft.templates import load_chat_template
+
+        args, tok = self.args, self.tokenizer
+        if args.chat_template_path is not None:
+            tok.chat_template = load_chat_template(args.chat_template_path, tok, self._trust_remote_code)
+        vocab = tok.get_vocab()
+        for field, token in (("eos_token", args.eos_token), ("pad_token", args.pad_token)):
+            if token is not None and token not in vocab:
+                raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
+                                  f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+        if args.eos_token is not None:
+            tok.eos_token = args.eos_token
+            model.config.eos_token_id = tok.eos_token_id
+            generation = getattr(model, "generation_config", None)
+            if generation is not None:
+                ids = generation.eos_token_id
+                ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+                generation.eos_token_id = ids + [tok.eos_token_id] if tok.eos_token_id not in ids else ids
+        if tok.eos_token is None:
+            raise ConfigError("The tokenizer has no EOS token, which SFT appends to every sequence so the model "
+                              "learns to stop: set eos_token to one of its tokens.")
+        tok.pad_token = args.pad_token or tok.pad_token or tok.eos_token
+        model.config.pad_token_id = tok.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tok.pad_token_id
+
+    def _total_steps(self) -> int:
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        if isinstance(self.batches, StreamBatches):
+            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+        import math
+
+        return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
+
+    def _add_neftune(self):
+        """NEFTune: uniform noise of scale alpha / sqrt(length * hidden) added to the input embeddings in training."""
+        alpha = self.args.neftune_noise_alpha
+        embeddings = self.policy.get_input_embeddings()
+
+        def add_noise(module, inputs, output):
+            if not module.training:
+                return output
+            scale = alpha / (output.size(1) * output.size(2)) ** 0.5
+            return output + torch.zeros_like(output).uniform_(-scale, scale)
+
+        return embeddings.register_forward_hook(add_noise)
+
+    # ------------------------------------------------------------------ the step
+
+    def _token_losses(self, logps: torch.Tensor) -> torch.Tensor:
+        """Per-target loss terms from [M] target log-probs: -logp (nll), or -logp * p with p detached (dft)."""
+        if self.args.loss_type == "dft":
+            return -logps * logps.detach().exp()
+        return -logps
+
+    def _predicted_gradient(self, scale: float):
+        """d loss / d logp at forward time (the loss is scale * sum of `_token_losses`), so the chunked output layer
+        computes its gradient in the forward (models/chunked.py). Only for the losses defined here."""
+        if type(self)._token_losses is not SFTTrainer._token_losses:
+            return None
+        if self.args.loss_type == "dft":
+            return lambda rows, lp: -(torch.exp(lp) * scale)
+        return lambda rows, lp: torch.full_like(lp, -scale)
+
+    def _forward(self, batch, scale: float | None):
+        """(per-target loss terms [M], entropy [M], is_top1 [M]) of a collated batch; with `scale`, the gradient of
+        scale * sum(terms) is predicted for the chunked output layer."""
+        device = self.accelerator.device
+        batch = batch.to(device)
+        with self.accelerator.autocast():
+            logps, entropy, top1 = next_token_logprobs(
+                self.model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.source_mask,
+                batch.targets, with_entropy=True, with_top1=True,
+                predict_grad=self._predicted_gradient(scale) if scale is not None else None)
+            return self._token_losses(logps), entropy, top1
+
+    def _offloading(self):
+        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
+
+    def _micro_step(self, batch, scale: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; [loss sum, entropy sum, correct, targets] (no gradient)."""
+        with self._offloading():
+            losses, entropy, top1 = self._forward(batch, scale)
+            self.accelerator.backward(losses.sum() * scale)
+        return torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
+                            torch.tensor(float(batch.num_targets), device=losses.device)])
+
+    def _optimizer_step(self) -> dict:
+        shares = self.batches.next_step()
+        batches = [collate(rows, self.tokenizer.pad_token_id, self.padding_free, self.pad_to_multiple_of)
+                   for rows in shares]
+        device = self.accelerator.device
+        local = torch.tensor([sum(b.num_targets for b in batches), sum(b.tokens for b in batches)],
+                             dtype=torch.float64, device=device)
+        targets, tokens = (float(x) for x in self.accelerator.reduce(local, reduction="sum"))
+        scale = self.accelerator.num_processes / max(targets, 1.0)
+        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b, scale))
+        totals = self.accelerator.reduce(torch.stack(stats).detach().sum(0), reduction="sum")
+        loss_sum, entropy_sum, correct, _ = (float(x) for x in totals)
+        loss = loss_sum / max(targets, 1.0)
+        grad_norm = self._apply_update(loss)
+        self._tokens_seen += int(tokens)
+        self.state.total_flos += self._flops_per_token * tokens
+        return {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0],
+                "entropy": entropy_sum / max(targets, 1.0), "mean_token_accuracy": correct / max(targets, 1.0),
+                "num_tokens": float(self._tokens_seen)}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _prepared_eval(self, dataset):
+        key = id(dataset)
+        if key not in self._eval_rows:  # prepared once per dataset object, as TRL prepares it once
+            packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+            name = "eval_dataset"
+            if is_iterable(dataset):
+                raise ConfigError("eval_dataset is an IterableDataset: evaluation needs every row once; pass a "
+                                  "map-style Dataset (e.g. dataset.take(n) materialised with Dataset.from_list).")
+            preparation = self._preparation(dataset, packing, name)
+            self._eval_rows[key] = (dataset, prepare_map_dataset(dataset, preparation, self._data_seed), packing)
+        return self._eval_rows[key]
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        import time
+
+        start = time.time()
+        _, rows, packing = self._prepared_eval(dataset)
+        args, acc = self.args, self.accelerator
+        totals = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        with torch.no_grad():
+            for share in eval_batches(rows, args.per_device_eval_batch_size, acc.num_processes, acc.process_index):
+                batch = collate(share, self.tokenizer.pad_token_id, args.padding_free or packing,
+                                self.pad_to_multiple_of)
+                losses, entropy, top1 = self._forward(batch, None)
+                totals += torch.stack([losses.sum(), entropy.sum(), top1.sum().float(),
+                                       torch.tensor(float(batch.num_targets), device=losses.device)]).double()
+        loss, entropy, correct, targets = (float(x) for x in acc.reduce(totals, reduction="sum"))
+        runtime = time.time() - start
+        n = max(targets, 1.0)
+        return {f"{prefix}_loss": loss / n, f"{prefix}_entropy": entropy / n,
+                f"{prefix}_mean_token_accuracy": correct / n, f"{prefix}_runtime": round(runtime, 4),
+                f"{prefix}_samples_per_second": round(len(rows) / max(runtime, 1e-9), 3),
+                f"{prefix}_num_tokens": float(self._tokens_seen)}
+
+    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
+
+    def _epoch(self) -> float:
+        return self.batches.epoch_progress()
+
+    def _skip_rest_of_epoch(self) -> None:
+        self.batches.skip_rest_of_epoch()
+
+    def _checkpoint_meta(self) -> dict:
+        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
+                "tokens_seen": self._tokens_seen}
+
+    def _restore_position(self, state: dict) -> None:
+        """Move the data to where the checkpoint left it (or to the start, with ignore_data_skip), after checking that
+        the prepared rows are the ones the checkpoint was trained on."""
+        saved = state.get("data_fingerprint")
+        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
+            raise CheckpointError("Cannot resume: the training rows differ from the checkpoint's (the dataset, the "
+                                  "tokenizer or the data fields changed, so the rows, their packing or their order "
+                                  "would not continue where it stopped); resume with the same data, or start a new "
+                                  "run.")
+        self._tokens_seen = state.get("tokens_seen", 0)
+        if not self.args.ignore_data_skip:
+            self.batches.restore(state["data_position"])
