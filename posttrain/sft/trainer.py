@@ -95,6 +95,7 @@ class SFTTrainer(Trainer):
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
+        self._train_source = train_dataset
         self.train_preparation = self._preparation(train_dataset, args.packing, "train_dataset")
         rank, processes = self.accelerator.process_index, self.accelerator.num_processes
         if is_iterable(train_dataset):
@@ -234,6 +235,28 @@ class SFTTrainer(Trainer):
         return {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0],
                 "entropy": entropy_sum / max(targets, 1.0), "mean_token_accuracy": correct / max(targets, 1.0),
                 "num_tokens": float(self._tokens_seen)}
+
+    @property
+    def train_dataset(self):
+        """The training rows as TRL shows its prepared dataset: input_ids, labels (-100 where not trained) and, for
+        packed rows, seq_lengths. Built on access (the trainer itself keeps the flat rows)."""
+        from datasets import Dataset
+
+        if not isinstance(self.batches, MapBatches):
+            return self._train_source
+        rows = self.batches.rows
+        ids, labels, lengths = [], [], []
+        for r in range(len(rows)):
+            span = rows.row(r)
+            tokens = rows.tokens[span].tolist()
+            ids.append(tokens)
+            labels.append([t if keep else -100 for t, keep in zip(tokens, rows.labels[span].tolist())])
+            starts = [i for i, s in enumerate(rows.starts[span].tolist()) if s] + [len(tokens)]
+            lengths.append([b - a for a, b in zip(starts, starts[1:])])
+        columns = {"input_ids": ids, "labels": labels}
+        if self.args.packing:
+            columns["seq_lengths"] = lengths
+        return Dataset.from_dict(columns)
 
     # ------------------------------------------------------------------ evaluation
 
