@@ -1,11 +1,13 @@
-"""Command line: `posttrain grpo | demo | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | demo | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
-    accelerate launch -m posttrain.cli grpo --config run.yaml
+    posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
+    accelerate launch -m posttrain.cli sft --config run.yaml
 
-Arguments are parsed before torch is imported, so `--help` answers at once. Every GRPOConfig field and
-every script field (model, dataset, rewards, LoRA) is a flag; values given on the command line
-override the YAML file.
+Arguments are parsed before torch is imported, so `--help` answers at once. Every field of the trainer's config and
+every script field (model, dataset or mixture, rewards for grpo, LoRA) is a flag; values given on the command line
+override the YAML file. accelerate's launch flags, `--accelerate_config NAME|PATH` and YAML `env:` are taken as in
+TRL's CLI (posttrain/launch.py).
 """
 
 import argparse
@@ -15,11 +17,22 @@ import sys
 import time
 
 from posttrain._version import __version__
-from posttrain.configs import (UNKNOWN_HINT, ConfigError, GRPOConfig, LoraArguments, ScriptArguments, build,
-                               field_help, field_types, load_yaml, split_values, suggest)
+from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build, field_help,
+                               field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
+from posttrain.configs.script import BaseScriptArguments
 
-CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)
+# command -> (script arguments, trainer config, help line)
+TRAINERS = {
+    "grpo": (ScriptArguments, GRPOConfig, "Train with GRPO from a YAML config and flags."),
+    "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
+}
+COMMANDS = (*TRAINERS, "demo", "env")
+CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
+
+
+def _hint(command: str) -> str:
+    return f" `posttrain {command} --help` and docs/config.md list every field."
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls, seen: set) -> None:
@@ -35,23 +48,36 @@ def _add_fields(parser: argparse.ArgumentParser, cls, seen: set) -> None:
         is_bool = tp is bool or str(tp).endswith("bool]")
         kwargs = {"nargs": "+"} if is_list else {"nargs": "?", "const": "true"} if is_bool else {}
         group.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar=name.upper() if not is_bool
-                           else None, help=f"{helps.get(name, '')} (default: {defaults.get(name)!r})", **kwargs)
+                           else None, help=f"{helps.get(name, '')} (default: {defaults.get(name)!r})".replace("%", "%%"),
+                           **kwargs)
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    from posttrain.launch import LAUNCH_FLAGS, SHIPPED
+
+    group = parser.add_argument_group("accelerate", "Launch settings: given any of them, posttrain relaunches itself "
+                                                    "with `accelerate launch` (also as YAML keys).")
+    group.add_argument("--accelerate_config", metavar="NAME|PATH", default=argparse.SUPPRESS,
+                       help=f"An accelerate config file, or one of the shipped ones: {', '.join(SHIPPED)}.")
+    for name, takes_value in LAUNCH_FLAGS.items():
+        group.add_argument(f"--{name}", default=argparse.SUPPRESS, help=f"accelerate launch's --{name}.",
+                           **({"metavar": name.upper()} if takes_value else {"action": "store_true"}))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models with GRPO.",
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO and SFT.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{grpo,demo,env}")
-    grpo = sub.add_parser("grpo", help="Train with GRPO from a YAML config and flags.", allow_abbrev=False,
-                          description="Train with GRPO. Flags override the values in --config.")
-    grpo.add_argument("--config", help="YAML file of field: value pairs (any field below).")
-    seen: set = set()
-    from posttrain.configs.trl_compat import TRLCompatConfig
-
-    # --help shows GRPOConfig group by group, the TRL fields accepted at posttrain's behaviour last
-    for cls in (ScriptArguments, LoraArguments, *GRPOConfig.GROUPS, TRLCompatConfig):
-        _add_fields(grpo, cls, seen)
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for command, (script_cls, config_cls, line) in TRAINERS.items():
+        trainer = sub.add_parser(command, help=line, allow_abbrev=False,
+                                 description=f"{line} Flags override the values in --config.")
+        trainer.add_argument("--config", help="YAML file of field: value pairs (any field below).")
+        seen: set = set()
+        # --help shows the config group by group, the TRL fields accepted at posttrain's behaviour last
+        for cls in (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT):
+            _add_fields(trainer, cls, seen)
+        _add_launch_flags(trainer)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
     demo.add_argument("--output_dir", default="posttrain-demo")
     demo.add_argument("--max_steps", type=int, default=1200)
@@ -60,31 +86,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOConfig]:
-    """Merge YAML and flags into the three configs; unknown flags raise with the closest valid name."""
+def parse_command(command: str, argv: list[str]):
+    """Merge YAML and flags into (script arguments, LoraArguments, trainer config, accelerate launch flags); unknown
+    flags raise with the closest valid name."""
+    from posttrain.launch import launch_args_from_yaml, split_launch_args
+
     refuse_repeated_flags(argv)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(["grpo", *argv])
+    launch, argv = split_launch_args(argv)
+    script_cls, config_cls, _ = TRAINERS[command]
+    classes = (script_cls, LoraArguments, config_cls)
+    args, unknown = build_parser().parse_known_args([command, *argv])
+    from posttrain.launch import LAUNCH_FLAGS
+
+    known = [n for cls in classes for n in field_types(cls)] + list(LAUNCH_FLAGS) + ["accelerate_config"]
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
-        known = [n for cls in CONFIG_CLASSES for n in field_types(cls)]
-        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, UNKNOWN_HINT)}")
+        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, _hint(command))}")
     values = load_yaml(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    values.update(flags)
-    script_values, lora_values, grpo_values = split_values(values, *CONFIG_CLASSES)
-    return (build(ScriptArguments, script_values), build(LoraArguments, lora_values), build(GRPOConfig, grpo_values))
+    launch = launch_args_from_yaml(values) + launch
+    values.update({k: v for k, v in vars(args).items() if k not in ("command", "config")})
+    script_values, lora_values, config_values = split_values(values, *classes, hint=_hint(command))
+    return (build(script_cls, script_values), build(LoraArguments, lora_values), build(config_cls, config_values),
+            launch)
 
 
-def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
-    if not script.model_name_or_path:
-        raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
-    if not script.dataset_name:
-        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file).")
-    peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
-    from posttrain.data import load_prompt_dataset
-    from posttrain.grpo.trainer import GRPOTrainer
+def parse_grpo(argv: list[str]) -> tuple[ScriptArguments, LoraArguments, GRPOConfig]:
+    """The grpo command's configs (launch flags are parsed and left out)."""
+    return parse_command("grpo", argv)[:3]
 
+
+def parse_sft(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, SFTConfig]:
+    """The sft command's configs (launch flags are parsed and left out)."""
+    return parse_command("sft", argv)[:3]
+
+
+def _model_init_kwargs(script, config) -> None:
+    """The script's dtype, attn_implementation, revision and trust_remote_code into config.model_init_kwargs."""
     init = dict(config.model_init_kwargs or {})
     for key in ("dtype", "attn_implementation"):
         if getattr(script, key) is not None:
@@ -93,21 +130,81 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
     init.setdefault("trust_remote_code", config.trust_remote_code)
     init.setdefault("revision", script.model_revision)
     config.model_init_kwargs = init
-    dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split)
-    eval_dataset = None
-    if config.eval_strategy != "no" or config.eval_on_start:
-        eval_dataset = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_test_split,
-                                           for_eval=True)
-    rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
-        script.reward_funcs or [])
-    trainer = GRPOTrainer(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
-                          eval_dataset=eval_dataset, peft_config=peft_config)
+
+
+def _datasets(script, config, for_grpo: bool):
+    """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture."""
+    from posttrain.data import load_mixture, load_prompt_dataset
+
+    wants_eval = config.eval_strategy != "no" or config.eval_on_start
+    if script.datasets is not None:
+        return load_mixture(script.datasets, script.streaming, script.test_split_size, config.seed, wants_eval)
+    if not script.dataset_name:
+        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
+                          "a datasets: mixture.")
+    train = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split,
+                                streaming=script.dataset_streaming)
+    evaluation = None
+    if wants_eval:
+        evaluation = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_test_split,
+                                         for_eval=True)
+    return train, evaluation
+
+
+def _prepare_run(script, lora, config, command: str):
+    from posttrain.launch import refuse_sharded_launch
+
+    refuse_sharded_launch()
+    if not script.model_name_or_path:
+        raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
+    if not script.dataset_name and script.datasets is None:
+        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
+                          "a datasets: mixture.")
+    peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
+    _model_init_kwargs(script, config)
+    train, evaluation = _datasets(script, config, command == "grpo")
+    return peft_config, train, evaluation
+
+
+def _train_and_close(trainer) -> None:
     try:
         trainer.train()
     except BaseException:
         trainer.close(failed=True)  # no process waits for one that stopped
         raise
     trainer.close()
+
+
+def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "grpo")
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
+        script.reward_funcs or [])
+    _train_and_close(GRPOTrainer(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
+                                 eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "sft")
+    from posttrain.sft.trainer import SFTTrainer
+
+    _train_and_close(SFTTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+RUNS = {"grpo": run_grpo, "sft": run_sft}
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    """Parse, then train here, or (given launch settings, outside a launched process) relaunch with accelerate."""
+    from posttrain.launch import in_launched_process, relaunch, split_launch_args
+
+    script, lora, config, launch = parse_command(command, argv)
+    if launch and not in_launched_process():
+        return relaunch(command, launch, split_launch_args(argv)[1])
+    RUNS[command](script, lora, config)
+    return 0
 
 
 def print_env() -> None:
@@ -134,12 +231,14 @@ def print_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if not argv or argv[0] not in ("grpo", "demo", "env"):
+    if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])
         return 2
     try:
-        if argv[0] == "grpo":
-            run_grpo(*parse_grpo(argv[1:]))
+        if argv[0] in TRAINERS:
+            if any(a in ("-h", "--help") for a in argv[1:]):
+                parser.parse_args(argv)
+            return run_command(argv[0], argv[1:])
         elif argv[0] == "demo":
             args = parser.parse_args(argv)
             from posttrain.demo import run_demo

@@ -21,10 +21,12 @@ class DataError(UserError, ValueError):
     """A dataset that cannot be trained on; the message says what to change."""
 
 
-def load_prompt_dataset(name: str, config: str | None = None, split: str = "train", for_eval: bool = False):
+def load_prompt_dataset(name: str, config: str | None = None, split: str = "train", for_eval: bool = False,
+                        streaming: bool = False, data_dir: str | None = None, data_files=None):
     """Load a dataset split from a local file (.json/.jsonl/.csv/.parquet), a `save_to_disk` directory, or the hub.
 
     A single local file is one split: it serves training, and evaluation (for_eval) needs a dataset with splits.
+    With `streaming`, an IterableDataset.
     """
     import datasets
 
@@ -38,19 +40,59 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
                             "dataset with its splits (DatasetDict.save_to_disk) and give that directory, or set "
                             "eval_strategy='no'.")
         try:
-            return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split)
+            return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split, streaming=streaming)
         except Exception as err:  # noqa: BLE001 - datasets and pyarrow raise many types for a bad file
             raise _unreadable(name, ext, err) from err
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
             os.path.join(name, "dataset_dict.json")):
         loaded = datasets.load_from_disk(name)
-        if not isinstance(loaded, datasets.DatasetDict):
-            return loaded
-        if split not in loaded:
-            raise DataError(f"The dataset {name!r} has no {split!r} split (splits: {', '.join(loaded)}): set "
-                            f"dataset_{'test' if for_eval else 'train'}_split to one of them.")
-        return loaded[split]
-    return datasets.load_dataset(name, config, split=split)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"The dataset {name!r} has no {split!r} split (splits: {', '.join(loaded)}): set "
+                                f"dataset_{'test' if for_eval else 'train'}_split to one of them.")
+            loaded = loaded[split]
+        return loaded.to_iterable_dataset() if streaming else loaded
+    return datasets.load_dataset(name, config, split=split, streaming=streaming, data_dir=data_dir,
+                                 data_files=data_files)
+
+
+def load_mixture(entries: list[dict], streaming: bool = False, test_split_size: float | None = None, seed: int = 42,
+                 wants_eval: bool = False):
+    """(train, test or None) from a `datasets:` mixture (configs/script.py checks the entries).
+
+    With `fraction` on every entry, the fractions (normalised) are each dataset's share of the mixture, and the mixture
+    is the largest that takes no dataset's rows twice: each dataset gives its first round(share * size) rows, as in
+    TRL. With test_split_size, a seeded train/test split of the mixture.
+    """
+    import datasets
+
+    parts = []
+    for entry in entries:
+        part = load_prompt_dataset(entry["path"], entry.get("name"), entry.get("split", "train"), streaming=streaming,
+                                   data_dir=entry.get("data_dir"), data_files=entry.get("data_files"))
+        if entry.get("columns") is not None:
+            missing = [c for c in entry["columns"] if c not in (part.column_names or entry["columns"])]
+            if missing:
+                raise DataError(f"datasets entry {entry['path']!r} has no column(s) {', '.join(missing)} (its columns: "
+                                f"{', '.join(part.column_names)}): fix columns.")
+            part = part.select_columns(entry["columns"])
+        parts.append(part)
+    fractions = [entry.get("fraction") for entry in entries]
+    if fractions[0] is not None:
+        shares = [f / sum(fractions) for f in fractions]
+        size = min(len(part) / share for part, share in zip(parts, shares))
+        parts = [part.select(range(round(share * size))) for part, share in zip(parts, shares)]
+    mixture = datasets.concatenate_datasets(parts)
+    if test_split_size is None:
+        if wants_eval:
+            raise DataError("Evaluation needs a test split, and the datasets mixture has none: set test_split_size "
+                            "(e.g. 0.05), or eval_strategy='no'.")
+        return mixture, None
+    if streaming:
+        raise DataError("test_split_size needs the mixture's length, which streaming does not give: drop one of them.")
+    size = int(test_split_size) if test_split_size >= 1 else test_split_size
+    split = mixture.train_test_split(test_size=size, seed=seed)
+    return split["train"], split["test"]
 
 
 def _unreadable(name: str, ext: str, err: Exception) -> Exception:

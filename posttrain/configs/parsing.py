@@ -39,11 +39,20 @@ def _convert(base, value):
         return loaded
     if base is list:
         if isinstance(value, str):
-            return json.loads(value) if value.startswith("[") else [value]
-        return list(value)
+            return json.loads(value) if value.startswith("[") else [_json_object(value)]
+        return [_json_object(v) for v in value]
     if base is str:
         return value if isinstance(value, str) else str(value)
     return value  # Any and other types: as given
+
+
+def _json_object(value):
+    """A list element from the command line: a JSON object (`--datasets '{"path": ...}'`) becomes a dict."""
+    if isinstance(value, str) and value.startswith("{"):
+        loaded = json.loads(value)
+        if isinstance(loaded, dict):
+            return loaded
+    return value
 
 
 def _members(tp) -> list:
@@ -152,13 +161,13 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def split_values(values: dict, *classes) -> list:
+def split_values(values: dict, *classes, hint: str = UNKNOWN_HINT) -> list:
     """Distribute a flat dict of field values over dataclasses; unknown keys raise with a suggestion."""
     names = [set(field_types(c)) for c in classes]
     every = set().union(*names)
     for key in values:
         if key not in every:
-            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every, UNKNOWN_HINT)}")
+            raise ConfigError(f"Unknown config field {key!r}.{suggest(key, every, hint)}")
     return [{k: v for k, v in values.items() if k in n} for n in names]
 
 

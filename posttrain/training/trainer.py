@@ -61,7 +61,11 @@ def make_accelerator(args, mixed_precision: str):
         handlers.append(DistributedDataParallelKwargs(**ddp))
     if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
         AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
+    # The schedule is built for optimizer steps: accelerate would otherwise step it once per process at every step
+    # (it assumes a schedule sized for one process's batches), and with 2 processes the learning rate decays twice
+    # as fast.
+    return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
+                       step_scheduler_with_optimizer=False)
 
 
 def _set_log_level(args, is_main: bool) -> None:
