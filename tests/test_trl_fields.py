@@ -189,3 +189,57 @@ def test_every_numeric_field_has_a_documented_range_that_is_checked():
 def test_values_the_issue_found_accepted_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         GRPOConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------- SFTConfig
+
+
+def _trl_sft_fields() -> list[dict]:
+    installed = installed_trl_fields("sft")
+    return installed if installed is not None else trl_snapshot("sft")["fields"]
+
+
+def test_sft_snapshot_matches_the_installed_trl():
+    trl = pytest.importorskip("trl")
+    if not trl.__version__.startswith("1.16."):
+        pytest.skip(f"TRL {trl.__version__} is installed; the snapshot is of 1.16")
+    assert installed_trl_fields("sft") == trl_snapshot("sft")["fields"]
+
+
+def test_every_trl_sft_field_is_implemented_or_accounted_for():
+    from posttrain.configs import SFTConfig
+
+    ours = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    statuses = []
+    for f in _trl_sft_fields():
+        status, _ = trl_field_status(f["name"], "sft")
+        statuses.append(status)
+        assert status in (IMPLEMENTED, SAME, UNSUPPORTED) and f["name"] in ours, f["name"]
+        if status == IMPLEMENTED and f["name"] not in DEFAULT_DIFFERENCES:
+            field = ours[f["name"]]
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            assert repr(default) == f["default"], f["name"]
+    assert statuses.count(IMPLEMENTED) >= 80
+    values = {f["name"]: _value(f["default"]) for f in _trl_sft_fields()}
+    cfg = SFTConfig(**values)  # every field at TRL's default, all at once
+    assert cfg.learning_rate == 2e-5 and cfg.max_length == 1024 and cfg.loss_type == "nll"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(loss_type="chunked_nll"), None), (dict(packing_strategy="bfd-requeue"), None),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is not supported: label smoothing needs"),
+    (dict(loss_type="xent"), "loss_type='xent' is not one of: nll, dft"),
+    (dict(truncation_mode="middle"), "truncation_mode='middle' is not one of: keep_start, keep_end"),
+    (dict(dataset_kwargs={"skip_prepare": True}), "dataset_kwargs has 'skip_prepare': the only key is"),
+    (dict(train_sampling_strategy="length"), "train_sampling_strategy='length' is not one of"),
+    (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01 is not supported"),
+])
+def test_sft_fields_are_validated_or_mapped(kwargs, message):
+    from posttrain.configs import SFTConfig
+
+    if message is None:  # TRL's deprecated names map to the current ones
+        cfg = SFTConfig(**kwargs)
+        assert (cfg.loss_type, cfg.packing_strategy) == ("nll", "bfd_split" if "packing_strategy" in kwargs else "bfd")
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SFTConfig(**kwargs)
