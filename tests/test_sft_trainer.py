@@ -229,3 +229,19 @@ def test_the_prepared_rows_are_visible_as_trls_train_dataset(tokenizer, tmp_path
     assert {"input_ids", "labels"} <= set(prepared.column_names) and len(prepared) == 16
     ids, labels = prepared[0]["input_ids"], prepared[0]["labels"]
     assert tokenizer.decode([t for t, lab in zip(ids, labels) if lab != -100]) == "0<|im_end|>"
+
+
+@pytest.mark.peft
+def test_lora_trains_the_adapter_and_saves_it(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = SFTTrainer(model, args=sft_config(tmp_path, max_steps=2, gradient_checkpointing=True),
+                         train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer,
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer.train()
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    moved = [n for n, p in trainer.policy.named_parameters() if "lora_" in n and p.requires_grad]
+    assert moved and all("lora_" in n or torch.equal(p, base[n.replace("base_model.model.", "").replace(
+        ".base_layer", "")]) for n, p in trainer.policy.named_parameters() if "lora_" not in n)
