@@ -1,6 +1,6 @@
-"""posttrain: post-train language models with GRPO and its family, and SFT, a drop-in for TRL users.
+"""posttrain: post-train language models with GRPO and its family, SFT and DPO, a drop-in for TRL users.
 
-    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -14,6 +14,8 @@ _EXPORTS = {
     "GRPOTrainer": "posttrain.grpo.trainer",
     "SFTConfig": "posttrain.configs",
     "SFTTrainer": "posttrain.sft.trainer",
+    "DPOConfig": "posttrain.configs",
+    "DPOTrainer": "posttrain.dpo.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

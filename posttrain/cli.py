@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | sft | demo | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | dpo | demo | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -17,8 +17,8 @@ import sys
 import time
 
 from posttrain._version import __version__
-from posttrain.configs import (ConfigError, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build, field_help,
-                               field_types, load_yaml, split_values, suggest)
+from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build,
+                               field_help, field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
 
@@ -26,6 +26,7 @@ from posttrain.configs.script import BaseScriptArguments
 TRAINERS = {
     "grpo": (ScriptArguments, GRPOConfig, "Train with GRPO from a YAML config and flags."),
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
+    "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
 COMMANDS = (*TRAINERS, "demo", "env")
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
@@ -65,7 +66,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO and SFT.",
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, SFT and DPO.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -193,7 +194,20 @@ def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig)
                                 eval_dataset=eval_dataset, peft_config=peft_config))
 
 
-RUNS = {"grpo": run_grpo, "sft": run_sft}
+def parse_dpo(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, DPOConfig]:
+    """The dpo command's configs (launch flags are parsed and left out)."""
+    return parse_command("dpo", argv)[:3]
+
+
+def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "dpo")
+    from posttrain.dpo.trainer import DPOTrainer
+
+    _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo}
 
 
 def run_command(command: str, argv: list[str]) -> int:

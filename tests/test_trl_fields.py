@@ -243,3 +243,92 @@ def test_sft_fields_are_validated_or_mapped(kwargs, message):
         return
     with pytest.raises(ConfigError, match=re.escape(message)):
         SFTConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------- DPOConfig
+
+
+def _trl_dpo_fields() -> list[dict]:
+    installed = installed_trl_fields("dpo")
+    return installed if installed is not None else trl_snapshot("dpo")["fields"]
+
+
+def test_dpo_snapshot_matches_the_installed_trl():
+    trl = pytest.importorskip("trl")
+    if not trl.__version__.startswith("1.16."):
+        pytest.skip(f"TRL {trl.__version__} is installed; the snapshot is of 1.16")
+    assert installed_trl_fields("dpo") == trl_snapshot("dpo")["fields"]
+
+
+def test_every_trl_dpo_field_is_implemented_or_accounted_for():
+    from posttrain.configs import DPOConfig
+
+    ours = {f.name: f for f in dataclasses.fields(DPOConfig)}
+    statuses = []
+    for f in _trl_dpo_fields():
+        status, _ = trl_field_status(f["name"], "dpo")
+        statuses.append(status)
+        assert status in (IMPLEMENTED, SAME, UNSUPPORTED) and f["name"] in ours, f["name"]
+        if status == IMPLEMENTED and f["name"] not in DEFAULT_DIFFERENCES:
+            field = ours[f["name"]]
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            assert repr(default) == f["default"], f["name"]
+    assert statuses.count(IMPLEMENTED) >= 85
+    values = {f["name"]: _value(f["default"]) for f in _trl_dpo_fields()}
+    cfg = DPOConfig(**values)  # every field at TRL's default, all at once
+    assert (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout) == (
+        1e-6, 0.1, ["sigmoid"], 1024, True)
+
+
+def test_every_trl_dpo_field_at_its_default_is_a_flag():
+    from posttrain.cli import parse_dpo
+
+    for f in _trl_dpo_fields():
+        default = _value(f["default"])
+        if default == [] or default == "":
+            continue
+        text = ["none"] if default is None else [str(default).lower()] if isinstance(default, bool) else (
+            [str(v) for v in default] if isinstance(default, list) else [str(default)])
+        _, _, cfg = parse_dpo([f"--{f['name']}", *text])
+        if f["name"] not in ("output_dir", "bf16", "pad_to_multiple_of", "activation_checkpointing",
+                             "gradient_checkpointing_kwargs", "report_to"):
+            assert getattr(cfg, f["name"]) == default, f["name"]
+    _, _, cfg = parse_dpo(["--loss_type", "sigmoid", "bco_pair", "sft", "--loss_weights", "0.8", "0.2", "1.0"])
+    assert cfg.loss_type == ["sigmoid", "bco_pair", "sft"] and cfg.weights == [0.8, 0.2, 1.0]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(loss_type="sigmod"), "loss_type 'sigmod' is not one of: sigmoid, hinge"),
+    (dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0]), "loss_weights has 1 entries for 2 loss types"),
+    (dict(ld_alpha=1.5), "ld_alpha=1.5 must be in [0, 1]"),
+    (dict(ld_alpha=-0.1), "ld_alpha=-0.1 must be in [0, 1]"),
+    (dict(loss_type="exo_pair"), "The exo_pair loss needs label_smoothing > 0"),
+    (dict(loss_type="robust", label_smoothing=0.5), "must be in [0, 0.5) for the robust loss"),
+    (dict(f_divergence_type="forward_kl", loss_type="bco_pair"), "works with the losses"),
+    (dict(f_divergence_type="kl"), "f_divergence_type='kl' is not one of"),
+    (dict(use_weighting=True, loss_type="aot"), "use_weighting=True cannot be combined with aot"),
+    (dict(sync_ref_model=True, precompute_ref_log_probs=True), "would be stale"),
+    (dict(max_prompt_length=512), "max_prompt_length=512 is a TRL 0.18 DPOConfig field, removed in TRL 0.29"),
+    (dict(padding_value=0), "set pad_token"),
+    (dict(generate_during_eval=True), "generate from a saved checkpoint"),
+    (dict(label_smoothing_factor=0.1), "DPO's label smoothing is the label_smoothing field"),
+    (dict(neftune_noise_alpha=5.0), "NEFTune noise is for supervised fine-tuning"),
+    (dict(rpo_alpha=0.5, loss_type=["sigmoid", "sft"]), "loss_type already has it"),
+    (dict(reference_free=True, precompute_ref_log_probs=True), "no reference to precompute"),
+])
+def test_dpo_fields_are_validated_or_refused_with_the_replacement(kwargs, message):
+    from posttrain.configs import DPOConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DPOConfig(**kwargs)
+
+
+def test_dpo_v018_names_that_map():
+    from posttrain.configs import DPOConfig
+
+    cfg = DPOConfig(rpo_alpha=0.5)
+    assert cfg.loss_type == ["sigmoid", "sft"] and cfg.weights == [1.0, 0.5] and cfg.rpo_alpha is None
+    again = DPOConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
+    assert again.loss_type == ["sigmoid", "sft"]  # mapped once: a copy of the config does not add sft twice
+    assert DPOConfig(loss_type="sigmoid,hinge").loss_type == ["sigmoid", "hinge"]
+    assert DPOConfig(use_logits_to_keep=True, force_use_ref_model=True, label_pad_token_id=-100).beta == 0.1

@@ -18,6 +18,7 @@ they inherit): every TRL field is either implemented or listed in `trl_compat.py
 from posttrain.configs.base import ConfigError, field_help, field_types, resolve_steps
 from posttrain.configs.grpo import GRPOConfig
 from posttrain.configs.sft import SFTConfig
+from posttrain.configs.dpo import DPOConfig
 from posttrain.configs.parsing import UNKNOWN_HINT, build, coerce, load_yaml, split_values, suggest
 from posttrain.configs.script import LoraArguments, ScriptArguments
 
@@ -28,5 +29,5 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT", "build", "coerce",
+__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT", "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

@@ -23,8 +23,7 @@ from typing import Any, Callable, Optional, Union
 
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range
 
-SNAPSHOTS = {"grpo": os.path.join(os.path.dirname(__file__), "trl_grpo_fields.json"),
-             "sft": os.path.join(os.path.dirname(__file__), "trl_sft_fields.json")}
+SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json") for name in ("grpo", "sft", "dpo")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -254,6 +253,42 @@ SFT_ONLY: list[Compat] = [
 ]
 SFT_COMPAT = [_SFT_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _SFT_CHANGES.get(c.name, c) is not None] + SFT_ONLY
 
+_DPO_LOADER = "posttrain batches the tokenized pairs itself, with no DataLoader"
+_DPO_METRICS = ("DPO evaluation reports eval_loss and the eval_rewards/*, eval_logps/* and eval_logits/* metrics, with "
+                "no compute_metrics")
+_DPO_CHANGES = dict(_SFT_CHANGES)
+_DPO_CHANGES.update({
+    "label_smoothing_factor": unsupported(
+        "label_smoothing_factor", float, 0.0,
+        "DPO's label smoothing is the label_smoothing field (the probability a preference is flipped); "
+        "set that instead", range=FRACTION),
+    "neftune_noise_alpha": unsupported(
+        "neftune_noise_alpha", Optional[float], None,
+        "NEFTune noise is for supervised fine-tuning (SFTTrainer), not DPO (TRL's DPOTrainer ignores it); remove it",
+        range=NON_NEGATIVE),
+    "label_names": same("label_names", Optional[list], None, "DPO builds its labels from the completion boundaries"),
+    "length_column_name": same("length_column_name", str, "length",
+                               "group_by_length sampling measures the tokenized pairs itself"),
+})
+for _name in ("prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+              "include_for_metrics", "batch_eval_metrics"):
+    _DPO_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_DPO_METRICS)
+for _name in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+              "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order"):
+    _DPO_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_DPO_LOADER)
+
+DPO_ONLY: list[Compat] = [
+    same("remove_unused_columns", bool, True,
+         "posttrain keeps only the token columns it builds, so no other column ever reaches the model"),
+    unsupported("router_aux_loss_coef", Optional[float], None,
+                "the router load-balancing loss of mixture-of-experts models is not added; remove it",
+                range=NON_NEGATIVE),
+    same("dataset_num_proc", Optional[int], None,
+         "posttrain tokenizes in batches with the fast tokenizer in each process; the result is the same",
+         range=AT_LEAST_ONE),
+]
+DPO_COMPAT = [_DPO_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _DPO_CHANGES.get(c.name, c) is not None] + DPO_ONLY
+
 BY_NAME = {c.name: c for c in GRPO_COMPAT}
 
 
@@ -278,6 +313,7 @@ def compat_config(name: str, table: list[Compat]):
 GRPOCompatConfig = compat_config("GRPOCompatConfig", GRPO_COMPAT)
 TRLCompatConfig = GRPOCompatConfig  # its first name
 SFTCompatConfig = compat_config("SFTCompatConfig", SFT_COMPAT)
+DPOCompatConfig = compat_config("DPOCompatConfig", DPO_COMPAT)
 
 
 def check_compat(config, table: list[Compat] = GRPO_COMPAT) -> None:
@@ -303,7 +339,7 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
         from transformers import TrainingArguments
     except ImportError:
         return None
-    name = {"grpo": "GRPOConfig", "sft": "SFTConfig"}[trainer]
+    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

@@ -54,11 +54,12 @@ def _chunk_logits(h, weight, bias, temperature, out: torch.Tensor):
     return logits
 
 
-def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | None):
+def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | None, stats: torch.Tensor | None = None):
     """Statistics of [k, V] logits, which it overwrites with logits - max.
 
     With a `spare` buffer ([>= k, V]) the entropy is computed too, and exp(logits - max) goes into the spare;
-    without one, into `logits` itself.
+    without one, into `logits` itself. With `stats` ([k, 2]) it receives each row's mean logit (over the vocabulary)
+    and log sum_v p(v)^2.
     Returns (log-sum-exp [k], chosen log-prob [k], entropy [k] or None, exp(logits - max) [k, V], its row sums [k],
     whether the chosen token has the largest logit [k]).
     """
@@ -67,6 +68,8 @@ def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | 
     top = logits.amax(-1, keepdim=True)  # amax: max() also computes indices, 20x slower here
     is_top = chosen >= top.squeeze(-1)
     shifted = logits.sub_(top)
+    if stats is not None:
+        stats[:, 0] = top.squeeze(-1) + shifted.mean(-1)
     entropy = None
     if spare is not None:
         weights = torch.exp(shifted, out=spare[:k])
@@ -77,6 +80,8 @@ def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | 
         weights = shifted.exp_()
         z = weights.sum(-1)
     lse = top.squeeze(-1) + z.log()
+    if stats is not None:  # log sum p^2 = log sum exp(2 shifted) - 2 log z
+        stats[:, 1] = torch.bmm(weights.unsqueeze(1), weights.unsqueeze(2)).view(k).log() - 2 * z.log()
     return lse, chosen - lse, entropy, weights, z, is_top
 
 
@@ -113,22 +118,25 @@ def _d_logits(probs: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, temperatu
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad, entropy_grad)
-    -> (logps [M], entropy [M], is_top1 [M] bool: the chosen token has the largest logit)."""
+    """(h [M, H], weight [V, H], bias [V] | None, ids [M], temperature, with_entropy, predict_grad, entropy_grad,
+    with_stats) -> (logps [M], entropy [M], is_top1 [M] bool: the chosen token has the largest logit, stats [M, 2]:
+    mean logit and log sum_v p(v)^2, zeros unless with_stats)."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad=False):
+    def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad=False,
+                with_stats=False):
         with torch.autocast(device_type=h.device.type, enabled=False):
             return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad,
-                                                 entropy_grad)
+                                                 entropy_grad, with_stats)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad):
+    def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad, with_stats):
         w32, b32 = _float32(weight, bias)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
         top1 = torch.empty(h.size(0), dtype=torch.bool, device=h.device)
+        stats = torch.zeros((h.size(0), 2), dtype=torch.float32, device=h.device)
         predicted = torch.zeros_like(logps) if predict_grad is not None else None
         grads = _Grads(h, weight, bias, ctx.needs_input_grad) if predict_grad is not None else None
         step = max(1, min(_rows_per_chunk(weight.size(0)), h.size(0)))
@@ -136,7 +144,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
             logits = _chunk_logits(h[rows], w32, b32, temperature, buffers[0])  # [k, V]
-            lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[1] if with_entropy else None)
+            lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[1] if with_entropy else None,
+                                                                stats[rows] if with_stats else None)
             lse_all[rows], logps[rows], top1[rows] = lse, chosen, is_top
             if ent is not None:
                 entropy[rows] = ent
@@ -150,11 +159,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         ctx.entropy_grad = entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        ctx.mark_non_differentiable(top1)
-        return logps, entropy, top1
+        ctx.mark_non_differentiable(top1, stats)
+        return logps, entropy, top1, stats
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy, grad_top1=None):
+    def backward(ctx, grad_logps, grad_entropy, grad_top1=None, grad_stats=None):
         with torch.autocast(device_type=grad_logps.device.type, enabled=False):
             return ChunkedTokenLogprobs._backward(ctx, grad_logps, grad_entropy)
 
@@ -173,7 +182,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             rows = missed.nonzero().squeeze(1)
         _recompute_into(grads, h, weight, bias, ids, lse_all, grad_logps, rows, ctx.temperature,
                         grad_entropy, entropy)
-        return (*grads.result(weight, bias), None, None, None, None, None)
+        return (*grads.result(weight, bias), None, None, None, None, None, None)
 
 
 def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, rows: torch.Tensor, temperature,
@@ -208,7 +217,7 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                            temperature: float = 1.0, with_entropy: bool = True,
                            predict_grad: GradPredictor | None = None, entropy_grad: bool = False,
-                           with_top1: bool = False) -> tuple[torch.Tensor, ...]:
+                           with_top1: bool = False, with_stats: bool = False) -> tuple[torch.Tensor, ...]:
     """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
 
     Args:
@@ -222,10 +231,13 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         entropy_grad: the entropy carries a gradient too (an entropy bonus in the loss); its rows are recomputed in
             the backward.
         with_top1: also return whether each chosen token has the largest logit (token accuracy; a tie counts).
+        with_stats: also return [M, 2] statistics of each row (no gradient): its mean logit over the vocabulary
+            (TRL's logits/* metrics) and log sum_v p(v)^2 (WPO's weights).
     Returns:
         (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, with gradient only when
-        entropy_grad), and with `with_top1` a third entry: is_top1 [M] bool.
+        entropy_grad), then with `with_top1` is_top1 [M] bool, then with `with_stats` the statistics.
     """
-    logps, entropy, top1 = ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature, with_entropy or entropy_grad,
-                                                      predict_grad, entropy_grad)
-    return (logps, entropy, top1) if with_top1 else (logps, entropy)
+    logps, entropy, top1, stats = ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature,
+                                                             with_entropy or entropy_grad, predict_grad, entropy_grad,
+                                                             with_stats)
+    return (logps, entropy) + ((top1,) if with_top1 else ()) + ((stats,) if with_stats else ())

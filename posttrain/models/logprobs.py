@@ -224,7 +224,8 @@ def _sequence_kwargs(model, position_ids, n_keep: int) -> dict:
 
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
-                        with_entropy: bool = False, with_top1: bool = False, predict_grad=None):
+                        with_entropy: bool = False, with_top1: bool = False, predict_grad=None,
+                        with_stats: bool = False):
     """Log-probabilities of the target tokens of right-padded or packed rows, through the output layer only at the
     positions that predict a target (never [B, T, V] logits on the fast path).
 
@@ -238,22 +239,26 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         targets: [M] the target token ids, in the row-major order of source_mask's True entries.
         with_entropy, with_top1: also return each target position's entropy / whether the target is the top token.
         predict_grad: (rows, logps) -> d loss / d logps, for the chunked output layer (models/chunked.py).
+        with_stats: also return [M, 2] statistics of each target position: its mean logit over the vocabulary and
+            log sum_v p(v)^2 (no gradient).
     Returns:
-        (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None).
+        (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
     if fast_path_available(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                     **_sequence_kwargs(model, position_ids, 1))
         hidden = out.hidden_states[-1][source_mask]  # [M, H]
         layer = output_layer(model)
-        logps, entropy, top1 = chunked_token_logprobs(hidden, layer.weight, layer.bias, targets, 1.0, with_entropy,
-                                                      predict_grad, with_top1=True)
-        return logps, entropy if with_entropy else None, top1 if with_top1 else None
+        out = chunked_token_logprobs(hidden, layer.weight, layer.bias, targets, 1.0, with_entropy, predict_grad,
+                                     with_top1=True, with_stats=with_stats)
+        logps, entropy, top1 = out[:3]
+        result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
+        return result + (out[3],) if with_stats else result
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    **_sequence_kwargs(model, position_ids, 0)).logits[source_mask].float()  # [M, V]
     step = max(1, CHUNK_ELEMENTS // logits.size(1))
-    logps, entropies, tops = [], [], []
+    logps, entropies, tops, stats = [], [], [], []
     for start in range(0, logits.size(0), step):
         rows, ids = logits[start:start + step], targets[start:start + step]
         lse = rows.logsumexp(-1)
@@ -263,5 +268,10 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             if with_entropy:
                 entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
             tops.append(chosen >= rows.amax(-1))
+            if with_stats:
+                stats.append(torch.stack([rows.mean(-1), (2 * rows).logsumexp(-1) - 2 * lse], -1))
     logps = torch.cat(logps)
-    return (logps, torch.cat(entropies) if with_entropy else None, torch.cat(tops) if with_top1 else None)
+    result = (logps, torch.cat(entropies) if with_entropy else None, torch.cat(tops) if with_top1 else None)
+    if with_stats:
+        return result + ((torch.cat(stats) if stats else logps.new_zeros((0, 2))),)
+    return result

@@ -179,7 +179,7 @@ class StreamBatches:
             parts.append(part)
             have += len(part)
         self._taken_in_epoch += have
-        return TokenRows.concatenate(parts)
+        return getattr(self.preparation, "concatenate", TokenRows.concatenate)(parts)
 
     def next_step(self) -> list[TokenRows]:
         per_global = self.size * self.processes

@@ -1,0 +1,489 @@
+"""The DPO trainer: its data (preference pairs as token rows: data.py, batch.py), its reference (reference.py) and its
+step, on the shared loop (training/trainer.py).
+
+    step          = this process's pairs of gradient_accumulation_steps micro-batches
+    P, Tc         = pairs of the whole step, and their chosen completion targets, summed over processes
+    each micro-batch: one forward of its 2p sequences (chosen and rejected in one batch, use_cache=False); only the
+                      completion targets reach the output layer, in chunks; sequence log-prob = sum of its targets'
+                      log-probs (with ld_alpha: the tail beyond the shorter completion weighted by ld_alpha)
+                      loss = sum_k w_k * sum_pairs loss_k(pair) * num_processes / P     (losses.py)
+                           + w_sft * sum over chosen targets of -logp * num_processes / Tc   (the sft term)
+so the update is that of the mean over the step's pairs (and chosen tokens), however the step is split into
+micro-batches and processes (aot and aot_unpaired excepted: they sort within a micro-batch).
+"""
+
+import contextlib
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from posttrain.configs import ConfigError, DPOConfig
+from posttrain.data import DataError
+from posttrain.dpo.batch import PairBatch, collate_pairs
+from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, prepare_pairs
+from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
+from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached
+from posttrain.models.logprobs import next_token_logprobs
+from posttrain.models.peft import reference_mode
+from posttrain.models.preparation import mix_reference
+from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable
+from posttrain.sft.rows import EpochPlan
+from posttrain.training.checkpoint import CheckpointError, model_fingerprint
+from posttrain.training.distributed import guarded
+from posttrain.training.trainer import Trainer
+
+logger = logging.getLogger("posttrain")
+
+_REFUSED = {
+    "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
+                     "the rows in the dataset instead (prompt_ids / chosen_ids / rejected_ids columns work as they are)",
+    "compute_metrics": "evaluation reports eval_loss and the eval_rewards/*, eval_logps/* and eval_logits/* metrics, "
+                       "without logits",
+    "preprocess_logits_for_metrics": "evaluation never builds full logits",
+}
+# the step's sums every micro-batch adds to; metrics and the logged loss are read from them
+SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct_pairs", "chosen_logps", "rejected_logps",
+        "chosen_logits", "chosen_tokens", "rejected_logits", "rejected_tokens", "entropy", "correct_tokens")
+
+
+class DPOTrainer(Trainer):
+    """Direct preference optimisation, with TRL's DPOTrainer signature.
+
+    Args:
+        model: a causal LM, or the path / hub id of one.
+        ref_model: the reference (a model or a path); default: a frozen copy of the initial policy, or for LoRA the
+            policy with adapters off (reference.py).
+        args: the DPOConfig (default: TRL's defaults, output_dir `<model name>-DPO`).
+        train_dataset: a `datasets.Dataset` or `IterableDataset` of preference pairs (data.py's formats).
+        eval_dataset: a dataset (or a dict of them) for the eval_* metrics.
+        processing_class: the tokenizer; loaded from the model's path when None.
+        callbacks: transformers TrainerCallbacks (instances or classes).
+        optimizers: (optimizer, lr_scheduler); None entries are built from the config.
+        optimizer_cls_and_kwargs: (optimizer class, keyword arguments), instead of optim and optim_args.
+        quantization_config: a transformers quantization config for loading `model` from a path.
+        peft_config: a peft LoraConfig to train adapters (needs `posttrain[peft]`).
+    """
+
+    _title = "DPO"
+    _cumulative_metrics = ("num_tokens",)
+    _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
+                       "padding_free", "train_sampling_strategy", "dataloader_drop_last", "seed", "data_seed",
+                       "precompute_ref_log_probs", "ld_alpha", "loss_type", "reference_free")
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = DPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DPO")
+        refused = {"data_collator": data_collator, "compute_metrics": compute_metrics,
+                   "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
+        for name, value in refused.items():
+            if value is not None:
+                raise ConfigError(f"DPOTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        if quantization_config is not None:
+            if not isinstance(model, str):
+                raise ConfigError("quantization_config applies when the model is loaded from a path or hub id, and "
+                                  "this model is already loaded: pass its path, or load it quantized yourself.")
+            args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
+        super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
+            model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
+        self._model_fingerprint = model_fingerprint(model)
+        self._prepare(model, self._total_steps())
+        self._tokens_seen = 0
+        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._call("on_init_end")
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config):
+        args = self.args
+        if train_dataset is None:
+            raise DataError("DPOTrainer needs a train_dataset of preference pairs (prompt, chosen, rejected).")
+        model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
+        self._setup_model = model
+        self._configure_tokenizer(model)
+        self.ref_model, self.reference_adapter = make_reference(model, ref_model, args, came_with_adapter,
+                                                                self.accelerator.device, self._trust_remote_code)
+        self.pad_to_multiple_of = self._padding_multiple()
+        self._train_source = train_dataset
+        self.train_preparation = self._preparation(train_dataset, "train_dataset")
+        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
+        if is_iterable(train_dataset):
+            if args.precompute_ref_log_probs:
+                raise ConfigError("precompute_ref_log_probs=True needs every pair up front, and train_dataset is an "
+                                  "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
+            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
+                                         processes, args.gradient_accumulation_steps, rank)
+            self.data_fingerprint = None
+        else:
+            pairs = prepare_pairs(train_dataset, self.train_preparation)
+            plan = EpochPlan(pairs.lengths, args.per_device_train_batch_size, processes,
+                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
+                             args.dataloader_drop_last)
+            if plan.micro_batches == 0:
+                raise DataError(f"train_dataset gives {len(pairs)} pairs, fewer than one global batch "
+                                f"({args.per_device_train_batch_size} x {processes} processes) with "
+                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
+            self.data_fingerprint = pairs.fingerprint()
+            if args.precompute_ref_log_probs:
+                pairs.ref = self._precomputed_reference(model, pairs, "train_dataset",
+                                                        args.precompute_ref_batch_size or
+                                                        args.per_device_train_batch_size)
+            self.batches = MapBatches(pairs, plan, rank)
+        self.eval_dataset = eval_dataset
+        self._eval_pairs = {}
+        if args.precompute_ref_log_probs and eval_dataset is not None:  # while the policy still is the reference
+            for dataset in (eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]):
+                self._prepared_eval(dataset, model)
+        return model
+
+    def _preparation(self, dataset, name: str) -> PairPreparation:
+        if not is_iterable(dataset) and len(dataset) == 0:
+            raise DataError(f"{name} is empty: it needs at least one pair.")
+        return PairPreparation(PairEncoder(self.tokenizer, first_row(dataset), name), self.args, name)
+
+    def _configure_tokenizer(self, model) -> None:
+        """pad_token onto the tokenizer and the model's configs, as in TRL; the EOS must exist."""
+        args, tok = self.args, self.tokenizer
+        if args.pad_token is not None and args.pad_token not in tok.get_vocab():
+            raise ConfigError(f"pad_token={args.pad_token!r} is not in the tokenizer's vocabulary: use one of its "
+                              f"tokens (its EOS is {tok.eos_token!r}).")
+        if tok.eos_token is None:
+            raise ConfigError("The tokenizer has no EOS token, which DPO appends to every chosen and rejected text so "
+                              "the model learns to stop: set tokenizer.eos_token before passing it.")
+        tok.pad_token = args.pad_token or tok.pad_token or tok.eos_token
+        model.config.pad_token_id = tok.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tok.pad_token_id
+
+    def _total_steps(self) -> int:
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        if isinstance(self.batches, StreamBatches):
+            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+        return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
+
+    # ------------------------------------------------------------------ the reference
+
+    def _reference_context(self):
+        if self.reference_adapter is not None or (self.ref_model is None and hasattr(self.policy_or_model,
+                                                                                      "peft_config")):
+            return reference_mode(self.policy_or_model, self.reference_adapter)
+        return contextlib.nullcontext()
+
+    @property
+    def policy_or_model(self):
+        """The unwrapped policy, also before the accelerator has prepared it."""
+        return self.policy if self.policy is not None else self._setup_model
+
+    def _reference_logps(self, batch: PairBatch) -> torch.Tensor:
+        """[P, 2] reference sequence log-probs of a batch (precomputed, 0 when reference_free, else computed)."""
+        if batch.ref is not None:
+            return batch.ref
+        if self.args.reference_free:
+            return torch.zeros((batch.pairs, 2), device=batch.targets.device)
+        model = self.ref_model if self.ref_model is not None else self.policy_or_model
+        with torch.no_grad(), self._reference_context(), self.accelerator.autocast():
+            logps, _, _ = next_token_logprobs(model, *self._inputs(batch))
+        return self._sequence_logps(logps, batch).view(-1, 2)
+
+    def _precomputed_reference(self, model, pairs: PairRows, name: str, batch_size: int) -> np.ndarray:
+        """[P, 2] reference log-probs of every pair, from the cache or computed (each process a share, gathered)."""
+        from accelerate.utils import gather_object
+
+        key = None
+        if self.reference_adapter is None:
+            reference = self.ref_model if self.ref_model is not None else model
+            key = cache_key(pairs.fingerprint(), model_fingerprint(reference), self.tokenizer, self.args)
+            cached = load_cached(key, len(pairs))
+            if cached is not None:
+                logger.info("%s: reference log-probs of %d pairs read from the cache.", name, len(pairs))
+                return cached
+        acc = self.accelerator
+        start = time.time()
+        mine = np.arange(acc.process_index, len(pairs), acc.num_processes)
+        was_training = model.training
+        model.eval()
+        out = []
+        try:
+            for i in range(0, len(mine), batch_size):
+                part = mine[i:i + batch_size]
+                batch = collate_pairs(pairs.select(part), self.tokenizer.pad_token_id, self.args.padding_free,
+                                      self.pad_to_multiple_of).to(acc.device)
+                ref = self._reference_logps(batch).double().cpu().numpy()
+                out.extend(zip(part.tolist(), ref.tolist()))
+        finally:
+            model.train(was_training)
+        gathered = gather_object(out) if acc.num_processes > 1 else out
+        ref = np.zeros((len(pairs), 2), dtype=np.float64)
+        for index, values in gathered:
+            ref[index] = values
+        logger.info("%s: reference log-probs of %d pairs computed in %.1f s.", name, len(pairs), time.time() - start)
+        if key is not None and acc.is_main_process:
+            save_cached(key, ref)
+        return ref
+
+    # ------------------------------------------------------------------ the step
+
+    def _inputs(self, batch: PairBatch) -> tuple:
+        s = batch.sequences
+        return s.input_ids, s.attention_mask, s.position_ids, s.source_mask, s.targets
+
+    def _token_weights(self, batch: PairBatch) -> torch.Tensor | None:
+        """LD-DPO's weight of each target [M]: 1 within the pair's shared length, ld_alpha beyond it."""
+        alpha = self.args.ld_alpha
+        if alpha is None:
+            return None
+        shared = torch.minimum(batch.targets[0::2], batch.targets[1::2])  # [P]
+        beyond = batch.target_pos > shared[batch.target_seq // 2]
+        return torch.where(beyond, alpha, 1.0)
+
+    def _sequence_logps(self, logps: torch.Tensor, batch: PairBatch, weighted: bool = True) -> torch.Tensor:
+        """[2P] per-sequence sums of [M] target log-probs (LD-weighted unless weighted=False)."""
+        weights = self._token_weights(batch) if weighted else None
+        terms = logps if weights is None else logps * weights
+        return torch.zeros(batch.targets.numel(), dtype=logps.dtype, device=logps.device).index_add(
+            0, batch.target_seq, terms)
+
+    def _pair_losses(self, terms: PairTerms) -> torch.Tensor:
+        """[P] sum over loss_type of weight * that loss (the sft term excluded: see _micro_loss)."""
+        total = torch.zeros_like(terms.chosen_logps)
+        for name, weight in zip(self.args.loss_type, self.args.weights):
+            if name != "sft":
+                total = total + weight * PAIR_LOSSES[name](terms)
+        return total
+
+    def _wpo_weights(self, logps, stats, batch: PairBatch) -> torch.Tensor:
+        """WPO's detached weight of each pair, w_c * w_r, w = exp(mean over its targets of logp - log sum p^2)."""
+        with torch.no_grad():
+            aligned = torch.zeros(batch.targets.numel(), device=logps.device).index_add(
+                0, batch.target_seq, logps.detach() - stats[:, 1])
+            w = torch.exp(aligned / batch.targets.clamp(min=1))
+            return w[0::2] * w[1::2]
+
+    def _micro_loss(self, batch: PairBatch, grad: bool):
+        """(loss sum of the micro-batch: preference terms summed over pairs, sft term summed over chosen targets,
+        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)])."""
+        args = self.args
+        with self.accelerator.autocast():
+            logps, entropy, top1, stats = next_token_logprobs(self.model if grad else self.policy_or_model,
+                                                              *self._inputs(batch), with_entropy=True,
+                                                              with_top1=True, with_stats=True)
+        sequences = self._sequence_logps(logps, batch).view(-1, 2)
+        ref = self._reference_logps(batch).to(sequences.dtype)
+        completion = batch.completion.view(-1, 2).float()
+        terms = PairTerms(sequences[:, 0], sequences[:, 1], ref[:, 0], ref[:, 1], completion[:, 0], completion[:, 1],
+                          args.beta, args.label_smoothing, args.discopop_tau, args.f_divergence_type,
+                          args.f_alpha_divergence_coef)
+        per_pair = self._pair_losses(terms)
+        pair_weight = self._wpo_weights(logps, stats, batch) if args.use_weighting else None
+        if pair_weight is not None:
+            per_pair = per_pair * pair_weight
+        chosen = batch.target_seq % 2 == 0
+        sft = torch.zeros((), device=logps.device)
+        if "sft" in args.loss_type:
+            weight = args.weights[args.loss_type.index("sft")]
+            token_terms = -logps[chosen]
+            if pair_weight is not None:
+                token_terms = token_terms * pair_weight[batch.target_seq[chosen] // 2]
+            sft = weight * token_terms.sum()
+        return per_pair.sum(), sft, self._statistics(terms, per_pair, sft, entropy, top1, stats, chosen, batch)
+
+    def _statistics(self, terms, per_pair, sft, entropy, top1, stats, chosen, batch) -> torch.Tensor:
+        with torch.no_grad():
+            beta = self.args.beta
+            rc, rr = beta * terms.chosen_logratios.detach(), beta * terms.rejected_logratios.detach()
+            rejected = ~chosen
+            values = [per_pair.detach().sum(), float(batch.pairs), rc.sum(), rr.sum(), (rc > rr).float().sum(),
+                      terms.chosen_logps.detach().sum(), terms.rejected_logps.detach().sum(),
+                      stats[chosen, 0].sum(), chosen.sum().float(), stats[rejected, 0].sum(), rejected.sum().float(),
+                      entropy.sum(), top1[chosen].sum().float()]
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=per_pair.device) for v in values])
+
+    def _offloading(self):
+        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
+
+    def _micro_step(self, batch: PairBatch, pairs_total: float, chosen_total: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its statistics (sft's share of the loss folded into 'loss')."""
+        n = self.accelerator.num_processes
+        with self._offloading():
+            pair_sum, sft_sum, stats = self._micro_loss(batch, grad=True)
+            loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
+            self.accelerator.backward(loss)
+        stats = stats.clone()
+        stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
+        return stats
+
+    def _collate(self, pairs: PairRows) -> PairBatch:
+        return collate_pairs(pairs, self.tokenizer.pad_token_id, self.args.padding_free, self.pad_to_multiple_of)
+
+    def _optimizer_step(self) -> dict:
+        shares = self.batches.next_step()
+        batches = [self._collate(pairs) for pairs in shares]
+        acc = self.accelerator
+        local = torch.tensor([sum(b.pairs for b in batches),
+                              sum(int(b.targets[0::2].sum()) for b in batches),
+                              sum(b.sequences.tokens for b in batches)], dtype=torch.float64, device=acc.device)
+        pairs_total, chosen_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
+        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b.to(acc.device), pairs_total,
+                                                                           chosen_total))
+        totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
+        metrics = self._metrics_from(totals)
+        metrics["grad_norm"] = self._apply_update(metrics["loss"])
+        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        self._tokens_seen += int(tokens)
+        metrics["num_tokens"] = float(self._tokens_seen)
+        self.state.total_flos += self._flops_per_token * tokens
+        args = self.args
+        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
+            mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
+        return metrics
+
+    @staticmethod
+    def _metrics_from(totals: torch.Tensor, prefix: str = "") -> dict:
+        s = dict(zip(SUMS, (float(x) for x in totals)))
+        pairs = max(s["pairs"], 1.0)
+        targets = max(s["chosen_tokens"] + s["rejected_tokens"], 1.0)
+        out = {"loss": s["loss"],
+               "rewards/chosen": s["chosen_reward"] / pairs, "rewards/rejected": s["rejected_reward"] / pairs,
+               "rewards/accuracies": s["correct_pairs"] / pairs,
+               "rewards/margins": (s["chosen_reward"] - s["rejected_reward"]) / pairs,
+               "logps/chosen": s["chosen_logps"] / pairs, "logps/rejected": s["rejected_logps"] / pairs,
+               "logits/chosen": s["chosen_logits"] / max(s["chosen_tokens"], 1.0),
+               "logits/rejected": s["rejected_logits"] / max(s["rejected_tokens"], 1.0),
+               "entropy": s["entropy"] / targets,
+               "mean_token_accuracy": s["correct_tokens"] / max(s["chosen_tokens"], 1.0)}
+        return {prefix + k: v for k, v in out.items()}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _prepared_eval(self, dataset, model=None) -> PairRows:
+        key = id(dataset)
+        if key not in self._eval_pairs:  # prepared once per dataset object, as TRL prepares it once
+            if is_iterable(dataset):
+                raise ConfigError("eval_dataset is an IterableDataset: evaluation needs every pair once; pass a "
+                                  "map-style Dataset (e.g. Dataset.from_list(list(dataset.take(n)))).")
+            args = self.args
+            pairs = prepare_pairs(dataset, self._preparation(dataset, "eval_dataset"))
+            if args.precompute_ref_log_probs:
+                if model is None and self.ref_model is None and self.reference_adapter is None and \
+                        not hasattr(self.policy, "peft_config") and self.state.global_step > 0:
+                    raise ConfigError("Cannot compute reference log-probs for a dataset passed to evaluate() after "
+                                      "training started: with precompute_ref_log_probs=True and full fine-tuning no "
+                                      "reference model is kept. Pass it as eval_dataset to the trainer, pass a "
+                                      "ref_model, or set precompute_ref_log_probs=False.")
+                pairs.ref = self._precomputed_reference(model if model is not None else self.policy, pairs,
+                                                        "eval_dataset", args.precompute_ref_batch_size or
+                                                        args.per_device_eval_batch_size)
+            self._eval_pairs[key] = (dataset, pairs)  # the dataset is kept so its id is not reused
+        return self._eval_pairs[key][1]
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        from posttrain.sft.data import eval_batches
+
+        start = time.time()
+        pairs = self._prepared_eval(dataset)
+        acc = self.accelerator
+        chosen_total = torch.tensor([float(pairs.rows.target_counts[0::2].sum())], dtype=torch.float64)
+        totals = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
+        plan_pairs = PairIndex(len(pairs))
+        with torch.no_grad():
+            for share in eval_batches(plan_pairs, self.args.per_device_eval_batch_size, acc.num_processes,
+                                      acc.process_index):
+                batch = self._collate(pairs.select(share.index)).to(acc.device)
+                pair_sum, sft_sum, stats = self._micro_loss(batch, grad=False)
+                stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(float(chosen_total), 1.0)
+                totals += stats
+        totals = acc.reduce(totals, reduction="sum")
+        runtime = time.time() - start
+        metrics = self._metrics_from(totals, f"{prefix}_")
+        metrics.update({f"{prefix}_runtime": round(runtime, 4),
+                        f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
+                        f"{prefix}_num_tokens": float(self._tokens_seen)})
+        return metrics
+
+    @property
+    def train_dataset(self):
+        """The pairs as TRL shows its prepared dataset: prompt_ids, chosen_ids, rejected_ids (before truncation is
+        applied per sequence, as TRL's collator truncates) and, when precomputed, ref_chosen_logps /
+        ref_rejected_logps. Built on access."""
+        from datasets import Dataset
+
+        if not isinstance(self.batches, MapBatches):
+            return self._train_source
+        pairs = self.batches.rows
+        rows = pairs.rows
+        columns = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+        for p in range(len(pairs)):
+            for column, r in (("chosen_ids", 2 * p), ("rejected_ids", 2 * p + 1)):
+                span = rows.row(r)
+                tokens, labels = rows.tokens[span].tolist(), rows.labels[span]
+                first = int(np.argmax(labels)) if labels.any() else len(tokens)
+                if column == "chosen_ids":
+                    columns["prompt_ids"].append(tokens[:first])
+                columns[column].append(tokens[first:])
+        if pairs.ref is not None:
+            columns["ref_chosen_logps"] = pairs.ref[:, 0].tolist()
+            columns["ref_rejected_logps"] = pairs.ref[:, 1].tolist()
+        return Dataset.from_dict(columns)
+
+    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
+
+    def _epoch(self) -> float:
+        return self.batches.epoch_progress()
+
+    def _skip_rest_of_epoch(self) -> None:
+        self.batches.skip_rest_of_epoch()
+
+    def _checkpoint_meta(self) -> dict:
+        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
+                "tokens_seen": self._tokens_seen}
+
+    def _checkpoint_tensors(self) -> dict:
+        ref = getattr(self.batches, "rows", None)
+        ref = ref.ref if ref is not None else None
+        return {"ref_logps": torch.from_numpy(ref)} if ref is not None else {}
+
+    def _load_checkpoint_tensors(self, tensors: dict, device) -> None:
+        if "ref_logps" in tensors and isinstance(self.batches, MapBatches):
+            saved = tensors["ref_logps"].cpu().numpy()
+            if saved.shape != (len(self.batches.rows), 2):
+                raise CheckpointError(f"Cannot resume: the checkpoint's reference log-probs are for {saved.shape[0]} "
+                                      f"pairs and this run has {len(self.batches.rows)}; resume with the same data.")
+            self.batches.rows.ref = saved  # what the interrupted run trained against
+
+    def _checkpoint_models(self) -> dict:
+        return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
+
+    def _restore_position(self, state: dict) -> None:
+        saved = state.get("data_fingerprint")
+        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
+            raise CheckpointError("Cannot resume: the training pairs differ from the checkpoint's (the dataset, the "
+                                  "tokenizer or the data fields changed, so the pairs or their order would not "
+                                  "continue where it stopped); resume with the same data, or start a new run.")
+        self._tokens_seen = state.get("tokens_seen", 0)
+        if not self.args.ignore_data_skip:
+            self.batches.restore(state["data_position"])
+
+
+class PairIndex:
+    """A stand-in with the `lengths` and `select` eval_batches needs, to split pair indices into micro-batches."""
+
+    def __init__(self, n: int, index: np.ndarray | None = None):
+        self.index = np.arange(n) if index is None else index
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.ones(len(self.index), dtype=np.int64)
+
+    def select(self, rows) -> "PairIndex":
+        return PairIndex(0, self.index[np.asarray(rows, dtype=np.int64)])
