@@ -50,13 +50,13 @@ def detect_format(row: dict, name: str) -> str:
         return "conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt")) else "standard"
     found = ", ".join(row) or "none"
     hint = ""
-    if "prompt" in row and "completion" in row:
+    if "label" in row and "completion" in row:
+        hint = " (an unpaired dataset with labels is KTO's format, not DPO's)"
+    elif "prompt" in row and "completion" in row:
         hint = " (prompt/completion is an SFT dataset; a preference dataset pairs a chosen and a rejected answer)"
     elif "chosen" in row or "rejected" in row:
         missing = "rejected" if "chosen" in row else "chosen"
         hint = f" (it has no {missing!r} column)"
-    elif "label" in row or "completion" in row:
-        hint = " (an unpaired dataset with labels is KTO's format, not DPO's)"
     raise DataError(f"{name} is in no preference format: its columns are {found}; DPO needs {ACCEPTED}{hint}.")
 
 
@@ -121,8 +121,8 @@ class PairEncoder:
         self.implicit = self.format != "tokenized" and "prompt" not in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
-                              "messages: use a chat model's tokenizer, or set a template (tokenizer.chat_template = "
-                              "..., or chat_template_path).")
+                              "messages: use a chat model's tokenizer, or set tokenizer.chat_template before passing "
+                              "it.")
         self._warned_prefix = False
 
     def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list, list]]:

@@ -91,7 +91,7 @@ class MetricsLogger:
         append: resuming: keep metrics.jsonl up to `start_step` instead of starting it afresh.
     """
 
-    SHOWN = ("reward", "loss", "kl", "mean_token_accuracy")
+    SHOWN = ("reward", "loss", "kl", "mean_token_accuracy", "rewards/accuracies", "rewards/margins")
 
     def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
                  append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = ()):
