@@ -51,14 +51,15 @@ def test_yaml_and_flag_overrides(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml"))))
 def test_every_example_config_loads(path):
-    """Each example parses as the command its name starts with (grpo_*.yaml, sft_*.yaml)."""
-    from posttrain.cli import parse_sft
+    """Each example parses as the command its name starts with (grpo_*.yaml, sft_*.yaml, dpo_*.yaml)."""
+    from posttrain.cli import parse_dpo, parse_sft
 
     assert load_yaml(path)
-    if os.path.basename(path).startswith("sft_"):
-        script, lora, cfg = parse_sft(["--config", path])
-        assert script.model_name_or_path and script.dataset_name and type(cfg).__name__ == "SFTConfig"
-        return
+    for prefix, parse, name in (("sft_", parse_sft, "SFTConfig"), ("dpo_", parse_dpo, "DPOConfig")):
+        if os.path.basename(path).startswith(prefix):
+            script, lora, cfg = parse(["--config", path])
+            assert script.model_name_or_path and script.dataset_name and type(cfg).__name__ == name
+            return
     script, lora, cfg = parse_grpo(["--config", path])
     assert script.model_name_or_path and script.dataset_name and script.reward_funcs
 
