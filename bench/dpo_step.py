@@ -100,7 +100,8 @@ def main():
     assert trainer.state.global_step == args.steps and first["step"] == 1
     tokens = args.steps * args.pairs * (2 * args.prompt + args.chosen + args.rejected)
     label_tokens = args.steps * args.pairs * (args.chosen + args.rejected)
-    res = {"impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+    res = {"impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2),
+           "s_per_step": round(wall / args.steps, 3),
            "tok_per_s": round(tokens / wall, 1), "label_tok_per_s": round(label_tokens / wall, 1),
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
            "cpu_s": round(cpu, 2), "loss_step1": first["loss"]}

@@ -253,6 +253,23 @@ def test_lora_reference_is_the_policy_with_adapters_off(tokenizer, tmp_path):
     with trainer.policy.disable_adapter():  # the reference: adapters off is the untouched base model
         for name, p in base.named_parameters():
             assert torch.equal(trainer.policy.get_base_model().get_parameter(name), p), name
+    _, precomputed, _ = _train(tokenizer, tmp_path / "pre", max_steps=2, precompute_ref_log_probs=True,
+                               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      task_type="CAUSAL_LM"))
+    for name in params:  # the reference log-probs computed up front with adapters off: the same training
+        assert torch.allclose(params[name], precomputed[name], rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.peft
+def test_a_model_that_comes_with_an_adapter_is_trained_against_a_frozen_copy_of_it(tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(tokenizer, hidden=32, layers=1),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainer, _, _ = _train(tokenizer, tmp_path, model=model, max_steps=2)
+    first, last = _records(trainer)
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)  # the reference is the adapter as it came
+    assert trainer.reference_adapter is not None and last["rewards/margins"] != 0.0
 
 
 def test_evaluation_metrics(tokenizer, tmp_path):

@@ -2,13 +2,15 @@
 
 This package imports no torch and no transformers, so that `posttrain --help` stays fast.
 
-Field names and defaults follow TRL's `GRPOConfig` and `SFTConfig` (and the `transformers.TrainingArguments` fields
-they inherit): every TRL field is either implemented or listed in `trl_compat.py` with what posttrain does instead.
+Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig` and `DPOConfig` (and the
+`transformers.TrainingArguments` fields they inherit): every TRL field is either implemented or listed in
+`trl_compat.py` with what posttrain does instead.
 
     base.py        ConfigError, field declaration, the checks fields run at construction
     fields.py      field groups every trainer shares: loop, model, devices, logging, evaluation, checkpoints
     grpo.py        sampling and the GRPO objective; GRPOConfig
     sft.py         SFT data preparation and loss; SFTConfig
+    dpo.py         DPO data, reference and loss, TRL 0.18 names; DPOConfig
     trl_compat.py  TRL fields accepted at posttrain's behaviour; the snapshot of TRL's field list
     script.py      ScriptArguments, LoraArguments (the command line)
     parsing.py     YAML, typed conversion of flags, unknown names with their real near-misses
@@ -29,5 +31,6 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT", "build", "coerce",
+__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT",
+           "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

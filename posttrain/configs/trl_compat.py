@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional, Union
 
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range
 
-SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json") for name in ("grpo", "sft", "dpo")}
+SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
+             for name in ("grpo", "sft", "dpo")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"

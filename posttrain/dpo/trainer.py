@@ -39,7 +39,8 @@ logger = logging.getLogger("posttrain")
 
 _REFUSED = {
     "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
-                     "the rows in the dataset instead (prompt_ids / chosen_ids / rejected_ids columns work as they are)",
+                     "the rows in the dataset instead (prompt_ids / chosen_ids / rejected_ids columns work as "
+                     "they are)",
     "compute_metrics": "evaluation reports eval_loss and the eval_rewards/*, eval_logps/* and eval_logits/* metrics, "
                        "without logits",
     "preprocess_logits_for_metrics": "evaluation never builds full logits",
@@ -413,9 +414,9 @@ class DPOTrainer(Trainer):
 
     @property
     def train_dataset(self):
-        """The pairs as TRL shows its prepared dataset: prompt_ids, chosen_ids, rejected_ids (before truncation is
-        applied per sequence, as TRL's collator truncates) and, when precomputed, ref_chosen_logps /
-        ref_rejected_logps. Built on access."""
+        """The pairs as TRL shows its prepared dataset: prompt_ids, chosen_ids, rejected_ids (here already truncated
+        to max_length, which TRL's collator does later) and, when precomputed, ref_chosen_logps / ref_rejected_logps.
+        Built on access."""
         from datasets import Dataset
 
         if not isinstance(self.batches, MapBatches):

@@ -54,7 +54,8 @@ def _chunk_logits(h, weight, bias, temperature, out: torch.Tensor):
     return logits
 
 
-def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | None, stats: torch.Tensor | None = None):
+def _chunk_stats(logits: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor | None,
+                 stats: torch.Tensor | None = None):
     """Statistics of [k, V] logits, which it overwrites with logits - max.
 
     With a `spare` buffer ([>= k, V]) the entropy is computed too, and exp(logits - max) goes into the spare;
