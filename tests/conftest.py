@@ -89,6 +89,16 @@ def tiny_config(tmp_path, **overrides):
     return GRPOConfig(**values)
 
 
+class StopAt:
+    """A callback that stops training once `step` optimizer steps are done (to cut a run, then resume it)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
 def capture_gradients(trainer) -> list:
     """Record, at every optimizer step, a copy of each parameter's gradient (one dict per step)."""
     steps = []

@@ -5,19 +5,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import length_reward, tiny_config
+from conftest import StopAt, length_reward, tiny_config
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.testing import tiny_model
 from posttrain.training.checkpoint import CheckpointError, checkpoints
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= self.step
 
 
 def _trainer(tokenizer, dataset, out, peft_config=None, callbacks=None, **overrides):

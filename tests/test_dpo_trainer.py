@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import capture_gradients
+from conftest import StopAt, capture_gradients
 from datasets import Dataset
 
 from posttrain.configs import ConfigError, DPOConfig
@@ -30,14 +30,6 @@ def dpo_config(tmp_path, **overrides):
                   report_to="none")
     values.update(overrides)
     return DPOConfig(**values)
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= self.step
 
 
 def _train(tokenizer, tmp_path, data=None, capture=False, sgd=False, model=None, callbacks=None, ref_model=None,

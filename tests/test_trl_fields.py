@@ -194,35 +194,41 @@ def test_values_the_issue_found_accepted_are_refused(kwargs, message):
 # ---------------------------------------------------------------------- SFTConfig
 
 
-def _trl_sft_fields() -> list[dict]:
-    installed = installed_trl_fields("sft")
-    return installed if installed is not None else trl_snapshot("sft")["fields"]
+def _trl_fields_of(trainer: str) -> list[dict]:
+    installed = installed_trl_fields(trainer)
+    return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-def test_sft_snapshot_matches_the_installed_trl():
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
         pytest.skip(f"TRL {trl.__version__} is installed; the snapshot is of 1.16")
-    assert installed_trl_fields("sft") == trl_snapshot("sft")["fields"]
+    assert installed_trl_fields(trainer) == trl_snapshot(trainer)["fields"]
 
 
-def test_every_trl_sft_field_is_implemented_or_accounted_for():
-    from posttrain.configs import SFTConfig
+@pytest.mark.parametrize("trainer,implemented,check", [
+    ("sft", 80, lambda cfg: cfg.learning_rate == 2e-5 and cfg.max_length == 1024 and cfg.loss_type == "nll"),
+    ("dpo", 85, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout) == (
+        1e-6, 0.1, ["sigmoid"], 1024, True)),
+])
+def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
+    from posttrain.configs.reference import TRAINERS
 
-    ours = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    config = TRAINERS[trainer][0]
+    ours = {f.name: f for f in dataclasses.fields(config)}
     statuses = []
-    for f in _trl_sft_fields():
-        status, _ = trl_field_status(f["name"], "sft")
+    for f in _trl_fields_of(trainer):
+        status, _ = trl_field_status(f["name"], trainer)
         statuses.append(status)
         assert status in (IMPLEMENTED, SAME, UNSUPPORTED) and f["name"] in ours, f["name"]
         if status == IMPLEMENTED and f["name"] not in DEFAULT_DIFFERENCES:
             field = ours[f["name"]]
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
             assert repr(default) == f["default"], f["name"]
-    assert statuses.count(IMPLEMENTED) >= 80
-    values = {f["name"]: _value(f["default"]) for f in _trl_sft_fields()}
-    cfg = SFTConfig(**values)  # every field at TRL's default, all at once
-    assert cfg.learning_rate == 2e-5 and cfg.max_length == 1024 and cfg.loss_type == "nll"
+    assert statuses.count(IMPLEMENTED) >= implemented
+    values = {f["name"]: _value(f["default"]) for f in _trl_fields_of(trainer)}
+    assert check(config(**values))  # every field at TRL's default, all at once
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -248,42 +254,10 @@ def test_sft_fields_are_validated_or_mapped(kwargs, message):
 # ---------------------------------------------------------------------- DPOConfig
 
 
-def _trl_dpo_fields() -> list[dict]:
-    installed = installed_trl_fields("dpo")
-    return installed if installed is not None else trl_snapshot("dpo")["fields"]
-
-
-def test_dpo_snapshot_matches_the_installed_trl():
-    trl = pytest.importorskip("trl")
-    if not trl.__version__.startswith("1.16."):
-        pytest.skip(f"TRL {trl.__version__} is installed; the snapshot is of 1.16")
-    assert installed_trl_fields("dpo") == trl_snapshot("dpo")["fields"]
-
-
-def test_every_trl_dpo_field_is_implemented_or_accounted_for():
-    from posttrain.configs import DPOConfig
-
-    ours = {f.name: f for f in dataclasses.fields(DPOConfig)}
-    statuses = []
-    for f in _trl_dpo_fields():
-        status, _ = trl_field_status(f["name"], "dpo")
-        statuses.append(status)
-        assert status in (IMPLEMENTED, SAME, UNSUPPORTED) and f["name"] in ours, f["name"]
-        if status == IMPLEMENTED and f["name"] not in DEFAULT_DIFFERENCES:
-            field = ours[f["name"]]
-            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-            assert repr(default) == f["default"], f["name"]
-    assert statuses.count(IMPLEMENTED) >= 85
-    values = {f["name"]: _value(f["default"]) for f in _trl_dpo_fields()}
-    cfg = DPOConfig(**values)  # every field at TRL's default, all at once
-    assert (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout) == (
-        1e-6, 0.1, ["sigmoid"], 1024, True)
-
-
 def test_every_trl_dpo_field_at_its_default_is_a_flag():
     from posttrain.cli import parse_dpo
 
-    for f in _trl_dpo_fields():
+    for f in _trl_fields_of("dpo"):
         default = _value(f["default"])
         if default == [] or default == "":
             continue

@@ -235,12 +235,21 @@ _SFT_CHANGES = {
     "length_column_name": same("length_column_name", str, "length",
                                "group_by_length sampling measures the tokenized rows itself"),
 }
-for _name in ("prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
-              "include_for_metrics", "batch_eval_metrics"):
-    _SFT_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_SFT_METRICS)
-for _name in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
-              "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order"):
-    _SFT_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_SFT_LOADER)
+_METRICS_FIELDS = ("prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object",
+                   "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics")
+_LOADER_FIELDS = ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+                  "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order")
+
+
+def _reasons(metrics_why: str, loader_why: str) -> dict:
+    """The evaluation-metrics and DataLoader entries of TRAINING_ARGS with a trainer's own reasons."""
+    by_name = {c.name: c for c in TRAINING_ARGS}
+    changes = {name: dataclasses.replace(by_name[name], why=metrics_why) for name in _METRICS_FIELDS}
+    changes.update({name: dataclasses.replace(by_name[name], why=loader_why) for name in _LOADER_FIELDS})
+    return changes
+
+
+_SFT_CHANGES.update(_reasons(_SFT_METRICS, _SFT_LOADER))
 
 SFT_ONLY: list[Compat] = [
     same("remove_unused_columns", bool, True,
@@ -271,23 +280,9 @@ _DPO_CHANGES.update({
     "length_column_name": same("length_column_name", str, "length",
                                "group_by_length sampling measures the tokenized pairs itself"),
 })
-for _name in ("prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
-              "include_for_metrics", "batch_eval_metrics"):
-    _DPO_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_DPO_METRICS)
-for _name in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
-              "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order"):
-    _DPO_CHANGES[_name] = dataclasses.replace(next(c for c in TRAINING_ARGS if c.name == _name), why=_DPO_LOADER)
+_DPO_CHANGES.update(_reasons(_DPO_METRICS, _DPO_LOADER))
 
-DPO_ONLY: list[Compat] = [
-    same("remove_unused_columns", bool, True,
-         "posttrain keeps only the token columns it builds, so no other column ever reaches the model"),
-    unsupported("router_aux_loss_coef", Optional[float], None,
-                "the router load-balancing loss of mixture-of-experts models is not added; remove it",
-                range=NON_NEGATIVE),
-    same("dataset_num_proc", Optional[int], None,
-         "posttrain tokenizes in batches with the fast tokenizer in each process; the result is the same",
-         range=AT_LEAST_ONE),
-]
+DPO_ONLY = SFT_ONLY  # the same three fields, the same behaviour
 DPO_COMPAT = [_DPO_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _DPO_CHANGES.get(c.name, c) is not None] + DPO_ONLY
 
 BY_NAME = {c.name: c for c in GRPO_COMPAT}

@@ -20,7 +20,6 @@ token left and is dropped (counted in the log).
 """
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import VALID_ROLES, DataError
-from posttrain.sft.formats import common_prefix_length
+from posttrain.sft.formats import common_prefix_length, template_kwargs
 from posttrain.sft.rows import TokenRows, truncate
 
 logger = logging.getLogger("posttrain")
@@ -132,7 +131,7 @@ class PairEncoder:
         pairs = [self._pair(row, first_index + i) for i, row in enumerate(rows)]
         if self.format == "standard":
             return self._standard(pairs)
-        return [self._conversation(p, c, r, self._template_kwargs(row), first_index + i)
+        return [self._conversation(p, c, r, template_kwargs(row), first_index + i)
                 for i, ((p, c, r), row) in enumerate(zip(pairs, rows))]
 
     # ------------------------------------------------------------------ rows
@@ -195,15 +194,6 @@ class PairEncoder:
         tok = self.tokenizer
         prompt_ids, chosen_ids, rejected_ids = (tok(texts)["input_ids"] for texts in (prompts, chosen, rejected))
         return [self._split(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)]
-
-    def _template_kwargs(self, row: dict) -> dict:
-        tools = row.get("tools")
-        if isinstance(tools, str):
-            tools = json.loads(tools)
-        kwargs = dict(row.get("chat_template_kwargs") or {})
-        if tools is not None:
-            kwargs["tools"] = tools
-        return kwargs
 
     def _conversation(self, prompt, chosen, rejected, kwargs: dict, index: int):
         tok = self.tokenizer

@@ -12,7 +12,6 @@ the prepared pairs (which already reflect the data, the chat template, max_lengt
 weights, the chat template, max_length, truncation_mode and ld_alpha.
 """
 
-import copy
 import hashlib
 import logging
 import os
@@ -21,7 +20,8 @@ import numpy as np
 import torch
 
 from posttrain.configs import ConfigError
-from posttrain.models.peft import add_reference_adapter, is_peft_model
+from posttrain.models.peft import is_peft_model
+from posttrain.models.preparation import reference_of
 
 logger = logging.getLogger("posttrain")
 
@@ -49,15 +49,9 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
             kwargs = args.ref_model_init_kwargs or args.model_init_kwargs or {}
             ref_model = load_causal_lm(ref_model, {"trust_remote_code": trust_remote_code, **kwargs})
         return _frozen(ref_model, args, device), None
-    if is_peft_model(policy):
-        if args.sync_ref_model:
-            raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "
-                              "reference is the policy with adapters off): set sync_ref_model=False, or train all "
-                              "weights.")
-        return None, (add_reference_adapter(policy) if came_with_adapter else None)
-    if args.precompute_ref_log_probs:
+    if args.precompute_ref_log_probs and not is_peft_model(policy):
         return None, None  # the policy, before its first update, computes them
-    return copy.deepcopy(policy).eval().requires_grad_(False), None
+    return reference_of(policy, args.sync_ref_model, came_with_adapter)
 
 
 def cache_key(pairs_fingerprint: str, reference_fingerprint: str, tokenizer, args) -> str:

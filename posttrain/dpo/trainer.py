@@ -14,7 +14,6 @@ micro-batches and processes (aot and aot_unpaired excepted: they sort within a m
 
 import contextlib
 import logging
-import math
 import time
 
 import numpy as np
@@ -31,9 +30,9 @@ from posttrain.models.peft import reference_mode
 from posttrain.models.preparation import mix_reference
 from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable
 from posttrain.sft.rows import EpochPlan
+from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import Trainer
 
 logger = logging.getLogger("posttrain")
 
@@ -50,7 +49,7 @@ SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct_pairs", "c
         "chosen_logits", "chosen_tokens", "rejected_logits", "rejected_tokens", "entropy", "correct_tokens")
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(BatchedDataTrainer):
     """Direct preference optimisation, with TRL's DPOTrainer signature.
 
     Args:
@@ -69,7 +68,8 @@ class DPOTrainer(Trainer):
     """
 
     _title = "DPO"
-    _cumulative_metrics = ("num_tokens",)
+    _data_noun = "pairs"
+    _data_parts = "the pairs or their order"
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
                        "padding_free", "train_sampling_strategy", "dataloader_drop_last", "seed", "data_seed",
                        "precompute_ref_log_probs", "ld_alpha", "loss_type", "reference_free")
@@ -94,6 +94,8 @@ class DPOTrainer(Trainer):
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
+        if args.precompute_ref_log_probs:  # collectives of its own: outside the guarded set-up
+            self._precompute_references(model)
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
         self._tokens_seen = 0
@@ -132,17 +134,22 @@ class DPOTrainer(Trainer):
                                 f"({args.per_device_train_batch_size} x {processes} processes) with "
                                 "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
             self.data_fingerprint = pairs.fingerprint()
-            if args.precompute_ref_log_probs:
-                pairs.ref = self._precomputed_reference(model, pairs, "train_dataset",
-                                                        args.precompute_ref_batch_size or
-                                                        args.per_device_train_batch_size)
             self.batches = MapBatches(pairs, plan, rank)
         self.eval_dataset = eval_dataset
         self._eval_pairs = {}
-        if args.precompute_ref_log_probs and eval_dataset is not None:  # while the policy still is the reference
-            for dataset in (eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]):
-                self._prepared_eval(dataset, model)
         return model
+
+    def _precompute_references(self, model) -> None:
+        """precompute_ref_log_probs: the train pairs' and the eval datasets' reference log-probs, while the policy
+        still is the reference."""
+        args = self.args
+        rows = self.batches.rows
+        rows.ref = self._precomputed_reference(model, rows, "train_dataset",
+                                               args.precompute_ref_batch_size or args.per_device_train_batch_size)
+        if self.eval_dataset is not None:
+            datasets = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+            for dataset in datasets:
+                self._prepared_eval(dataset, model)
 
     def _preparation(self, dataset, name: str) -> PairPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
@@ -158,18 +165,7 @@ class DPOTrainer(Trainer):
         if tok.eos_token is None:
             raise ConfigError("The tokenizer has no EOS token, which DPO appends to every chosen and rejected text so "
                               "the model learns to stop: set tokenizer.eos_token before passing it.")
-        tok.pad_token = args.pad_token or tok.pad_token or tok.eos_token
-        model.config.pad_token_id = tok.pad_token_id
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.pad_token_id = tok.pad_token_id
-
-    def _total_steps(self) -> int:
-        args = self.args
-        if args.max_steps > 0:
-            return args.max_steps
-        if isinstance(self.batches, StreamBatches):
-            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
-        return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
+        self._set_pad_token(model)
 
     # ------------------------------------------------------------------ the reference
 
@@ -199,29 +195,36 @@ class DPOTrainer(Trainer):
         """[P, 2] reference log-probs of every pair, from the cache or computed (each process a share, gathered)."""
         from accelerate.utils import gather_object
 
-        key = None
-        if self.reference_adapter is None:
-            reference = self.ref_model if self.ref_model is not None else model
-            key = cache_key(pairs.fingerprint(), model_fingerprint(reference), self.tokenizer, self.args)
-            cached = load_cached(key, len(pairs))
-            if cached is not None:
-                logger.info("%s: reference log-probs of %d pairs read from the cache.", name, len(pairs))
-                return cached
+        # Each block that can fail on one process alone is guarded, and the collectives sit between them, so a
+        # failure never leaves a process waiting in a collective the others do not reach.
         acc = self.accelerator
+        key, cached = None, None
+        with guarded(acc):
+            if self.reference_adapter is None:
+                reference = self.ref_model if self.ref_model is not None else model
+                key = cache_key(pairs.fingerprint(), model_fingerprint(reference), self.tokenizer, self.args)
+                cached = load_cached(key, len(pairs))
+        hits = torch.tensor([float(cached is not None)], device=acc.device)
+        if acc.num_processes > 1:  # every process takes the cache, or every process computes
+            hits = acc.reduce(hits, reduction="sum")
+        if int(hits.item()) == acc.num_processes:
+            logger.info("%s: reference log-probs of %d pairs read from the cache.", name, len(pairs))
+            return cached
         start = time.time()
         mine = np.arange(acc.process_index, len(pairs), acc.num_processes)
-        was_training = model.training
-        model.eval()
         out = []
-        try:
-            for i in range(0, len(mine), batch_size):
-                part = mine[i:i + batch_size]
-                batch = collate_pairs(pairs.select(part), self.tokenizer.pad_token_id, self.args.padding_free,
-                                      self.pad_to_multiple_of).to(acc.device)
-                ref = self._reference_logps(batch).double().cpu().numpy()
-                out.extend(zip(part.tolist(), ref.tolist()))
-        finally:
-            model.train(was_training)
+        with guarded(acc):
+            was_training = model.training
+            model.eval()
+            try:
+                for i in range(0, len(mine), batch_size):
+                    part = mine[i:i + batch_size]
+                    batch = collate_pairs(pairs.select(part), self.tokenizer.pad_token_id, self.args.padding_free,
+                                          self.pad_to_multiple_of).to(acc.device)
+                    ref = self._reference_logps(batch).double().cpu().numpy()
+                    out.extend(zip(part.tolist(), ref.tolist()))
+            finally:
+                model.train(was_training)
         gathered = gather_object(out) if acc.num_processes > 1 else out
         ref = np.zeros((len(pairs), 2), dtype=np.float64)
         for index, values in gathered:
@@ -307,11 +310,6 @@ class DPOTrainer(Trainer):
                       stats[chosen, 0].sum(), chosen.sum().float(), stats[rejected, 0].sum(), rejected.sum().float(),
                       entropy.sum(), top1[chosen].sum().float()]
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=per_pair.device) for v in values])
-
-    def _offloading(self):
-        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
-            return torch.autograd.graph.save_on_cpu(pin_memory=True)
-        return contextlib.nullcontext()
 
     def _micro_step(self, batch: PairBatch, pairs_total: float, chosen_total: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; its statistics (sft's share of the loss folded into 'loss')."""
@@ -439,16 +437,6 @@ class DPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
-    def _epoch(self) -> float:
-        return self.batches.epoch_progress()
-
-    def _skip_rest_of_epoch(self) -> None:
-        self.batches.skip_rest_of_epoch()
-
-    def _checkpoint_meta(self) -> dict:
-        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
-                "tokens_seen": self._tokens_seen}
-
     def _checkpoint_tensors(self) -> dict:
         ref = getattr(self.batches, "rows", None)
         ref = ref.ref if ref is not None else None
@@ -464,16 +452,6 @@ class DPOTrainer(Trainer):
 
     def _checkpoint_models(self) -> dict:
         return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
-
-    def _restore_position(self, state: dict) -> None:
-        saved = state.get("data_fingerprint")
-        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
-            raise CheckpointError("Cannot resume: the training pairs differ from the checkpoint's (the dataset, the "
-                                  "tokenizer or the data fields changed, so the pairs or their order would not "
-                                  "continue where it stopped); resume with the same data, or start a new run.")
-        self._tokens_seen = state.get("tokens_seen", 0)
-        if not self.args.ignore_data_skip:
-            self.batches.restore(state["data_position"])
 
 
 class PairIndex:

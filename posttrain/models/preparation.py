@@ -34,8 +34,13 @@ def make_reference(model, args, came_with_adapter: bool):
     """
     if args.beta == 0.0:
         return None, None
+    return reference_of(model, args.sync_ref_model, came_with_adapter)
+
+
+def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
+    """(frozen copy of `model`, None), or for a LoRA model (None, the reference adapter's name or None: adapters off)."""
     if is_peft_model(model):
-        if args.sync_ref_model:
+        if sync_ref_model:
             raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "
                               "reference is the policy with adapters off): set sync_ref_model=False, or train "
                               "all weights.")

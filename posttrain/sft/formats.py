@@ -64,6 +64,20 @@ def from_sharegpt(messages: list) -> list:
     return out
 
 
+def template_kwargs(row: dict) -> dict:
+    """The chat template's keyword arguments of a row: its `chat_template_kwargs` and `tools` (a JSON string or a
+    list) columns."""
+    import json
+
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools)
+    kwargs = dict(row.get("chat_template_kwargs") or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    return kwargs
+
+
 def _is_messages(value) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
@@ -230,17 +244,6 @@ class RowEncoder:
 
     # ------------------------------------------------------------------ conversations
 
-    def _template_kwargs(self, row: dict) -> dict:
-        import json
-
-        tools = row.get("tools")
-        if isinstance(tools, str):
-            tools = json.loads(tools)
-        kwargs = dict(row.get("chat_template_kwargs") or {})
-        if tools is not None:
-            kwargs["tools"] = tools
-        return kwargs
-
     def _render(self, messages: list, kwargs: dict, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   **kwargs)
@@ -264,7 +267,7 @@ class RowEncoder:
         out = []
         for i, row in enumerate(rows):
             index = first_index + i
-            kwargs = self._template_kwargs(row)
+            kwargs = template_kwargs(row)
             if self.format == "conversational":
                 self._check_messages(row["messages"], index, "messages")
                 messages, prompt = row["messages"], None

@@ -9,7 +9,6 @@ so the update is that of the mean over the step's N targets, however the rows ar
 processes; `loss` is logged as that mean. With loss_type="dft" each term is -logp * p (p detached).
 """
 
-import contextlib
 import logging
 
 import torch
@@ -22,9 +21,9 @@ from posttrain.sft.data import (MapBatches, Preparation, StreamBatches, eval_bat
                                 prepare_map_dataset)
 from posttrain.sft.formats import RowEncoder
 from posttrain.sft.rows import EpochPlan
-from posttrain.training.checkpoint import CheckpointError, model_fingerprint
+from posttrain.training.batched import BatchedDataTrainer
+from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import Trainer
 
 logger = logging.getLogger("posttrain")
 
@@ -39,7 +38,7 @@ _REFUSED = {
 }
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(BatchedDataTrainer):
     """Supervised fine-tuning, with TRL's SFTTrainer signature.
 
     Args:
@@ -56,7 +55,6 @@ class SFTTrainer(Trainer):
     """
 
     _title = "SFT"
-    _cumulative_metrics = ("num_tokens",)
     # fields whose change makes a checkpoint's optimizer state or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
                        "packing", "packing_strategy", "padding_free", "shuffle_dataset", "train_sampling_strategy",
@@ -146,20 +144,7 @@ class SFTTrainer(Trainer):
         if tok.eos_token is None:
             raise ConfigError("The tokenizer has no EOS token, which SFT appends to every sequence so the model "
                               "learns to stop: set eos_token to one of its tokens.")
-        tok.pad_token = args.pad_token or tok.pad_token or tok.eos_token
-        model.config.pad_token_id = tok.pad_token_id
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.pad_token_id = tok.pad_token_id
-
-    def _total_steps(self) -> int:
-        args = self.args
-        if args.max_steps > 0:
-            return args.max_steps
-        if isinstance(self.batches, StreamBatches):
-            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
-        import math
-
-        return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
+        self._set_pad_token(model)
 
     def _add_neftune(self):
         """NEFTune: uniform noise of scale alpha / sqrt(length * hidden) added to the input embeddings in training."""
@@ -202,11 +187,6 @@ class SFTTrainer(Trainer):
                 batch.targets, with_entropy=True, with_top1=True,
                 predict_grad=self._predicted_gradient(scale) if scale is not None else None)
             return self._token_losses(logps), entropy, top1
-
-    def _offloading(self):
-        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
-            return torch.autograd.graph.save_on_cpu(pin_memory=True)
-        return contextlib.nullcontext()
 
     def _micro_step(self, batch, scale: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; [loss sum, entropy sum, correct, targets] (no gradient)."""
@@ -293,28 +273,3 @@ class SFTTrainer(Trainer):
                 f"{prefix}_mean_token_accuracy": correct / n, f"{prefix}_runtime": round(runtime, 4),
                 f"{prefix}_samples_per_second": round(len(rows) / max(runtime, 1e-9), 3),
                 f"{prefix}_num_tokens": float(self._tokens_seen)}
-
-    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
-
-    def _epoch(self) -> float:
-        return self.batches.epoch_progress()
-
-    def _skip_rest_of_epoch(self) -> None:
-        self.batches.skip_rest_of_epoch()
-
-    def _checkpoint_meta(self) -> dict:
-        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
-                "tokens_seen": self._tokens_seen}
-
-    def _restore_position(self, state: dict) -> None:
-        """Move the data to where the checkpoint left it (or to the start, with ignore_data_skip), after checking that
-        the prepared rows are the ones the checkpoint was trained on."""
-        saved = state.get("data_fingerprint")
-        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
-            raise CheckpointError("Cannot resume: the training rows differ from the checkpoint's (the dataset, the "
-                                  "tokenizer or the data fields changed, so the rows, their packing or their order "
-                                  "would not continue where it stopped); resume with the same data, or start a new "
-                                  "run.")
-        self._tokens_seen = state.get("tokens_seen", 0)
-        if not self.args.ignore_data_skip:
-            self.batches.restore(state["data_position"])

@@ -1,0 +1,72 @@
+"""The shared part of the trainers whose data are prepared token rows, taken step by step from a batcher
+(sft/data.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFTTrainer and DPOTrainer.
+
+A subclass sets, during its set-up:
+    self.batches            the batcher: next_step(), epoch_progress(), skip_rest_of_epoch(), position(),
+                            restore(position), and steps_per_epoch unless it is a stream
+    self.data_fingerprint   a hash of the prepared rows (None for a stream), checked when resuming
+and counts the tokens it trains on in self._tokens_seen.
+"""
+
+import contextlib
+import math
+
+import torch
+
+from posttrain.configs import ConfigError
+from posttrain.training.checkpoint import CheckpointError
+from posttrain.training.trainer import Trainer
+
+
+class BatchedDataTrainer(Trainer):
+    _cumulative_metrics = ("num_tokens",)
+    _data_noun = "rows"  # what the prepared data are called in messages
+    _data_parts = "the rows, their packing or their order"  # what would not continue after a change
+
+    def _set_pad_token(self, model) -> None:
+        """pad_token (default: the tokenizer's, else its EOS) onto the tokenizer and the model's configs, as TRL
+        does."""
+        tok = self.tokenizer
+        tok.pad_token = self.args.pad_token or tok.pad_token or tok.eos_token
+        model.config.pad_token_id = tok.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tok.pad_token_id
+
+    def _total_steps(self) -> int:
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        if not hasattr(self.batches, "steps_per_epoch"):
+            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+        return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
+
+    def _offloading(self):
+        """activation_offloading: saved activations in pinned CPU memory while on a GPU (on a CPU they are there)."""
+        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
+
+    def _epoch(self) -> float:
+        return self.batches.epoch_progress()
+
+    def _skip_rest_of_epoch(self) -> None:
+        self.batches.skip_rest_of_epoch()
+
+    def _checkpoint_meta(self) -> dict:
+        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
+                "tokens_seen": self._tokens_seen}
+
+    def _restore_position(self, state: dict) -> None:
+        """Move the data to where the checkpoint left it (or to the start, with ignore_data_skip), after checking that
+        the prepared data are the ones the checkpoint was trained on."""
+        saved = state.get("data_fingerprint")
+        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
+            raise CheckpointError(f"Cannot resume: the training {self._data_noun} differ from the checkpoint's (the "
+                                  "dataset, the tokenizer or the data fields changed, so "
+                                  f"{self._data_parts} would not continue where it stopped); resume with the same "
+                                  "data, or start a new run.")
+        self._tokens_seen = state.get("tokens_seen", 0)
+        if not self.args.ignore_data_skip:
+            self.batches.restore(state["data_position"])
