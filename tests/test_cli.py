@@ -181,7 +181,7 @@ def test_a_signal_stops_at_the_step_with_a_checkpoint_and_one_line(tmp_path, tin
 
     common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
               "--reward_funcs", "length", "--per_device_train_batch_size", "8", "--num_generations", "4",
-              "--max_completion_length", "6", "--max_steps", "6", "--logging_steps", "1", "--save_strategy", "no",
+              "--max_completion_length", "6", "--max_steps", "40", "--logging_steps", "1", "--save_strategy", "no",
               "--gradient_checkpointing", "false", "--use_cpu", "true"]
     run = [sys.executable, "-m", "posttrain.cli", "grpo", *common]
     out = tmp_path / "interrupted"
@@ -196,9 +196,9 @@ def test_a_signal_stops_at_the_step_with_a_checkpoint_and_one_line(tmp_path, tin
     assert proc.returncode == 128 + signum, stderr[-2000:]
     step = len(metrics.read_text().splitlines())
     lines = [line for line in stderr.splitlines() if line.startswith("posttrain:")]
-    assert lines == [f"posttrain: Interrupted ({signal.Signals(signum).name}) at step {step} of 6; the newest "
+    assert lines == [f"posttrain: Interrupted ({signal.Signals(signum).name}) at step {step} of 40; the newest "
                      f"checkpoint is {out}/checkpoint-{step}: resume with resume_from_checkpoint=true."]
-    assert step < 6 and "Traceback" not in stderr
+    assert step < 40 and "Traceback" not in stderr
     resumed = subprocess.run([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"],
                              capture_output=True, text=True, env=_env())
     assert resumed.returncode == 0, resumed.stderr[-2000:]
