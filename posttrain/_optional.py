@@ -10,6 +10,8 @@ INSTALL_HINTS = {
     "wandb": "pip install 'posttrain[trackers]'",
     "trackio": "pip install 'posttrain[trackers]'",
     "fastapi": "pip install 'posttrain[server]'",
+    "uvicorn": "pip install 'posttrain[server]'",
+    "requests": "pip install 'posttrain[server]'",
     "tensorboard": "pip install 'posttrain[trackers]'",
     "math_verify": "pip install 'posttrain[math]'",
 }

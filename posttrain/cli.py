@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | sft | dpo | demo | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | dpo | serve | demo | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -28,7 +28,7 @@ TRAINERS = {
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
-COMMANDS = (*TRAINERS, "demo", "env")
+COMMANDS = (*TRAINERS, "serve", "demo", "env")
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
 
 
@@ -79,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         for cls in (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT):
             _add_fields(trainer, cls, seen)
         _add_launch_flags(trainer)
+    serve = sub.add_parser("serve", help="Serve a model for generation over HTTP (a subset of vLLM's API), CPU "
+                                         "included; the trainer pushes its weights to it.", allow_abbrev=False)
+    serve.add_argument("--model", required=True, help="Local path or hub id of the model to serve.")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="Address to bind (default loopback; any other needs --api_key).")
+    serve.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one, printed at start).")
+    serve.add_argument("--api_key", default=None, help="Bearer token every route then requires.")
+    serve.add_argument("--max_model_len", type=int, default=None,
+                       help="Longest prompt + completion served (default: the model's position limit).")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N].")
+    serve.add_argument("--trust_remote_code", action="store_true")
+    serve.add_argument("--log_level", default="warning", help="uvicorn's log level.")
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
     demo.add_argument("--output_dir", default="posttrain-demo")
     demo.add_argument("--max_steps", type=int, default=1200)
@@ -253,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             if any(a in ("-h", "--help") for a in argv[1:]):
                 parser.parse_args(argv)
             return run_command(argv[0], argv[1:])
+        elif argv[0] == "serve":
+            args = parser.parse_args(argv)
+            from posttrain.serving.app import serve
+
+            serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
+                  args.trust_remote_code, args.log_level)
         elif argv[0] == "demo":
             args = parser.parse_args(argv)
             from posttrain.demo import run_demo

@@ -24,6 +24,11 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
+def draw_seed(rng: torch.Generator) -> int:
+    """The seed of one generate call's sampling stream, drawn from a generator's own (checkpointed) RNG."""
+    return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=rng))
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ([N, P] ids, [N, P] bool mask)."""
     width = max(len(p) for p in prompts)
@@ -89,7 +94,7 @@ class TransformersGenerator:
         self.shares_policy = shares_policy
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = list(params.eos_token_ids) or eos_token_ids(model, tokenizer)
-        self.rng = torch.Generator(device=self._device()).manual_seed(seed)
+        self.rng = torch.Generator().manual_seed(seed)  # draws one sampling seed per generate call
 
     def _device(self):
         return next(self.model.parameters()).device
@@ -109,6 +114,12 @@ class TransformersGenerator:
 
     def generate(self, prompts: list[list[int]]) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned."""
+        return self.generate_seeded(prompts, draw_seed(self.rng))
+
+    def generate_seeded(self, prompts: list[list[int]], seed: int) -> Rollouts:
+        """`generate` with the sampling stream seeded by `seed`: the same prompts, weights and seed give the same
+        completions in any process (a server engine samples a request this way)."""
+        self._sampling = torch.Generator(device=self._device()).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -145,7 +156,7 @@ class TransformersGenerator:
                 logits.index_fill_(1, banned, float("-inf"))
             if t == 0 and p.begin_suppress_tokens:
                 logits.index_fill_(1, torch.tensor(p.begin_suppress_tokens, device=device), float("-inf"))
-            token, logp = sample(filter_logits(logits, p), self.rng, overwrite=True)  # logits are ours to overwrite
+            token, logp = sample(filter_logits(logits, p), self._sampling, overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
             tokens[:, t] = token
             logprobs[:, t] = logp.masked_fill(done, 0.0)

@@ -1,0 +1,265 @@
+"""Generation through a server (`posttrain serve`, or anything speaking its subset of vLLM's API): the client.
+
+Every call has a timeout, so nothing waits forever: start-up polls /health until `connect_timeout`; completions take
+`request_timeout`; each weight call `sync_timeout`. Only idempotent calls are retried: GETs, weight buckets (a bucket
+re-sent under the same version is loaded again, harmlessly) and seeded completions answered 503. A failure becomes a
+GenerationError of one sentence naming the server, the call and the fix.
+
+    ServerClient      the HTTP calls: wait_until_up, info, completions, push (buckets + verified digest)
+    ServerGenerator   the trainer's Generator over a client: folds a group's identical prompts into one request
+                      with n, draws each request's seed from its own RNG (saved in checkpoints), checks that every
+                      completion was sampled with the weights just pushed
+"""
+
+import time
+from typing import Iterable
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.generation import Rollouts, SamplingParams
+from posttrain.generation.transformers_backend import draw_seed, left_pad
+from posttrain.serving import wire
+
+
+class GenerationError(UserError, RuntimeError):
+    """The generation server failed or could not be reached; the message says which call and what to do."""
+
+
+class ServerClient:
+    """Args:
+        base_url: e.g. http://127.0.0.1:8000.
+        api_key: sent as a bearer token when set.
+        connect_timeout: seconds to wait for /health at start-up (TRL's vllm_server_timeout).
+        request_timeout: seconds one completions request may take.
+        sync_timeout: seconds each weight-update call may take.
+        retries: attempts of an idempotent call that failed on the connection or with a 5xx.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, connect_timeout: float = 240.0,
+                 request_timeout: float = 600.0, sync_timeout: float = 1800.0, retries: int = 3,
+                 max_bucket_bytes: int = wire.MAX_BUCKET_BYTES):
+        from posttrain._optional import require
+
+        requests = require("requests", "Generation through a server (vllm_mode='server')")
+
+        self.base_url = base_url.rstrip("/")
+        self.session = requests.Session()
+        self.session.trust_env = False  # a proxy from the environment must not see the weights or the key
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.connect_timeout, self.request_timeout, self.sync_timeout = connect_timeout, request_timeout, sync_timeout
+        self.retries = retries
+        self.max_bucket_bytes = max_bucket_bytes
+
+    # ------------------------------------------------------------------ calls
+
+    def _call(self, method: str, path: str, timeout: float, retry: bool, **kwargs):
+        import requests
+
+        url = f"{self.base_url}{path}"
+        attempts = self.retries if retry else 1
+        for attempt in range(attempts):
+            try:
+                response = self.session.request(method, url, timeout=timeout, **kwargs)
+            except requests.Timeout:
+                raise GenerationError(f"The generation server at {self.base_url} did not answer {method} {path} "
+                                      f"within {timeout:g} s: check that it is alive and not overloaded, or raise the "
+                                      "timeout (request_timeout, weight_sync_timeout).") from None
+            except requests.ConnectionError as err:
+                if attempt + 1 < attempts:
+                    time.sleep(0.2 * 2 ** attempt)
+                    continue
+                raise GenerationError(f"The generation server at {self.base_url} refused {method} {path} "
+                                      f"({type(err).__name__}): is it still running?") from None
+            if response.status_code >= 500 and attempt + 1 < attempts:
+                time.sleep(0.2 * 2 ** attempt)
+                continue
+            if response.status_code >= 400:
+                raise GenerationError(f"The generation server at {self.base_url} answered {method} {path} with "
+                                      f"{response.status_code}: {_error_text(response)}")
+            return response.json()
+        raise AssertionError("unreachable")
+
+    def wait_until_up(self) -> dict:
+        """Poll /health until it answers (or connect_timeout passes), then return /server_info."""
+        import requests
+
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                response = self.session.get(f"{self.base_url}/health", timeout=min(5.0, self.connect_timeout))
+                if response.status_code == 200:
+                    break
+                if response.status_code == 401:
+                    raise GenerationError(f"The generation server at {self.base_url} refused the API key (401): "
+                                          "pass the key it was started with.")
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            if time.monotonic() >= deadline:
+                raise GenerationError(f"No generation server answered at {self.base_url} within "
+                                      f"{self.connect_timeout:g} s (vllm_server_timeout): start one (posttrain serve "
+                                      "--model ...), or check vllm_server_base_url / host / port.")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return self.info()
+
+    def info(self) -> dict:
+        return self._call("GET", "/server_info", 60.0, retry=True)
+
+    def completions(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> list[dict]:
+        body = {"prompt": prompts, "n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+                "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
+                "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "return_weight_versions": True}
+        if params.eos_token_ids:
+            body["stop_token_ids"] = list(params.eos_token_ids)
+        return self._call("POST", "/v1/completions", self.request_timeout, retry=True, json=body)["choices"]
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> str:
+        """Send every weight under `version` and check that the server holds exactly what was sent; returns the
+        digest."""
+        self._call("POST", "/start_weight_update", self.sync_timeout, retry=False, json={"weight_version": version})
+        digests: list[str] = []
+        parts = list(wire.buckets(weights, self.max_bucket_bytes))
+        for index, (bucket, aliases) in enumerate(parts):
+            sent = dict(bucket)
+            digests += [wire.tensor_digest(name, tensor) for name, tensor in bucket]
+            digests += [wire.tensor_digest(alias, sent[source] if source in sent else self._find(parts, source))
+                        for alias, source in aliases.items()]
+            data = wire.encode(bucket, aliases)
+            headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
+                       "X-Bucket": f"{index + 1}/{len(parts)}", "Content-Digest": wire.content_digest(data)}
+            self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=data, headers=headers)
+        expected = wire.combine(digests)
+        held = self._call("POST", "/finish_weight_update", self.sync_timeout, retry=False,
+                          json={"weight_version": version})["digest"]
+        if held != expected:
+            raise GenerationError(f"The generation server at {self.base_url} holds other weights than were sent for "
+                                  f"version {version} (digest {held[:12]} against {expected[:12]}): its model differs "
+                                  "from the trainer's, or a tensor was lost; restart it with the trainer's model.")
+        return expected
+
+    @staticmethod
+    def _find(parts, name: str) -> torch.Tensor:
+        for bucket, _ in parts:
+            for n, tensor in bucket:
+                if n == name:
+                    return tensor
+        raise KeyError(name)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _error_text(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    if isinstance(body, dict) and "detail" in body:  # FastAPI's validation errors: name the field
+        detail = body["detail"]
+        if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+            return f"{'.'.join(str(p) for p in detail[0].get('loc', []))}: {detail[0].get('msg', '')}"
+        return str(detail)
+    return str(body)[:300]
+
+
+class ServerGenerator:
+    """The Generator protocol over a ServerClient.
+
+    Args:
+        client: the connected client.
+        params: sampling parameters.
+        pad_id, eos_ids: for padding the rollouts and telling EOS from a cut at max length.
+        seed: seed of the RNG the request seeds are drawn from.
+        model_fingerprint: wire.fingerprint of the trainer's export; must equal the server's model.
+    """
+
+    def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
+                 model_fingerprint: str | None = None):
+        self.client = client
+        self.params = params
+        self.pad_id = pad_id
+        self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
+        self.rng = torch.Generator().manual_seed(seed)
+        self.syncs = 0
+        self.version = None
+        info = client.wait_until_up()
+        if model_fingerprint is not None and info.get("fingerprint") not in (None, model_fingerprint):
+            raise GenerationError(f"The generation server at {client.base_url} serves another model than the one "
+                                  f"being trained ({info.get('model')}, fingerprint {info.get('fingerprint')} "
+                                  f"against {model_fingerprint}): start it with the trainer's model.")
+        self.server_info = info
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.syncs += 1
+        version = f"sync-{self.syncs}"
+        self.client.push(weights, version)
+        self.version = version
+
+    def generate(self, prompts: list[list[int]]) -> Rollouts:
+        runs = _runs(prompts)
+        rows: list[tuple[list[int], dict]] = []
+        start = 0
+        while start < len(runs):  # consecutive runs with the same copy count share one request
+            end = start
+            while end < len(runs) and runs[end][1] == runs[start][1]:
+                end += 1
+            n = runs[start][1]
+            seed = draw_seed(self.rng)
+            choices = self.client.completions([p for p, _ in runs[start:end]], n, self.params, seed)
+            if len(choices) != (end - start) * n:
+                raise GenerationError(f"The generation server at {self.client.base_url} returned {len(choices)} "
+                                      f"completions for {(end - start) * n} asked.")
+            for i, choice in enumerate(sorted(choices, key=lambda c: c["index"])):
+                self._check_version(choice)
+                rows.append((runs[start + i // n][0], choice))
+            start = end
+        return self._rollouts(rows)
+
+    def _check_version(self, choice: dict) -> None:
+        if self.version is None:
+            return
+        spans = choice.get("weight_versions")
+        if spans is None:
+            return  # a server that does not report versions: the digest check at sync is the guarantee
+        stale = [s["version"] for s in spans if s["version"] != self.version]
+        if stale:
+            raise GenerationError(f"The generation server at {self.client.base_url} sampled with weights "
+                                  f"{stale[0]!r}, not the {self.version!r} just pushed: stale weights; check that no "
+                                  "other trainer pushes to it.")
+
+    def _rollouts(self, rows: list[tuple[list[int], dict]]) -> Rollouts:
+        prompt_ids, prompt_mask = left_pad([p for p, _ in rows], self.pad_id, "cpu")
+        width = max(1, max(len(c["token_ids"]) for _, c in rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        is_eos = torch.zeros(len(rows), dtype=torch.bool)
+        eos = set(self.eos_ids)
+        for r, (_, choice) in enumerate(rows):
+            tokens = choice["token_ids"]
+            k = len(tokens)
+            ids[r, :k] = torch.tensor(tokens, dtype=torch.long)
+            mask[r, :k] = True
+            logps[r, :k] = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
+            is_eos[r] = bool(k) and tokens[-1] in eos
+        return Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                        is_eos=is_eos, sampler_logprobs=logps)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _runs(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts as (prompt, copies)."""
+    runs: list[tuple[list[int], int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((list(prompt), 1))
+    return runs

@@ -1,0 +1,193 @@
+"""`posttrain serve`: the HTTP face of an engine (engine.py), speaking a subset of vLLM's own server API so that the
+trainer's one client talks to it and to `vllm serve` alike.
+
+    GET  /health                  200 while the engine is up
+    GET  /v1/models               the served model (its id, max_model_len)
+    GET  /server_info             engine, model fingerprint, max_model_len, logprobs mode, weight version, api version
+    POST /v1/completions          token-id prompts, n, seed, sampling fields, logprobs, return_token_ids,
+                                  return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1)
+    POST /start_weight_update     {"weight_version"}: opens an update (generation answers 409 until it finishes)
+    POST /update_weights          one safetensors bucket as the body (application/octet-stream) with headers
+                                  X-Weight-Version, X-Bucket ("i/n") and Content-Digest (sha-256, RFC 9530); checked
+                                  before anything is loaded; re-sending a bucket is harmless
+    POST /finish_weight_update    {"weight_version"} -> {"digest"}: SHA-256 of the tensors the engine now holds
+
+With an API key every route, the weight routes and /health included, needs `Authorization: Bearer KEY` (401
+otherwise). Bad input gets a 4xx naming the cause (a malformed body 422 naming the field); the server never dies on
+it.
+"""
+
+import hmac
+import logging
+
+from posttrain.serving import wire
+from posttrain.serving.engine import EngineError
+
+API_VERSION = "1"
+logger = logging.getLogger("posttrain.serve")
+
+
+def make_app(engine, api_key: str | None = None):
+    from typing import Optional, Union
+
+    from posttrain._optional import require
+
+    require("fastapi", "posttrain serve")
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, Field
+
+    from posttrain.generation import SamplingParams
+
+    app = FastAPI(title="posttrain serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None:
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse({"error": "missing or wrong API key: send Authorization: Bearer <key>"}, 401)
+        return await call_next(request)
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, err: EngineError):
+        return JSONResponse({"error": str(err)}, err.status)
+
+    class Completion(BaseModel):
+        model: Optional[str] = None
+        prompt: Union[list[list[int]], list[int]]
+        n: int = Field(1, ge=1)
+        max_tokens: int = Field(16, ge=1)
+        min_tokens: int = Field(0, ge=0)
+        temperature: float = Field(1.0, gt=0)
+        top_p: float = Field(1.0, gt=0, le=1)
+        top_k: int = Field(0, ge=-1)
+        min_p: float = Field(0.0, ge=0, le=1)
+        repetition_penalty: float = Field(1.0, gt=0)
+        seed: Optional[int] = Field(None, ge=0)
+        stop_token_ids: Optional[list[int]] = None
+        logprobs: Optional[int] = Field(None, ge=0)
+        return_token_ids: bool = False
+        return_tokens_as_token_ids: bool = False
+        return_weight_versions: bool = False
+
+    class Version(BaseModel):
+        weight_version: str = Field(..., min_length=1)
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "owned_by": "posttrain",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/server_info")
+    def server_info():
+        return {**engine.info(), "api_version": API_VERSION}
+
+    @app.post("/v1/completions")
+    def completions(body: Completion):
+        prompts = body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+        params = SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                top_k=max(body.top_k, 0), min_p=body.min_p or None,
+                                repetition_penalty=body.repetition_penalty, min_new_tokens=body.min_tokens,
+                                eos_token_ids=tuple(body.stop_token_ids or ()))
+        with engine.lock:
+            version = engine.version
+            rollouts = engine.generate(prompts, body.n, params, body.seed if body.seed is not None else 0)
+        return {"object": "text_completion", "model": engine.name,
+                "choices": _choices(rollouts, prompts, body.n, version, body.return_weight_versions)}
+
+    @app.post("/start_weight_update")
+    def start_weight_update(body: Version):
+        with engine.lock:
+            engine.begin_update(body.weight_version)
+        return {"status": "ok"}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        version = request.headers.get("x-weight-version")
+        if not version:
+            raise EngineError("the X-Weight-Version header is missing: send the version of the open update.", 422)
+        data = await request.body()
+        if request.headers.get("content-digest", "") != wire.content_digest(data):
+            raise EngineError("the bucket's bytes do not match its Content-Digest (corrupted in transit): re-send "
+                              "it.", 400)
+        try:
+            tensors, aliases = wire.decode(data)
+        except ValueError as err:
+            raise EngineError(f"the body is {err}.", 400) from None
+        from starlette.concurrency import run_in_threadpool
+
+        def load():
+            with engine.lock:  # off the event loop: /health stays answered while a generate holds the lock
+                engine.load(tensors, aliases, version)
+
+        await run_in_threadpool(load)
+        return {"status": "ok", "tensors": len(tensors), "aliases": len(aliases)}
+
+    @app.post("/finish_weight_update")
+    def finish_weight_update(body: Version):
+        with engine.lock:
+            return {"status": "ok", "digest": engine.finish_update(body.weight_version),
+                    "weight_version": engine.version}
+
+    return app
+
+
+def _choices(rollouts, prompts, n, version, with_versions: bool) -> list[dict]:
+    out = []
+    lengths = rollouts.completion_mask.sum(1).tolist()
+    for row in range(len(rollouts)):
+        k = lengths[row]
+        ids = rollouts.completion_ids[row, :k].tolist()
+        choice = {"index": row, "prompt_token_ids": prompts[row // n], "token_ids": ids, "text": "",
+                  "finish_reason": "stop" if bool(rollouts.is_eos[row]) else "length",
+                  "logprobs": {"token_logprobs": rollouts.sampler_logprobs[row, :k].tolist(),
+                               "tokens": [f"token_id:{t}" for t in ids]}}
+        if with_versions:
+            choice["weight_versions"] = [{"version": version, "start": 0, "end": k}]
+        out.append(choice)
+    return out
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_model_len: int | None = None, dtype: str = "auto", device: str = "cpu",
+          trust_remote_code: bool = False, log_level: str = "warning") -> None:
+    """Load `model` and serve it until interrupted; prints `ready at http://HOST:PORT` once it accepts requests."""
+    import socket
+
+    from posttrain._optional import require
+
+    uvicorn = require("uvicorn", "posttrain serve")
+
+    from posttrain.configs import ConfigError
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.serving.engine import TransformersEngine
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        raise ConfigError(f"posttrain serve binds {host!r}, which other machines can reach, and has no --api_key: "
+                          "its weight routes would take any sender's weights; pass --api_key TOKEN or bind "
+                          "127.0.0.1.")
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if dtype != "auto":
+        kwargs["dtype"] = dtype
+    loaded = load_causal_lm(model, kwargs).to(device)
+    engine = TransformersEngine(loaded, load_tokenizer(model, trust_remote_code), max_model_len, name=model)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(make_app(engine, api_key), log_level=log_level)
+    server = uvicorn.Server(config)
+
+    original = server.startup
+
+    async def startup(sockets=None):
+        await original(sockets=sockets)
+        print(f"posttrain serve: ready at http://{host}:{bound}", flush=True)
+
+    server.startup = startup
+    server.run(sockets=[sock])

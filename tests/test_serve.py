@@ -1,0 +1,262 @@
+"""`posttrain serve` and its client, end to end over real sockets on 127.0.0.1: the wire format, generation equal to
+the in-process generator, verified weight sync (LoRA merged), versions, auth, and faults that must raise one
+sentence within their timeout instead of hanging."""
+
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("requests")
+
+from posttrain.generation import SamplingParams  # noqa: E402
+from posttrain.generation.server import GenerationError, ServerClient, ServerGenerator  # noqa: E402
+from posttrain.generation.transformers_backend import TransformersGenerator, draw_seed  # noqa: E402
+from posttrain.serving import wire  # noqa: E402
+from posttrain.serving.app import make_app  # noqa: E402
+from posttrain.serving.engine import TransformersEngine  # noqa: E402
+from posttrain.testing import tiny_model  # noqa: E402
+from posttrain.weights import export_weights  # noqa: E402
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+PROMPTS = [[5, 76, 5, 84]] * 4 + [[7, 76, 9, 84, 11]] * 4  # two groups of 4, of different lengths
+
+
+@contextlib.contextmanager
+def running(engine, api_key=None):
+    """The app on a real uvicorn server, on a free port of 127.0.0.1, in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _engine(tokenizer, seed=0):
+    return TransformersEngine(tiny_model(tokenizer, seed=seed), tokenizer, max_model_len=64, name="tiny")
+
+
+def _client(url, **kw):
+    return ServerClient(url, connect_timeout=kw.pop("connect_timeout", 10), request_timeout=kw.pop("request_timeout",
+                        30), sync_timeout=30, **kw)
+
+
+def _in_process(model, tokenizer, seed):
+    return TransformersGenerator(model, tokenizer, PARAMS).generate_seeded(PROMPTS, seed)
+
+
+def _first_request_seed(seed):
+    return draw_seed(torch.Generator().manual_seed(seed))
+
+
+def _same(a, b):
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+# ---------------------------------------------------------------------- the wire
+
+
+def test_buckets_round_trip_with_tied_weights_and_a_size_cap(tokenizer):
+    model = tiny_model(tokenizer)  # tied input and output embeddings
+    named = list(export_weights(model))
+    parts = list(wire.buckets(named, max_bytes=4096))
+    assert len(parts) > 2
+    sent = {n for bucket, _ in parts for n, _ in bucket}
+    aliases = {a: s for _, al in parts for a, s in al.items()}
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"} and "lm_head.weight" not in sent
+    for bucket, al in parts:
+        assert sum(t.numel() * t.element_size() for _, t in bucket) <= 4096 or len(bucket) == 1
+        tensors, back = wire.decode(wire.encode(bucket, al))
+        assert back == al and all(torch.equal(tensors[n], t) for n, t in bucket)
+    bf16 = [(n, t.to(torch.bfloat16)) for n, t in named[:3]]
+    tensors, _ = wire.decode(wire.encode(bf16, {}))
+    assert all(tensors[n].dtype == torch.bfloat16 and torch.equal(tensors[n], t) for n, t in bf16)
+    with pytest.raises(ValueError, match="not a safetensors bucket"):
+        wire.decode(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+
+
+# ---------------------------------------------------------------------- generation and sync
+
+
+def test_generation_equals_the_in_process_generator_and_sync_is_verified(tokenizer):
+    engine = _engine(tokenizer)
+    with running(engine) as url:
+        client = _client(url)
+        model = tiny_model(tokenizer)
+        generator = ServerGenerator(client, PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=3,
+                                    model_fingerprint=wire.fingerprint(export_weights(model)))
+        assert generator.server_info["engine"] == "transformers"
+        _same(generator.generate(PROMPTS), _in_process(model, tokenizer, _first_request_seed(3)))
+        # new weights: pushed, verified by digest, and sampled from
+        other = tiny_model(tokenizer, seed=1)
+        generator.rng.manual_seed(4)
+        generator.sync_weights(export_weights(other))
+        assert client.info()["weight_version"] == "sync-1"
+        _same(generator.generate(PROMPTS), _in_process(other, tokenizer, _first_request_seed(4)))
+
+
+@pytest.mark.peft
+def test_a_lora_policy_reaches_the_server_merged(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                              init_lora_weights=False))
+    with running(_engine(tokenizer)) as url:
+        generator = ServerGenerator(_client(url), PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=5)
+        generator.sync_weights(export_weights(policy))  # plain names: the server would refuse base_model.model.*
+        merged = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8,
+                                                                  target_modules=["q_proj", "v_proj"]))
+        merged.load_state_dict(policy.state_dict())
+        merged = merged.merge_and_unload()
+        _same(generator.generate(PROMPTS), _in_process(merged, tokenizer, _first_request_seed(5)))
+
+
+# ---------------------------------------------------------------------- errors, each one sentence
+
+
+def test_bad_requests_get_a_clear_4xx_and_the_server_lives_on(tokenizer):
+    import requests
+
+    engine = _engine(tokenizer)
+    with running(engine) as url:
+        client = _client(url)
+        long = SamplingParams(max_new_tokens=10)
+        with pytest.raises(GenerationError, match="400: prompt 0 has 60 tokens, and with max_tokens=10 that exceeds "
+                                                  "this server's max_model_len=64"):
+            client.completions([[5] * 60], 1, long, 0)
+        with pytest.raises(GenerationError, match=r"422: body.n: Input should be greater than or equal to 1"):
+            client.completions([[5, 6]], 0, PARAMS, 0)
+        client._call("POST", "/start_weight_update", 5, retry=False, json={"weight_version": "v9"})
+        with pytest.raises(GenerationError, match="409: a weight update to version 'v9' is in progress"):
+            client.completions([[5, 6]], 1, PARAMS, 0)
+        bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer)), 1 << 30))
+        data = bytearray(wire.encode(bucket, aliases))
+        headers = {"X-Weight-Version": "v9", "Content-Digest": wire.content_digest(bytes(data))}
+        data[100] ^= 1  # a flipped bit in transit
+        response = requests.post(f"{url}/update_weights", data=bytes(data), headers=headers, timeout=10)
+        assert response.status_code == 400 and "corrupted in transit" in response.json()["error"]
+        engine.abort_update()
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_the_wrong_model_at_the_other_end(tokenizer):
+    with running(_engine(tokenizer)) as url:
+        bigger = tiny_model(tokenizer, hidden=48)
+        with pytest.raises(GenerationError, match="serves another model than the one being trained"):
+            ServerGenerator(_client(url), PARAMS, 0, [1], model_fingerprint=wire.fingerprint(export_weights(bigger)))
+        generator = ServerGenerator(_client(url), PARAMS, 0, [1])
+        with pytest.raises(GenerationError, match=r"400: weight '\S+' has shape \(.*48.*\), the served model's "
+                                                  r"\(.*64.*\): the trainer's model differs"):
+            generator.sync_weights(export_weights(bigger))
+
+
+def test_no_server_raises_within_the_connect_timeout():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    start = time.time()
+    with pytest.raises(GenerationError, match=rf"No generation server answered at http://127.0.0.1:{port} within "
+                                              r"1.5 s \(vllm_server_timeout\)"):
+        ServerGenerator(_client(f"http://127.0.0.1:{port}", connect_timeout=1.5), PARAMS, 0, [1])
+    assert time.time() - start < 5
+
+
+def test_a_hung_generate_raises_within_the_request_timeout(tokenizer):
+    class Hanging(TransformersEngine):
+        def generate(self, *args, **kwargs):
+            time.sleep(30)
+
+    with running(Hanging(tiny_model(tokenizer), tokenizer)) as url:
+        client = _client(url, request_timeout=1.0)
+        start = time.time()
+        with pytest.raises(GenerationError, match="did not answer POST /v1/completions within 1 s"):
+            client.completions([[5, 6]], 1, PARAMS, 0)
+        assert time.time() - start < 5
+
+
+def test_a_500_on_a_bucket_is_retried(tokenizer):
+    class Flaky(TransformersEngine):
+        failures = 1
+
+        def load(self, *args, **kwargs):
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise RuntimeError("transient")
+            return super().load(*args, **kwargs)
+
+    with running(Flaky(tiny_model(tokenizer), tokenizer)) as url:
+        generator = ServerGenerator(_client(url), PARAMS, 0, [1])
+        generator.sync_weights(export_weights(tiny_model(tokenizer, seed=2)))  # verified by digest after the retry
+        assert Flaky.failures == 0
+
+
+def test_a_server_killed_mid_sync_raises_instead_of_hanging(tmp_path, tiny_model_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "serve", "--model", tiny_model_dir, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("posttrain serve: ready at http://127.0.0.1:"), line + proc.stderr.read()[-2000:]
+        url = line.split("ready at ")[1].strip()
+        from posttrain.testing import tiny_tokenizer
+
+        model = tiny_model(tiny_tokenizer(all_bytes=False))
+
+        def dying():
+            for i, pair in enumerate(export_weights(model)):
+                if i == 3:
+                    proc.kill()
+                    proc.wait()
+                yield pair
+
+        client = _client(url)
+        client.max_bucket_bytes = 1024  # many buckets: the kill lands between two of them
+        client.retries = 2
+        start = time.time()
+        with pytest.raises(GenerationError, match=f"The generation server at {url} refused POST /update_weights"):
+            client.push(dying(), "v1")
+        assert time.time() - start < 10
+    finally:
+        proc.kill()
+
+
+# ---------------------------------------------------------------------- auth
+
+
+def test_a_key_guards_every_route(tokenizer):
+    import requests
+
+    with running(_engine(tokenizer), api_key="s3cret") as url:
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", "/server_info"),
+                             ("POST", "/v1/completions"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+                             ("POST", "/finish_weight_update")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                assert requests.request(method, f"{url}{path}", headers=headers, timeout=5).status_code == 401, path
+        with pytest.raises(GenerationError, match="refused the API key"):
+            ServerGenerator(_client(url, connect_timeout=3, api_key="wrong"), PARAMS, 0, [1])
+        generator = ServerGenerator(_client(url, api_key="s3cret"), PARAMS, 0, [1])
+        assert len(generator.generate([[5, 6]] * 2)) == 2
+
+
+def test_binding_beyond_loopback_needs_a_key(tiny_model_dir):
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "serve", "--model", tiny_model_dir, "--host",
+                          "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "has no --api_key" in out.stderr and "Traceback" not in out.stderr
