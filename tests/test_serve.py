@@ -109,7 +109,7 @@ def test_generation_equals_the_in_process_generator_and_sync_is_verified(tokeniz
         other = tiny_model(tokenizer, seed=1)
         generator.rng.manual_seed(4)
         generator.sync_weights(export_weights(other))
-        assert client.info()["weight_version"] == "sync-1"
+        assert client.info()["weight_version"] == "run:sync-1"
         _same(generator.generate(PROMPTS), _in_process(other, tokenizer, _first_request_seed(4)))
 
 
@@ -260,3 +260,47 @@ def test_binding_beyond_loopback_needs_a_key(tiny_model_dir):
     out = subprocess.run([sys.executable, "-m", "posttrain.cli", "serve", "--model", tiny_model_dir, "--host",
                           "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "has no --api_key" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------- the trainer through a server
+
+
+def _grpo(tokenizer, tmp_path, **overrides):
+    from conftest import length_reward, tiny_config
+    from datasets import Dataset
+
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+    config = tiny_config(tmp_path, max_steps=3, logging_steps=1, **overrides)
+    return GRPOTrainer(tiny_model(tokenizer), reward_funcs=length_reward, args=config, train_dataset=prompts,
+                       processing_class=tokenizer)
+
+
+def test_grpo_through_posttrain_serve_equals_in_process(tokenizer, tmp_path):
+    """The same seed gives the same completions, rewards, losses and final weights whether the policy samples
+    in-process or a server does, its weights pushed and verified before every round."""
+    local = _grpo(tokenizer, tmp_path / "local")
+    local.train()
+    engine = TransformersEngine(tiny_model(tokenizer, seed=9), tokenizer, name="tiny")  # other weights: the push
+    with running(engine) as url:                                                        # must replace them all
+        served = _grpo(tokenizer, tmp_path / "served", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                       vllm_server_timeout=10.0)
+        served.train()
+        assert engine.version.endswith(":sync-3")
+    for a, b in zip([h for h in local.state.log_history if "loss" in h],
+                    [h for h in served.state.log_history if "loss" in h]):
+        for key in ("loss", "reward", "completions/mean_length"):
+            assert a[key] == b[key], (a["step"], key)
+    for (name, p), (_, q) in zip(local.policy.named_parameters(), served.policy.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_grpo_config_for_a_server():
+    from posttrain.configs import ConfigError, GRPOConfig
+
+    assert GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_port=9000).server_url == "http://0.0.0.0:9000"
+    with pytest.raises(ConfigError, match="vllm_mode='colocate' .* is not in this release: set vllm_mode='server'"):
+        GRPOConfig(use_vllm=True)
+    with pytest.raises(ConfigError, match=r"vllm_structured_outputs_regex='a\+' is not supported"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a+")

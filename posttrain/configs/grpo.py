@@ -207,13 +207,55 @@ class GRPOObjectiveConfig:
         check_padding_multiple(self)
 
 
+VLLM_MODES = ("colocate", "server")
+
+
+@dataclass
+class GenerationServerConfig:
+    """Where completions are sampled: in the training process (the default), or by a generation server that the
+    trainer pushes its weights to (`posttrain serve`, or anything speaking its subset of vLLM's API)."""
+
+    use_vllm: bool = _help(
+        "Generate outside the trainer's own sampler: with vllm_mode=server, by the server at vllm_server_base_url "
+        "(posttrain serve runs anywhere, CPU included). False: the in-process sampler.", default=False)
+    vllm_mode: str = _help(
+        "server: a generation server the trainer reaches over HTTP, its weights pushed and checked by digest before "
+        "every round; colocate (vLLM inside the training process) is not in this release.", default="colocate")
+    vllm_server_base_url: Optional[str] = _help(
+        "The server's base URL (e.g. http://10.0.0.2:8000); when set, vllm_server_host and vllm_server_port are "
+        "ignored. A key the server requires is read from the VLLM_API_KEY environment variable.", default=None)
+    vllm_server_host: str = _help("The server's host, when vllm_server_base_url is not set.", default="0.0.0.0")
+    vllm_server_port: int = _help("The server's port, when vllm_server_base_url is not set.",
+                                  range=Range(1, 65535), default=8000)
+    vllm_server_timeout: float = _help(
+        "Seconds to wait for the server to answer /health at start-up before stopping with one sentence.",
+        range=POSITIVE, default=240.0)
+    request_timeout: float = _help(
+        "Seconds one generation request may take before the run stops with one sentence (AsyncGRPOConfig's name).",
+        range=POSITIVE, default=600.0)
+    weight_sync_timeout: float = _help(
+        "Seconds each weight-sync call may take before the run stops with one sentence (AsyncGRPOConfig's name).",
+        range=POSITIVE, default=1800.0)
+
+    def _check(self):
+        check_choice(self, "vllm_mode", VLLM_MODES)
+        if self.use_vllm and self.vllm_mode == "colocate":
+            raise ConfigError("use_vllm=True with vllm_mode='colocate' (vLLM inside the training process) is not in "
+                              "this release: set vllm_mode='server' and start a server (posttrain serve --model ...), "
+                              "or set use_vllm=False to sample in-process.")
+
+    @property
+    def server_url(self) -> str:
+        return (self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}").rstrip("/")
+
+
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @dataclass
 class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-                 PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GRPOCompatConfig):
+                 PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig, GRPOCompatConfig):
     """Everything that configures a GRPO run (TRL's `GRPOConfig` names and defaults).
 
     Derived values are filled in at construction: `steps_per_generation`, `generation_batch_size`,
@@ -221,7 +263,7 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     """
 
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-              PromptDataConfig, SamplingConfig, GRPOObjectiveConfig)
+              PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig)
     COMPAT = GRPOCompatConfig
 
     def __post_init__(self):

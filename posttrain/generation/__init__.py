@@ -1,7 +1,7 @@
 """Generation: the `Generator` protocol, its outputs, and the backends behind it.
 
 A backend turns tokenised prompts into sampled completions. The trainer sees only this protocol;
-which engine runs underneath (transformers in-process here; vLLM and a server later) is chosen at
+which engine runs underneath (transformers in-process, or a generation server: generation/server.py) is chosen at
 setup by `make_generator`.
 """
 
@@ -174,8 +174,24 @@ class Generator(Protocol):
         """Release the engine's resources."""
 
 
-def make_generator(config, policy, tokenizer, seed: int = 0) -> Generator:
-    """The generation backend for `config`: the in-process transformers one, sampling from `policy` itself."""
-    from posttrain.generation.transformers_backend import TransformersGenerator
+def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run") -> Generator:
+    """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
+    (process 0 pushes the weights, every process generates its own share); otherwise the in-process transformers
+    sampler, sampling from `policy` itself."""
+    from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
-    return TransformersGenerator(policy, tokenizer, SamplingParams.from_config(config), seed=seed)
+    params = SamplingParams.from_config(config)
+    if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
+        import os
+
+        from posttrain.generation.server import ServerClient, ServerGenerator
+        from posttrain.serving.wire import fingerprint
+        from posttrain.weights import export_weights
+
+        client = ServerClient(config.server_url, api_key=os.environ.get("VLLM_API_KEY"),
+                              connect_timeout=config.vllm_server_timeout, request_timeout=config.request_timeout,
+                              sync_timeout=config.weight_sync_timeout)
+        return ServerGenerator(client, params, tokenizer.pad_token_id, eos_token_ids(policy, tokenizer), seed=seed,
+                               model_fingerprint=fingerprint(export_weights(policy)),
+                               pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device)
+    return TransformersGenerator(policy, tokenizer, params, seed=seed)

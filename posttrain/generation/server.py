@@ -106,6 +106,16 @@ class ServerClient:
     def info(self) -> dict:
         return self._call("GET", "/server_info", 60.0, retry=True)
 
+    def wait_for_version(self, version: str) -> None:
+        """Poll /server_info until the server holds `version` (pushed by another process), within sync_timeout."""
+        deadline = time.monotonic() + self.sync_timeout
+        while self.info().get("weight_version") != version:
+            if time.monotonic() >= deadline:
+                raise GenerationError(f"The generation server at {self.base_url} did not receive weights {version!r} "
+                                      f"within {self.sync_timeout:g} s (weight_sync_timeout): the process pushing "
+                                      "them stalled or failed.")
+            time.sleep(0.05)
+
     def completions(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> list[dict]:
         body = {"prompt": prompts, "n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
@@ -179,12 +189,15 @@ class ServerGenerator:
     """
 
     def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
-                 model_fingerprint: str | None = None):
+                 model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu"):
         self.client = client
         self.params = params
         self.pad_id = pad_id
         self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
         self.rng = torch.Generator().manual_seed(seed)
+        self.pushes = pushes  # one process pushes; the others wait until the server holds that version
+        self.run_id = run_id
+        self.device = device
         self.syncs = 0
         self.version = None
         info = client.wait_until_up()
@@ -195,9 +208,14 @@ class ServerGenerator:
         self.server_info = info
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Process 0 pushes the weights (checked by digest); every other process waits, with the sync timeout,
+        until the server reports that version: no collective, so a failure anywhere cannot leave one waiting."""
         self.syncs += 1
-        version = f"sync-{self.syncs}"
-        self.client.push(weights, version)
+        version = f"{self.run_id}:sync-{self.syncs}"
+        if self.pushes:
+            self.client.push(weights, version)
+        else:
+            self.client.wait_for_version(version)
         self.version = version
 
     def generate(self, prompts: list[list[int]]) -> Rollouts:
@@ -247,8 +265,9 @@ class ServerGenerator:
             mask[r, :k] = True
             logps[r, :k] = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
             is_eos[r] = bool(k) and tokens[-1] in eos
-        return Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                        is_eos=is_eos, sampler_logprobs=logps)
+        rollouts = Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                            is_eos=is_eos, sampler_logprobs=logps)
+        return Rollouts(**{f: getattr(rollouts, f).to(self.device) for f in rollouts.__dataclass_fields__})
 
     def close(self) -> None:
         self.client.close()

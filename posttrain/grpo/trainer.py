@@ -73,7 +73,10 @@ class GRPOTrainer(Trainer):
                                 reward_processing_classes, peft_config)
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
         self._prepare(model, self._total_steps())
-        self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + self.accelerator.process_index)
+        rank, run_id = self.accelerator.process_index, self._run_id()
+        with guarded(self.accelerator):  # a server one process cannot reach stops every process
+            self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + rank,
+                                            process_index=rank, run_id=run_id)
         self.loss_fn = get_loss(args.loss_type)
         self.loss_params = LossParams(
             args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,
@@ -100,6 +103,17 @@ class GRPOTrainer(Trainer):
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
+
+    def _run_id(self) -> str:
+        """A name for this run's weight versions on a generation server, the same on every process."""
+        import uuid
+
+        from accelerate.utils import broadcast_object_list
+
+        name = [uuid.uuid4().hex[:12]]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(name, from_process=0)
+        return name[0]
 
     def _setup(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
                peft_config):
