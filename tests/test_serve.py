@@ -304,3 +304,51 @@ def test_grpo_config_for_a_server():
         GRPOConfig(use_vllm=True)
     with pytest.raises(ConfigError, match=r"vllm_structured_outputs_regex='a\+' is not supported"):
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a+")
+
+
+@contextlib.contextmanager
+def serve_process(model_dir, *extra):
+    """`posttrain serve --port 0` in a subprocess; yields its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "serve", "--model", model_dir, "--port", "0",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("posttrain serve: ready at "), line + proc.stderr.read()[-2000:]
+        yield line.split("ready at ")[1].strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.multiproc
+def test_two_processes_share_one_server(tmp_path, tiny_model_dir):
+    """`posttrain grpo` on 2 processes (gloo) through one `posttrain serve`: process 0 pushes, both generate and
+    train in step; a server that dies mid-run makes both processes stop with one sentence."""
+    import json
+
+    from test_cli import _env, _write_data
+
+    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
+              "--reward_funcs", "length", "--per_device_train_batch_size", "8", "--num_generations", "4",
+              "--max_completion_length", "6", "--logging_steps", "1", "--save_strategy", "no",
+              "--gradient_checkpointing", "false", "--use_cpu", "true", "--use_vllm", "true", "--vllm_mode", "server",
+              "--accelerate_config", "multi_gpu", "--num_processes", "2"]
+    with serve_process(tiny_model_dir) as url:
+        out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, "--max_steps", "3",
+                              "--vllm_server_base_url", url, "--vllm_server_timeout", "30", "--output_dir",
+                              str(tmp_path / "two")],
+                             capture_output=True, text=True, env=_env(), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        records = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+        assert [r["step"] for r in records] == [1, 2, 3]
+        import requests
+
+        assert requests.get(f"{url}/server_info", timeout=5).json()["weight_version"].endswith(":sync-3")
+    # the server is gone: both processes stop at start-up with the same sentence, within the timeout
+    start = time.time()
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, "--max_steps", "1",
+                          "--vllm_server_base_url", url, "--vllm_server_timeout", "2", "--output_dir",
+                          str(tmp_path / "gone")], capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode != 0 and time.time() - start < 120
+    errors = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
+    assert len(errors) == 1 and f"No generation server answered at {url} within 2 s" in errors[0]  # printed once
