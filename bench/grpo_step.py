@@ -1,7 +1,8 @@
 """posttrain's side of the anchor benchmark: GRPO on CPU on a local tiny model, fixed workload.
 
 Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [--completion 64] [--beta 0.04]
-                                          [--peft] [--gradient-checkpointing] [--threads 2]
+                                          [--peft] [--gradient-checkpointing] [--threads 2] [--server URL]
+(--server URL: generate through `posttrain serve` at URL, weights pushed before every round: bench/compare_serve.sh.)
 Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
 lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
 Every completion is forced to full length (min_new_tokens) so both sides do identical work.
@@ -32,6 +33,7 @@ def main():
     ap.add_argument("--peft", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
+    ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
     args = ap.parse_args()
 
     import torch
@@ -53,7 +55,8 @@ def main():
         num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
         save_strategy="no", seed=0, generation_kwargs={"min_new_tokens": args.completion},
-        gradient_checkpointing=args.gradient_checkpointing)
+        gradient_checkpointing=args.gradient_checkpointing,
+        **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server} if args.server else {}))
     peft_config = None
     if args.peft:
         from peft import LoraConfig
@@ -72,7 +75,7 @@ def main():
     prompt_len = max(len(ids) for ids in trainer.prompts.prompt_ids)
     flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
     print(json.dumps({
-        "impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "impl": "posttrain-serve" if args.server else "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
         "completion_tok_per_s": round(tokens / wall, 1), "peak_rss_mib": peak,
         "step_gflop": round(flops["total"] / 1e9, 1),
         "achieved_gflop_per_s": round(flops["total"] / 1e9 / (wall / args.steps), 1),

@@ -35,6 +35,7 @@ def running(engine, api_key=None):
     import uvicorn
 
     sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as serve() does
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), log_level="error"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

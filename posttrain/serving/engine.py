@@ -10,8 +10,6 @@ and lean decoder as in-process generation), and weight updates that end with a d
                                         them (in the dtype they were sent in)
 """
 
-import threading
-
 import torch
 
 from posttrain.generation import Rollouts, SamplingParams
@@ -40,8 +38,7 @@ class TransformersEngine:
         self.name = name
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_model_len = max_model_len or limit or 1 << 30
-        self.version = "initial"
-        self.lock = threading.Lock()  # one request at a time: generation and updates never interleave
+        self.version = "initial"  # calls arrive one at a time (app.py runs them on one thread)
         self.updating: str | None = None  # the version of an open update
         self._state = dict(self.model.state_dict())
         self.fingerprint = wire.fingerprint(self._state.items())

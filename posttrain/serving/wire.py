@@ -87,7 +87,8 @@ def _metadata(data: bytes) -> dict:
 def tensor_digest(name: str, tensor: torch.Tensor) -> str:
     t = tensor.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     return h.hexdigest()
 
 
