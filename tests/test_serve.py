@@ -217,9 +217,9 @@ def test_a_server_killed_mid_sync_raises_instead_of_hanging(tmp_path, tiny_model
         line = proc.stdout.readline()
         assert line.startswith("posttrain serve: ready at http://127.0.0.1:"), line + proc.stderr.read()[-2000:]
         url = line.split("ready at ")[1].strip()
-        from posttrain.testing import tiny_tokenizer
+        from transformers import AutoModelForCausalLM
 
-        model = tiny_model(tiny_tokenizer(all_bytes=False))
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # the served model: only the kill can fail it
 
         def dying():
             for i, pair in enumerate(export_weights(model)):

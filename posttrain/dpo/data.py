@@ -246,10 +246,6 @@ class PairPreparation:
     def concatenate(parts: list[PairRows]) -> PairRows:
         return PairRows.concatenate(parts)
 
-    @staticmethod
-    def empty() -> PairRows:
-        return PairRows.concatenate([])
-
 
 def prepare_pairs(dataset, preparation: PairPreparation, block: int = 1000) -> PairRows:
     """Every row of a map-style dataset as token pairs, with the dropped ones counted in the log."""

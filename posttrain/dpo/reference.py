@@ -17,20 +17,17 @@ import logging
 import os
 
 import numpy as np
-import torch
 
 from posttrain.configs import ConfigError
 from posttrain.models.peft import is_peft_model
-from posttrain.models.preparation import reference_of
+from posttrain.models.preparation import disable_dropout, reference_of
 
 logger = logging.getLogger("posttrain")
 
 
 def _frozen(model, args, device):
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -26,7 +26,7 @@ from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, prepare_p
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.models.peft import reference_mode
+from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
 from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable
 from posttrain.sft.rows import EpochPlan
@@ -170,8 +170,7 @@ class DPOTrainer(BatchedDataTrainer):
     # ------------------------------------------------------------------ the reference
 
     def _reference_context(self):
-        if self.reference_adapter is not None or (self.ref_model is None and hasattr(self.policy_or_model,
-                                                                                      "peft_config")):
+        if self.reference_adapter is not None or (self.ref_model is None and is_peft_model(self.policy_or_model)):
             return reference_mode(self.policy_or_model, self.reference_adapter)
         return contextlib.nullcontext()
 
@@ -219,8 +218,7 @@ class DPOTrainer(BatchedDataTrainer):
             try:
                 for i in range(0, len(mine), batch_size):
                     part = mine[i:i + batch_size]
-                    batch = collate_pairs(pairs.select(part), self.tokenizer.pad_token_id, self.args.padding_free,
-                                          self.pad_to_multiple_of).to(acc.device)
+                    batch = self._collate(pairs.select(part)).to(acc.device)
                     ref = self._reference_logps(batch).double().cpu().numpy()
                     out.extend(zip(part.tolist(), ref.tolist()))
             finally:
@@ -375,7 +373,7 @@ class DPOTrainer(BatchedDataTrainer):
             pairs = prepare_pairs(dataset, self._preparation(dataset, "eval_dataset"))
             if args.precompute_ref_log_probs:
                 if model is None and self.ref_model is None and self.reference_adapter is None and \
-                        not hasattr(self.policy, "peft_config") and self.state.global_step > 0:
+                        not is_peft_model(self.policy) and self.state.global_step > 0:
                     raise ConfigError("Cannot compute reference log-probs for a dataset passed to evaluate() after "
                                       "training started: with precompute_ref_log_probs=True and full fine-tuning no "
                                       "reference model is kept. Pass it as eval_dataset to the trainer, pass a "
@@ -392,15 +390,14 @@ class DPOTrainer(BatchedDataTrainer):
         start = time.time()
         pairs = self._prepared_eval(dataset)
         acc = self.accelerator
-        chosen_total = torch.tensor([float(pairs.rows.target_counts[0::2].sum())], dtype=torch.float64)
+        chosen_total = float(pairs.rows.target_counts[0::2].sum())
         totals = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
-        plan_pairs = PairIndex(len(pairs))
         with torch.no_grad():
-            for share in eval_batches(plan_pairs, self.args.per_device_eval_batch_size, acc.num_processes,
+            for share in eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes,
                                       acc.process_index):
-                batch = self._collate(pairs.select(share.index)).to(acc.device)
+                batch = self._collate(share).to(acc.device)
                 pair_sum, sft_sum, stats = self._micro_loss(batch, grad=False)
-                stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(float(chosen_total), 1.0)
+                stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(chosen_total, 1.0)
                 totals += stats
         totals = acc.reduce(totals, reduction="sum")
         runtime = time.time() - start
@@ -452,17 +449,3 @@ class DPOTrainer(BatchedDataTrainer):
 
     def _checkpoint_models(self) -> dict:
         return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
-
-
-class PairIndex:
-    """A stand-in with the `lengths` and `select` eval_batches needs, to split pair indices into micro-batches."""
-
-    def __init__(self, n: int, index: np.ndarray | None = None):
-        self.index = np.arange(n) if index is None else index
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.ones(len(self.index), dtype=np.int64)
-
-    def select(self, rows) -> "PairIndex":
-        return PairIndex(0, self.index[np.asarray(rows, dtype=np.int64)])

@@ -131,15 +131,16 @@ class ServerClient:
         digest."""
         self._call("POST", "/start_weight_update", self.sync_timeout, retry=False, json={"weight_version": version})
         digests: list[str] = []
-        parts = list(wire.buckets(weights, self.max_bucket_bytes))
-        for index, (bucket, aliases) in enumerate(parts):
-            sent = dict(bucket)
-            digests += [wire.tensor_digest(name, tensor) for name, tensor in bucket]
-            digests += [wire.tensor_digest(alias, sent[source] if source in sent else self._find(parts, source))
-                        for alias, source in aliases.items()]
+
+        def digested(named):  # every name is digested as it passes, tied names included: no second pass, no copy
+            for name, tensor in named:
+                digests.append(wire.tensor_digest(name, tensor))
+                yield name, tensor
+
+        for index, (bucket, aliases) in enumerate(wire.buckets(digested(weights), self.max_bucket_bytes)):
             data = wire.encode(bucket, aliases)
             headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
-                       "X-Bucket": f"{index + 1}/{len(parts)}", "Content-Digest": wire.content_digest(data)}
+                       "X-Bucket": str(index + 1), "Content-Digest": wire.content_digest(data)}
             self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=data, headers=headers)
         expected = wire.combine(digests)
         held = self._call("POST", "/finish_weight_update", self.sync_timeout, retry=False,
@@ -149,14 +150,6 @@ class ServerClient:
                                   f"version {version} (digest {held[:12]} against {expected[:12]}): its model differs "
                                   "from the trainer's, or a tensor was lost; restart it with the trainer's model.")
         return expected
-
-    @staticmethod
-    def _find(parts, name: str) -> torch.Tensor:
-        for bucket, _ in parts:
-            for n, tensor in bucket:
-                if n == name:
-                    return tensor
-        raise KeyError(name)
 
     def close(self) -> None:
         self.session.close()

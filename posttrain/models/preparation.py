@@ -15,15 +15,20 @@ def prepare_policy(model, args, peft_config, device):
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     if args.cast_lm_head_to_fp32:
         cast_output_layer_to_fp32(model)
     if args.gradient_checkpointing:
         enable_checkpointing(model, args.gradient_checkpointing_kwargs)
     model.config.use_cache = False
     return model.to(device).train()
+
+
+def disable_dropout(model) -> None:
+    """Every dropout probability of `model` set to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def make_reference(model, args, came_with_adapter: bool):
@@ -38,7 +43,8 @@ def make_reference(model, args, came_with_adapter: bool):
 
 
 def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
-    """(frozen copy of `model`, None), or for a LoRA model (None, the reference adapter's name or None: adapters off)."""
+    """(frozen copy of `model`, None), or for a LoRA model (None, the reference adapter's name, or None for adapters
+    off)."""
     if is_peft_model(model):
         if sync_ref_model:
             raise ConfigError("sync_ref_model=True needs a separate reference model, and a LoRA run has none (its "

@@ -8,8 +8,8 @@ trainer's one client talks to it and to `vllm serve` alike.
                                   return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1)
     POST /start_weight_update     {"weight_version"}: opens an update (generation answers 409 until it finishes)
     POST /update_weights          one safetensors bucket as the body (application/octet-stream) with headers
-                                  X-Weight-Version, X-Bucket ("i/n") and Content-Digest (sha-256, RFC 9530); checked
-                                  before anything is loaded; re-sending a bucket is harmless
+                                  X-Weight-Version, X-Bucket (its index, from 1) and Content-Digest (sha-256,
+                                  RFC 9530), checked before anything is loaded; re-sending a bucket is harmless
     POST /finish_weight_update    {"weight_version"} -> {"digest"}: SHA-256 of the tensors the engine now holds
 
 With an API key every route, the weight routes and /health included, needs `Authorization: Bearer KEY` (401

@@ -73,7 +73,7 @@ class TransformersEngine:
 
     def begin_update(self, version: str) -> None:
         self.updating = version
-        self._digests: dict[str, str] = {}
+        self._sent_dtypes: dict[str, str] = {}
 
     def load(self, tensors: dict[str, torch.Tensor], aliases: dict[str, str], version: str) -> None:
         if self.updating is None or version != self.updating:
@@ -93,18 +93,18 @@ class TransformersEngine:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self._state[name].copy_(tensor)
-                self._digests[name] = tensor.dtype
+                self._sent_dtypes[name] = tensor.dtype
             for alias, source in aliases.items():
                 if self._state[alias].data_ptr() != self._state[source].data_ptr():
                     self._state[alias].copy_(self._state[source])
-                self._digests[alias] = tensors[source].dtype if source in tensors else self._digests.get(source)
+                self._sent_dtypes[alias] = tensors[source].dtype if source in tensors else self._sent_dtypes.get(source)
 
     def finish_update(self, version: str) -> str:
         """Close the update; the digest of every tensor it named, read back from the model in the sent dtype."""
         if self.updating != version:
             raise EngineError(f"no update to version {version!r} is open.", 409)
         digest = wire.combine(wire.tensor_digest(name, self._state[name].to(dtype))
-                              for name, dtype in self._digests.items())
+                              for name, dtype in self._sent_dtypes.items())
         self.version, self.updating = version, None
         return digest
 

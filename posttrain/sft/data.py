@@ -50,6 +50,8 @@ class Preparation:
     def sequences(self, rows: list[dict], first_index: int) -> TokenRows:
         return TokenRows.from_sequences(self.encoder.encode(rows, first_index))
 
+    concatenate = staticmethod(TokenRows.concatenate)
+
     def rows(self, sequences: TokenRows) -> tuple[TokenRows, int]:
         """(training rows, sequences dropped with no target left)."""
         if self.skip:  # already prepared by the user: used as given
@@ -179,7 +181,7 @@ class StreamBatches:
             parts.append(part)
             have += len(part)
         self._taken_in_epoch += have
-        return getattr(self.preparation, "concatenate", TokenRows.concatenate)(parts)
+        return self.preparation.concatenate(parts)
 
     def next_step(self) -> list[TokenRows]:
         per_global = self.size * self.processes
