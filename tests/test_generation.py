@@ -3,7 +3,7 @@ import torch
 
 from posttrain.configs import GRPOConfig
 from posttrain.generation import SamplingParams
-from posttrain.generation.sampling import filter_logits, sample
+from posttrain.generation.sampling import filter_logits, mix64, mix64_int, row_streams, sample, stream_uniforms
 from posttrain.generation.transformers_backend import ModelStepper, TransformersGenerator
 from posttrain.models.logprobs import token_logprobs
 
@@ -70,8 +70,8 @@ def test_sampling_frequencies_follow_the_distribution(vocab):
     heavy = torch.tensor([0, vocab // 2, vocab - 1])  # in the first, a middle and the ragged last block
     probs[heavy] = torch.tensor([0.55, 0.3, 0.1]) + (0.05 if vocab == 3 else 0.0) * torch.tensor([1.0, 0, 0])
     rows = 8000
-    rng = torch.Generator().manual_seed(0)
-    tokens, logp = sample(probs.log().expand(rows, vocab), rng)
+    uniforms = stream_uniforms(row_streams(0, torch.arange(rows)), 0)  # the decoder's counter-based numbers
+    tokens, logp = sample(probs.log().expand(rows, vocab), uniforms)
     freq = torch.bincount(tokens, minlength=vocab).float() / rows
     assert torch.allclose(freq[heavy], probs[heavy], atol=0.02)
     assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)  # each draw's log-prob is its token's
@@ -198,3 +198,40 @@ def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):
     assert not lean_decoder.supports(windowed)
     gen = TransformersGenerator(windowed, tokenizer, SamplingParams(max_new_tokens=4), seed=0)
     assert isinstance(gen._stepper(torch.ones(2, 3, dtype=torch.bool), 4), ModelStepper)
+
+
+def test_counter_based_streams_are_splitmix64_and_uniform():
+    import random
+
+    values = [random.Random(0).getrandbits(64) - (1 << 63) for _ in range(2000)] + [0, -1, (1 << 63) - 1, -(1 << 63)]
+    assert mix64(torch.tensor(values)).tolist() == [mix64_int(v) for v in values]  # int64 wraps as uint64 would
+    assert mix64_int(0) & ((1 << 64) - 1) == 0xE220A8397B1DCDAF  # splitmix64's first output for seed 0
+    u = stream_uniforms(row_streams(11, torch.arange(50_000)), 7).squeeze(1)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    # a row's numbers depend on its key and the step, not on its neighbours
+    some = stream_uniforms(row_streams(11, torch.tensor([49_999, 3])), 7).squeeze(1)
+    assert some.tolist() == [float(u[49_999]), float(u[3])]
+    assert not torch.equal(stream_uniforms(row_streams(11, torch.arange(4)), 8),
+                           stream_uniforms(row_streams(11, torch.arange(4)), 7))
+
+
+def test_a_row_samples_the_same_completion_in_any_batch(tokenizer):
+    """What makes completions independent of the number of processes: a row's completion depends on its prompt,
+    its key and the round's seed only, not on the rows beside it."""
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer)
+    gen = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=8))
+    prompts = [[5, 76, 5, 84]] * 3 + [[7, 76, 9, 84, 11]] * 3
+    whole = gen.generate_seeded(prompts, 21)
+    first = gen.generate_seeded(prompts[:2], 21, row_keys=[0, 1])
+    rest = gen.generate_seeded(prompts[2:], 21, row_keys=[2, 3, 4, 5])
+    for rows, part in ((slice(0, 2), first), (slice(2, 6), rest)):
+        for r, row in zip(range(6)[rows], range(len(part))):
+            n = int(whole.completion_mask[r].sum())
+            assert n == int(part.completion_mask[row].sum())
+            assert whole.completion_ids[r, :n].tolist() == part.completion_ids[row, :n].tolist()
+            assert torch.allclose(whole.sampler_logprobs[r, :n], part.sampler_logprobs[row, :n], atol=1e-5)
+    # copies of one prompt differ (their keys do)
+    assert len({tuple(whole.completion_ids[r].tolist()) for r in range(3)}) > 1

@@ -142,12 +142,12 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_lives_on(tokenizer):
         long = SamplingParams(max_new_tokens=10)
         with pytest.raises(GenerationError, match="400: prompt 0 has 60 tokens, and with max_tokens=10 that exceeds "
                                                   "this server's max_model_len=64"):
-            client.completions([[5] * 60], 1, long, 0)
+            client.completions([[5] * 60], 1, 0, long)
         with pytest.raises(GenerationError, match=r"422: body.n: Input should be greater than or equal to 1"):
-            client.completions([[5, 6]], 0, PARAMS, 0)
+            client.completions([[5, 6]], 0, 0, PARAMS)
         client._call("POST", "/start_weight_update", 5, retry=False, json={"weight_version": "v9"})
         with pytest.raises(GenerationError, match="409: a weight update to version 'v9' is in progress"):
-            client.completions([[5, 6]], 1, PARAMS, 0)
+            client.completions([[5, 6]], 1, 0, PARAMS)
         bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer)), 1 << 30))
         data = bytearray(wire.encode(bucket, aliases))
         headers = {"X-Weight-Version": "v9", "Content-Digest": wire.content_digest(bytes(data))}
@@ -190,7 +190,7 @@ def test_a_hung_generate_raises_within_the_request_timeout(tokenizer):
         client = _client(url, request_timeout=1.0)
         start = time.time()
         with pytest.raises(GenerationError, match="did not answer POST /v1/completions within 1 s"):
-            client.completions([[5, 6]], 1, PARAMS, 0)
+            client.completions([[5, 6]], 1, 0, PARAMS)
         assert time.time() - start < 5
 
 
@@ -280,21 +280,68 @@ def _grpo(tokenizer, tmp_path, **overrides):
 
 def test_grpo_through_posttrain_serve_equals_in_process(tokenizer, tmp_path):
     """The same seed gives the same completions, rewards, losses and final weights whether the policy samples
-    in-process or a server does, its weights pushed and verified before every round."""
+    in-process or a server does, its weights pushed and verified before every round. With the importance-sampling
+    correction on (TRL's default with use_vllm) the logged mismatch is ~0: the server samples with posttrain's
+    sampler, so every ratio is 1 to float precision and the run matches to 1e-5."""
     local = _grpo(tokenizer, tmp_path / "local")
     local.train()
     engine = TransformersEngine(tiny_model(tokenizer, seed=9), tokenizer, name="tiny")  # other weights: the push
     with running(engine) as url:                                                        # must replace them all
-        served = _grpo(tokenizer, tmp_path / "served", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                       vllm_server_timeout=10.0)
+        server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=10.0)
+        served = _grpo(tokenizer, tmp_path / "served", vllm_importance_sampling_correction=False, **server)
         served.train()
         assert engine.version.endswith(":sync-3")
+        corrected = _grpo(tokenizer, tmp_path / "corrected", top_p=0.9, **server)
+        corrected.train()
+        top_p = _grpo(tokenizer, tmp_path / "top_p", top_p=0.9)
+        top_p.train()
     for a, b in zip([h for h in local.state.log_history if "loss" in h],
                     [h for h in served.state.log_history if "loss" in h]):
         for key in ("loss", "reward", "completions/mean_length"):
             assert a[key] == b[key], (a["step"], key)
     for (name, p), (_, q) in zip(local.policy.named_parameters(), served.policy.named_parameters()):
         assert torch.equal(p, q), name
+    logs = [h for h in corrected.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for a, b in zip([h for h in top_p.state.log_history if "loss" in h], logs):
+        assert b["sampling/sampling_logp_difference/max"] < 1e-4  # over the top-p support: the same distribution
+        assert abs(b["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.peft
+def test_grpo_with_lora_through_a_server_samples_from_the_trained_policy(tokenizer, tmp_path):
+    """TRL's two LoRA failures with an engine, through a server: the adapter reaching it under peft's names, and a
+    merged snapshot emptied by the unmerge (a flat reward curve). After LoRA training, the server's model gives a
+    fixed completion the trained policy's log-probs, which differ from the base model's."""
+    from peft import LoraConfig
+
+    from posttrain.models import token_logprobs
+
+    from conftest import length_reward, tiny_config
+    from datasets import Dataset
+
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+    base = tiny_model(tokenizer)
+    engine = TransformersEngine(tiny_model(tokenizer), tokenizer, name="tiny")
+    with running(engine) as url:
+        config = tiny_config(tmp_path / "lora", max_steps=3, logging_steps=1, learning_rate=0.05, use_vllm=True,
+                             vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=10.0)
+        trainer = GRPOTrainer(tiny_model(tokenizer), reward_funcs=length_reward, args=config, train_dataset=prompts,
+                              processing_class=tokenizer,
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        trainer.train()
+        trainer.generator.sync_weights(export_weights(trainer.model))  # the weights after the last step
+    ids = torch.tensor([[5, 76, 5, 84]]), torch.ones(1, 4, dtype=torch.bool)
+    completion = torch.tensor([[9, 84, 11, tokenizer.eos_token_id]]), torch.ones(1, 4, dtype=torch.bool)
+    with torch.no_grad():
+        served, _ = token_logprobs(engine.model, *ids, *completion)
+        policy, _ = token_logprobs(trainer.policy, *ids, *completion)
+        untrained, _ = token_logprobs(base, *ids, *completion)
+    assert torch.allclose(served, policy, atol=1e-5)
+    assert not torch.allclose(served, untrained, atol=1e-3)  # the adapter moved, and its effect reached the server
 
 
 def test_grpo_config_for_a_server():
@@ -324,30 +371,38 @@ def serve_process(model_dir, *extra):
 @pytest.mark.multiproc
 def test_two_processes_share_one_server(tmp_path, tiny_model_dir):
     """`posttrain grpo` on 2 processes (gloo) through one `posttrain serve`: process 0 pushes, both generate and
-    train in step; a server that dies mid-run makes both processes stop with one sentence."""
+    train in step, and the completions are the one-process run's (each row is sampled with its key's stream, not
+    its process's); a server that dies mid-run makes both processes stop with one sentence."""
     import json
 
     from test_cli import _env, _write_data
 
     common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
-              "--reward_funcs", "length", "--per_device_train_batch_size", "8", "--num_generations", "4",
-              "--max_completion_length", "6", "--logging_steps", "1", "--save_strategy", "no",
-              "--gradient_checkpointing", "false", "--use_cpu", "true", "--use_vllm", "true", "--vllm_mode", "server",
-              "--accelerate_config", "multi_gpu", "--num_processes", "2"]
+              "--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "6",
+              "--logging_steps", "1", "--save_strategy", "no", "--gradient_checkpointing", "false", "--use_cpu",
+              "true", "--use_vllm", "true", "--vllm_mode", "server"]
+    two = ["--per_device_train_batch_size", "8", "--accelerate_config", "multi_gpu", "--num_processes", "2"]
+
+    def records(name):
+        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+
     with serve_process(tiny_model_dir) as url:
-        out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, "--max_steps", "3",
-                              "--vllm_server_base_url", url, "--vllm_server_timeout", "30", "--output_dir",
-                              str(tmp_path / "two")],
-                             capture_output=True, text=True, env=_env(), timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        records = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
-        assert [r["step"] for r in records] == [1, 2, 3]
+        for name, layout in (("two", two), ("one", ["--per_device_train_batch_size", "16"])):
+            out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, *layout, "--max_steps",
+                                  "3", "--vllm_server_base_url", url, "--vllm_server_timeout", "30", "--output_dir",
+                                  str(tmp_path / name)], capture_output=True, text=True, env=_env(), timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
+        assert [r["step"] for r in records("two")] == [1, 2, 3]
+        for a, b in zip(records("one"), records("two")):
+            for key in ("reward", "completions/mean_length", "completions/clipped_ratio"):
+                assert a[key] == b[key], (a["step"], key)
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
         import requests
 
         assert requests.get(f"{url}/server_info", timeout=5).json()["weight_version"].endswith(":sync-3")
     # the server is gone: both processes stop at start-up with the same sentence, within the timeout
     start = time.time()
-    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, "--max_steps", "1",
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, *two, "--max_steps", "1",
                           "--vllm_server_base_url", url, "--vllm_server_timeout", "2", "--output_dir",
                           str(tmp_path / "gone")], capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode != 0 and time.time() - start < 120

@@ -81,12 +81,6 @@ def unsupported(name, tp, default, why, accepts=None, range=None) -> Compat:
 
 _NO_LOADER = "posttrain tokenizes the prompts up front and draws them itself, with no DataLoader"
 _NO_METRICS = "GRPO evaluation reports sampled rewards and the loss, with no compute_metrics"
-_VLLM = ("only read by vLLM's colocate mode or a vLLM server's start-up, which posttrain does not run: a server "
-         "started separately takes its own settings")
-_IS = ("the sampler-trainer importance-sampling correction is not applied in this release: generation servers are "
-       "posttrain serve, which samples with posttrain's own sampler as in-process generation does (where TRL applies "
-       "none either)")
-
 # transformers' TrainingArguments fields, as GRPO takes them (SFT_COMPAT below adjusts them for SFT)
 TRAINING_ARGS: list[Compat] = [
     same("average_tokens_across_devices", bool, True,
@@ -181,19 +175,8 @@ GRPO_ONLY: list[Compat] = [
     same("cache_implementation", Optional[str], None,
          "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
          "never the samples"),
-    same("vllm_model_impl", str, "vllm", _VLLM),
-    same("vllm_enable_sleep_mode", bool, False, _VLLM),
     unsupported("vllm_structured_outputs_regex", Optional[str], None,
                 "regex-constrained decoding is not in posttrain's sampler or posttrain serve; remove it"),
-    same("vllm_group_port", int, 51216, _VLLM, range=Range(1, 65535)),
-    same("vllm_gpu_memory_utilization", float, 0.3, _VLLM, range=Range(0, 1, low_open=True)),
-    same("vllm_max_model_length", Optional[int], None, _VLLM, range=AT_LEAST_ONE),
-    same("vllm_tensor_parallel_size", int, 1, _VLLM, range=AT_LEAST_ONE),
-    same("vllm_importance_sampling_correction", bool, True, _IS),
-    same("vllm_importance_sampling_mode", str, "sequence_mask", _IS),
-    same("vllm_importance_sampling_clip_max", Optional[float], 3.0, _IS, range=POSITIVE),
-    same("vllm_importance_sampling_clip_min", Optional[float], None, _IS, range=NON_NEGATIVE),
-    same("vllm_importance_sampling_cap", Optional[float], None, _IS, range=POSITIVE),
     same("max_tool_calling_iterations", Optional[int], None,
          "only used with tools or environments, which GRPOTrainer here does not take", range=NON_NEGATIVE),
     same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),

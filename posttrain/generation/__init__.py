@@ -164,8 +164,10 @@ class Rollouts:
 class Generator(Protocol):
     """What the trainer needs from a generation engine."""
 
-    def generate(self, prompts: list[list[int]]) -> Rollouts:
-        """Sample one completion per prompt (prompts arrive already repeated G times)."""
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+        """Sample one completion per prompt (prompts arrive already repeated G times). `row_keys`: each row's index
+        in the generation round across processes (default 0..N-1); a row's completion depends on its prompt, its
+        key, the round and the weights only, not on which process or request samples it."""
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the policy's current weights (plain parameter names) before the next `generate`."""

@@ -18,6 +18,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.generation import Rollouts, SamplingParams
+from posttrain.generation.sampling import mix64_int
 from posttrain.generation.transformers_backend import draw_seed, left_pad
 from posttrain.serving import wire
 
@@ -116,7 +117,8 @@ class ServerClient:
                                       "them stalled or failed.")
             time.sleep(0.05)
 
-    def completions(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> list[dict]:
+    def completions(self, prompts: list[list[int]], n: int, seed: int, params: SamplingParams,
+                    sample_keys: list[int] | None = None) -> list[dict]:
         body = {"prompt": prompts, "n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                 "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
@@ -124,6 +126,8 @@ class ServerClient:
                 "return_weight_versions": True}
         if params.eos_token_ids:
             body["stop_token_ids"] = list(params.eos_token_ids)
+        if sample_keys is not None:
+            body["sample_keys"] = list(sample_keys)
         return self._call("POST", "/v1/completions", self.request_timeout, retry=True, json=body)["choices"]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> str:
@@ -211,25 +215,42 @@ class ServerGenerator:
             self.client.wait_for_version(version)
         self.version = version
 
-    def generate(self, prompts: list[list[int]]) -> Rollouts:
-        runs = _runs(prompts)
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+        """One round: a seed drawn from this generator's RNG (the same on every process), and each row sampled with
+        the stream of its key, so rows get the completions the in-process generator would give them whichever
+        process asks. Runs of one prompt with consecutive keys fold into one prompt with n copies; runs with the
+        same n share a request (posttrain's `sample_keys` carry their first keys). A server that does not take
+        `sample_keys` (vLLM) gets one request per run, seeded by its stream, sent concurrently."""
+        keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
+        runs = _runs(prompts, keys)
+        seed = draw_seed(self.rng)
+        if self.server_info.get("engine") == "transformers":
+            requests = _shared_requests(runs)
+            bodies = [([runs[i][0] for i in idx], runs[idx[0]][2], seed, [runs[i][1] for i in idx]) for idx in requests]
+        else:
+            requests = [[i] for i in range(len(runs))]
+            bodies = [([p], n, stream_seed(seed, key), None) for p, key, n in runs]
+        answers = self._complete_all(bodies)
         rows: list[tuple[list[int], dict]] = []
-        start = 0
-        while start < len(runs):  # consecutive runs with the same copy count share one request
-            end = start
-            while end < len(runs) and runs[end][1] == runs[start][1]:
-                end += 1
-            n = runs[start][1]
-            seed = draw_seed(self.rng)
-            choices = self.client.completions([p for p, _ in runs[start:end]], n, self.params, seed)
-            if len(choices) != (end - start) * n:
+        for idx, body, choices in zip(requests, bodies, answers):
+            n = body[1]
+            if len(choices) != len(idx) * n:
                 raise GenerationError(f"The generation server at {self.client.base_url} returned {len(choices)} "
-                                      f"completions for {(end - start) * n} asked.")
+                                      f"completions for {len(idx) * n} asked.")
             for i, choice in enumerate(sorted(choices, key=lambda c: c["index"])):
                 self._check_version(choice)
-                rows.append((runs[start + i // n][0], choice))
-            start = end
+                rows.append((runs[idx[i // n]][0], choice))
         return self._rollouts(rows)
+
+    def _complete_all(self, bodies: list[tuple]) -> list[list[dict]]:
+        """Each body's completions, in order; several requests are in flight together (a vLLM server batches them)."""
+        if len(bodies) == 1:
+            return [self.client.completions(*bodies[0][:3], self.params, bodies[0][3])]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(16, len(bodies))) as pool:
+            futures = [pool.submit(self.client.completions, p, n, s, self.params, k) for p, n, s, k in bodies]
+            return [f.result() for f in futures]
 
     def _check_version(self, choice: dict) -> None:
         if self.version is None:
@@ -266,12 +287,30 @@ class ServerGenerator:
         self.client.close()
 
 
-def _runs(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Consecutive identical prompts as (prompt, copies)."""
-    runs: list[tuple[list[int], int]] = []
-    for prompt in prompts:
-        if runs and runs[-1][0] == prompt:
-            runs[-1] = (prompt, runs[-1][1] + 1)
+def _runs(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], int, int]]:
+    """Consecutive rows with one prompt and consecutive keys as (prompt, first key, copies)."""
+    if len(keys) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(keys)} row keys.")
+    runs: list[tuple[list[int], int, int]] = []
+    for prompt, key in zip(prompts, keys):
+        if runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((list(prompt), 1))
+            runs.append((list(prompt), key, 1))
     return runs
+
+
+def _shared_requests(runs: list[tuple[list[int], int, int]]) -> list[list[int]]:
+    """Indices of consecutive runs with the same copy count, one list per request."""
+    requests: list[list[int]] = []
+    for i, run in enumerate(runs):
+        if requests and runs[requests[-1][0]][2] == run[2]:
+            requests[-1].append(i)
+        else:
+            requests.append([i])
+    return requests
+
+
+def stream_seed(seed: int, key: int) -> int:
+    """A server-side seed (31 bits) for the run whose first row key is `key` in the round seeded `seed`."""
+    return mix64_int(mix64_int(seed) ^ key) & 0x7FFFFFFF

@@ -11,7 +11,8 @@ from typing import Iterable
 import torch
 
 from posttrain.generation import Rollouts, SamplingParams, lean_decoder
-from posttrain.generation.sampling import apply_repetition_penalty, filter_logits, sample
+from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
+                                           stream_uniforms)
 from posttrain.models.logprobs import forward_accepts, logits_to_keep_kwarg, positions_from_mask
 
 
@@ -25,7 +26,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def draw_seed(rng: torch.Generator) -> int:
-    """The seed of one generate call's sampling stream, drawn from a generator's own (checkpointed) RNG."""
+    """The seed of one generation round, drawn from a generator's own (checkpointed) RNG."""
     return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=rng))
 
 
@@ -81,7 +82,8 @@ class TransformersGenerator:
             do; when it is a separate copy, `sync_weights` loads the policy's weights into it.
         tokenizer: gives the pad and EOS ids.
         params: sampling parameters.
-        seed: seed of the sampling RNG (one stream per generator, independent of the global RNG).
+        seed: seed of the RNG the rounds' seeds are drawn from (independent of the global RNG; the same on every
+            process, so that row keys alone tell the processes' rows apart).
         shares_policy: whether `model` is the policy being trained (then there are no weights to copy).
         lean: decode with `LeanDecoder` where it reproduces the model; False always uses the model's forward.
     """
@@ -94,7 +96,7 @@ class TransformersGenerator:
         self.shares_policy = shares_policy
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = list(params.eos_token_ids) or eos_token_ids(model, tokenizer)
-        self.rng = torch.Generator().manual_seed(seed)  # draws one sampling seed per generate call
+        self.rng = torch.Generator().manual_seed(seed)  # draws one round seed per generate call
 
     def _device(self):
         return next(self.model.parameters()).device
@@ -112,14 +114,18 @@ class TransformersGenerator:
     def close(self) -> None:
         self.model = None
 
-    def generate(self, prompts: list[list[int]]) -> Rollouts:
-        """Sample a completion for each prompt; see `Rollouts` for the shapes returned."""
-        return self.generate_seeded(prompts, draw_seed(self.rng))
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+        """Sample a completion for each prompt; see `Rollouts` for the shapes returned. `row_keys`: each row's
+        index in the generation round (default 0..N-1), which with the round's seed fixes its random numbers."""
+        return self.generate_seeded(prompts, draw_seed(self.rng), row_keys)
 
-    def generate_seeded(self, prompts: list[list[int]], seed: int) -> Rollouts:
-        """`generate` with the sampling stream seeded by `seed`: the same prompts, weights and seed give the same
-        completions in any process (a server engine samples a request this way)."""
-        self._sampling = torch.Generator(device=self._device()).manual_seed(seed)
+    def generate_seeded(self, prompts: list[list[int]], seed: int, row_keys: list[int] | None = None) -> Rollouts:
+        """`generate` for the round seeded by `seed`: a row with the same prompt, key and seed samples the same
+        completion from the same weights in any process, batch or server request."""
+        keys = torch.tensor(row_keys if row_keys is not None else range(len(prompts)), dtype=torch.long)
+        if keys.numel() != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {keys.numel()} row keys.")
+        self._streams = row_streams(seed, keys).to(self._device())
         was_training = self.model.training
         self.model.eval()
         try:
@@ -156,7 +162,8 @@ class TransformersGenerator:
                 logits.index_fill_(1, banned, float("-inf"))
             if t == 0 and p.begin_suppress_tokens:
                 logits.index_fill_(1, torch.tensor(p.begin_suppress_tokens, device=device), float("-inf"))
-            token, logp = sample(filter_logits(logits, p), self._sampling, overwrite=True)  # logits are ours to overwrite
+            token, logp = sample(filter_logits(logits, p), stream_uniforms(self._streams, t),
+                                 overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
             tokens[:, t] = token
             logprobs[:, t] = logp.masked_fill(done, 0.0)

@@ -18,6 +18,8 @@ class TrainingBatch:
             mask_truncated_completions is on).
         old_logps: [N, C] log-probs of the sampling policy, or None when every micro-step is on-policy.
         ref_logps: [N, C] reference-model log-probs, or None when beta = 0.
+        sampling_ratio: [N, C] importance weight of each token for the engine's sampling distribution differing
+            from the trainer's (grpo/sampler_correction.py; 1 on padding), or None when not corrected.
     """
 
     rollouts: Rollouts
@@ -25,6 +27,7 @@ class TrainingBatch:
     loss_mask: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampling_ratio: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rollouts)
@@ -38,7 +41,7 @@ class TrainingBatch:
             return None if x is None else x[index][:, :width]
 
         return TrainingBatch(rollouts, self.advantages[index], take(self.loss_mask), take(self.old_logps),
-                             take(self.ref_logps))
+                             take(self.ref_logps), take(self.sampling_ratio))
 
     def padded(self, multiple: int | None) -> "TrainingBatch":
         """Prompt and completion widths padded to a multiple of `multiple` (see Rollouts.padded)."""
@@ -47,10 +50,11 @@ class TrainingBatch:
         if rollouts is self.rollouts:
             return self
 
-        def pad(x):
-            return None if x is None else torch.nn.functional.pad(x, (0, right))
+        def pad(x, value=0.0):
+            return None if x is None else torch.nn.functional.pad(x, (0, right), value=value)
 
-        return TrainingBatch(rollouts, self.advantages, pad(self.loss_mask), pad(self.old_logps), pad(self.ref_logps))
+        return TrainingBatch(rollouts, self.advantages, pad(self.loss_mask), pad(self.old_logps), pad(self.ref_logps),
+                             pad(self.sampling_ratio, 1.0))
 
     def micro_batches(self, size: int, generator: torch.Generator) -> list["TrainingBatch"]:
         """Shuffle the rows once and split them into micro-batches of `size`."""
@@ -59,7 +63,7 @@ class TrainingBatch:
 
 
 _ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs")
-_BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps")
+_BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps", "sampling_ratio")
 
 
 def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:

@@ -32,10 +32,11 @@ def _batch_metrics(trainer, prompt_round, G: int) -> dict:
     prompt_ids = trainer._local_share([prompt_round.prompt_ids[i] for i in order for _ in range(G)])
     indices = trainer._local_share([prompt_round.indices[i] for i in order for _ in range(G)])
     is_real = trainer._local_share([n < real for n in range(padded) for _ in range(G)])
+    row_keys = trainer._local_share(list(range(padded * G)))
     logs = RewardLogs()
     with guarded(acc):  # generation and reward functions can fail on one process only
         trainer.generator.sync_weights(export_weights(trainer.model))
-        rollouts = trainer.generator.generate(prompt_ids)
+        rollouts = trainer.generator.generate(prompt_ids, row_keys)
         prompts = [row["prompt"] for row in rows]
         completion_ids, _, completions = reward_inputs(trainer.tokenizer, rollouts, isinstance(prompts[0], list))
         local_rewards = score(trainer.reward_funcs, prompts, completions, completion_ids,

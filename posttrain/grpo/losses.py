@@ -69,6 +69,8 @@ class LossInputs:
         advantages: [b].
         mask: [b, C] bool, tokens that count in the loss and its normaliser.
         entropy_mask: [b, C] bool or None; policy-loss tokens kept by top_entropy_quantile (KL unaffected).
+        sampling_ratio: [b, C] or None; the importance weight of each token for the engine's sampling distribution
+            (grpo/sampler_correction.py): it multiplies the policy loss (KL unaffected), or enters VESPO's weight.
     """
 
     logps: torch.Tensor
@@ -77,6 +79,7 @@ class LossInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     entropy_mask: torch.Tensor | None = None
+    sampling_ratio: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,9 @@ def vespo_weights(inp: LossInputs, p: LossParams) -> torch.Tensor:
     with torch.no_grad():
         mask = inp.mask.float()
         seq = (log_ratio(inp).clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if inp.sampling_ratio is not None:  # w = pi/pi_old * pi_old/pi_sampler, per token, in log space
+            log_is = inp.sampling_ratio.clamp(min=1e-30).log().clamp(math.log(1e-8), 20.0)
+            seq = seq + (log_is * mask).sum(-1, keepdim=True)
         log_w = seq.clamp(math.log(1e-8), 20.0)
         nonneg = inp.advantages.unsqueeze(-1) >= 0
         k = torch.where(nonneg, p.vespo_k_pos, p.vespo_k_neg)
@@ -212,6 +218,8 @@ def per_token_loss(objective, inp: LossInputs, p: LossParams) -> tuple[torch.Ten
         loss = loss * off_policy_keep(inp, p)
     if inp.entropy_mask is not None:
         loss = loss * inp.entropy_mask
+    if inp.sampling_ratio is not None and objective is not vespo_objective:  # VESPO weighs it in its phi
+        loss = loss * inp.sampling_ratio
     if p.beta != 0.0:
         kl = k3_kl(inp)
         if p.use_bias_correction_kl:

@@ -2,7 +2,8 @@
 (training/trainer.py).
 
     round      = next(prompt rounds)                    # B unique prompts, same on every process
-    rollouts   = generator.generate(my share, G each)   # token ids, masks, sampler log-probs
+    rollouts   = generator.generate(my share, G each,   # token ids, masks, sampler log-probs; a row's
+                                    its rows' keys)       # completion depends on its key, not on the process
     rewards    = score(...) gathered over processes     # [B*G, F], NaN where a function returned None
     advantages = group_advantages(rewards, G, ...)      # [B*G], then this process's slice
     buffer    += batch.micro_batches(...) x num_iterations
@@ -18,7 +19,7 @@ import torch
 
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
-from posttrain.generation import make_generator
+from posttrain.generation import SamplingParams, make_generator
 from posttrain.grpo.advantages import group_advantages
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog, RewardLogs
@@ -26,6 +27,8 @@ from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
+from posttrain.grpo.sampler_correction import (kept_log_mass, local_stats, reduce_stats, restricts_support,
+                                               sampling_ratio)
 from posttrain.models import token_logprobs
 from posttrain.models.peft import reference_mode
 from posttrain.models.preparation import make_reference, mix_reference
@@ -75,7 +78,9 @@ class GRPOTrainer(Trainer):
         self._prepare(model, self._total_steps())
         rank, run_id = self.accelerator.process_index, self._run_id()
         with guarded(self.accelerator):  # a server one process cannot reach stops every process
-            self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed + rank,
+            # one seed on every process: each row's key (its index in the round) tells the rows apart, so the
+            # completions do not depend on the number of processes
+            self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed,
                                             process_index=rank, run_id=run_id)
         self.loss_fn = get_loss(args.loss_type)
         self.loss_params = LossParams(
@@ -85,7 +90,10 @@ class GRPOTrainer(Trainer):
             args.vespo_k_neg, args.vespo_lambda_neg)
         self.entropy_control = EntropyControl.from_config(args)
         # Old log-probs are needed only when an optimizer step can land between sampling and training.
-        self.needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        # So are they when an engine's samples are corrected towards the trainer's distribution (as in TRL).
+        self.needs_old_logps = (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+                                or args.corrects_sampling)
+        self.sampling_params = SamplingParams.from_config(args)
         # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
         # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
         # covers every sequence.)
@@ -189,8 +197,9 @@ class GRPOTrainer(Trainer):
             rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
             prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
             prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
+            row_keys = self._local_share(list(range(len(prompt_round.prompt_ids) * G)))
             self.generator.sync_weights(export_weights(self.model))
-            rollouts = self.generator.generate(prompt_ids)
+            rollouts = self.generator.generate(prompt_ids, row_keys)
             prompts = [row["prompt"] for row in rows]
             completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
             columns = {c: [row[c] for row in rows] for c in self.reward_columns}
@@ -198,6 +207,7 @@ class GRPOTrainer(Trainer):
                                   self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers(),
                                   args.reward_timeout)
             old_logps = self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None
+            sampling_ratio, sampling_stats = self._sampling_correction(rollouts, old_logps)
             ref_logps = self._reference_logps(rollouts)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
@@ -208,8 +218,10 @@ class GRPOTrainer(Trainer):
         if args.mask_truncated_completions:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
-                              old_logps=old_logps, ref_logps=ref_logps)
+                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio)
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
+                                 **(reduce_stats(self.accelerator.gather(sampling_stats.to(self.accelerator.device))
+                                                 .cpu()) if sampling_stats is not None else {}),
                                  **({"rewards/skipped_groups": skipped} if bad_rows is not None else {}),
                                  **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
                                                       self.accelerator.gather(rollouts.is_eos).cpu()),
@@ -233,6 +245,27 @@ class GRPOTrainer(Trainer):
         bad_groups = self.accelerator.gather(bad).cpu().view(-1, self.args.num_generations).any(1)  # [B]
         rewards[bad_groups.repeat_interleave(self.args.num_generations)] = float("nan")
         return int(bad_groups.sum())
+
+    def _sampling_correction(self, rollouts, old_logps):
+        """With use_vllm: the importance weight of every token for the engine's distribution differing from the
+        trainer's, and this process's mismatch statistics (grpo/sampler_correction.py); else (None, None)."""
+        args = self.args
+        if not args.corrects_sampling:
+            return None, None
+        trainer_logps = old_logps
+        if restricts_support(self.sampling_params):
+            with torch.no_grad(), self.accelerator.autocast():
+                size = args.per_device_train_batch_size
+                mass = [kept_log_mass(self.policy, rollouts.select(torch.arange(i, min(i + size, len(rollouts)))),
+                                      self.sampling_params, args.temperature, self.generator.eos_ids)
+                        for i in range(0, len(rollouts), size)]
+            width = rollouts.completion_ids.size(1)
+            trainer_logps = old_logps - torch.cat([torch.nn.functional.pad(m, (0, width - m.size(1))) for m in mass])
+        mask = rollouts.completion_mask.bool()
+        ratio, _ = sampling_ratio(trainer_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
+                                  args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+        sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
+        return ratio, local_stats(trainer_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)
 
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
         logps = []
@@ -287,7 +320,7 @@ class GRPOTrainer(Trainer):
     def _loss(self, mb: TrainingBatch, logps: torch.Tensor, norm: StepNormalizer, entropy_mask=None):
         """The configured loss of micro-batch `mb` given the policy's [b, C] log-probs."""
         inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps, advantages=mb.advantages,
-                            mask=mb.loss_mask, entropy_mask=entropy_mask)
+                            mask=mb.loss_mask, entropy_mask=entropy_mask, sampling_ratio=mb.sampling_ratio)
         return self.loss_fn(inputs, self.loss_params, norm)
 
     def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float = 0.0):

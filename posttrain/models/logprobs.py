@@ -90,7 +90,7 @@ def output_layer(model) -> torch.nn.Linear | None:
     return layer if is_plain_linear(layer) else None
 
 
-def _final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+def final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
     """[N, L, H] input of the output layer, from the model's own forward with one position of logits."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                 **_forward_kwargs(model, attention_mask, 1))
@@ -118,7 +118,7 @@ def _check_fast_path(plain) -> bool:
     try:
         with torch.no_grad():
             logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
-            hidden = _final_hidden(plain, ids, mask)[:, -4:]
+            hidden = final_hidden(plain, ids, mask)[:, -4:]
             return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
     except (TypeError, AttributeError, IndexError, RuntimeError):
         return False  # no hidden states, or not the shapes we expect: use the logits path
@@ -172,7 +172,7 @@ def _row_predictor(loss_gradient, mask: torch.Tensor):
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                       with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
-    hidden = _final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
+    hidden = final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
     layer = output_layer(model)
     mask = completion_mask.bool()
     logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],

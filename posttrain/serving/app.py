@@ -5,7 +5,10 @@ trainer's one client talks to it and to `vllm serve` alike.
     GET  /v1/models               the served model (its id, max_model_len)
     GET  /server_info             engine, model fingerprint, max_model_len, logprobs mode, weight version, api version
     POST /v1/completions          token-id prompts, n, seed, sampling fields, logprobs, return_token_ids,
-                                  return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1)
+                                  return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1);
+                                  posttrain's `sample_keys` (one per prompt) makes copy c of prompt i sample with the
+                                  stream of row key sample_keys[i] + c (default i*n + c) under `seed`, so a row gets
+                                  the same completion whichever request carries it
     POST /start_weight_update     {"weight_version"}: opens an update (generation answers 409 until it finishes)
     POST /update_weights          one safetensors bucket as the body (application/octet-stream) with headers
                                   X-Weight-Version, X-Bucket (its index, from 1) and Content-Digest (sha-256,
@@ -19,6 +22,7 @@ it.
 
 import hmac
 import logging
+import secrets
 
 from posttrain.serving import wire
 from posttrain.serving.engine import EngineError
@@ -74,6 +78,7 @@ def make_app(engine, api_key: str | None = None):
         min_p: float = Field(0.0, ge=0, le=1)
         repetition_penalty: float = Field(1.0, gt=0)
         seed: Optional[int] = Field(None, ge=0)
+        sample_keys: Optional[list[int]] = None
         stop_token_ids: Optional[list[int]] = None
         logprobs: Optional[int] = Field(None, ge=0)
         return_token_ids: bool = False
@@ -104,9 +109,15 @@ def make_app(engine, api_key: str | None = None):
                                 repetition_penalty=body.repetition_penalty, min_new_tokens=body.min_tokens,
                                 eos_token_ids=tuple(body.stop_token_ids or ()))
 
+        keys = body.sample_keys if body.sample_keys is not None else [i * body.n for i in range(len(prompts))]
+        if len(keys) != len(prompts):
+            raise EngineError(f"sample_keys holds {len(keys)} keys for {len(prompts)} prompts: send one per prompt.",
+                              422)
+        seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 31)
+
         def generate():
             version = engine.version
-            rollouts = engine.generate(prompts, body.n, params, body.seed if body.seed is not None else 0)
+            rollouts = engine.generate(prompts, body.n, params, seed, keys)
             return _choices(rollouts, prompts, body.n, version, body.return_weight_versions)
 
         return {"object": "text_completion", "model": engine.name, "choices": await on_engine(generate)}

@@ -1,9 +1,11 @@
 """The engine behind `posttrain serve`: a transformers model sampled with posttrain's own decoder (the same sampler
 and lean decoder as in-process generation), and weight updates that end with a digest of what it holds.
 
-    generate(prompts, n, params, seed)  each prompt repeated n times (prompt-major, as GRPO's groups), one batch,
-                                        sampled with the stream of `seed` (as TransformersGenerator.generate_seeded:
-                                        the in-process generator with that seed gives the same completions)
+    generate(prompts, n, params, seed, keys)
+                                        each prompt repeated n times (prompt-major, as GRPO's groups), one batch;
+                                        copy c of prompt i samples with row key keys[i] + c under the round `seed`
+                                        (as TransformersGenerator.generate_seeded: the in-process generator gives
+                                        those rows the same completions)
     begin_update(version)               opens an update; generation waits until it is finished
     load(tensors, aliases)              copies one bucket into the model (names checked, shapes and dtypes too)
     finish_update(version, names)       closes it; returns the digest of the named tensors as the engine now holds
@@ -50,7 +52,8 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollouts:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int,
+                 keys: list[int] | None = None) -> Rollouts:
         from posttrain.generation.transformers_backend import TransformersGenerator
 
         for i, prompt in enumerate(prompts):
@@ -67,7 +70,9 @@ class TransformersEngine:
             raise EngineError(f"a weight update to version {self.updating!r} is in progress: retry after it "
                               "finishes.", 409)
         generator = TransformersGenerator(self.model, self.tokenizer, params, shares_policy=True)
-        return generator.generate_seeded([p for p in prompts for _ in range(n)], seed)
+        keys = keys if keys is not None else [i * n for i in range(len(prompts))]
+        return generator.generate_seeded([p for p in prompts for _ in range(n)], seed,
+                                         [key + c for key in keys for c in range(n)])
 
     # ------------------------------------------------------------------ weight updates
 

@@ -1,0 +1,129 @@
+"""Importance-sampling correction between the engine that sampled and the trainer (TRL's vllm_importance_sampling_*).
+
+An engine's log-probs differ from the trainer's (other kernels, precision, batch shapes), so its samples are a little
+off-policy for the trainer. With use_vllm each completion is weighted by
+
+    ratio = pi_trainer / pi_sampler    per token (token_*), or per sequence (sequence_*: exp of the summed log-ratio)
+
+clamped into [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask), and the loss's per-token terms are
+multiplied by it (VESPO folds it into its Gamma weight instead).
+
+The sampler drew each token from the distribution restricted to what its filters kept (top-k, top-p, min-p, banned
+tokens) and renormalised there. Against the trainer's full-vocabulary log-prob every ratio would be biased by the kept
+mass (0.896 per token at top_p=0.8: TRL issue #6789), so the trainer's log-prob is renormalised over the same support,
+which is recomputed from the trainer's own logits (never taken from the engine):
+
+    log pi_S(y) = log pi(y) - log sum_{v in S} pi(v)          (`kept_log_mass` is the subtracted term)
+
+A repetition penalty is a deliberate change of distribution, not a support: it stays in the ratio, as in TRL.
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+
+from posttrain.generation import Rollouts, SamplingParams
+from posttrain.generation.sampling import filter_logits
+from posttrain.models import logprobs as lp
+
+ROWS_PER_CHUNK = 64  # completion positions whose [rows, V] logits are filtered at once
+
+
+def restricts_support(params: SamplingParams) -> bool:
+    """Whether the sampler's filters can drop tokens (otherwise the kept mass is 1 and `kept_log_mass` is 0)."""
+    return bool(params.top_k or params.top_p < 1.0 or params.min_p or params.suppress_tokens
+                or params.begin_suppress_tokens or params.min_new_tokens)
+
+
+def _kept(logits: torch.Tensor, steps: torch.Tensor, params: SamplingParams, eos_ids: list[int]) -> torch.Tensor:
+    """The sampler's filters applied to raw logits [r, V] at completion steps [r]: -inf where a token was not
+    available to it (temperature not applied here)."""
+    logits = logits.clone()
+    if params.suppress_tokens:
+        logits[:, list(params.suppress_tokens)] = float("-inf")
+    if params.begin_suppress_tokens:
+        first = (steps == 0).nonzero().squeeze(1)
+        logits[first[:, None], torch.tensor(params.begin_suppress_tokens, device=logits.device)] = float("-inf")
+    if params.min_new_tokens:
+        early = (steps < params.min_new_tokens).nonzero().squeeze(1)
+        logits[early[:, None], torch.tensor(eos_ids, device=logits.device)] = float("-inf")
+    return filter_logits(logits, replace(params, temperature=1.0))
+
+
+def kept_log_mass(model, rollouts: Rollouts, params: SamplingParams, temperature: float,
+                  eos_ids: list[int]) -> torch.Tensor:
+    """log sum_{v in S} softmax(logits / T)_v for every completion token: [N, C] float32, <= 0, 0 on padding.
+    S is what the sampler's filters kept, applied to softmax(logits / T) as the sampler applies them."""
+    ids = torch.cat([rollouts.prompt_ids, rollouts.completion_ids], dim=1)
+    attention = torch.cat([rollouts.prompt_mask, rollouts.completion_mask], dim=1).long()
+    width = rollouts.completion_ids.size(1)
+    mask = rollouts.completion_mask.bool()
+    steps = torch.arange(width, device=mask.device).expand_as(mask)[mask]
+    layer = lp.output_layer(model) if lp.fast_path_available(model) else None
+    if layer is not None:
+        hidden = lp.final_hidden(model, ids, attention)[:, -width - 1:-1][mask]  # [T, H]
+        logits_of = lambda rows: torch.nn.functional.linear(hidden[rows].float(), layer.weight.float(),  # noqa: E731
+                                                            None if layer.bias is None else layer.bias.float())
+    else:
+        logits = lp.completion_logits(model, ids, attention, width + 1)[:, :-1][mask]  # [T, V]
+        logits_of = lambda rows: logits[rows].float()  # noqa: E731
+    out = torch.empty(int(mask.sum()), dtype=torch.float32, device=mask.device)
+    for start in range(0, out.numel(), ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        scaled = logits_of(rows) / temperature
+        kept = _kept(scaled, steps[rows], params, eos_ids)
+        out[rows] = kept.logsumexp(-1) - scaled.logsumexp(-1)
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, out)
+
+
+def sampling_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                   clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight of each token and its unclipped log.
+
+    Args:
+        trainer_logps: [N, C] the trainer's log-probs over the sampler's support.
+        sampler_logps: [N, C] the engine's.
+        mask: [N, C] bool, completion tokens.
+    Returns:
+        (ratio [N, C], 1 on padding; a sequence mode repeats the sequence's ratio over its tokens,
+         log-ratio [N, C] or [N, 1] before clamping or masking).
+    """
+    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # NaN: the engine gave no log-prob
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence_") else diff
+    ratio = log_ratio.exp()
+    if mode.endswith("_truncate"):
+        ratio = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return torch.where(mask, ratio.expand_as(diff), torch.ones_like(diff)), log_ratio
+
+
+def local_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor,
+                sequence_level: bool) -> torch.Tensor:
+    """This process's [7] float: sum and count of |trainer - sampler| over tokens, its max, and the ratio's
+    min, sum, count and max (per sequence or per token), for `reduce_stats` after a gather."""
+    delta = (trainer_logps - sampler_logps).abs()[mask]
+    delta = delta[~delta.isnan()]
+    values = ratio[:, 0][mask.any(1)] if sequence_level else ratio[mask]
+    some = bool(values.numel())
+    return torch.stack([delta.sum().cpu(), torch.tensor(float(delta.numel())),
+                        delta.max().cpu() if delta.numel() else torch.tensor(0.0),
+                        values.min().cpu() if some else torch.tensor(math.inf), values.sum().cpu(),
+                        torch.tensor(float(values.numel())),
+                        values.max().cpu() if some else torch.tensor(-math.inf)]).float()
+
+
+def reduce_stats(gathered: torch.Tensor) -> dict:
+    """TRL's metric names from every process's `local_stats` ([P, 7] or [7 * P])."""
+    s = gathered.view(-1, 7)
+    tokens, ratios = float(s[:, 1].sum()), float(s[:, 5].sum())
+    metrics = {"sampling/sampling_logp_difference/mean": float(s[:, 0].sum()) / max(tokens, 1.0),
+               "sampling/sampling_logp_difference/max": float(s[:, 2].max())}
+    if ratios:
+        metrics.update({"sampling/importance_sampling_ratio/min": float(s[:, 3].min()),
+                        "sampling/importance_sampling_ratio/mean": float(s[:, 4].sum()) / ratios,
+                        "sampling/importance_sampling_ratio/max": float(s[:, 6].max())})
+    return metrics

@@ -1,0 +1,87 @@
+"""The importance-sampling correction between an engine's samples and the trainer (TRL's
+vllm_importance_sampling_*): TRL's four modes, the trainer's log-probs over the sampler's support, and the metrics."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.configs import ConfigError, GRPOConfig
+from posttrain.generation import SamplingParams
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.grpo.sampler_correction import kept_log_mass, local_stats, reduce_stats, sampling_ratio
+from posttrain.models import token_logprobs
+from posttrain.testing import tiny_model
+
+TRAINER = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.2, -0.1, 0.0, 0.0]])
+SAMPLER = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.2, -1.3, 0.0, 0.0]])
+MASK = torch.tensor([[True, True, True, False], [True, True, False, False]])
+
+
+def _trl(mode, low, high):
+    """TRL 1.16's formula (grpo_trainer.py), written out on the same numbers."""
+    diff = (TRAINER - SAMPLER) * MASK
+    x = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    r = x.exp()
+    if mode.endswith("truncate"):
+        return r.clamp(min=low, max=high)
+    lo, hi = (-math.inf if low is None else low), (math.inf if high is None else high)
+    return r.masked_fill((r < lo) | (r > hi), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 2.0)])
+def test_the_four_modes_equal_trl(mode, bounds):
+    ratio, _ = sampling_ratio(TRAINER, SAMPLER, MASK, mode, *bounds)
+    expected = _trl(mode, *bounds).expand(2, 4)
+    assert torch.allclose(ratio[MASK], expected[MASK])
+    assert (ratio[~MASK] == 1).all()
+    # hand-checked: sequence 0 sums to +0.5-1.0 = -0.5 -> e^-0.5 = 0.607; sequence 1 to +1.2 -> 3.32
+    if mode == "sequence_mask" and bounds == (None, 3.0):
+        assert ratio[0, 0] == pytest.approx(math.exp(-0.5)) and ratio[1, 0] == 0.0  # 3.32 > 3: masked
+
+
+def test_metrics_use_trl_names_and_pool_processes():
+    ratio, _ = sampling_ratio(TRAINER, SAMPLER, MASK, "token_truncate", None, 3.0)
+    one = local_stats(TRAINER, SAMPLER, MASK, ratio, sequence_level=False)
+    both = reduce_stats(torch.stack([one, local_stats(TRAINER[:1], SAMPLER[:1], MASK[:1], ratio[:1], False)]))
+    alone = reduce_stats(one)
+    assert alone["sampling/sampling_logp_difference/mean"] == pytest.approx((0.5 + 1.0 + 0 + 0 + 1.2) / 5)
+    assert alone["sampling/sampling_logp_difference/max"] == pytest.approx(1.2)
+    assert alone["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)  # e^1.2 truncated
+    assert alone["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1.0))
+    assert both["sampling/sampling_logp_difference/mean"] == pytest.approx((2.7 + 1.5) / 8)
+
+
+@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2),
+                                     dict(top_k=7, top_p=0.9, suppress_tokens=(3,), min_new_tokens=2)])
+def test_the_trainer_over_the_samplers_support_equals_the_sampler(tokenizer, filters):
+    """The in-process sampler is the trainer's own distribution, so over its support the trainer's log-probs equal
+    the sampler's: the ratio is 1. Over the full vocabulary they differ by the kept mass (TRL #6789)."""
+    model = tiny_model(tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, **filters)
+    gen = TransformersGenerator(model, tokenizer, params)
+    r = gen.generate_seeded([[5, 76, 5, 84]] * 4 + [[7, 76, 9, 84, 11]] * 4, 3)
+    with torch.no_grad():
+        full, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.7)
+        mass = kept_log_mass(model, r, params, 0.7, gen.eos_ids)
+    mask = r.completion_mask
+    assert (mass[mask] < 0).any() and (mass[mask] <= 1e-6).all()
+    assert torch.allclose((full - mass)[mask], r.sampler_logprobs[mask], atol=2e-5)
+    assert not torch.allclose(full[mask], r.sampler_logprobs[mask], atol=1e-3)
+    ratio, _ = sampling_ratio(full - mass, r.sampler_logprobs, mask, "token_mask", None, 3.0)
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4)
+
+
+def test_config_checks_as_trl():
+    assert GRPOConfig().vllm_importance_sampling_mode == "sequence_mask"
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        assert GRPOConfig(vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
+    with pytest.raises(ConfigError, match="clip_min=2.0 must be below vllm_importance_sampling_clip_max=1.5"):
+        GRPOConfig(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.5)
+    with pytest.raises(ConfigError, match="needs vllm_importance_sampling_clip_min or _clip_max"):
+        GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ConfigError, match="vespo.*token_truncate"):
+        GRPOConfig(loss_type="vespo", use_vllm=True, vllm_mode="server")
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode"):
+        GRPOConfig(vllm_importance_sampling_mode="tokens")
