@@ -1,8 +1,9 @@
-"""Command line: `posttrain grpo | sft | dpo | serve | demo | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
     accelerate launch -m posttrain.cli sft --config run.yaml
+    posttrain vllm-serve --model Qwen/Qwen3-0.6B [--print_command] [any `vllm serve` flag ...]
 
 Arguments are parsed before torch is imported, so `--help` answers at once. Every field of the trainer's config and
 every script field (model, dataset or mixture, rewards for grpo, LoRA) is a flag; values given on the command line
@@ -28,7 +29,7 @@ TRAINERS = {
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
-COMMANDS = (*TRAINERS, "serve", "demo", "env")
+COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "env")
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
 
 
@@ -92,12 +93,77 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N].")
     serve.add_argument("--trust_remote_code", action="store_true")
     serve.add_argument("--log_level", default="warning", help="uvicorn's log level.")
+    _add_vllm_serve(sub)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
     demo.add_argument("--output_dir", default="posttrain-demo")
     demo.add_argument("--max_steps", type=int, default=1200)
     demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("env", help="Print versions and devices for bug reports.")
     return parser
+
+
+def _bool(value: str) -> bool:
+    """A flag's optional true/false value, as TRL's parser reads it."""
+    if str(value).lower() in ("true", "yes", "1", "t", "y"):
+        return True
+    if str(value).lower() in ("false", "no", "0", "f", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _add_vllm_serve(sub) -> None:
+    """`posttrain vllm-serve`: `trl vllm-serve`'s arguments (TRL's names, dashed too), run as vLLM's own server."""
+    parser = sub.add_parser("vllm-serve", allow_abbrev=False, help="Run vLLM's own server with its weight-transfer "
+                            "routes on, as `trl vllm-serve` does (needs vllm; other arguments go to `vllm serve`).")
+
+    def add(name, **kwargs):
+        parser.add_argument(f"--{name}", *([f"--{name.replace('_', '-')}"] if "_" in name else []), **kwargs)
+
+    add("model", required=True, help="Local path or hub id of the model to serve.")
+    add("revision", default=None, help="Model revision (branch, tag or commit).")
+    add("tensor_parallel_size", type=int, default=1)
+    add("data_parallel_size", type=int, default=1, help="Keep 1 for dense models (vllm#30739).")
+    add("host", default="127.0.0.1", help="Address to bind (default loopback; TRL's is 0.0.0.0, but vLLM's "
+        "weight-transfer routes are unauthenticated).")
+    add("port", type=int, default=8000)
+    add("gpu_memory_utilization", type=float, default=0.9)
+    add("dtype", default="auto")
+    add("max_model_len", type=int, default=None)
+    add("enable_prefix_caching", type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
+    add("enforce_eager", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    add("kv_cache_dtype", default="auto")
+    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    add("log_level", default="info", help="uvicorn's log level.")
+    add("vllm_model_impl", default="vllm", help="vllm or transformers.")
+    add("distributed_executor_backend", default=None, help="ray to spread tensor parallelism over nodes.")
+    add("speculative_config", default=None, help="JSON speculative decoding config.")
+    add("api_key", default=None, help="Bearer token for the /v1 routes (only those: vLLM does not guard the "
+        "weight-transfer routes).")
+    add("print_command", action="store_true", help="Print the command and its environment instead of running it.")
+
+
+def run_vllm_serve(args, extra: list[str]) -> int:
+    """Warn for a non-loopback host, then print the `vllm serve` command or exec it (after checking vllm)."""
+    import ipaddress
+    import shlex
+
+    from posttrain.generation.vllm_compat import check_installed, vllm_serve_command
+
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        print(f"posttrain: warning: --host {args.host} lets anyone who can reach port {args.port} call vLLM's "
+              "dev-mode routes (/update_weights, /init_weight_transfer_engine, /weight_checker, /collective_rpc, "
+              "/sleep) without authentication (--api_key guards only /v1 and /inference); bind 127.0.0.1 unless "
+              "the network is trusted.", file=sys.stderr)
+    argv, env = vllm_serve_command(args, extra)
+    if args.print_command:
+        print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)]))
+        return 0
+    check_installed("posttrain vllm-serve")
+    os.execvpe(argv[0], argv, {**os.environ, **env})
 
 
 def parse_command(command: str, argv: list[str]):
@@ -272,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
 
             serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
                   args.trust_remote_code, args.log_level)
+        elif argv[0] == "vllm-serve":
+            args, extra = parser.parse_known_args(argv)
+            return run_vllm_serve(args, extra)
         elif argv[0] == "demo":
             args = parser.parse_args(argv)
             from posttrain.demo import run_demo

@@ -143,8 +143,8 @@ def test_a_trl_config_file_runs_unchanged(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--use_vllm", "true"],
-     "use_vllm=True with vllm_mode='colocate' (vLLM inside the training process) is not in this release"),
+    (["--use_vllm", "true", "--max_completion_length", "8"],
+     "vllm_mode='colocate' needs the optional package 'vllm': install it with `pip install 'posttrain[vllm]'`"),
     (["--torch_compile", "true"], "torch_compile=True is not supported"),
     (["--eval_strategyy", "steps"], "Unknown argument '--eval_strategyy'. Did you mean eval_strategy?"),
     (["--evaluate_every", "5"], "Unknown argument '--evaluate_every'. `posttrain grpo --help`"),

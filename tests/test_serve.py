@@ -348,8 +348,7 @@ def test_grpo_config_for_a_server():
     from posttrain.configs import ConfigError, GRPOConfig
 
     assert GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_port=9000).server_url == "http://0.0.0.0:9000"
-    with pytest.raises(ConfigError, match="vllm_mode='colocate' .* is not in this release: set vllm_mode='server'"):
-        GRPOConfig(use_vllm=True)
+    assert GRPOConfig(use_vllm=True).vllm_mode == "colocate"  # TRL's default mode; it needs vLLM at start-up
     with pytest.raises(ConfigError, match=r"vllm_structured_outputs_regex='a\+' is not supported"):
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a+")
 

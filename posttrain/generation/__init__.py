@@ -133,6 +133,27 @@ class Rollouts:
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
+    @classmethod
+    def from_lists(cls, rows: list[tuple[list[int], list[int], list[float]]], pad_id: int, eos_ids: list[int],
+                   device) -> "Rollouts":
+        """Rollouts from an engine's answers: one (prompt ids, completion ids, sampler log-probs) per row."""
+        from posttrain.generation.transformers_backend import left_pad
+
+        prompt_ids, prompt_mask = left_pad([p for p, _, _ in rows], pad_id, "cpu")
+        width = max(1, max(len(c) for _, c, _ in rows))
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        for r, (_, tokens, token_logps) in enumerate(rows):
+            ids[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[r, :len(tokens)] = True
+            logps[r, :len(tokens)] = torch.tensor(token_logps, dtype=torch.float32)
+        eos = set(eos_ids)
+        is_eos = torch.tensor([bool(c) and c[-1] in eos for _, c, _ in rows], dtype=torch.bool)
+        return cls(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+                   completion_ids=ids.to(device), completion_mask=mask.to(device), is_eos=is_eos.to(device),
+                   sampler_logprobs=logps.to(device))
+
     def select(self, index: torch.Tensor) -> "Rollouts":
         """Rows `index`, with columns that are padding in every selected row trimmed away."""
         parts = {f.name: getattr(self, f.name)[index] for f in fields(self)}
@@ -176,13 +197,21 @@ class Generator(Protocol):
         """Release the engine's resources."""
 
 
-def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run") -> Generator:
+def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run",
+                   num_processes: int = 1, local_process_index: int = 0) -> Generator:
     """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
-    (process 0 pushes the weights, every process generates its own share); otherwise the in-process transformers
-    sampler, sampling from `policy` itself."""
+    (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
+    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself."""
     from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
     params = SamplingParams.from_config(config)
+    if getattr(config, "use_vllm", False) and config.vllm_mode == "colocate":
+        from posttrain.generation.vllm_colocate import ColocateGenerator
+
+        max_num_seqs = (config.per_device_train_batch_size * config.vllm_tensor_parallel_size
+                        * config.steps_per_generation)
+        return ColocateGenerator(config, policy, tokenizer, params, eos_token_ids(policy, tokenizer), seed,
+                                 process_index, local_process_index, num_processes, max_num_seqs)
     if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
         import os
 
@@ -193,7 +222,10 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
         client = ServerClient(config.server_url, api_key=os.environ.get("VLLM_API_KEY"),
                               connect_timeout=config.vllm_server_timeout, request_timeout=config.request_timeout,
                               sync_timeout=config.weight_sync_timeout)
+        max_length = (config.max_prompt_length + params.max_new_tokens) if config.max_prompt_length else None
         return ServerGenerator(client, params, tokenizer.pad_token_id, eos_token_ids(policy, tokenizer), seed=seed,
                                model_fingerprint=fingerprint(export_weights(policy)),
-                               pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device)
+                               pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device,
+                               max_length=max_length, needs_processed_logprobs=config.corrects_sampling,
+                               group_port=config.vllm_group_port)
     return TransformersGenerator(policy, tokenizer, params, seed=seed)

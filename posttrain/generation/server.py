@@ -19,7 +19,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.generation import Rollouts, SamplingParams
 from posttrain.generation.sampling import mix64_int
-from posttrain.generation.transformers_backend import draw_seed, left_pad
+from posttrain.generation.transformers_backend import draw_seed
 from posttrain.serving import wire
 
 
@@ -105,12 +105,16 @@ class ServerClient:
         return self.info()
 
     def info(self) -> dict:
-        return self._call("GET", "/server_info", 60.0, retry=True)
+        """/server_info: posttrain serve's flat fields, or vLLM's {"vllm_config": ...} (its dev mode)."""
+        return self._call("GET", "/server_info?config_format=json", 60.0, retry=True)
+
+    def weight_version(self) -> str | None:
+        return self._call("GET", "/weight_info", 60.0, retry=True).get("weight_version")
 
     def wait_for_version(self, version: str) -> None:
-        """Poll /server_info until the server holds `version` (pushed by another process), within sync_timeout."""
+        """Poll /weight_info until the server holds `version` (pushed by another process), within sync_timeout."""
         deadline = time.monotonic() + self.sync_timeout
-        while self.info().get("weight_version") != version:
+        while self.weight_version() != version:
             if time.monotonic() >= deadline:
                 raise GenerationError(f"The generation server at {self.base_url} did not receive weights {version!r} "
                                       f"within {self.sync_timeout:g} s (weight_sync_timeout): the process pushing "
@@ -186,7 +190,8 @@ class ServerGenerator:
     """
 
     def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
-                 model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu"):
+                 model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu",
+                 max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216):
         self.client = client
         self.params = params
         self.pad_id = pad_id
@@ -197,22 +202,59 @@ class ServerGenerator:
         self.device = device
         self.syncs = 0
         self.version = None
-        info = client.wait_until_up()
-        if model_fingerprint is not None and info.get("fingerprint") not in (None, model_fingerprint):
-            raise GenerationError(f"The generation server at {client.base_url} serves another model than the one "
-                                  f"being trained ({info.get('model')}, fingerprint {info.get('fingerprint')} "
-                                  f"against {model_fingerprint}): start it with the trainer's model.")
-        self.server_info = info
+        self.server_info = client.wait_until_up()
+        self.is_vllm = "vllm_config" in self.server_info
+        self._handshake(model_fingerprint, max_length, needs_processed_logprobs)
+        self._nccl = None
+        if self.is_vllm and pushes:
+            from posttrain.generation.vllm_transfer import NcclWeightPush
+
+            world = client._call("GET", "/get_world_size", 60.0, retry=True)["world_size"]
+            dtype = self.server_info["vllm_config"].get("model_config", {}).get("dtype")
+            self._nccl = NcclWeightPush(client, int(world), group_port, _torch_dtype(dtype))
+
+    def _handshake(self, fingerprint: str | None, max_length: int | None, needs_processed_logprobs: bool) -> None:
+        """Stop with one sentence when the server cannot serve this run: another model, too short a max_model_len,
+        sampler log-probs that are not the processed ones the correction needs, or (vLLM) no weight transfer."""
+        info, url = self.server_info, self.client.base_url
+        if self.is_vllm:
+            config = info["vllm_config"]
+            model_config = config.get("model_config") or {}
+            served_len, logprobs_mode = model_config.get("max_model_len"), model_config.get("logprobs_mode")
+            backend = (config.get("weight_transfer_config") or {}).get("backend")
+            if backend != "nccl":
+                raise GenerationError(f"The vLLM server at {url} was started without NCCL weight transfer, so it "
+                                      "cannot receive the trained weights: start it with `posttrain vllm-serve "
+                                      "--model ...` (or pass --weight-transfer-config '{\"backend\": \"nccl\"}').")
+        else:
+            served_len, logprobs_mode = info.get("max_model_len"), info.get("logprobs_mode")
+            if fingerprint is not None and info.get("fingerprint") not in (None, fingerprint):
+                raise GenerationError(f"The generation server at {url} serves another model than the one being "
+                                      f"trained ({info.get('model')}, fingerprint {info.get('fingerprint')} against "
+                                      f"{fingerprint}): start it with the trainer's model.")
+        if max_length is not None and served_len is not None and int(served_len) < max_length:
+            raise GenerationError(f"The generation server at {url} serves at most {served_len} tokens per sequence, "
+                                  f"and this run's prompts and completions reach {max_length}: restart it with "
+                                  f"--max_model_len {max_length} or more, or lower max_prompt_length / "
+                                  "max_completion_length.")
+        if needs_processed_logprobs and logprobs_mode not in (None, "processed_logprobs"):
+            raise GenerationError(f"The generation server at {url} returns {logprobs_mode} log-probs, which would bias "
+                                  "the importance-sampling correction: restart it with --logprobs-mode "
+                                  "processed_logprobs (posttrain vllm-serve does), or set "
+                                  "vllm_importance_sampling_correction=False.")
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Process 0 pushes the weights (checked by digest); every other process waits, with the sync timeout,
-        until the server reports that version: no collective, so a failure anywhere cannot leave one waiting."""
+        """Process 0 pushes the weights (to posttrain serve over HTTP, checked by digest; to vLLM over its NCCL
+        transfer); every other process waits, with the sync timeout, until the server reports that version: no
+        collective, so a failure anywhere cannot leave one waiting."""
         self.syncs += 1
         version = f"{self.run_id}:sync-{self.syncs}"
-        if self.pushes:
-            self.client.push(weights, version)
-        else:
+        if not self.pushes:
             self.client.wait_for_version(version)
+        elif self._nccl is not None:
+            self._nccl.push(weights, version)
+        else:
+            self.client.push(weights, version)
         self.version = version
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
@@ -265,26 +307,17 @@ class ServerGenerator:
                                   "other trainer pushes to it.")
 
     def _rollouts(self, rows: list[tuple[list[int], dict]]) -> Rollouts:
-        prompt_ids, prompt_mask = left_pad([p for p, _ in rows], self.pad_id, "cpu")
-        width = max(1, max(len(c["token_ids"]) for _, c in rows))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        logps = torch.zeros((len(rows), width), dtype=torch.float32)
-        is_eos = torch.zeros(len(rows), dtype=torch.bool)
-        eos = set(self.eos_ids)
-        for r, (_, choice) in enumerate(rows):
-            tokens = choice["token_ids"]
-            k = len(tokens)
-            ids[r, :k] = torch.tensor(tokens, dtype=torch.long)
-            mask[r, :k] = True
-            logps[r, :k] = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-            is_eos[r] = bool(k) and tokens[-1] in eos
-        rollouts = Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                            is_eos=is_eos, sampler_logprobs=logps)
-        return Rollouts(**{f: getattr(rollouts, f).to(self.device) for f in rollouts.__dataclass_fields__})
+        return Rollouts.from_lists([(p, c["token_ids"], c["logprobs"]["token_logprobs"]) for p, c in rows],
+                                   self.pad_id, self.eos_ids, self.device)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _torch_dtype(name) -> torch.dtype | None:
+    """vLLM's served dtype ("torch.bfloat16" or "bfloat16") as a torch dtype; None when unknown."""
+    value = getattr(torch, str(name or "").removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
 
 
 def _runs(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], int, int]]:

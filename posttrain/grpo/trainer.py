@@ -81,7 +81,9 @@ class GRPOTrainer(Trainer):
             # one seed on every process: each row's key (its index in the round) tells the rows apart, so the
             # completions do not depend on the number of processes
             self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed,
-                                            process_index=rank, run_id=run_id)
+                                            process_index=rank, run_id=run_id,
+                                            num_processes=self.accelerator.num_processes,
+                                            local_process_index=self.accelerator.local_process_index)
         self.loss_fn = get_loss(args.loss_type)
         self.loss_params = LossParams(
             args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,

@@ -4,6 +4,7 @@ trainer's one client talks to it and to `vllm serve` alike.
     GET  /health                  200 while the engine is up
     GET  /v1/models               the served model (its id, max_model_len)
     GET  /server_info             engine, model fingerprint, max_model_len, logprobs mode, weight version, api version
+    GET  /weight_info             {"weight_version"}: the version the engine holds (as vLLM's)
     POST /v1/completions          token-id prompts, n, seed, sampling fields, logprobs, return_token_ids,
                                   return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1);
                                   posttrain's `sample_keys` (one per prompt) makes copy c of prompt i sample with the
@@ -100,6 +101,10 @@ def make_app(engine, api_key: str | None = None):
     @app.get("/server_info")
     def server_info():
         return {**engine.info(), "api_version": API_VERSION}
+
+    @app.get("/weight_info")
+    def weight_info():
+        return {"weight_version": engine.version}
 
     @app.post("/v1/completions")
     async def completions(body: Completion):

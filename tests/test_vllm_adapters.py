@@ -1,0 +1,251 @@
+"""posttrain's vLLM adapters against the manifest-built double (tests/vllm_double.py): the colocate engine's call
+order and conversion, and weights to a `vllm serve` over its NCCL transfer: driven by vLLM's own trainer-side order,
+through posttrain's HTTP client (real sockets to a stand-in of vLLM's RL routes), bounded by timeouts."""
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from vllm_double import fake_vllm  # noqa: E402
+
+from posttrain.configs import GRPOConfig  # noqa: E402
+from posttrain.generation import SamplingParams, make_generator  # noqa: E402
+from posttrain.generation.server import GenerationError, ServerClient, ServerGenerator  # noqa: E402
+from posttrain.testing import tiny_model  # noqa: E402
+from posttrain.weights import export_weights  # noqa: E402
+
+MANIFEST = json.load(open(__import__("posttrain.generation.vllm_compat", fromlist=["x"]).MANIFEST_PATH))
+PROMPTS = [[5, 76, 5, 84]] * 3 + [[7, 76, 9, 84, 11]] * 3
+
+
+def _colocate_config(**overrides):
+    values = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, vllm_kv_cache_dtype="fp8",
+                  per_device_train_batch_size=6, num_generations=3, max_completion_length=5, use_cpu=True)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def test_colocate_builds_loads_and_samples_in_vllms_order(tokenizer):
+    policy, engine_model = tiny_model(tokenizer, seed=1), tiny_model(tokenizer, seed=2)
+    with fake_vllm(model=engine_model) as double:
+        generator = make_generator(_colocate_config(), policy, tokenizer, seed=4)
+        init = dict(double.log[0][1])
+        options = {**init, **init.pop("kwargs", {})}
+        assert options["distributed_executor_backend"] == "external_launcher"
+        assert options["logprobs_mode"] == "processed_logprobs" and options["kv_cache_dtype"] == "fp8"
+        assert options["enable_sleep_mode"] and options["seed"] == 0 and options["max_num_seqs"] == 6
+        generator.sync_weights(export_weights(policy))
+        rollouts = generator.generate(PROMPTS, list(range(6)))
+        calls = [name for name, _ in double.log]
+        assert calls == ["LLM.__init__", "LLM.sleep", "LLM.wake_up", "LLM.apply_model", "LLM.update_weight_version",
+                         "LLM.reset_prefix_cache", "LLM.wake_up", "LLM.generate",
+                         "LLM.sleep"], calls
+        assert [args["tags"] for name, args in double.log if name == "LLM.wake_up"] == [["weights"], ["kv_cache"]]
+        # the policy's weights, loaded in place into the engine's model under their plain names
+        for (name, p), (_, q) in zip(policy.named_parameters(), engine_model.named_parameters()):
+            assert torch.equal(p, q), name
+        generated = double.log[-2][1]
+        requests = generated["sampling_params"]
+        assert [r.n for r in requests] == [3, 3] and len({r.seed for r in requests}) == 2
+        assert all(r.logprobs == 0 and r.max_tokens == 5 for r in requests)
+    assert rollouts.completion_ids.shape[0] == 6 and rollouts.prompt_ids[3:, -5:].tolist() == [PROMPTS[3]] * 3
+    assert rollouts.completion_mask.all() and (rollouts.sampler_logprobs < 0).all()  # Logprob.logprob, per token
+
+
+def test_colocate_refuses_what_vllm_would_fail_on(tokenizer):
+    with fake_vllm():
+        with pytest.raises(GenerationError, match="vllm_tensor_parallel_size=2 must divide the number of processes"):
+            make_generator(_colocate_config(vllm_tensor_parallel_size=2), tiny_model(tokenizer), tokenizer,
+                           num_processes=3)
+    with fake_vllm(version="0.31.0"):
+        with pytest.raises(Exception, match=r"needs vllm>=0.33,<0.34 .* but vllm 0.31.0 is installed"):
+            make_generator(_colocate_config(), tiny_model(tokenizer), tokenizer)
+
+
+def test_grpo_colocate_trains_with_the_engine_following_the_policy(tokenizer, tmp_path):
+    """A GRPO run in colocate mode on the double: every round loads the policy's weights into the engine first, and
+    the importance-sampling metrics are logged (the double's log-probs are not the model's, so the ratios vary)."""
+    from conftest import length_reward, tiny_config
+    from datasets import Dataset
+
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    engine_model = tiny_model(tokenizer, seed=5)
+    with fake_vllm(model=engine_model) as double:
+        config = tiny_config(tmp_path, max_steps=2, use_vllm=True, vllm_mode="colocate",
+                             vllm_importance_sampling_mode="token_truncate", max_completion_length=4)
+        trainer = GRPOTrainer(tiny_model(tokenizer), reward_funcs=length_reward, args=config,
+                              train_dataset=Dataset.from_dict({"prompt": [f"{a}+{a}=" for a in range(8)]}),
+                              processing_class=tokenizer)
+        trainer.train()
+        loads = [name for name, _ in double.log if name == "LLM.apply_model"]
+    assert len(loads) == 2
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert {"sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/max"} <= set(logged[0])
+    assert logged[0]["sampling/importance_sampling_ratio/max"] <= 3.0  # truncated at clip_max
+
+
+# ---------------------------------------------------------------------- a vLLM server over HTTP, NCCL transfer
+
+
+class FakeVLLMServer:
+    """vLLM's dev-mode RL routes as posttrain's client meets them, recording each call (path, body); `hang` and
+    `fail` make one route stall or answer 500."""
+
+    def __init__(self, backend="nccl", logprobs_mode="processed_logprobs", max_model_len=64):
+        self.calls, self.hang, self.fail = [], None, None
+        self.version = "default"
+        self.config = {"model_config": {"max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
+                                        "dtype": "torch.float32"},
+                       "weight_transfer_config": {"backend": backend} if backend else None}
+
+    def app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI()
+
+        async def record(request: Request):
+            body = await request.body()
+            path = request.url.path
+            self.calls.append((path, json.loads(body) if body else None))
+            if self.hang == path:
+                time.sleep(30)
+            if self.fail == path:
+                return JSONResponse({"error": "boom"}, 500)
+            if path == "/finish_weight_update":
+                self.version = self.calls[-1][1]["weight_version"]
+            return None
+
+        @app.get("/health")
+        async def health():
+            return {}
+
+        @app.get("/server_info")
+        async def server_info():
+            return {"vllm_config": self.config, "vllm_env": {}}
+
+        @app.get("/get_world_size")
+        async def world():
+            return {"world_size": 1}
+
+        @app.get("/weight_info")
+        async def weight_info():
+            return {"weight_version": self.version}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.calls.append(("/v1/completions", body))
+            choices = [{"index": i * body["n"] + c, "token_ids": [7 + c, 2], "finish_reason": "stop",
+                        "logprobs": {"token_logprobs": [-0.5, -0.25]},
+                        "weight_versions": [{"version": self.version, "start": 0, "end": 2}]}
+                       for i in range(len(body["prompt"])) for c in range(body["n"])]
+            return {"choices": choices}
+
+        for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                     "/finish_weight_update"):
+            async def route(request: Request):
+                answer = await record(request)
+                return answer if answer is not None else {"message": "ok"}
+            app.post(path)(route)
+        return app
+
+
+@contextlib.contextmanager
+def serving(fake):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(fake.app(), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+
+
+def _vllm_generator(url, sync_timeout=10.0, **kw):
+    client = ServerClient(url, connect_timeout=5, request_timeout=5, sync_timeout=sync_timeout)
+    return ServerGenerator(client, SamplingParams(max_new_tokens=4), 0, [2], group_port=51999, **kw)
+
+
+def test_weights_reach_a_vllm_server_in_vllms_order_with_the_version(tokenizer):
+    policy = tiny_model(tokenizer)
+    fake = FakeVLLMServer()
+    with fake_vllm() as double, serving(fake) as url:
+        generator = _vllm_generator(url)
+        generator.sync_weights(export_weights(policy))
+        generator.sync_weights(export_weights(policy))
+    paths = [p for p, _ in fake.calls]
+    assert paths == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                     "/finish_weight_update", "/start_weight_update", "/update_weights", "/finish_weight_update"]
+    routes = MANIFEST["routes"]
+    for path, body in fake.calls:  # every body holds only fields vLLM's route takes
+        assert set(body or {}) <= set(routes[path]["body"]), (path, body)
+    init = fake.calls[0][1]["init_info"]
+    assert init["world_size"] == 2 and init["master_port"] == 51999 and init["rank_offset"] == 1
+    assert init["master_address"] == "127.0.0.1"  # this host's address on the route to the server
+    first = fake.calls[2][1]["update_info"]
+    assert first["names"] == [name for name, _ in export_weights(policy)]
+    assert fake.calls[5][1]["update_info"]["names"] == []  # unchanged metadata: vLLM reuses the last round's
+    assert [b["weight_version"] for p, b in fake.calls if p == "/finish_weight_update"] == [
+        generator.version.replace("sync-2", "sync-1"), generator.version]
+    sent = dict(double.sent[:len(first["names"])])
+    for name, tensor in export_weights(policy):
+        assert torch.equal(sent[name], tensor), name
+
+
+def test_completions_from_a_vllm_server_go_one_request_per_group_with_its_own_seed(tokenizer):
+    """vLLM gives every prompt of a request the same seed (child i: seed + i) and ignores unknown fields, so each
+    group goes as its own request, seeded by its stream, sent concurrently; bodies hold only CompletionRequest's
+    fields."""
+    fake = FakeVLLMServer()
+    with fake_vllm(), serving(fake) as url:
+        generator = _vllm_generator(url)
+        generator.sync_weights(export_weights(tiny_model(tokenizer)))
+        rollouts = generator.generate(PROMPTS, list(range(6)))
+    requests = [b for p, b in fake.calls if p == "/v1/completions"]
+    assert sorted(len(b["prompt"]) * b["n"] for b in requests) == [3, 3] and len({b["seed"] for b in requests}) == 2
+    fields = set(MANIFEST["fields"]["CompletionRequest"])
+    assert all(set(b) <= fields and b["return_weight_versions"] for b in requests)
+    assert rollouts.completion_ids.tolist() == [[7, 2], [8, 2], [9, 2]] * 2 and rollouts.is_eos.all()
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("hang", r"did not finish a weight round within 2 s \(weight_sync_timeout\)"),
+    ("fail", r"The generation server at .* answered POST /update_weights with 500: boom"),
+])
+def test_a_stalled_or_failing_transfer_raises_in_time_and_is_never_resent(tokenizer, fault, message):
+    fake = FakeVLLMServer()
+    setattr(fake, fault, "/update_weights")
+    with fake_vllm(), serving(fake) as url:
+        generator = _vllm_generator(url, sync_timeout=2.0)
+        start = time.monotonic()
+        with pytest.raises(GenerationError, match=message):
+            generator.sync_weights(export_weights(tiny_model(tokenizer)))
+        assert time.monotonic() - start < 10
+    assert [p for p, _ in fake.calls].count("/update_weights") == 1  # a re-sent update would open a second receive
+
+
+@pytest.mark.parametrize("server,kw,message", [
+    (dict(backend=None), {}, "started without NCCL weight transfer"),
+    (dict(logprobs_mode="raw_logprobs"), dict(needs_processed_logprobs=True),
+     "returns raw_logprobs log-probs, which would bias the importance-sampling correction"),
+    (dict(max_model_len=32), dict(max_length=40), "serves at most 32 tokens per sequence.*reach 40"),
+])
+def test_the_handshake_refuses_a_server_that_does_not_fit(server, kw, message):
+    with fake_vllm(), serving(FakeVLLMServer(**server)) as url:
+        with pytest.raises(GenerationError, match=message):
+            _vllm_generator(url, **kw)
