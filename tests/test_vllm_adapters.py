@@ -249,3 +249,29 @@ def test_the_handshake_refuses_a_server_that_does_not_fit(server, kw, message):
     with fake_vllm(), serving(FakeVLLMServer(**server)) as url:
         with pytest.raises(GenerationError, match=message):
             _vllm_generator(url, **kw)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_colocate_shares_one_engine_per_group(tmp_path, tokenizer):
+    """vllm_tensor_parallel_size=2 on 2 processes: the group's engine samples the union of both shares (gathered in
+    the group) and each process keeps its own rows, which are the rows a 1-process run gives those prompts."""
+    import os
+    import subprocess
+    import sys
+
+    from test_cli import _env
+
+    here = os.path.dirname(__file__)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(here, "multiproc_colocate.py"), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    prompts = [[5, 76, 5, 84]] * 2 + [[7, 76, 9, 84, 11]] * 2 + [[6, 6]] * 2 + [[9, 8, 7]] * 2
+    config = GRPOConfig(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8, num_generations=2,
+                        max_completion_length=4, use_cpu=True)
+    with fake_vllm(model=tiny_model(tokenizer)):
+        alone = make_generator(config, tiny_model(tokenizer), tokenizer, seed=3).generate(prompts, list(range(8)))
+    assert ranks[0]["seeds"] == ranks[1]["seeds"]  # one engine call per group, the same requests on both
+    assert ranks[0]["completions"] + ranks[1]["completions"] == alone.completion_ids.tolist()
