@@ -35,12 +35,12 @@ def _patch():
 
         original, calls = TransformersGenerator.generate, []
 
-        def generate(self, prompts):
+        def generate(self, prompts, row_keys=None):
             calls.append(1)
             if len(calls) == 2:
                 _mark()
                 raise RuntimeError("CUDA out of memory (simulated) while generating")
-            return original(self, prompts)
+            return original(self, prompts, row_keys)
 
         TransformersGenerator.generate = generate
     elif FAULT == "data" and RANK == 1:

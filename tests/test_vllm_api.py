@@ -23,7 +23,7 @@ CHECKER = os.path.join(ROOT, "tools", "check_vllm_api.py")
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST", "/server_info": "GET",
           "/init_weight_transfer_engine": "POST", "/start_weight_update": "POST", "/update_weights": "POST",
           "/finish_weight_update": "POST", "/update_weight_version": "POST", "/pause": "POST", "/resume": "POST",
-          "/reset_prefix_cache": "POST", "/weight_checker": "POST", "/get_world_size": "GET"}
+          "/reset_prefix_cache": "POST", "/weight_checker": "POST", "/get_world_size": "GET", "/weight_info": "GET"}
 # what posttrain's client puts in a /v1/completions body (research note, section 5)
 COMPLETION_KEYS = ["model", "prompt", "n", "seed", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "return_token_ids",
