@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
     ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
+    ap.add_argument("--no-sampling-correction", action="store_true",
+                    help="with --server: vllm_importance_sampling_correction=False (TRL's default is True)")
     args = ap.parse_args()
 
     import torch
@@ -56,7 +58,8 @@ def main():
         max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
         save_strategy="no", seed=0, generation_kwargs={"min_new_tokens": args.completion},
         gradient_checkpointing=args.gradient_checkpointing,
-        **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server} if args.server else {}))
+        **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server,
+            "vllm_importance_sampling_correction": not args.no_sampling_correction} if args.server else {}))
     peft_config = None
     if args.peft:
         from peft import LoraConfig
@@ -75,7 +78,8 @@ def main():
     prompt_len = max(len(ids) for ids in trainer.prompts.prompt_ids)
     flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
     print(json.dumps({
-        "impl": "posttrain-serve" if args.server else "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "impl": ("posttrain-serve" + ("-uncorrected" if args.no_sampling_correction else "")) if args.server
+        else "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
         "completion_tok_per_s": round(tokens / wall, 1), "peak_rss_mib": peak,
         "step_gflop": round(flops["total"] / 1e9, 1),
         "achieved_gflop_per_s": round(flops["total"] / 1e9 / (wall / args.steps), 1),

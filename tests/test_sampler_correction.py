@@ -9,7 +9,7 @@ import torch
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
-from posttrain.grpo.sampler_correction import kept_log_mass, local_stats, reduce_stats, sampling_ratio
+from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
 from posttrain.models import token_logprobs
 from posttrain.testing import tiny_model
 
@@ -53,9 +53,11 @@ def test_metrics_use_trl_names_and_pool_processes():
     assert both["sampling/sampling_logp_difference/mean"] == pytest.approx((2.7 + 1.5) / 8)
 
 
-@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2),
+@pytest.mark.parametrize("fast", [True, False])  # the chunked output layer, and a model's own logits
+@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2), dict(min_new_tokens=6),
+                                     dict(suppress_tokens=(3, 9), begin_suppress_tokens=(5,), min_new_tokens=2),
                                      dict(top_k=7, top_p=0.9, suppress_tokens=(3,), min_new_tokens=2)])
-def test_the_trainer_over_the_samplers_support_equals_the_sampler(tokenizer, filters):
+def test_the_trainer_over_the_samplers_support_equals_the_sampler(tokenizer, filters, fast, monkeypatch):
     """The in-process sampler is the trainer's own distribution, so over its support the trainer's log-probs equal
     the sampler's: the ratio is 1. Over the full vocabulary they differ by the kept mass (TRL #6789)."""
     model = tiny_model(tokenizer)
@@ -63,13 +65,16 @@ def test_the_trainer_over_the_samplers_support_equals_the_sampler(tokenizer, fil
     gen = TransformersGenerator(model, tokenizer, params)
     r = gen.generate_seeded([[5, 76, 5, 84]] * 4 + [[7, 76, 9, 84, 11]] * 4, 3)
     with torch.no_grad():
-        full, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.7)
-        mass = kept_log_mass(model, r, params, 0.7, gen.eos_ids)
+        reference, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.7)
+        if not fast:
+            monkeypatch.setattr("posttrain.models.logprobs.fast_path_available", lambda m: False)
+        full, support = trainer_logps(model, r, params, 0.7, gen.eos_ids)
     mask = r.completion_mask
-    assert (mass[mask] < 0).any() and (mass[mask] <= 1e-6).all()
-    assert torch.allclose((full - mass)[mask], r.sampler_logprobs[mask], atol=2e-5)
-    assert not torch.allclose(full[mask], r.sampler_logprobs[mask], atol=1e-3)
-    ratio, _ = sampling_ratio(full - mass, r.sampler_logprobs, mask, "token_mask", None, 3.0)
+    assert torch.allclose(full, reference, atol=1e-5)  # the old log-probs, from the same forward
+    assert ((support - full)[mask] > 1e-4).any() and ((support - full)[mask] >= -1e-6).all()
+    assert torch.allclose(support[mask], r.sampler_logprobs[mask], atol=2e-5)
+    assert not torch.allclose(full[mask], r.sampler_logprobs[mask], atol=1e-4)
+    ratio, _ = sampling_ratio(support, r.sampler_logprobs, mask, "token_mask", None, 3.0)
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4)
 
 

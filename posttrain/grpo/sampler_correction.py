@@ -13,7 +13,10 @@ tokens) and renormalised there. Against the trainer's full-vocabulary log-prob e
 mass (0.896 per token at top_p=0.8: TRL issue #6789), so the trainer's log-prob is renormalised over the same support,
 which is recomputed from the trainer's own logits (never taken from the engine):
 
-    log pi_S(y) = log pi(y) - log sum_{v in S} pi(v)          (`kept_log_mass` is the subtracted term)
+    log pi_S(y) = log pi(y) - log sum_{v in S} pi(v)          (`trainer_logps` gives both, from one forward)
+
+When the filters only ban tokens (suppress_tokens, begin_suppress_tokens, EOS before min_new_tokens) the kept mass
+comes from those few columns of the output layer; top-k, top-p and min-p need each position's full logits.
 
 A repetition penalty is a deliberate change of distribution, not a support: it stays in the ratio, as in TRL.
 """
@@ -31,7 +34,7 @@ ROWS_PER_CHUNK = 64  # completion positions whose [rows, V] logits are filtered 
 
 
 def restricts_support(params: SamplingParams) -> bool:
-    """Whether the sampler's filters can drop tokens (otherwise the kept mass is 1 and `kept_log_mass` is 0)."""
+    """Whether the sampler's filters can drop tokens (otherwise the kept mass is 1: nothing to renormalise)."""
     return bool(params.top_k or params.top_p < 1.0 or params.min_p or params.suppress_tokens
                 or params.begin_suppress_tokens or params.min_new_tokens)
 
@@ -51,30 +54,75 @@ def _kept(logits: torch.Tensor, steps: torch.Tensor, params: SamplingParams, eos
     return filter_logits(logits, replace(params, temperature=1.0))
 
 
-def kept_log_mass(model, rollouts: Rollouts, params: SamplingParams, temperature: float,
-                  eos_ids: list[int]) -> torch.Tensor:
-    """log sum_{v in S} softmax(logits / T)_v for every completion token: [N, C] float32, <= 0, 0 on padding.
-    S is what the sampler's filters kept, applied to softmax(logits / T) as the sampler applies them."""
+def _banned_only(params: SamplingParams) -> bool:
+    """Whether the sampler's support differs from the vocabulary only by banned tokens (no top-k/p, min-p)."""
+    return not (params.top_k or params.top_p < 1.0 or params.min_p)
+
+
+def _banned_columns(steps: torch.Tensor, params: SamplingParams, eos_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The tokens the sampler may ban and, per position, which it banned: (ids [K], [M, K] bool)."""
+    columns = sorted(set(params.suppress_tokens) | set(params.begin_suppress_tokens)
+                     | (set(eos_ids) if params.min_new_tokens else set()))
+    banned = torch.zeros((steps.numel(), len(columns)), dtype=torch.bool, device=steps.device)
+    for k, token in enumerate(columns):
+        if token in params.suppress_tokens:
+            banned[:, k] = True
+        if token in params.begin_suppress_tokens:
+            banned[:, k] |= steps == 0
+        if params.min_new_tokens and token in eos_ids:
+            banned[:, k] |= steps < params.min_new_tokens
+    return columns, banned
+
+
+def _kept_from_hidden(hidden, layer, ids, logps, steps, params, temperature, eos_ids) -> torch.Tensor:
+    """[M] log of the kept mass from the output layer's input [M, H], given the chosen tokens' log-probs [M]."""
+    weight = layer.weight.float()
+    bias = None if layer.bias is None else layer.bias.float()
+    if _banned_only(params):  # a few columns: log p(v) = z_v - logsumexp, where logsumexp = z_y - log p(y)
+        columns, banned = _banned_columns(steps, params, eos_ids)
+        cols = torch.tensor(columns, device=hidden.device)
+        h = hidden.float()
+        z_cols = h @ weight[cols].T + (0 if bias is None else bias[cols])
+        z_chosen = (h * weight[ids]).sum(-1) + (0 if bias is None else bias[ids])
+        log_z = z_chosen / temperature - logps
+        banned_mass = ((z_cols / temperature - log_z[:, None]).exp() * banned).sum(-1)
+        return torch.log1p(-banned_mass.clamp(max=1 - 1e-7))
+    out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+    for start in range(0, out.numel(), ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        scaled = torch.nn.functional.linear(hidden[rows].float(), weight, bias) / temperature
+        out[rows] = _kept(scaled, steps[rows], params, eos_ids).logsumexp(-1) - scaled.logsumexp(-1)
+    return out
+
+
+def trainer_logps(model, rollouts: Rollouts, params: SamplingParams, temperature: float,
+                  eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's log-probs of the sampled tokens, over the vocabulary and over the sampler's support, from one
+    forward: ([N, C], [N, C]) float32, 0 on padding. The first is what `token_logprobs` gives (the old log-probs);
+    the second subtracts log sum_{v in S} softmax(logits / T)_v, S what the sampler's filters kept."""
     ids = torch.cat([rollouts.prompt_ids, rollouts.completion_ids], dim=1)
     attention = torch.cat([rollouts.prompt_mask, rollouts.completion_mask], dim=1).long()
     width = rollouts.completion_ids.size(1)
     mask = rollouts.completion_mask.bool()
+    if not restricts_support(params):
+        full, _ = lp.token_logprobs(model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids,
+                                   rollouts.completion_mask, temperature)
+        return full, full
     steps = torch.arange(width, device=mask.device).expand_as(mask)[mask]
+    chosen = rollouts.completion_ids[mask]
     layer = lp.output_layer(model) if lp.fast_path_available(model) else None
-    if layer is not None:
-        hidden = lp.final_hidden(model, ids, attention)[:, -width - 1:-1][mask]  # [T, H]
-        logits_of = lambda rows: torch.nn.functional.linear(hidden[rows].float(), layer.weight.float(),  # noqa: E731
-                                                            None if layer.bias is None else layer.bias.float())
+    if layer is not None:  # as token_logprobs computes them, and the kept mass from the same hidden states
+        hidden = lp.final_hidden(model, ids, attention)[:, -width - 1:-1][mask]  # [M, H]
+        logps, _ = lp.chunked_token_logprobs(hidden, layer.weight, layer.bias, chosen, temperature, False)
+        kept = _kept_from_hidden(hidden, layer, chosen, logps, steps, params, temperature, eos_ids)
     else:
-        logits = lp.completion_logits(model, ids, attention, width + 1)[:, :-1][mask]  # [T, V]
-        logits_of = lambda rows: logits[rows].float()  # noqa: E731
-    out = torch.empty(int(mask.sum()), dtype=torch.float32, device=mask.device)
-    for start in range(0, out.numel(), ROWS_PER_CHUNK):
-        rows = slice(start, start + ROWS_PER_CHUNK)
-        scaled = logits_of(rows) / temperature
-        kept = _kept(scaled, steps[rows], params, eos_ids)
-        out[rows] = kept.logsumexp(-1) - scaled.logsumexp(-1)
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, out)
+        logits = lp.completion_logits(model, ids, attention, width + 1)[:, :-1][mask].float() / temperature
+        log_z = logits.logsumexp(-1)
+        logps = logits.gather(-1, chosen[:, None]).squeeze(-1) - log_z
+        kept = torch.cat([_kept(logits[i:i + ROWS_PER_CHUNK], steps[i:i + ROWS_PER_CHUNK], params,
+                                eos_ids).logsumexp(-1) for i in range(0, logps.numel(), ROWS_PER_CHUNK)]) - log_z
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return zeros.masked_scatter(mask, logps), zeros.masked_scatter(mask, logps - kept)
 
 
 def sampling_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -27,8 +27,7 @@ from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
-from posttrain.grpo.sampler_correction import (kept_log_mass, local_stats, reduce_stats, restricts_support,
-                                               sampling_ratio)
+from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
 from posttrain.models import token_logprobs
 from posttrain.models.peft import reference_mode
 from posttrain.models.preparation import make_reference, mix_reference
@@ -208,8 +207,11 @@ class GRPOTrainer(Trainer):
             local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
                                   self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers(),
                                   args.reward_timeout)
-            old_logps = self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None
-            sampling_ratio, sampling_stats = self._sampling_correction(rollouts, old_logps)
+            weights = sampling_stats = None
+            if args.corrects_sampling:
+                old_logps, weights, sampling_stats = self._sampling_correction(rollouts)
+            else:
+                old_logps = self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None
             ref_logps = self._reference_logps(rollouts)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
@@ -220,7 +222,7 @@ class GRPOTrainer(Trainer):
         if args.mask_truncated_completions:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
-                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio)
+                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=weights)
         self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
                                  **(reduce_stats(self.accelerator.gather(sampling_stats.to(self.accelerator.device))
                                                  .cpu()) if sampling_stats is not None else {}),
@@ -248,39 +250,36 @@ class GRPOTrainer(Trainer):
         rewards[bad_groups.repeat_interleave(self.args.num_generations)] = float("nan")
         return int(bad_groups.sum())
 
-    def _sampling_correction(self, rollouts, old_logps):
-        """With use_vllm: the importance weight of every token for the engine's distribution differing from the
-        trainer's, and this process's mismatch statistics (grpo/sampler_correction.py); else (None, None)."""
+    def _sampling_correction(self, rollouts):
+        """With use_vllm: the old log-probs, the importance weight of every token for the engine's distribution
+        differing from the trainer's, and this process's mismatch statistics (grpo/sampler_correction.py), the
+        trainer's log-probs over the sampler's support coming from the same forward as the old ones."""
         args = self.args
-        if not args.corrects_sampling:
-            return None, None
-        trainer_logps = old_logps
-        if restricts_support(self.sampling_params):
-            with torch.no_grad(), self.accelerator.autocast():
-                size = args.per_device_train_batch_size
-                mass = [kept_log_mass(self.policy, rollouts.select(torch.arange(i, min(i + size, len(rollouts)))),
-                                      self.sampling_params, args.temperature, self.generator.eos_ids)
-                        for i in range(0, len(rollouts), size)]
-            width = rollouts.completion_ids.size(1)
-            trainer_logps = old_logps - torch.cat([torch.nn.functional.pad(m, (0, width - m.size(1))) for m in mass])
+        old_logps, support_logps = self._no_grad_per_micro_batch(
+            rollouts, lambda r: trainer_logps(self.policy, r, self.sampling_params, args.temperature,
+                                              self.generator.eos_ids))
         mask = rollouts.completion_mask.bool()
-        ratio, _ = sampling_ratio(trainer_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
+        ratio, _ = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
                                   args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
         sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
-        return ratio, local_stats(trainer_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)
+        return old_logps, ratio, local_stats(support_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)
 
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
-        logps = []
-        size = self.args.per_device_train_batch_size
+        return self._no_grad_per_micro_batch(rollouts, lambda r: token_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature)[:1])[0]
+
+    def _no_grad_per_micro_batch(self, rollouts, fn) -> tuple[torch.Tensor, ...]:
+        """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
+        padded as training pads them, without gradient; each result back at the rollouts' width [N, C]."""
+        parts = []
+        size, width = self.args.per_device_train_batch_size, rollouts.completion_ids.size(1)
         with torch.no_grad(), self.accelerator.autocast():
             for i in range(0, len(rollouts), size):
                 r = rollouts.select(torch.arange(i, min(i + size, len(rollouts)))).padded(self.pad_to_multiple_of)
-                lp, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                                       self.args.temperature)
                 # select() trimmed the columns (and padding may have widened them): back to the rollouts' width
-                lp = lp[:, :rollouts.completion_ids.size(1)]
-                logps.append(torch.nn.functional.pad(lp, (0, rollouts.completion_ids.size(1) - lp.size(1))))
-        return torch.cat(logps)
+                parts.append([torch.nn.functional.pad(x[:, :width], (0, width - min(x.size(1), width)))
+                              for x in fn(r)])
+        return tuple(torch.cat(column) for column in zip(*parts))
 
     def _reference_logps(self, rollouts) -> torch.Tensor | None:
         if self.args.beta == 0.0:
