@@ -21,6 +21,18 @@ from posttrain.generation.server import GenerationError, ServerClient, ServerGen
 from posttrain.testing import tiny_model  # noqa: E402
 from posttrain.weights import export_weights  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Colocate sets RANK, WORLD_SIZE, MASTER_PORT... for vLLM's external launcher, as TRL does: keep them out of
+    the other tests' subprocesses."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 MANIFEST = json.load(open(__import__("posttrain.generation.vllm_compat", fromlist=["x"]).MANIFEST_PATH))
 PROMPTS = [[5, 76, 5, 84]] * 3 + [[7, 76, 9, 84, 11]] * 3
 

@@ -108,9 +108,6 @@ class DPOLossConfig:
         "WPO: weight each pair's loss by w_c * w_r, w = exp(mean over the completion of log p(token) - log sum_v "
         "p(v)^2), detached.", default=False)
     discopop_tau: float = _help("DiscoPOP's temperature tau.", range=POSITIVE, default=0.05)
-    activation_offloading: bool = _help(
-        "Keep the activations saved for the backward in pinned CPU memory while on a GPU (torch's save_on_cpu); on a "
-        "CPU they are in host memory already, so it changes nothing.", default=False)
 
     def _check(self):
         if isinstance(self.loss_type, str):

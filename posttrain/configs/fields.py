@@ -118,6 +118,10 @@ class ModelConfig:
         "transformers 5's name for gradient_checkpointing: when set, it wins, and the two always agree.", default=None)
     activation_checkpointing_kwargs: Optional[dict] = _help(
         "transformers 5's name for gradient_checkpointing_kwargs (wins when set).", default=None)
+    activation_offloading: bool = _help(
+        "Move the activations saved for the backward from the accelerator to (pinned) CPU memory during the training "
+        "forward, and back as the backward uses them; parameters and tensors under 1 KiB stay. On a CPU they are in "
+        "host memory already: it changes nothing (said once). TRL's SFT/DPO field, for GRPO too.", default=False)
 
     def _check(self):
         # transformers 5 renamed gradient_checkpointing*; the new name wins, and afterwards both say the same

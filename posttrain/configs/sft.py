@@ -111,9 +111,6 @@ class SFTLossConfig:
     neftune_noise_alpha: Optional[float] = _help(
         "NEFTune: add uniform noise of scale alpha / sqrt(length * hidden) to the input embeddings in training "
         "(e.g. 5); None disables.", range=NON_NEGATIVE, default=None)
-    activation_offloading: bool = _help(
-        "Keep the activations saved for the backward in pinned CPU memory while on a GPU (torch's save_on_cpu); on a "
-        "CPU they are in host memory already, so it changes nothing.", default=False)
 
     def _check(self):
         if self.loss_type == "chunked_nll":

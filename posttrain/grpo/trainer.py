@@ -356,10 +356,11 @@ class GRPOTrainer(Trainer):
         mb = mb.padded(self.pad_to_multiple_of)
         r = mb.rollouts
         with self.accelerator.autocast():
-            logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                            r.completion_mask, self.args.temperature, with_entropy=True,
-                                            loss_gradient=self._loss_gradient(mb, norm, bonus),
-                                            entropy_grad=self.entropy_control.enabled)
+            with self._offloading():
+                logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                                r.completion_mask, self.args.temperature, with_entropy=True,
+                                                loss_gradient=self._loss_gradient(mb, norm, bonus),
+                                                entropy_grad=self.entropy_control.enabled)
             kept = self._entropy_mask(entropy.detach(), mb.loss_mask)
             out = self._loss(mb, logps, norm, kept)
             effective = mb.loss_mask if kept is None else kept

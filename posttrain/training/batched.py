@@ -8,7 +8,6 @@ A subclass sets, during its set-up:
 and counts the tokens it trains on in self._tokens_seen.
 """
 
-import contextlib
 import math
 
 import torch
@@ -39,12 +38,6 @@ class BatchedDataTrainer(Trainer):
         if not hasattr(self.batches, "steps_per_epoch"):
             raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
         return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
-
-    def _offloading(self):
-        """activation_offloading: saved activations in pinned CPU memory while on a GPU (on a CPU they are there)."""
-        if self.args.activation_offloading and self.accelerator.device.type == "cuda":
-            return torch.autograd.graph.save_on_cpu(pin_memory=True)
-        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 

@@ -31,6 +31,7 @@ from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder
 from posttrain.training.logging import MetricsLogger
+from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.saving import save_merged, save_policy_atomically
@@ -128,12 +129,23 @@ class Trainer:
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.policy = self.accelerator.unwrap_model(self.model)
+        self._offloader = None
+        if getattr(self.args, "activation_offloading", False):
+            if self.accelerator.device.type == "cpu":
+                logger.warning("activation_offloading=True changes nothing on a CPU: the activations saved for the "
+                               "backward are in host memory already.")
+            else:
+                self._offloader = ActivationOffloader(self.policy)
         self.intervals = Intervals(self.args, total_steps)
         state = self.state
         state.max_steps, state.num_train_epochs = total_steps, self.args.num_train_epochs
         state.logging_steps, state.eval_steps, state.save_steps = (self.intervals.logging, self.intervals.eval,
                                                                    self.intervals.save)
         state.train_batch_size = self.args.per_device_train_batch_size
+
+    def _offloading(self):
+        """The block to run a training forward in: activation_offloading's offloader, or nothing."""
+        return self._offloader if self._offloader is not None else contextlib.nullcontext()
 
     def _load_policy(self, model, processing_class, peft_config):
         """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
