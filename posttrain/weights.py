@@ -22,6 +22,7 @@ import torch
 
 from posttrain.models.loading import unwrap
 from posttrain.models.peft import is_peft_model
+from posttrain.training.sharding import full_tensor
 
 
 def export_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,8 +40,12 @@ def export_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor safe to hand out: trainable ones are copied, frozen ones shared."""
+    """A tensor safe to hand out: trainable ones are copied, frozen ones shared; an FSDP2 shard is gathered whole
+    (a collective: every process exports)."""
     tensor_ = tensor.detach()
+    whole = full_tensor(tensor_)
+    if whole is not tensor_:
+        return whole  # gathered into a fresh tensor
     return tensor_.clone() if tensor.requires_grad else tensor_
 
 
