@@ -32,7 +32,7 @@ def _trl(mode, low, high):
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 2.0)])
 def test_the_four_modes_equal_trl(mode, bounds):
-    ratio, _ = sampling_ratio(TRAINER, SAMPLER, MASK, mode, *bounds)
+    ratio = sampling_ratio(TRAINER, SAMPLER, MASK, mode, *bounds)
     expected = _trl(mode, *bounds).expand(2, 4)
     assert torch.allclose(ratio[MASK], expected[MASK])
     assert (ratio[~MASK] == 1).all()
@@ -42,7 +42,7 @@ def test_the_four_modes_equal_trl(mode, bounds):
 
 
 def test_metrics_use_trl_names_and_pool_processes():
-    ratio, _ = sampling_ratio(TRAINER, SAMPLER, MASK, "token_truncate", None, 3.0)
+    ratio = sampling_ratio(TRAINER, SAMPLER, MASK, "token_truncate", None, 3.0)
     one = local_stats(TRAINER, SAMPLER, MASK, ratio, sequence_level=False)
     both = reduce_stats(torch.stack([one, local_stats(TRAINER[:1], SAMPLER[:1], MASK[:1], ratio[:1], False)]))
     alone = reduce_stats(one)
@@ -74,7 +74,7 @@ def test_the_trainer_over_the_samplers_support_equals_the_sampler(tokenizer, fil
     assert ((support - full)[mask] > 1e-4).any() and ((support - full)[mask] >= -1e-6).all()
     assert torch.allclose(support[mask], r.sampler_logprobs[mask], atol=2e-5)
     assert not torch.allclose(full[mask], r.sampler_logprobs[mask], atol=1e-4)
-    ratio, _ = sampling_ratio(support, r.sampler_logprobs, mask, "token_mask", None, 3.0)
+    ratio = sampling_ratio(support, r.sampler_logprobs, mask, "token_mask", None, 3.0)
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4)
 
 

@@ -8,10 +8,12 @@ parsed with `ast`. The manifest is the spec: its keys say what to extract (signa
 fields, Literal values, `@router.get/post` routes, `vllm serve` flags) and --write refreshes their values with what
 every checked version holds. A version holds the manifest when all it lists is still there in the same form (new
 optional parameters, fields, routes or flags are no difference). Each difference is one line; any exits 1.
-Standard library only. Without --version or --all-in-window: the newest version in the manifest's "checked".
+Standard library only, plus posttrain's vllm_compat (loaded from its file, without torch) for the signature rule it
+shares with the installed-package check. Without --version or --all-in-window: the newest version in the manifest's "checked".
 """
 
 import argparse
+import importlib.util
 import ast
 import json
 import operator
@@ -23,7 +25,21 @@ import time
 import zipfile
 from pathlib import Path
 
-MANIFEST = Path(__file__).resolve().parents[1] / "posttrain" / "generation" / "vllm_api.json"
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "posttrain" / "generation" / "vllm_api.json"
+
+
+def _vllm_compat():
+    """posttrain/generation/vllm_compat.py itself, loaded from its file: its package's __init__ imports torch."""
+    sys.path.insert(0, str(ROOT))  # for posttrain.errors, which needs nothing heavy
+    spec = importlib.util.spec_from_file_location("posttrain_vllm_compat", MANIFEST.with_name("vllm_compat.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_compat = _vllm_compat()
+parsed_signature, signature_gaps = _compat.parsed_signature, _compat.signature_gaps
 PIP = [sys.executable, "-m", "pip"]
 TARGET = ["--platform", "manylinux_2_28_x86_64", "--python-version", "3.12"]
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -298,38 +314,6 @@ def extract(wheel: Wheel, manifest: dict) -> dict:
     return found
 
 
-def _parsed(tokens: list[str]) -> dict:
-    """name -> (kind, has default); kinds: positional, either, keyword, *args, **kwargs."""
-    out, kind = {}, "positional" if "/" in tokens else "either"
-    for t in tokens:
-        if t in ("/", "*"):
-            kind = "either" if t == "/" else "keyword"
-        elif t.startswith("*"):
-            kind = "keyword"
-            out[t.lstrip("*")] = ("**kwargs" if t.startswith("**") else "*args", True)
-        else:
-            out[t.rstrip("=")] = (kind, t.endswith("="))
-    return out
-
-
-def signature_gaps(expected: list[str], actual: list[str]) -> list[str]:
-    """How `actual` fails to accept every call `expected` allows (vllm_compat.signature_gaps is the same rule)."""
-    want, have = _parsed(expected), _parsed(actual)
-    gaps = []
-    for name, (kind, default) in want.items():
-        if name not in have:
-            gaps.append(f"parameter '{name}' gone" if kind != "**kwargs" else "**kwargs gone")
-        elif have[name][0] != kind:
-            gaps.append(f"parameter '{name}' is now {have[name][0]}, was {kind}")
-        elif default and not have[name][1]:
-            gaps.append(f"parameter '{name}' lost its default")
-    gaps += [f"new required parameter '{n}'" for n, (k, d) in have.items() if n not in want and not d]
-    order = [n for n, (k, _) in want.items() if k in ("positional", "either")]
-    if not gaps and order != [n for n, (k, _) in have.items() if n in order]:
-        gaps.append("positional parameters reordered")
-    return gaps
-
-
 def differences(manifest: dict, found: dict) -> list[str]:
     """One line per thing the manifest lists that `found` lacks or changed."""
     lines = [f"{k}: not found at {p}" + (f" (now in {found['moved'][k]})" if found["moved"].get(k) else "")
@@ -368,8 +352,8 @@ def meet(a, b, signature: bool = False):
         return b
     if not signature:
         return [x for x in b if x in a]
-    want, tokens = _parsed(a), []
-    for name, (kind, default) in _parsed(b).items():
+    want, tokens = parsed_signature(a), []
+    for name, (kind, default) in parsed_signature(b).items():
         if want.get(name, (None,))[0] == kind:
             tokens += ["*"] if kind == "keyword" and not any(t[:1] == "*" and t[:2] != "**" for t in tokens) else []
             prefix = {"*args": "*", "**kwargs": "**"}.get(kind, "")

@@ -6,9 +6,10 @@ re-sent under the same version is loaded again, harmlessly) and seeded completio
 GenerationError of one sentence naming the server, the call and the fix.
 
     ServerClient      the HTTP calls: wait_until_up, info, completions, push (buckets + verified digest)
-    ServerGenerator   the trainer's Generator over a client: folds a group's identical prompts into one request
-                      with n, draws each request's seed from its own RNG (saved in checkpoints), checks that every
-                      completion was sampled with the weights just pushed
+    ServerGenerator   the trainer's Generator over a client: a handshake at connect, one seed per round from its own
+                      RNG (saved in checkpoints) and each row sampled with its key's stream, a group's identical
+                      prompts folded into one request with n, every completion checked to come from the weights just
+                      pushed (over HTTP to posttrain serve, over vLLM's NCCL transfer to vllm serve)
 """
 
 import time
@@ -266,7 +267,7 @@ class ServerGenerator:
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
         runs = _runs(prompts, keys)
         seed = draw_seed(self.rng)
-        if self.server_info.get("engine") == "transformers":
+        if self.server_info.get("engine") == "transformers":  # posttrain serve: it takes sample_keys
             requests = _shared_requests(runs)
             bodies = [([runs[i][0] for i in idx], runs[idx[0]][2], seed, [runs[i][1] for i in idx]) for idx in requests]
         else:

@@ -68,8 +68,8 @@ class ColocateGenerator:
         if num_processes % self.tp:
             raise GenerationError(f"vllm_tensor_parallel_size={self.tp} must divide the number of processes "
                                   f"({num_processes}): each group of {self.tp} processes shares one engine.")
-        self.params, self.eos_ids, self.pad_id = params, list(params.eos_token_ids) or list(eos_ids), \
-            tokenizer.pad_token_id
+        self.params, self.pad_id = params, tokenizer.pad_token_id
+        self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
         self.rng = torch.Generator().manual_seed(seed)
         self.sleeps = config.vllm_enable_sleep_mode
         self.device = next(policy.parameters()).device

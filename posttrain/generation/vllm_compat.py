@@ -66,7 +66,7 @@ def signature_tokens(sig: inspect.Signature) -> list[str]:
     return tokens
 
 
-def _parsed(tokens: list[str]) -> dict:
+def parsed_signature(tokens: list[str]) -> dict:
     """name -> (kind, has default); kinds: positional, either, keyword, *args, **kwargs."""
     out, kind = {}, "positional" if "/" in tokens else "either"
     for t in tokens:
@@ -81,9 +81,9 @@ def _parsed(tokens: list[str]) -> dict:
 
 
 def signature_gaps(expected: list[str], actual: list[str]) -> list[str]:
-    """How `actual` fails to accept every call `expected` allows (tools/check_vllm_api.py applies the same rule to
-    the wheels): a parameter gone, of another kind, or without its default; a new required one; a new order."""
-    want, have = _parsed(expected), _parsed(actual)
+    """How `actual` fails to accept every call `expected` allows (tools/check_vllm_api.py applies this rule to the
+    wheels): a parameter gone, of another kind, or without its default; a new required one; a new order."""
+    want, have = parsed_signature(expected), parsed_signature(actual)
     gaps = []
     for name, (kind, default) in want.items():
         if name not in have:
@@ -151,7 +151,7 @@ def accepted_names(name: str) -> list[str]:
     spec = manifest()
     if name not in spec["signatures"]:
         return list(spec["fields"][name])
-    names = [n for n, (kind, _) in _parsed(spec["signatures"][name]).items() if kind not in ("*args", "**kwargs")]
+    names = [n for n, (kind, _) in parsed_signature(spec["signatures"][name]).items() if kind not in ("*args", "**kwargs")]
     return names + (spec["fields"]["EngineArgs"] if name == "LLM.__init__" else [])
 
 

@@ -8,15 +8,14 @@ finish_weight_update. The rendezvous and every round run on a daemon thread join
 NCCL call cannot be interrupted, so a dead peer leaves that thread behind and the run raises one sentence instead of
 hanging (the transfer is then unusable; the run must be restarted).
 
-    NcclWeightPush(client, server_info, group_port, sync_timeout)
+    NcclWeightPush(client, server_world_size, group_port, wire_dtype)
         .push(weights, version)   first call: rendezvous (server world + 1 ranks, this process rank 0); every call:
-                                  one round, then the server's reported version must be `version`
+                                  one round, finished under `version`
 
 vLLM symbols come through generation/vllm_compat.py only (checked against vllm_api.json).
 """
 
 import socket
-import threading
 from functools import cached_property
 from typing import Iterable
 from urllib.parse import urlparse
@@ -25,6 +24,7 @@ import torch
 
 from posttrain.generation import vllm_compat
 from posttrain.generation.server import GenerationError, ServerClient
+from posttrain.rewards.timeouts import TimedOut, run_within
 
 
 class VLLMControlClient:
@@ -79,28 +79,18 @@ def export_source(wire_dtype: torch.dtype | None):
     return ExportSource()
 
 
-def _bounded(what: str, fn, timeout: float, base_url: str) -> None:
-    """Run `fn` on a daemon thread; re-raise its error, or raise if it is still running after `timeout` (the
-    thread is abandoned: an NCCL call cannot be interrupted)."""
-    failure: list[BaseException] = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(err)
-
-    thread = threading.Thread(target=run, name=f"posttrain-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+def _bounded(what: str, fn, timeout: float, base_url: str):
+    """fn() on a daemon thread (rewards/timeouts.run_within); its error as one sentence, or one if it is still running
+    after `timeout` (the thread is abandoned: an NCCL call cannot be interrupted)."""
+    try:
+        return run_within(fn, timeout, name=f"posttrain-{what}")
+    except TimedOut:
         raise GenerationError(f"The weight transfer to the vLLM server at {base_url} did not finish {what} within "
                               f"{timeout:g} s (weight_sync_timeout): the server or the NCCL link died or stalled; "
-                              "restart the server and resume the run from its last checkpoint.")
-    if failure:
-        err = failure[0]
-        if isinstance(err, GenerationError):
-            raise err
+                              "restart the server and resume the run from its last checkpoint.") from None
+    except GenerationError:
+        raise
+    except Exception as err:  # noqa: BLE001 - vLLM's and NCCL's own errors, named in the sentence
         raise GenerationError(f"The weight transfer to the vLLM server at {base_url} failed in {what}: "
                               f"{type(err).__name__}: {err}") from err
 
@@ -128,11 +118,9 @@ class NcclWeightPush:
         init_info = vllm_compat.symbol("NCCLTrainerInitInfo")(
             reachable_address(self.client.base_url), self.group_port, self.server_world_size + 1, packed=True, rank=0)
         factory = vllm_compat.symbol("WeightTransferTrainerFactory")
-        engines: list = []
-        _bounded("the NCCL rendezvous",
-                 lambda: engines.append(factory.trainer_init(init_info, client=self.control, source=self.source)),
-                 self.client.sync_timeout, self.client.base_url)
-        self.engine = engines[0]
+        self.engine = _bounded("the NCCL rendezvous",
+                               lambda: factory.trainer_init(init_info, client=self.control, source=self.source),
+                               self.client.sync_timeout, self.client.base_url)
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         self.source.feed(weights)

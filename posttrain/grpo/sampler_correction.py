@@ -39,21 +39,6 @@ def restricts_support(params: SamplingParams) -> bool:
                 or params.begin_suppress_tokens or params.min_new_tokens)
 
 
-def _kept(logits: torch.Tensor, steps: torch.Tensor, params: SamplingParams, eos_ids: list[int]) -> torch.Tensor:
-    """The sampler's filters applied to raw logits [r, V] at completion steps [r]: -inf where a token was not
-    available to it (temperature not applied here)."""
-    logits = logits.clone()
-    if params.suppress_tokens:
-        logits[:, list(params.suppress_tokens)] = float("-inf")
-    if params.begin_suppress_tokens:
-        first = (steps == 0).nonzero().squeeze(1)
-        logits[first[:, None], torch.tensor(params.begin_suppress_tokens, device=logits.device)] = float("-inf")
-    if params.min_new_tokens:
-        early = (steps < params.min_new_tokens).nonzero().squeeze(1)
-        logits[early[:, None], torch.tensor(eos_ids, device=logits.device)] = float("-inf")
-    return filter_logits(logits, replace(params, temperature=1.0))
-
-
 def _banned_only(params: SamplingParams) -> bool:
     """Whether the sampler's support differs from the vocabulary only by banned tokens (no top-k/p, min-p)."""
     return not (params.top_k or params.top_p < 1.0 or params.min_p)
@@ -74,6 +59,28 @@ def _banned_columns(steps: torch.Tensor, params: SamplingParams, eos_ids: list[i
     return columns, banned
 
 
+def _kept(logits: torch.Tensor, steps: torch.Tensor, params: SamplingParams, eos_ids: list[int]) -> torch.Tensor:
+    """The sampler's filters applied to logits [r, V] (temperature applied) at completion steps [r]: -inf where a
+    token was not available to it."""
+    columns, banned = _banned_columns(steps, params, eos_ids)
+    if columns:
+        logits = logits.clone()
+        logits[:, columns] = logits[:, columns].masked_fill(banned, float("-inf"))
+    return filter_logits(logits, replace(params, temperature=1.0))
+
+
+def _kept_in_chunks(scaled_logits, count: int, steps: torch.Tensor, params: SamplingParams,
+                    eos_ids: list[int]) -> torch.Tensor:
+    """[count] log of the kept mass, ROWS_PER_CHUNK positions at a time; `scaled_logits(rows)` gives their
+    [r, V] logits / T."""
+    out = torch.empty(count, dtype=torch.float32, device=steps.device)
+    for start in range(0, count, ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        scaled = scaled_logits(rows)
+        out[rows] = _kept(scaled, steps[rows], params, eos_ids).logsumexp(-1) - scaled.logsumexp(-1)
+    return out
+
+
 def _kept_from_hidden(hidden, layer, ids, logps, steps, params, temperature, eos_ids) -> torch.Tensor:
     """[M] log of the kept mass from the output layer's input [M, H], given the chosen tokens' log-probs [M]."""
     weight = layer.weight.float()
@@ -87,12 +94,8 @@ def _kept_from_hidden(hidden, layer, ids, logps, steps, params, temperature, eos
         log_z = z_chosen / temperature - logps
         banned_mass = ((z_cols / temperature - log_z[:, None]).exp() * banned).sum(-1)
         return torch.log1p(-banned_mass.clamp(max=1 - 1e-7))
-    out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-    for start in range(0, out.numel(), ROWS_PER_CHUNK):
-        rows = slice(start, start + ROWS_PER_CHUNK)
-        scaled = torch.nn.functional.linear(hidden[rows].float(), weight, bias) / temperature
-        out[rows] = _kept(scaled, steps[rows], params, eos_ids).logsumexp(-1) - scaled.logsumexp(-1)
-    return out
+    return _kept_in_chunks(lambda rows: torch.nn.functional.linear(hidden[rows].float(), weight, bias) / temperature,
+                           hidden.size(0), steps, params, eos_ids)
 
 
 def trainer_logps(model, rollouts: Rollouts, params: SamplingParams, temperature: float,
@@ -117,25 +120,22 @@ def trainer_logps(model, rollouts: Rollouts, params: SamplingParams, temperature
         kept = _kept_from_hidden(hidden, layer, chosen, logps, steps, params, temperature, eos_ids)
     else:
         logits = lp.completion_logits(model, ids, attention, width + 1)[:, :-1][mask].float() / temperature
-        log_z = logits.logsumexp(-1)
-        logps = logits.gather(-1, chosen[:, None]).squeeze(-1) - log_z
-        kept = torch.cat([_kept(logits[i:i + ROWS_PER_CHUNK], steps[i:i + ROWS_PER_CHUNK], params,
-                                eos_ids).logsumexp(-1) for i in range(0, logps.numel(), ROWS_PER_CHUNK)]) - log_z
+        logps = logits.gather(-1, chosen[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        kept = _kept_in_chunks(lambda rows: logits[rows], logps.numel(), steps, params, eos_ids)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     return zeros.masked_scatter(mask, logps), zeros.masked_scatter(mask, logps - kept)
 
 
 def sampling_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                   clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The importance weight of each token and its unclipped log.
+                   clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """The importance weight of each token.
 
     Args:
         trainer_logps: [N, C] the trainer's log-probs over the sampler's support.
         sampler_logps: [N, C] the engine's.
         mask: [N, C] bool, completion tokens.
     Returns:
-        (ratio [N, C], 1 on padding; a sequence mode repeats the sequence's ratio over its tokens,
-         log-ratio [N, C] or [N, 1] before clamping or masking).
+        [N, C], 1 on padding; a sequence mode repeats the sequence's ratio over its tokens.
     """
     diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)  # NaN: the engine gave no log-prob
     log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence_") else diff
@@ -146,7 +146,7 @@ def sampling_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mas
         low = -math.inf if clip_min is None else clip_min
         high = math.inf if clip_max is None else clip_max
         ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    return torch.where(mask, ratio.expand_as(diff), torch.ones_like(diff)), log_ratio
+    return torch.where(mask, ratio.expand_as(diff), torch.ones_like(diff))
 
 
 def local_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor,

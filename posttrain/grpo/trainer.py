@@ -259,7 +259,7 @@ class GRPOTrainer(Trainer):
             rollouts, lambda r: trainer_logps(self.policy, r, self.sampling_params, args.temperature,
                                               self.generator.eos_ids))
         mask = rollouts.completion_mask.bool()
-        ratio, _ = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
+        ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
                                   args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
         sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
         return old_logps, ratio, local_stats(support_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)

@@ -13,8 +13,9 @@ class TimedOut(Exception):
     """A call did not return within its limit."""
 
 
-def run_within(call, timeout: float | None):
-    """call() in a daemon thread, waiting at most `timeout` seconds (None: call it here, without a limit)."""
+def run_within(call, timeout: float | None, name: str = "posttrain-reward"):
+    """call() in a daemon thread named `name`, waiting at most `timeout` seconds (None: call it here, without a
+    limit); raises TimedOut, or what call() raised."""
     if timeout is None:
         return call()
     box = {}
@@ -25,7 +26,7 @@ def run_within(call, timeout: float | None):
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = err
 
-    thread = threading.Thread(target=target, name="posttrain-reward", daemon=True)
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():

@@ -114,8 +114,8 @@ def make_app(engine, api_key: str | None = None):
                                 repetition_penalty=body.repetition_penalty, min_new_tokens=body.min_tokens,
                                 eos_token_ids=tuple(body.stop_token_ids or ()))
 
-        keys = body.sample_keys if body.sample_keys is not None else [i * body.n for i in range(len(prompts))]
-        if len(keys) != len(prompts):
+        keys = body.sample_keys  # None: the engine numbers the rows in order
+        if keys is not None and len(keys) != len(prompts):
             raise EngineError(f"sample_keys holds {len(keys)} keys for {len(prompts)} prompts: send one per prompt.",
                               422)
         seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 31)
