@@ -3,6 +3,7 @@ the in-process generator, verified weight sync (LoRA merged), versions, auth, an
 sentence within their timeout instead of hanging."""
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -85,13 +87,39 @@ def test_buckets_round_trip_with_tied_weights_and_a_size_cap(tokenizer):
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"} and "lm_head.weight" not in sent
     for bucket, al in parts:
         assert sum(t.numel() * t.element_size() for _, t in bucket) <= 4096 or len(bucket) == 1
-        tensors, back = wire.decode(wire.encode(bucket, al))
+        body = wire.Body(bucket, al)
+        data = body.to_bytes()
+        assert len(data) == len(body)
+        tensors, back = wire.decode(data)
         assert back == al and all(torch.equal(tensors[n], t) for n, t in bucket)
-    bf16 = [(n, t.to(torch.bfloat16)) for n, t in named[:3]]
-    tensors, _ = wire.decode(wire.encode(bf16, {}))
-    assert all(tensors[n].dtype == torch.bfloat16 and torch.equal(tensors[n], t) for n, t in bf16)
+        assert safetensors_load(data).keys() == tensors.keys()  # what safetensors itself reads
+    mixed = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(5.0)), ("c", torch.zeros(0)),
+             ("d", torch.tensor([True, False, True])), ("e", torch.arange(4, dtype=torch.int64))]  # b, e unaligned
+    tensors, _ = wire.decode(wire.Body(mixed, {}).to_bytes())
+    assert all(tensors[n].dtype == t.dtype and torch.equal(tensors[n], t) for n, t in mixed)
+
+
+@pytest.mark.parametrize("damage", ["not json", "short header", "offset outside", "a hole", "bad dtype", "trailing"])
+def test_a_malformed_bucket_is_refused_without_reading_outside_it(damage):
+    good = wire.Body([("w", torch.arange(6.0).reshape(2, 3)), ("v", torch.ones(2))], {}).to_bytes()
+    header = json.loads(good[8:8 + int.from_bytes(good[:8], "little")])
+    if damage == "not json":
+        data = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......"
+    elif damage == "short header":
+        data = (1 << 40).to_bytes(8, "little") + good[8:]
+    else:
+        if damage == "offset outside":
+            header["v"]["data_offsets"] = [24, 1 << 20]
+        elif damage == "a hole":
+            header["v"]["data_offsets"] = [28, 36]
+        elif damage == "bad dtype":
+            header["w"]["dtype"] = "F128"
+        raw = json.dumps(header).encode()
+        data = len(raw).to_bytes(8, "little") + raw + good[8 + int.from_bytes(good[:8], "little"):]
+        if damage == "trailing":
+            data += b"\x00" * 4
     with pytest.raises(ValueError, match="not a safetensors bucket"):
-        wire.decode(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+        wire.decode(data)
 
 
 # ---------------------------------------------------------------------- generation and sync
@@ -149,9 +177,9 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_lives_on(tokenizer):
         with pytest.raises(GenerationError, match="409: a weight update to version 'v9' is in progress"):
             client.completions([[5, 6]], 1, 0, PARAMS)
         bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer)), 1 << 30))
-        data = bytearray(wire.encode(bucket, aliases))
-        headers = {"X-Weight-Version": "v9", "Content-Digest": wire.content_digest(bytes(data))}
-        data[100] ^= 1  # a flipped bit in transit
+        data = bytearray(wire.Body(bucket, aliases).to_bytes())
+        headers = {"X-Weight-Version": "v9", "X-Bucket-Digest": wire.bucket_digest(bucket)}
+        data[-100] ^= 1  # a flipped bit in transit
         response = requests.post(f"{url}/update_weights", data=bytes(data), headers=headers, timeout=10)
         assert response.status_code == 400 and "corrupted in transit" in response.json()["error"]
         engine.abort_update()

@@ -139,19 +139,13 @@ class ServerClient:
         """Send every weight under `version` and check that the server holds exactly what was sent; returns the
         digest."""
         self._call("POST", "/start_weight_update", self.sync_timeout, retry=False, json={"weight_version": version})
-        digests: list[str] = []
-
-        def digested(named):  # every name is digested as it passes, tied names included: no second pass, no copy
-            for name, tensor in named:
-                digests.append(wire.tensor_digest(name, tensor))
-                yield name, tensor
-
-        for index, (bucket, aliases) in enumerate(wire.buckets(digested(weights), self.max_bucket_bytes)):
-            data = wire.encode(bucket, aliases)
+        digests = wire.PushDigests()
+        for index, (bucket, aliases) in enumerate(wire.buckets(weights, self.max_bucket_bytes)):
             headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
-                       "X-Bucket": str(index + 1), "Content-Digest": wire.content_digest(data)}
-            self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=data, headers=headers)
-        expected = wire.combine(digests)
+                       "X-Bucket": str(index + 1), "X-Bucket-Digest": digests.of_bucket(bucket, aliases)}
+            body = wire.Body(bucket, aliases)  # streamed from the tensors' memory: no copy of the weights
+            self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=body, headers=headers)
+        expected = digests.total()
         held = self._call("POST", "/finish_weight_update", self.sync_timeout, retry=False,
                           json={"weight_version": version})["digest"]
         if held != expected:

@@ -12,8 +12,9 @@ trainer's one client talks to it and to `vllm serve` alike.
                                   the same completion whichever request carries it
     POST /start_weight_update     {"weight_version"}: opens an update (generation answers 409 until it finishes)
     POST /update_weights          one safetensors bucket as the body (application/octet-stream) with headers
-                                  X-Weight-Version, X-Bucket (its index, from 1) and Content-Digest (sha-256,
-                                  RFC 9530), checked before anything is loaded; re-sending a bucket is harmless
+                                  X-Weight-Version, X-Bucket (its index, from 1) and X-Bucket-Digest (wire.combine
+                                  of its tensors' SHA-256 digests), checked before anything is loaded; re-sending a
+                                  bucket is harmless
     POST /finish_weight_update    {"weight_version"} -> {"digest"}: SHA-256 of the tensors the engine now holds
 
 With an API key every route, the weight routes and /health included, needs `Authorization: Bearer KEY` (401
@@ -22,6 +23,7 @@ it.
 """
 
 import hmac
+import json
 import logging
 import secrets
 
@@ -55,13 +57,8 @@ def make_app(engine, api_key: str | None = None):
     async def on_engine(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None:
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong API key: send Authorization: Bearer <key>"}, 401)
-        return await call_next(request)
+    if api_key is not None:  # plain ASGI (not BaseHTTPMiddleware, which relays every body chunk through a stream)
+        app.add_middleware(_BearerToken, api_key=api_key)
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError):
@@ -137,16 +134,24 @@ def make_app(engine, api_key: str | None = None):
         version = request.headers.get("x-weight-version")
         if not version:
             raise EngineError("the X-Weight-Version header is missing: send the version of the open update.", 422)
-        data = await request.body()
-        if request.headers.get("content-digest", "") != wire.content_digest(data):
-            raise EngineError("the bucket's bytes do not match its Content-Digest (corrupted in transit): re-send "
-                              "it.", 400)
-        try:
-            tensors, aliases = wire.decode(data)
-        except ValueError as err:
-            raise EngineError(f"the body is {err}.", 400) from None
-        await on_engine(engine.load, tensors, aliases, version)  # off the event loop: /health stays answered
-        return {"status": "ok", "tensors": len(tensors), "aliases": len(aliases)}
+        digest = request.headers.get("x-bucket-digest")
+        if not digest:
+            raise EngineError("the X-Bucket-Digest header is missing: send the digest of the bucket's tensors.", 422)
+        data = await _read_body(request)
+
+        def check_and_load():
+            try:
+                tensors, aliases = wire.decode(data)
+            except ValueError as err:
+                raise EngineError(f"the body is {err}.", 400) from None
+            if wire.bucket_digest(tensors.items()) != digest:
+                raise EngineError("the bucket's tensors do not match its X-Bucket-Digest (corrupted in transit): "
+                                  "re-send it.", 400)
+            engine.load(tensors, aliases, version)
+            return len(tensors), len(aliases)
+
+        tensors, aliases = await on_engine(check_and_load)  # off the event loop: /health stays answered
+        return {"status": "ok", "tensors": tensors, "aliases": aliases}
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(body: Version):
@@ -154,6 +159,48 @@ def make_app(engine, api_key: str | None = None):
         return {"status": "ok", "digest": digest, "weight_version": engine.version}
 
     return app
+
+
+async def _read_body(request) -> bytearray:
+    """The request body in one writable buffer, filled as it arrives (sized by Content-Length when given): the
+    bucket's tensors are then views of it, with no further copy."""
+    declared = request.headers.get("content-length")
+    if declared is None:  # chunked: gather, then join
+        return bytearray(b"".join([chunk async for chunk in request.stream()]))
+    try:
+        size = int(declared)
+    except ValueError:
+        raise EngineError(f"Content-Length {declared!r} is not a number of bytes.", 400) from None
+    buffer, position = bytearray(size), 0
+    view = memoryview(buffer)
+    async for chunk in request.stream():
+        end = position + len(chunk)
+        if end > size:
+            raise EngineError(f"the body is longer than its Content-Length ({size} bytes).", 400)
+        view[position:end] = chunk
+        position = end
+    if position != size:
+        raise EngineError(f"the body ended after {position} of its {size} bytes: re-send it.", 400)
+    return buffer
+
+
+class _BearerToken:
+    """Every request needs `Authorization: Bearer <api_key>` (401 otherwise)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected):
+                body = json.dumps({"error": "missing or wrong API key: send Authorization: Bearer <key>"}).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def _choices(rollouts, prompts, n, version, with_versions: bool) -> list[dict]:

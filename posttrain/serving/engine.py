@@ -108,8 +108,15 @@ class TransformersEngine:
         """Close the update; the digest of every tensor it named, read back from the model in the sent dtype."""
         if self.updating != version:
             raise EngineError(f"no update to version {version!r} is open.", 409)
-        digest = wire.combine(wire.tensor_digest(name, self._state[name].to(dtype))
-                              for name, dtype in self._sent_dtypes.items())
+        data: dict[tuple, bytes] = {}  # tied tensors (one memory) are read once
+        digests = []
+        for name, dtype in self._sent_dtypes.items():
+            held = self._state[name]
+            key = (held.untyped_storage().data_ptr(), held.storage_offset(), tuple(held.shape), held.stride(), dtype)
+            if key not in data:
+                data[key] = wire.data_digest(held.to(dtype))
+            digests.append(wire.tensor_digest(name, dtype, held.shape, data[key]))
+        digest = wire.combine(digests)
         self.version, self.updating = version, None
         return digest
 
