@@ -232,9 +232,6 @@ def _datasets(script, config, for_grpo: bool):
 
 
 def _prepare_run(script, lora, config, command: str):
-    from posttrain.launch import refuse_sharded_launch
-
-    refuse_sharded_launch()
     if not script.model_name_or_path:
         raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
     if not script.dataset_name and script.datasets is None:

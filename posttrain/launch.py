@@ -93,12 +93,3 @@ def relaunch(command: str, launch: list[str], rest: list[str]) -> int:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "posttrain.cli", command, *rest]
     print("posttrain: launching with accelerate: " + " ".join(launch), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env={**os.environ, LAUNCHED: "1"})
-
-
-def refuse_sharded_launch() -> None:
-    """FSDP and DeepSpeed launches are refused in one sentence until sharded training lands: accelerate would
-    otherwise drop the plugin on a machine without a GPU and silently train with DDP (or one process per rank)."""
-    for variable, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if os.environ.get(variable, "").lower() in ("1", "true"):
-            raise ConfigError(f"This run was launched with {name}, and sharded training is not in this release: "
-                              "launch with DDP (accelerate_config multi_gpu, or --num_processes N).")

@@ -35,8 +35,9 @@ def _batch_metrics(trainer, prompt_round, G: int) -> dict:
     row_keys = trainer._local_share(list(range(padded * G)))
     logs = RewardLogs()
     with guarded(acc):  # generation and reward functions can fail on one process only
-        trainer.generator.sync_weights(export_weights(trainer.model))
-        rollouts = trainer.generator.generate(prompt_ids, row_keys)
+        with trainer.sharding.whole_weights(trainer.model):  # sharded training: whole weights for the decode
+            trainer.generator.sync_weights(export_weights(trainer.model))
+            rollouts = trainer.generator.generate(prompt_ids, row_keys)
         prompts = [row["prompt"] for row in rows]
         completion_ids, _, completions = reward_inputs(trainer.tokenizer, rollouts, isinstance(prompts[0], list))
         local_rewards = score(trainer.reward_funcs, prompts, completions, completion_ids,

@@ -199,8 +199,9 @@ class GRPOTrainer(Trainer):
             prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
             prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
             row_keys = self._local_share(list(range(len(prompt_round.prompt_ids) * G)))
-            self.generator.sync_weights(export_weights(self.model))
-            rollouts = self.generator.generate(prompt_ids, row_keys)
+            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
+                self.generator.sync_weights(export_weights(self.model))
+                rollouts = self.generator.generate(prompt_ids, row_keys)
             prompts = [row["prompt"] for row in rows]
             completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
             columns = {c: [row[c] for row in rows] for c in self.reward_columns}

@@ -240,18 +240,23 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     model_only = bool(getattr(trainer.args, "save_only_model", False))
     final = os.path.join(output_dir, f"{prefix}-{trainer.state.global_step}")
     tmp = final + ".tmp"
+    sharding = trainer.sharding
+    whole = sharding.full_state_dict(trainer.model)  # sharded weights: gathered by every process (a collective)
+    optimizer = None if model_only else sharding.optimizer_state(trainer.model, trainer.optimizer)
     with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-            save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp)
-            if not model_only:
-                torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp, whole)
+            if not model_only and not sharding.shards_optimizer:
+                torch.save(optimizer, os.path.join(tmp, "optimizer.pt"))
                 torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
                 for name, module in trainer._checkpoint_models().items():
                     save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
     with guarded(acc, writing=tmp):
         if not model_only:
             rank = acc.process_index
+            if sharding.shards_optimizer:  # each process's part of the optimizer state
+                torch.save(optimizer, os.path.join(tmp, f"optimizer_{rank}.pt"))
             torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
             save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
     with guarded(acc, writing=final):
@@ -300,15 +305,19 @@ def load_checkpoint(trainer, path: str) -> dict:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
+        elif trainer.sharding.shards_parameters:
+            trainer.sharding.load_full_state_dict(trainer.model, load_file(os.path.join(path, "model.safetensors")))
         else:
             _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
         for name, module in trainer._checkpoint_models().items():
             load_model(module, os.path.join(path, f"{name}.safetensors"))
         device = trainer.accelerator.device
-        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
-                                                     map_location=device))
-        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
         rank = trainer.accelerator.process_index
+        sharding = trainer.sharding
+        optimizer_file = f"optimizer_{rank}.pt" if sharding.shards_optimizer else "optimizer.pt"
+        sharding.load_optimizer_state(trainer.model, trainer.optimizer, torch.load(
+            os.path.join(path, optimizer_file), weights_only=True, map_location="cpu"))  # moved to each parameter
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
         set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
                       trainer._checkpoint_generators())
         trainer._load_checkpoint_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)

@@ -9,25 +9,32 @@ from posttrain.models.peft import is_peft_model
 from posttrain.weights import embeddings_still_tied, export_weights
 
 
-def save_policy_atomically(policy, tokenizer, config: dict, output_dir: str) -> None:
+def save_policy_atomically(policy, tokenizer, config: dict, output_dir: str, state_dict: dict | None = None) -> None:
     """save_policy into output_dir/.final.tmp, then each file renamed into output_dir: a run killed while saving
     never leaves a half-written model file in output_dir."""
     import shutil
 
     tmp = os.path.join(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(policy, tokenizer, config, tmp)
+    save_policy(policy, tokenizer, config, tmp, state_dict)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
 
 
-def save_policy(policy, tokenizer, config: dict, output_dir: str) -> None:
-    """The model, or a LoRA policy's adapter (safetensors), with the tokenizer and posttrain_config.yaml."""
+def save_policy(policy, tokenizer, config: dict, output_dir: str, state_dict: dict | None = None) -> None:
+    """The model, or a LoRA policy's adapter (safetensors), with the tokenizer and posttrain_config.yaml.
+
+    Args:
+        state_dict: the whole state dict of a sharded policy (training/sharding.py), instead of its own.
+    """
     import yaml
 
     os.makedirs(output_dir, exist_ok=True)
-    policy.save_pretrained(output_dir, safe_serialization=True)
+    if state_dict is None:
+        policy.save_pretrained(output_dir, safe_serialization=True)
+    else:
+        policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)

@@ -1,25 +1,63 @@
-"""Where sharded training (FSDP2's `fully_shard`) meets a step that needs whole weights.
+"""How the trained model is spread over the processes, and the few steps that must know it.
 
-Under FSDP2 each process holds a shard of every parameter (a DTensor) and every forward is a collective that
-gathers the layer it runs. Two steps need more:
+Every sharding-aware step of a trainer goes through one `Sharding` object (built from the Accelerator); the
+trainers do not branch on the strategy:
 
-    with gathered_for_generation(model):   # every unit unsharded once, kept whole for the whole decode
-        rollouts = generator.generate(...)  # processes may stop at different lengths: no collective inside
-    full_tensor(t)                          # a DTensor's whole value (a collective: every process calls it)
+    sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere),
+                                              "fsdp2", "fsdp1", "zero1", "zero2", "zero3"
+    with sharding.whole_weights(model):       every parameter whole on every process for the whole block (the
+        rollouts = generator.generate(...)    decode): processes may stop at different lengths, no collective
+                                              inside; call on every process, outside inference_mode
+    sharding.full_state_dict(model)           {name: whole CPU tensor} on the main process, {} elsewhere (a
+                                              collective: every process calls it); None when the model is whole
+                                              everywhere (save it as it is)
+    sharding.optimizer_state(model, opt)      what a checkpoint stores of the optimizer (whole on the main process,
+    sharding.load_optimizer_state(...)        or this process's shard: `per_process`), and its inverse
+    full_tensor(t)                            a DTensor's whole value (a collective), any other tensor as it is
 
-Generating through the sharded model would make each decode step a collective, so processes whose completions end
-at different steps would wait for each other forever; and a first forward under inference_mode would leave FSDP's
-unshard buffers as inference tensors that the next training forward cannot write. Unsharding before generation
-(outside inference_mode) avoids both, at the cost of one whole copy of the weights per process while generating
-(as TRL's ds3_gather_for_generation). Without FSDP2 units both are no-ops.
+Why whole weights for generation: under FSDP2 and ZeRO-3 every forward is a collective that gathers the layer it
+runs, so processes whose completions end at different steps would wait for each other forever; and under FSDP2 a
+first forward inside inference_mode leaves the unshard buffers as inference tensors that the next training forward
+cannot write. Unsharding before generating avoids both, at the cost of one whole copy of the weights per process
+while generating (as TRL's ds3_gather_for_generation=True).
+
+`check_launch(accelerator)` stops a run that asked for FSDP or DeepSpeed and would silently get something else.
 """
 
 import contextlib
+import os
 
 import torch
 
+from posttrain.configs import ConfigError
+from posttrain.training.distributed import mark_agreed
 
-def _fsdp_units(model: torch.nn.Module) -> list:
+KINDS = ("none", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
+
+
+def check_launch(accelerator) -> None:
+    """One sentence when the launcher asked for FSDP or DeepSpeed and accelerate set up something else: on a machine
+    without a GPU it drops both and trains with DDP, or starts one independent single-process run per rank."""
+    from accelerate.utils import DistributedType
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for variable, name, wanted in (("ACCELERATE_USE_FSDP", "FSDP", DistributedType.FSDP),
+                                   ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", DistributedType.DEEPSPEED)):
+        if os.environ.get(variable, "").lower() not in ("1", "true"):
+            continue
+        got = accelerator.distributed_type
+        if got != wanted:
+            what = f"{got.value} ({'DDP' if accelerator.num_processes > 1 else 'one process'})"
+        elif accelerator.num_processes != world:
+            what = f"{world} separate runs of {accelerator.num_processes} process each"
+        else:
+            continue
+        raise mark_agreed(ConfigError(f"This run was launched with {name}, but accelerate set up {what} instead, as it does on a "
+                          "machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs "
+                          "without use_cpu, or launch with DDP (accelerate_config multi_gpu)."))  # every process raises it
+
+
+def _fsdp2_units(model: torch.nn.Module) -> list:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
@@ -29,27 +67,7 @@ def _fsdp_units(model: torch.nn.Module) -> list:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether `model` (or a module in it) is sharded with FSDP2."""
-    return bool(_fsdp_units(model))
-
-
-@contextlib.contextmanager
-def gathered_for_generation(model: torch.nn.Module):
-    """Every FSDP2 unit of `model` unsharded on entry and kept whole until exit, then resharded: forwards inside the
-    block gather nothing (call it on every process, outside inference_mode)."""
-    units = _fsdp_units(model)
-    if not units:
-        yield model
-        return
-    for unit in units:
-        unit.unshard()
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield model
-    finally:
-        for unit in units:
-            unit.set_reshard_after_forward(True, recurse=False)
-            unit.reshard()
+    return bool(_fsdp2_units(model))
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,3 +75,163 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class Sharding:
+    """Args:
+        kind: one of KINDS.
+        accelerator: the run's Accelerator (for DeepSpeed's engine and the main-process test).
+    """
+
+    def __init__(self, kind: str, accelerator=None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown sharding {kind!r}")
+        self.kind, self.accelerator = kind, accelerator
+
+    @classmethod
+    def of(cls, accelerator) -> "Sharding":
+        from accelerate.utils import DistributedType
+
+        state = accelerator.state
+        if state.distributed_type == DistributedType.FSDP:
+            return cls("fsdp2" if getattr(state.fsdp_plugin, "fsdp_version", 1) == 2 else "fsdp1", accelerator)
+        if state.distributed_type == DistributedType.DEEPSPEED:
+            return cls(f"zero{state.deepspeed_plugin.zero_stage}", accelerator)
+        return cls("none", accelerator)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether a process holds only part of each parameter between steps."""
+        return self.kind in ("fsdp2", "fsdp1", "zero3")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether each process's optimizer holds only its part of the state (checkpoints then store one part per
+        process)."""
+        return self.kind in ("fsdp1", "zero1", "zero2", "zero3")
+
+    # ------------------------------------------------------------------ whole weights for generation
+
+    @contextlib.contextmanager
+    def whole_weights(self, model: torch.nn.Module):
+        """Every parameter of `model` whole on this process for the block (a collective on entry and exit)."""
+        if self.kind == "fsdp2" or (self.kind == "none" and is_sharded(model)):
+            with _fsdp2_unsharded(model):
+                yield model
+        elif self.kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
+                yield model
+        elif self.kind == "zero3":
+            with _zero3_gathered(model):
+                yield model
+        else:
+            yield model
+
+    # ------------------------------------------------------------------ saving
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict | None:
+        """The whole model's state dict on the main process ({} on the others; a collective), or None when each
+        process holds the whole model (save it directly)."""
+        if not self.shards_parameters and not is_sharded(model):
+            return None
+        if self.kind in ("fsdp2", "none"):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            state = self.accelerator.get_state_dict(model)  # FSDP1 (FULL_STATE_DICT), ZeRO-3 (16-bit consolidated)
+        return _without_tied_copies(model, state)
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict) -> None:
+        """Load a whole state dict (read by every process) into the sharded model."""
+        if self.kind in ("fsdp2", "none"):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+            tied = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in state}
+            missing = [n for n in result.missing_keys
+                       if id(dict(model.named_parameters(remove_duplicate=False)).get(n)) not in tied]
+            if missing or result.unexpected_keys:
+                raise KeyError(f"weights do not match the model (missing {missing}, unexpected "
+                               f"{list(result.unexpected_keys)})")
+            return
+        raise NotImplementedError(f"loading whole weights into a {self.kind} model")
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer) -> dict:
+        """What a checkpoint stores of the optimizer: under FSDP2 the whole state, gathered (a collective; keyed by
+        parameter name, so it does not depend on the number of processes); otherwise this process's state dict."""
+        if self.kind == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(model, optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        if self.kind == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            return
+        optimizer.load_state_dict(state)
+
+
+def _without_tied_copies(model: torch.nn.Module, state: dict) -> dict:
+    """A gathered state dict holds a tied weight (the output layer sharing the embedding) once per name, as separate
+    tensors: keep the first name only, as save_pretrained does for a model's own state dict."""
+    first: dict[int, str] = {}
+    drop = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+        if id(param) in first:
+            drop.add(name)
+        else:
+            first[id(param)] = name
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+@contextlib.contextmanager
+def _fsdp2_unsharded(model: torch.nn.Module):
+    """Every FSDP2 unit unsharded on entry and kept whole until exit, then resharded: forwards inside gather
+    nothing."""
+    units = _fsdp2_units(model)
+    if units:
+        # FSDP2 takes the first unit that runs forward as the root: the lean decoder calls submodules (the
+        # embedding, the layers) directly, so settle the root first, as its own first forward would
+        units[0]._get_fsdp_state()._lazy_init()
+    for unit in units:
+        unit.unshard()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def _zero3_gathered(model: torch.nn.Module):
+    """DeepSpeed ZeRO-3: every parameter gathered, and the engine's per-forward gather hooks lifted meanwhile (they
+    would make each decode step a collective)."""
+    import deepspeed
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        hooked = getattr(model, "parameter_offload", None) or getattr(getattr(model, "optimizer", None),
+                                                                        "parameter_offload", None)
+        if hooked is not None:
+            hooked._remove_module_hooks()
+        try:
+            yield
+        finally:
+            if hooked is not None:
+                hooked._register_deepspeed_module(hooked.module)
+
+
+def gathered_for_generation(model: torch.nn.Module):
+    """Whole weights for a model sharded with `fully_shard` outside accelerate (kept for direct FSDP2 users)."""
+    return Sharding("none").whole_weights(model)

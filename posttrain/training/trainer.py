@@ -35,6 +35,7 @@ from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.saving import save_merged, save_policy_atomically
+from posttrain.training.sharding import Sharding, check_launch
 
 logger = logging.getLogger("posttrain")
 
@@ -96,6 +97,8 @@ class Trainer:
 
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
+        check_launch(self.accelerator)  # FSDP or DeepSpeed asked for and not set up: one sentence, before any work
+        self.sharding = Sharding.of(self.accelerator)
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
@@ -531,12 +534,14 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model (or adapter), tokenizer and config to `output_dir` (default args.output_dir)."""
+        whole = self.sharding.full_state_dict(self.model)  # sharded: gathered by every process, written by the main
         self._on_main(save_policy_atomically, self.policy, self.processing_class, self.args.to_dict(),
-                      output_dir or self.args.output_dir)
+                      output_dir or self.args.output_dir, whole)
 
     def save_merged(self, output_dir: str) -> None:
         """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
-        self._on_main(save_merged, self.policy, self.processing_class, output_dir)
+        with self.sharding.whole_weights(self.model):  # every process: the export reads whole weights
+            self._on_main(save_merged, self.policy, self.processing_class, output_dir)
 
     def save_state(self) -> None:
         """Write the TrainerState to output_dir/trainer_state.json, as transformers does."""
