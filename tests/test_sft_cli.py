@@ -110,10 +110,15 @@ def _yaml_with_launch_keys():
     return path
 
 
-def test_a_sharded_launch_is_refused_in_one_sentence(tmp_path, tiny_model_dir):
+def test_a_sharded_launch_that_would_not_shard_is_refused_in_one_sentence(tmp_path, tiny_model_dir):
+    """accelerate drops FSDP on a CPU (use_cpu): the run would silently be unsharded, so it stops before loading."""
     out = _run_cli("--model_name_or_path", tiny_model_dir, "--dataset_name", _pairs(tmp_path / "d.jsonl"),
-                   "--output_dir", str(tmp_path / "o"), *COMMON, ACCELERATE_USE_DEEPSPEED="true")
-    assert out.returncode == 2 and "launched with DeepSpeed, and sharded training is not in this release" in out.stderr
+                   "--output_dir", str(tmp_path / "o"), *COMMON, ACCELERATE_USE_FSDP="true")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain:")]
+    assert out.returncode == 2 and lines == [
+        "posttrain: error: This run was launched with FSDP, but accelerate set up a single process instead, as it "
+        "does on a machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without "
+        "use_cpu, or launch with DDP (accelerate_config multi_gpu)."], out.stderr[-2000:]
 
 
 @pytest.mark.multiproc

@@ -47,7 +47,8 @@ def check_launch(accelerator) -> None:
             continue
         got = accelerator.distributed_type
         if got != wanted:
-            what = f"{got.value} ({'DDP' if accelerator.num_processes > 1 else 'one process'})"
+            what = f"DDP over {accelerator.num_processes} processes" if accelerator.num_processes > 1 else \
+                "a single process"
         elif accelerator.num_processes != world:
             what = f"{world} separate runs of {accelerator.num_processes} process each"
         else:
@@ -173,7 +174,12 @@ class Sharding:
         if self.kind == "fsdp2":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            if any(isinstance(v, torch.Tensor) and v.dim() for per in state["state"].values() for v in per.values()):
+                set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+                return
+            # no per-parameter tensors (plain SGD), which torch's loader cannot place: the hyperparameters only
+            for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
             return
         optimizer.load_state_dict(state)
 

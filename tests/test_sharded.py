@@ -1,0 +1,132 @@
+"""Sharded training through accelerate's own FSDP2 and DeepSpeed paths, on 2 gloo processes (CPU).
+
+Each strategy runs `posttrain grpo` as a user launches it (`accelerate launch --config_file <shipped config>`), with
+the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP / DeepSpeed without a GPU. The two
+processes sample completions of different lengths (the model's EOS is likely at some positions: one process's decode
+ends long before the other's). Against one process with the same global batch (SGD, so the comparison is not
+amplified by Adam's normalisation):
+  - every step's loss, reward and lengths are equal, and the weights after 2 steps equal to float rounding;
+  - the saved model loads with `from_pretrained` (plain names, tied weights once) and gives the same logits;
+  - resuming from the step-1 checkpoint gives the uninterrupted run's weights bit for bit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(ROOT, "posttrain", "accelerate_configs")
+pytestmark = pytest.mark.multiproc
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory, tokenizer):
+    """A tiny model whose EOS embedding is long (completions end at 1 to 16 tokens) and 16 prompts."""
+    from posttrain.testing import tiny_model
+
+    root = tmp_path_factory.mktemp("sharded")
+    model = tiny_model(tokenizer, hidden=32, layers=2)
+    with torch.no_grad():
+        row = model.model.embed_tokens.weight[tokenizer.eos_token_id]
+        row.mul_(4.0 / row.norm())
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    with open(root / "prompts.jsonl", "w") as f:
+        for a in range(4):
+            for b in range(4):
+                f.write(json.dumps({"prompt": f"{a}+{b}="}) + "\n")
+    return root
+
+
+def _args(workload, out, per_device: int, *extra) -> list[str]:
+    return ["grpo", "--model_name_or_path", str(workload / "model"), "--dataset_name",
+            str(workload / "prompts.jsonl"), "--reward_funcs", "length", "--per_device_train_batch_size",
+            str(per_device), "--num_generations", "4", "--max_completion_length", "16", "--max_steps", "2",
+            "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "1", "--gradient_checkpointing",
+            "false", "--optim", "sgd", "--optim_args", "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--output_dir", str(out),
+            *extra]
+
+
+def _sharded(config: str, args: list[str], patched: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <shipped config>` of posttrain on 2 processes, through the CPU patch or not."""
+    target = [os.path.join(TESTS, "multiproc_sharded.py")] if patched else ["-m", "posttrain.cli"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+           "--num_processes", "2", "--mixed_precision", "no", *target, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def one_process(workload):
+    out = workload / "one"
+    run = subprocess.run([sys.executable, "-m", "posttrain.cli", *_args(workload, out, 16)], capture_output=True,
+                         text=True, env=_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def _weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml"])
+def test_sharded_grpo_trains_saves_and_resumes_like_one_process(config, workload, one_process, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    out = workload / config.split(".")[0]
+    run = _sharded(config, _args(workload, out, 8))
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = _records(one_process), _records(out)
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for key in ("loss", "reward", "completions/mean_length", "completions/min_length",
+                    "completions/max_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+    assert two[0]["completions/min_length"] < two[0]["completions/max_length"]  # decodes of different lengths
+
+    reference, sharded = _weights(one_process), _weights(out)
+    assert sharded.keys() == reference.keys()  # plain names, the tied output layer not stored twice
+    moved = max(float((reference[k] - _weights(workload / "model")[k]).abs().max()) for k in reference)
+    assert moved > 1e-3  # the two steps changed the weights
+    for name in reference:
+        assert torch.allclose(sharded[name], reference[name], rtol=1e-5, atol=1e-7), name
+
+    ids = torch.tensor([tokenizer("1+2=33")["input_ids"]])
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits for path in (one_process, out)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+    resumed = workload / f"{out.name}-resumed"
+    resumed.mkdir()
+    os.rename(out / "checkpoint-1", resumed / "checkpoint-1")
+    run = _sharded(config, _args(workload, resumed, 8, "--resume_from_checkpoint", "true"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = _records(resumed)[-1]
+    assert (last["step"], last["loss"], last["reward"]) == (two[-1]["step"], two[-1]["loss"], two[-1]["reward"])
+    again = _weights(resumed)
+    assert all(torch.equal(again[name], sharded[name]) for name in sharded)
+
+
+def test_a_sharded_config_without_a_gpu_stops_in_one_sentence(workload):
+    """Without the test patch, accelerate turns an FSDP launch on CPU into DDP: the run stops before loading, once."""
+    run = _sharded("fsdp2.yaml", _args(workload, workload / "refused", 8), patched=False)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("posttrain:")]
+    assert run.returncode != 0 and lines == [
+        "posttrain: error: This run was launched with FSDP, but accelerate set up DDP over 2 processes instead, as it "
+        "does on a machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without "
+        "use_cpu, or launch with DDP (accelerate_config multi_gpu)."], run.stderr[-3000:]
