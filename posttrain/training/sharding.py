@@ -130,6 +130,15 @@ class Sharding:
         else:
             yield model
 
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A model that is not trained (a reference) sharded the way the policy is, so that it costs each process
+        its share only; its forwards are then collectives, run by every process alike."""
+        if self.kind == "fsdp2":
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            return fsdp2_prepare_model(self.accelerator, model)
+        return model
+
     # ------------------------------------------------------------------ saving
 
     def full_state_dict(self, model: torch.nn.Module) -> dict | None:

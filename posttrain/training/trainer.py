@@ -132,6 +132,8 @@ class Trainer:
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.policy = self.accelerator.unwrap_model(self.model)
+        if getattr(self, "ref_model", None) is not None:  # a separate reference: sharded as the policy is
+            self.ref_model = self.sharding.prepare_frozen(self.ref_model)
         self._offloader = None
         if getattr(self.args, "activation_offloading", False):
             if self.accelerator.device.type == "cpu":
