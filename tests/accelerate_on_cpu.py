@@ -1,11 +1,10 @@
-"""Test-only: let accelerate's own FSDP and DeepSpeed paths run on a machine without a GPU (2 gloo processes).
+"""Test-only: let accelerate's own FSDP path run on a machine without a GPU (2 gloo processes).
 
-accelerate (pinned: 1.15) never selects FSDP or DeepSpeed for a CPU process group: with `cpu=True` it sets up
-MULTI_CPU and drops the plugin (the run would silently be DDP); without, DeepSpeed is selected but every process
-believes it is process 0 of 1. posttrain refuses both at start (training/sharding.check_launch). This patch, applied
-by the test's launcher script before posttrain builds its Accelerator, puts back what accelerate would have set on
-GPUs: the distributed type and plugin (FSDP), or the process count and indices (DeepSpeed), in the process-wide
-state that every Accelerator reads. Nothing else in accelerate is changed.
+accelerate (pinned: 1.15) never selects FSDP for a CPU process group: with `cpu=True` it sets up MULTI_CPU and drops
+the plugin (the run would silently be DDP), which posttrain refuses at start (training/sharding.check_launch). This
+patch, applied by the test's launcher script (tests/multiproc_sharded.py) before posttrain builds its Accelerator,
+puts back what accelerate sets on GPUs: the distributed type, and the plugin read from the launcher's FSDP_*
+variables, in the process-wide state that every Accelerator reads. Nothing else in accelerate is changed.
 """
 
 import os
@@ -16,7 +15,7 @@ PINNED = "1.15."
 def install() -> None:
     import accelerate
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     if not accelerate.__version__.startswith(PINNED):
@@ -33,12 +32,5 @@ def install() -> None:
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.state.distributed_type = DistributedType.FSDP
             self.state.fsdp_plugin = plugin
-        elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-            import torch.distributed as dist
-
-            world, rank = dist.get_world_size(), dist.get_rank()
-            local = int(os.environ.get("LOCAL_RANK", rank))
-            for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-                shared.update(num_processes=world, process_index=rank, local_process_index=local)
 
     Accelerator.__init__ = init

@@ -1,10 +1,12 @@
 """FSDP2 (torch's fully_shard) on 2 gloo processes: the pieces a sharded GRPO step goes through
-(posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives."""
+(posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives; and the
+strategies the trainers do not run yet are refused in one sentence."""
 
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,3 +29,23 @@ def test_fsdp2_generation_training_and_export_equal_the_unsharded_model(tmp_path
     for result in ranks:
         assert result["completions_equal"] and result["export_names_equal"] and result["export_shapes_full"]
         assert result["logps_max_diff"] == 0.0 and result["grad_max_diff"] == 0.0 and result["export_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("state, name", [
+    ({"distributed_type": "DEEPSPEED", "deepspeed_plugin": SimpleNamespace(zero_stage=3)}, "DeepSpeed ZeRO-3"),
+    ({"distributed_type": "FSDP", "fsdp_plugin": SimpleNamespace(fsdp_version=1)}, "FSDP1"),
+])
+def test_strategies_the_trainers_do_not_run_are_refused_in_one_sentence(state, name):
+    from accelerate.utils import DistributedType
+
+    from posttrain.configs import ConfigError
+    from posttrain.training.sharding import check_supported
+
+    state = dict(state, distributed_type=DistributedType[state["distributed_type"]])
+    with pytest.raises(ConfigError) as err:
+        check_supported(SimpleNamespace(state=SimpleNamespace(**state)))
+    assert str(err.value) == (f"This run was launched with {name}, which posttrain does not train with yet: launch "
+                              "with FSDP2 (accelerate_config fsdp2) to shard the model, or with DDP (accelerate_config "
+                              "multi_gpu).")
+    check_supported(SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP,
+                                                          fsdp_plugin=SimpleNamespace(fsdp_version=2))))

@@ -247,7 +247,7 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp, whole)
-            if not model_only and not sharding.shards_optimizer:
+            if not model_only:
                 torch.save(optimizer, os.path.join(tmp, "optimizer.pt"))
                 torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
                 for name, module in trainer._checkpoint_models().items():
@@ -255,8 +255,6 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     with guarded(acc, writing=tmp):
         if not model_only:
             rank = acc.process_index
-            if sharding.shards_optimizer:  # each process's part of the optimizer state
-                torch.save(optimizer, os.path.join(tmp, f"optimizer_{rank}.pt"))
             torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
             save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
     with guarded(acc, writing=final):
@@ -313,10 +311,8 @@ def load_checkpoint(trainer, path: str) -> dict:
             load_model(module, os.path.join(path, f"{name}.safetensors"))
         device = trainer.accelerator.device
         rank = trainer.accelerator.process_index
-        sharding = trainer.sharding
-        optimizer_file = f"optimizer_{rank}.pt" if sharding.shards_optimizer else "optimizer.pt"
-        sharding.load_optimizer_state(trainer.model, trainer.optimizer, torch.load(
-            os.path.join(path, optimizer_file), weights_only=True, map_location="cpu"))  # moved to each parameter
+        trainer.sharding.load_optimizer_state(trainer.model, trainer.optimizer, torch.load(
+            os.path.join(path, "optimizer.pt"), weights_only=True, map_location="cpu"))  # moved to each parameter
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
         set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
                       trainer._checkpoint_generators())

@@ -3,25 +3,28 @@
 Every sharding-aware step of a trainer goes through one `Sharding` object (built from the Accelerator); the
 trainers do not branch on the strategy:
 
-    sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere),
-                                              "fsdp2", "fsdp1", "zero1", "zero2", "zero3"
+    sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere) or
+                                              "fsdp2" (accelerate's FSDP2: each process holds a shard, a DTensor)
     with sharding.whole_weights(model):       every parameter whole on every process for the whole block (the
         rollouts = generator.generate(...)    decode): processes may stop at different lengths, no collective
                                               inside; call on every process, outside inference_mode
+    sharding.prepare_frozen(ref_model)        a model that is not trained, sharded as the policy
     sharding.full_state_dict(model)           {name: whole CPU tensor} on the main process, {} elsewhere (a
                                               collective: every process calls it); None when the model is whole
                                               everywhere (save it as it is)
-    sharding.optimizer_state(model, opt)      what a checkpoint stores of the optimizer (whole on the main process,
-    sharding.load_optimizer_state(...)        or this process's shard: `per_process`), and its inverse
+    sharding.load_full_state_dict(model, sd)  its inverse, every process reading the same whole state dict
+    sharding.optimizer_state(model, opt)      what a checkpoint stores of the optimizer: whole, keyed by parameter
+    sharding.load_optimizer_state(...)        name under FSDP2 (a collective); its inverse
     full_tensor(t)                            a DTensor's whole value (a collective), any other tensor as it is
 
-Why whole weights for generation: under FSDP2 and ZeRO-3 every forward is a collective that gathers the layer it
+Why whole weights for generation: under FSDP2 every forward is a collective that gathers the layer it
 runs, so processes whose completions end at different steps would wait for each other forever; and under FSDP2 a
 first forward inside inference_mode leaves the unshard buffers as inference tensors that the next training forward
 cannot write. Unsharding before generating avoids both, at the cost of one whole copy of the weights per process
 while generating (as TRL's ds3_gather_for_generation=True).
 
-`check_launch(accelerator)` stops a run that asked for FSDP or DeepSpeed and would silently get something else.
+`check_launch(accelerator)` stops a run that asked for FSDP or DeepSpeed and would silently get something else;
+`check_supported(accelerator)` one launched with a strategy the trainers do not run yet (DeepSpeed ZeRO, FSDP1).
 """
 
 import contextlib
@@ -32,7 +35,7 @@ import torch
 from posttrain.configs import ConfigError
 from posttrain.training.distributed import mark_agreed
 
-KINDS = ("none", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
+KINDS = ("none", "fsdp2")
 
 
 def check_launch(accelerator) -> None:
@@ -56,6 +59,22 @@ def check_launch(accelerator) -> None:
         raise mark_agreed(ConfigError(f"This run was launched with {name}, but accelerate set up {what} instead, as it does on a "
                           "machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs "
                           "without use_cpu, or launch with DDP (accelerate_config multi_gpu)."))  # every process raises it
+
+
+def check_supported(accelerator) -> None:
+    """One sentence for a sharding strategy posttrain's trainers do not run yet (DeepSpeed ZeRO, FSDP1)."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.DEEPSPEED:
+        what = f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
+    elif state.distributed_type == DistributedType.FSDP and getattr(state.fsdp_plugin, "fsdp_version", 1) != 2:
+        what = "FSDP1"
+    else:
+        return
+    raise mark_agreed(ConfigError(f"This run was launched with {what}, which posttrain does not train with yet: "
+                                  "launch with FSDP2 (accelerate_config fsdp2) to shard the model, or with DDP "
+                                  "(accelerate_config multi_gpu)."))  # every process raises it
 
 
 def _fsdp2_units(model: torch.nn.Module) -> list:
@@ -91,41 +110,23 @@ class Sharding:
 
     @classmethod
     def of(cls, accelerator) -> "Sharding":
+        """The run's sharding (call check_launch and check_supported first)."""
         from accelerate.utils import DistributedType
 
-        state = accelerator.state
-        if state.distributed_type == DistributedType.FSDP:
-            return cls("fsdp2" if getattr(state.fsdp_plugin, "fsdp_version", 1) == 2 else "fsdp1", accelerator)
-        if state.distributed_type == DistributedType.DEEPSPEED:
-            return cls(f"zero{state.deepspeed_plugin.zero_stage}", accelerator)
-        return cls("none", accelerator)
+        return cls("fsdp2" if accelerator.state.distributed_type == DistributedType.FSDP else "none", accelerator)
 
     @property
     def shards_parameters(self) -> bool:
         """Whether a process holds only part of each parameter between steps."""
-        return self.kind in ("fsdp2", "fsdp1", "zero3")
-
-    @property
-    def shards_optimizer(self) -> bool:
-        """Whether each process's optimizer holds only its part of the state (checkpoints then store one part per
-        process)."""
-        return self.kind in ("fsdp1", "zero1", "zero2", "zero3")
+        return self.kind == "fsdp2"
 
     # ------------------------------------------------------------------ whole weights for generation
 
     @contextlib.contextmanager
     def whole_weights(self, model: torch.nn.Module):
         """Every parameter of `model` whole on this process for the block (a collective on entry and exit)."""
-        if self.kind == "fsdp2" or (self.kind == "none" and is_sharded(model)):
+        if self.kind == "fsdp2" or is_sharded(model):
             with _fsdp2_unsharded(model):
-                yield model
-        elif self.kind == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
-                yield model
-        elif self.kind == "zero3":
-            with _zero3_gathered(model):
                 yield model
         else:
             yield model
@@ -146,32 +147,27 @@ class Sharding:
         process holds the whole model (save it directly)."""
         if not self.shards_parameters and not is_sharded(model):
             return None
-        if self.kind in ("fsdp2", "none"):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        else:
-            state = self.accelerator.get_state_dict(model)  # FSDP1 (FULL_STATE_DICT), ZeRO-3 (16-bit consolidated)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return _without_tied_copies(model, state)
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict) -> None:
-        """Load a whole state dict (read by every process) into the sharded model."""
-        if self.kind in ("fsdp2", "none"):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Load a whole state dict (read by every process) into the sharded model; KeyError when it does not fit
+        (a tied output layer, stored once, may be missing)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-            tied = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in state}
-            missing = [n for n in result.missing_keys
-                       if id(dict(model.named_parameters(remove_duplicate=False)).get(n)) not in tied]
-            if missing or result.unexpected_keys:
-                raise KeyError(f"weights do not match the model (missing {missing}, unexpected "
-                               f"{list(result.unexpected_keys)})")
-            return
-        raise NotImplementedError(f"loading whole weights into a {self.kind} model")
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded = {id(params[name]) for name in state if name in params}
+        missing = [name for name in result.missing_keys if id(params.get(name)) not in loaded]
+        if missing or result.unexpected_keys:
+            raise KeyError(f"weights do not match the model (missing {missing}, unexpected "
+                           f"{list(result.unexpected_keys)})")
 
     def optimizer_state(self, model: torch.nn.Module, optimizer) -> dict:
         """What a checkpoint stores of the optimizer: under FSDP2 the whole state, gathered (a collective; keyed by
-        parameter name, so it does not depend on the number of processes); otherwise this process's state dict."""
+        parameter name, so it does not depend on the number of processes); otherwise its state dict."""
         if self.kind == "fsdp2":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -226,25 +222,6 @@ def _fsdp2_unsharded(model: torch.nn.Module):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
-
-
-@contextlib.contextmanager
-def _zero3_gathered(model: torch.nn.Module):
-    """DeepSpeed ZeRO-3: every parameter gathered, and the engine's per-forward gather hooks lifted meanwhile (they
-    would make each decode step a collective)."""
-    import deepspeed
-
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        hooked = getattr(model, "parameter_offload", None) or getattr(getattr(model, "optimizer", None),
-                                                                        "parameter_offload", None)
-        if hooked is not None:
-            hooked._remove_module_hooks()
-        try:
-            yield
-        finally:
-            if hooked is not None:
-                hooked._register_deepspeed_module(hooked.module)
 
 
 def gathered_for_generation(model: torch.nn.Module):

@@ -35,7 +35,7 @@ from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.saving import save_merged, save_policy_atomically
-from posttrain.training.sharding import Sharding, check_launch
+from posttrain.training.sharding import Sharding, check_launch, check_supported
 
 logger = logging.getLogger("posttrain")
 
@@ -98,6 +98,7 @@ class Trainer:
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
         check_launch(self.accelerator)  # FSDP or DeepSpeed asked for and not set up: one sentence, before any work
+        check_supported(self.accelerator)
         self.sharding = Sharding.of(self.accelerator)
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if args.tf32 is not None and torch.cuda.is_available():
@@ -609,3 +610,9 @@ class Trainer:
         if not failed:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
+        if self.accelerator.num_processes > 1:
+            # gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing
+            # a Python-owned tensor takes the GIL: at interpreter exit that thread is killed inside a C++ destructor
+            # and the process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A
+            # moment without the GIL lets them finish while the interpreter is alive.
+            time.sleep(0.05)
