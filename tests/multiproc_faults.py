@@ -63,11 +63,11 @@ def _patch():
 
         real = saving.save_policy
 
-        def save_policy(policy, tokenizer, config, output_dir):
+        def save_policy(policy, tokenizer, config, output_dir, state_dict=None):
             if "checkpoint-1" in output_dir:
                 _mark()
                 raise OSError(28, "No space left on device", output_dir)
-            return real(policy, tokenizer, config, output_dir)
+            return real(policy, tokenizer, config, output_dir, state_dict)
 
         saving.save_policy = save_policy
         del original

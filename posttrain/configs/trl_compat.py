@@ -149,12 +149,14 @@ TRAINING_ARGS: list[Compat] = [
          "does whatever this says"),
     same("length_column_name", str, "length", "only used by group_by_length sampling, which GRPO does not do"),
     unsupported("fsdp", Union[str, list, None], None,
-                "sharded training is not in this release; launch with DDP (accelerate launch --multi_gpu)",
-                accepts=_empty),
-    unsupported("fsdp_config", Optional[dict], None, "sharded training is not in this release; launch with DDP (see fsdp)",
+                "FSDP is set up by the launcher, not by a config field: launch with accelerate's FSDP2 config "
+                "(--accelerate_config fsdp2)", accepts=_empty),
+    unsupported("fsdp_config", Optional[dict], None,
+                "FSDP is set up by the launcher (see fsdp): put FSDP settings in the accelerate config file",
                 accepts=_empty),
     unsupported("deepspeed", Union[str, dict, None], None,
-                "DeepSpeed is not in this release; launch with DDP (accelerate launch --multi_gpu)"),
+                "DeepSpeed is not run by posttrain yet; shard with FSDP2 (--accelerate_config fsdp2) or launch with "
+                "DDP (--accelerate_config multi_gpu)"),
     unsupported("debug", Union[str, list], "",
                 "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not wired in; remove it",
                 accepts=_empty),
@@ -171,7 +173,9 @@ TRAINING_ARGS: list[Compat] = [
 GRPO_ONLY: list[Compat] = [
     unsupported("router_aux_loss_coef", Optional[float], None,
                 "the router load-balancing loss of mixture-of-experts models is not added; remove it", range=NON_NEGATIVE),
-    same("ds3_gather_for_generation", bool, True, "only read under DeepSpeed ZeRO-3, which this release does not run"),
+    same("ds3_gather_for_generation", bool, True,
+         "only read under DeepSpeed ZeRO-3, which posttrain does not run yet; under FSDP2 generation always gathers "
+         "whole weights, as True does"),
     same("cache_implementation", Optional[str], None,
          "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
          "never the samples"),
