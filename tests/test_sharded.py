@@ -3,7 +3,8 @@
 Each case runs `posttrain grpo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
 with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP without a GPU. GRPO's two
 processes sample completions of different lengths (the model's EOS is likely at some positions: one process's
-decode ends long before the other's); GRPO (beta > 0) and DPO have a reference model, sharded as the policy.
+decode ends long before the other's); GRPO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
+toward the policy every step, sync_ref_model, and restored from the checkpoint).
 Against one process with the same global batch (SGD with momentum, so the comparison is not amplified by Adam's
 normalisation):
   - every step's loss and metrics are equal, and the weights after 2 steps equal to float rounding;
@@ -57,11 +58,13 @@ def workload(tmp_path_factory, tokenizer):
 
 # what each command needs besides the common flags, and the metrics that must match one process's
 COMMANDS = {
+    # GRPO and DPO: a sharded reference, mixed toward the policy every step and checkpointed
     "grpo": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
-              "0.04"],  # a reference model, sharded as the policy
+              "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
              ["loss", "reward", "kl", "completions/mean_length", "completions/min_length", "completions/max_length"]),
     "sft": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens", "mean_token_accuracy"]),
-    "dpo": (["--train_sampling_strategy", "sequential"], ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
+    "dpo": (["--train_sampling_strategy", "sequential", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
+            ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
 }
 
 

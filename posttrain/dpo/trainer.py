@@ -342,6 +342,7 @@ class DPOTrainer(BatchedDataTrainer):
         self.state.total_flos += self._flops_per_token * tokens
         args = self.args
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
+            self.sharding.at_rest(self.ref_model, self.policy)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         return metrics
 

@@ -388,6 +388,7 @@ class GRPOTrainer(Trainer):
         if self.entropy_control.enabled:
             metrics.update(self._entropy_step(stats))
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
+            self.sharding.at_rest(self.ref_model, self.policy)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         metrics.update(self._pending_metrics)
         self._pending_metrics = {}

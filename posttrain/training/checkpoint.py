@@ -243,6 +243,8 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     sharding = trainer.sharding
     whole = sharding.full_state_dict(trainer.model)  # sharded weights: gathered by every process (a collective)
     optimizer = None if model_only else sharding.optimizer_state(trainer.model, trainer.optimizer)
+    extra = {} if model_only else {name: sharding.full_state_dict(module)
+                                   for name, module in trainer._checkpoint_models().items()}
     with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -251,7 +253,10 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
                 torch.save(optimizer, os.path.join(tmp, "optimizer.pt"))
                 torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
                 for name, module in trainer._checkpoint_models().items():
-                    save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
+                    if extra[name] is None:
+                        save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
+                    else:  # sharded: the gathered whole state dict
+                        save_file(extra[name], os.path.join(tmp, f"{name}.safetensors"))
     with guarded(acc, writing=tmp):
         if not model_only:
             rank = acc.process_index
@@ -308,7 +313,10 @@ def load_checkpoint(trainer, path: str) -> dict:
         else:
             _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
         for name, module in trainer._checkpoint_models().items():
-            load_model(module, os.path.join(path, f"{name}.safetensors"))
+            if trainer.sharding.shards_parameters:
+                trainer.sharding.load_full_state_dict(module, load_file(os.path.join(path, f"{name}.safetensors")))
+            else:
+                load_model(module, os.path.join(path, f"{name}.safetensors"))
         device = trainer.accelerator.device
         rank = trainer.accelerator.process_index
         trainer.sharding.load_optimizer_state(trainer.model, trainer.optimizer, torch.load(

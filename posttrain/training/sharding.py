@@ -9,6 +9,7 @@ trainers do not branch on the strategy:
         rollouts = generator.generate(...)    decode): processes may stop at different lengths, no collective
                                               inside; call on every process, outside inference_mode
     sharding.prepare_frozen(ref_model)        a model that is not trained, sharded as the policy
+    sharding.at_rest(ref_model, policy)       parameters back to their shards (before mixing one into the other)
     sharding.full_state_dict(model)           {name: whole CPU tensor} on the main process, {} elsewhere (a
                                               collective: every process calls it); None when the model is whole
                                               everywhere (save it as it is)
@@ -56,9 +57,10 @@ def check_launch(accelerator) -> None:
             what = f"{world} separate runs of {accelerator.num_processes} process each"
         else:
             continue
-        raise mark_agreed(ConfigError(f"This run was launched with {name}, but accelerate set up {what} instead, as it does on a "
-                          "machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs "
-                          "without use_cpu, or launch with DDP (accelerate_config multi_gpu)."))  # every process raises it
+        raise mark_agreed(ConfigError(  # every process raises it
+            f"This run was launched with {name}, but accelerate set up {what} instead, as it does on a machine "
+            "without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without use_cpu, or "
+            "launch with DDP (accelerate_config multi_gpu)."))
 
 
 def check_supported(accelerator) -> None:
@@ -100,7 +102,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class Sharding:
     """Args:
         kind: one of KINDS.
-        accelerator: the run's Accelerator (for DeepSpeed's engine and the main-process test).
+        accelerator: the run's Accelerator (accelerate prepares a frozen model with it).
     """
 
     def __init__(self, kind: str, accelerator=None):
@@ -124,7 +126,7 @@ class Sharding:
 
     @contextlib.contextmanager
     def whole_weights(self, model: torch.nn.Module):
-        """Every parameter of `model` whole on this process for the block (a collective on entry and exit)."""
+        """Every parameter of `model` whole on this process for the block (entering is a collective)."""
         if self.kind == "fsdp2" or is_sharded(model):
             with _fsdp2_unsharded(model):
                 yield model
@@ -139,6 +141,13 @@ class Sharding:
 
             return fsdp2_prepare_model(self.accelerator, model)
         return model
+
+    def at_rest(self, *models: torch.nn.Module) -> None:
+        """Every FSDP2 unit of `models` resharded (a local step), so that their parameters are the shards an update
+        writes to: accelerate leaves the output layer's unit unsharded after a forward."""
+        for model in models:
+            for unit in _fsdp2_units(model):
+                unit.reshard()
 
     # ------------------------------------------------------------------ saving
 
