@@ -13,6 +13,7 @@ The loop (`train`) runs steps until `max_steps` or a callback stops it; after ea
 train summary (train_runtime, train_loss, ...), saves the model, and pushes to the Hub when asked.
 """
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -42,6 +43,15 @@ logger = logging.getLogger("posttrain")
 
 class TrainingError(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
+
+
+def _let_collectives_finish() -> None:
+    """gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing a
+    Python-owned tensor takes the GIL: at interpreter exit such a thread is killed inside a C++ destructor and the
+    process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A moment without the GIL
+    lets them finish while the interpreter is alive. Called by `close()`, and at exit for scripts that never call it
+    (as TRL's users do not)."""
+    time.sleep(0.05)
 
 
 def make_accelerator(args, mixed_precision: str):
@@ -97,6 +107,9 @@ class Trainer:
 
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
+        if self.accelerator.num_processes > 1:  # once per process, however many trainers it builds
+            atexit.unregister(_let_collectives_finish)
+            atexit.register(_let_collectives_finish)
         check_launch(self.accelerator)  # FSDP or DeepSpeed asked for and not set up: one sentence, before any work
         check_supported(self.accelerator)
         self.sharding = Sharding.of(self.accelerator)
@@ -611,8 +624,4 @@ class Trainer:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
         if self.accelerator.num_processes > 1:
-            # gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing
-            # a Python-owned tensor takes the GIL: at interpreter exit that thread is killed inside a C++ destructor
-            # and the process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A
-            # moment without the GIL lets them finish while the interpreter is alive.
-            time.sleep(0.05)
+            _let_collectives_finish()
