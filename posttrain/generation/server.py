@@ -141,9 +141,9 @@ class ServerClient:
         self._call("POST", "/start_weight_update", self.sync_timeout, retry=False, json={"weight_version": version})
         digests = wire.PushDigests()
         for index, (bucket, aliases) in enumerate(wire.buckets(weights, self.max_bucket_bytes)):
-            headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
-                       "X-Bucket": str(index + 1), "X-Bucket-Digest": digests.of_bucket(bucket, aliases)}
             body = wire.Body(bucket, aliases)  # streamed from the tensors' memory: no copy of the weights
+            headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
+                       "X-Bucket": str(index + 1), "X-Bucket-Digest": digests.of_bucket(body, aliases)}
             self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=body, headers=headers)
         expected = digests.total()
         held = self._call("POST", "/finish_weight_update", self.sync_timeout, retry=False,

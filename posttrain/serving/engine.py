@@ -112,7 +112,7 @@ class TransformersEngine:
         digests = []
         for name, dtype in self._sent_dtypes.items():
             held = self._state[name]
-            key = (held.untyped_storage().data_ptr(), held.storage_offset(), tuple(held.shape), held.stride(), dtype)
+            key = (wire.storage_key(held), dtype)
             if key not in data:
                 data[key] = wire.data_digest(held.to(dtype))
             digests.append(wire.tensor_digest(name, dtype, held.shape, data[key]))

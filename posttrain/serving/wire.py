@@ -4,6 +4,7 @@ ends compute the same way.
     buckets(named, max_bytes)   (name, tensor) pairs -> lists of at most max_bytes each (a larger tensor alone);
                                 a tensor yielded under several names (tied embeddings: the same memory, still
                                 alive) is sent once, its other names listed as aliases
+    storage_key(t)              where a tensor's values live: equal keys are one tensor (tied weights)
     Body(bucket, aliases)       one bucket as safetensors bytes (never pickle: safe to load from a network),
                                 aliases in the metadata; iterating it yields the header, then each tensor's own
                                 memory in slices (no copy is made), and len() is the whole size (Content-Length)
@@ -15,6 +16,8 @@ ends compute the same way.
                                 bytes' digest: each distinct tensor is read once)
     combine(digests)            SHA-256 over the sorted per-tensor digests: independent of order and bucketing, so
                                 a bucket carries the digest of its tensors and the whole push the digest of all
+    bucket_digest(tensors)      a received bucket's digest (the server checks it against X-Bucket-Digest)
+    PushDigests                 the sender's side: each Body's digest, then the whole push's
 """
 
 import hashlib
@@ -35,7 +38,7 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+def storage_key(tensor: torch.Tensor) -> tuple:
     """Where a tensor's values live: two names with the same key are one tensor (tied weights)."""
     return (tensor.device.type, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tensor.stride(), tensor.dtype)
@@ -54,7 +57,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int = MAX_BUCK
     aliases: dict[str, str] = {}
     size = 0
     for name, tensor in named:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         seen = sent.get(key)
         if seen is not None and seen[1]() is not None:  # the same memory, still alive: a tie, not a reused address
             aliases[name] = seen[0]
@@ -119,8 +122,8 @@ def decode(buffer: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str
         buffer = bytearray(buffer)  # torch.frombuffer wants writable memory
     try:
         header, data_start = _header(buffer)
-        aliases = json.loads(header.pop("__metadata__", None).get(ALIASES_KEY, "{}")) if "__metadata__" in header \
-            else {}
+        metadata = header.pop("__metadata__", None) or {}  # _header checked that it is an object
+        aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
         tensors = _tensors(buffer, header, data_start)
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as err:
         raise ValueError(f"not a safetensors bucket ({err})") from None
@@ -151,7 +154,7 @@ def _tensors(buffer: bytearray, header: dict, data_start: int) -> dict[str, torc
         shape = [int(d) for d in entry["shape"]]
         begin, end = (int(o) for o in entry["data_offsets"])
         count = math.prod(shape)
-        if min(shape, default=0) < 0 or end - begin != count * torch.empty((), dtype=dtype).element_size():
+        if min(shape, default=0) < 0 or end - begin != count * dtype.itemsize:
             raise ValueError(f"{name!r}: shape {shape} does not fit offsets {begin}..{end}")
         if begin < 0 or data_start + end > len(buffer):
             raise ValueError(f"{name!r}: offsets {begin}..{end} fall outside the {len(buffer) - data_start} bytes")
@@ -159,7 +162,7 @@ def _tensors(buffer: bytearray, header: dict, data_start: int) -> dict[str, torc
         offset = data_start + begin
         if not count:
             tensors[name] = torch.empty(shape, dtype=dtype)
-        elif offset % torch.empty((), dtype=dtype).element_size():  # unaligned: a copy
+        elif offset % dtype.itemsize:  # unaligned: a copy
             tensors[name] = torch.frombuffer(bytearray(buffer[offset:data_start + end]), dtype=dtype).reshape(shape)
         else:
             tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
@@ -204,20 +207,22 @@ def bucket_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 class PushDigests:
     """The digests of one push as it streams: each bucket's (for its header) and, at the end, the whole push's over
-    every name sent, aliases included. Each distinct tensor's bytes are read once; an alias reuses its source's."""
+    every name sent, aliases included. Each distinct tensor's bytes are read once, from the body that sends them (no
+    second copy off the device); an alias reuses its source's."""
 
     def __init__(self):
         self._names: list[str] = []
-        self._data: dict[str, tuple[bytes, torch.dtype, tuple]] = {}
+        self._data: dict[str, tuple[bytes, torch.dtype, tuple]] = {}  # sent name -> (bytes' digest, dtype, shape)
 
-    def of_bucket(self, bucket: list[tuple[str, torch.Tensor]], aliases: dict[str, str]) -> str:
+    def of_bucket(self, body: Body, aliases: dict[str, str]) -> str:
         own = []
-        for name, tensor in bucket:
-            self._data[name] = (data_digest(tensor), tensor.dtype, tuple(tensor.shape))
-            own.append(tensor_digest(name, *self._data[name][1:], self._data[name][0]))
+        for name, tensor, data in body.tensors:
+            digest = hashlib.sha256(data).digest()
+            self._data[name] = (digest, tensor.dtype, tuple(tensor.shape))
+            own.append(tensor_digest(name, tensor.dtype, tensor.shape, digest))
         for alias, source in aliases.items():
-            data, dtype, shape = self._data[source]
-            self._names.append(tensor_digest(alias, dtype, shape, data))
+            digest, dtype, shape = self._data[source]
+            self._names.append(tensor_digest(alias, dtype, shape, digest))
         self._names.extend(own)
         return combine(own)
 

@@ -49,8 +49,8 @@ def _let_collectives_finish() -> None:
     """gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing a
     Python-owned tensor takes the GIL: at interpreter exit such a thread is killed inside a C++ destructor and the
     process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A moment without the GIL
-    lets them finish while the interpreter is alive. Called by `close()`, and at exit for scripts that never call it
-    (as TRL's users do not)."""
+    lets them finish while the interpreter is alive. Registered to run at exit by every multi-process trainer, so
+    that scripts which never call `close()` (as TRL's users do not) are covered too."""
     time.sleep(0.05)
 
 
@@ -623,5 +623,3 @@ class Trainer:
         if not failed:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
-        if self.accelerator.num_processes > 1:
-            _let_collectives_finish()
