@@ -1,10 +1,15 @@
-"""Test-only: let accelerate's own FSDP path run on a machine without a GPU (2 gloo processes).
+"""Test-only: let accelerate's own FSDP and DeepSpeed paths run on a machine without a GPU (2 gloo processes).
 
-accelerate (pinned: 1.15) never selects FSDP for a CPU process group: with `cpu=True` it sets up MULTI_CPU and drops
-the plugin (the run would silently be DDP), which posttrain refuses at start (training/sharding.check_launch). This
-patch, applied by the test's launcher script (tests/multiproc_sharded.py) before posttrain builds its Accelerator,
-puts back what accelerate sets on GPUs: the distributed type, and the plugin read from the launcher's FSDP_*
-variables, in the process-wide state that every Accelerator reads. Nothing else in accelerate is changed.
+accelerate (pinned: 1.15) never selects FSDP or DeepSpeed for a CPU process group: with `cpu=True` it sets up
+MULTI_CPU and drops the plugin (the run would silently be DDP), which posttrain refuses at start
+(training/sharding.check_launch). This patch, applied by the test's launcher script (tests/multiproc_sharded.py)
+before posttrain builds its Accelerator, puts back what accelerate sets on GPUs, in the process-wide state that every
+Accelerator reads:
+  - FSDP: the distributed type, and the plugin read from the launcher's FSDP_* variables;
+  - DeepSpeed: the Accelerator is built with cpu=False (accelerate then selects DEEPSPEED and DeepSpeed starts its
+    gloo process group on its CPU accelerator), and the process count and ranks, which accelerate leaves at 1 and 0
+    when it finds no GPU, are read from the process group.
+Nothing else in accelerate is changed.
 """
 
 import os
@@ -15,7 +20,7 @@ PINNED = "1.15."
 def install() -> None:
     import accelerate
     from accelerate import Accelerator
-    from accelerate.state import PartialState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     if not accelerate.__version__.startswith(PINNED):
@@ -24,6 +29,16 @@ def install() -> None:
     original = Accelerator.__init__
 
     def init(self, *args, **kwargs):
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            kwargs["cpu"] = False
+            original(self, *args, **kwargs)
+            import torch.distributed as dist
+
+            ranks = {"num_processes": dist.get_world_size(), "process_index": dist.get_rank(),
+                     "local_process_index": int(os.environ["LOCAL_RANK"])}
+            PartialState._shared_state.update(ranks)
+            AcceleratorState._shared_state.update(ranks)
+            return
         original(self, *args, **kwargs)
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
             plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate does

@@ -1,7 +1,10 @@
-"""Sharded training through accelerate's own FSDP2 path, on 2 gloo processes (CPU).
+"""Sharded training through accelerate's own FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
 
 Each case runs `posttrain grpo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
-with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP without a GPU. GRPO's two
+with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP or DeepSpeed without a GPU.
+ZeRO-3 runs with the shipped zero3.yaml's settings and, in `zero3-all`, with every parameter partitioned
+(`stage3_param_persistence_threshold: 0`: DeepSpeed keeps parameters under 100k elements whole by default, which
+is every parameter of the tiny test model). GRPO's two
 processes sample completions of different lengths (the model's EOS is likely at some positions: one process's
 decode ends long before the other's); GRPO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
 toward the policy every step, sync_ref_model, and restored from the checkpoint).
@@ -76,10 +79,24 @@ def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
             "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--output_dir", str(out), *extra]
 
 
-def _sharded(config: str, args: list[str], patched: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file <shipped config>` of posttrain on 2 processes, through the CPU patch or not."""
+def _config_file(config: str, directory) -> str:
+    """A shipped accelerate config, or `zero3-all`: ZeRO-3 with every parameter partitioned."""
+    if config != "zero3-all":
+        return os.path.join(CONFIGS, config)
+    ds = directory / "zero3-all.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "train_batch_size": "auto", "gradient_clipping": "auto",
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    path = directory / "zero3-all.yaml"
+    path.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {ds}\n"
+                    "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
+    return str(path)
+
+
+def _sharded(config: str, args: list[str], patched: bool = True, directory=None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <config>` of posttrain on 2 processes, through the CPU patch or not."""
     target = [os.path.join(TESTS, "multiproc_sharded.py")] if patched else ["-m", "posttrain.cli"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _config_file(config, directory),
            "--num_processes", "2", "--mixed_precision", "no", *target, *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
 
@@ -111,14 +128,18 @@ def _weights(path) -> dict:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-@pytest.mark.parametrize("config", ["fsdp2.yaml"])
-@pytest.mark.parametrize("command", ["grpo", "sft", "dpo"])
+CASES = [(config, command) for config in ("fsdp2.yaml", "zero2.yaml", "zero3-all") for command in ("grpo", "sft", "dpo")]
+
+
+@pytest.mark.parametrize("config,command", CASES + [("zero3.yaml", "grpo")])
 def test_sharded_training_saves_and_resumes_like_one_process(config, command, workload, one_process, tokenizer):
     from transformers import AutoModelForCausalLM
 
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed")  # in the dev extra; absent only where someone installed without it
     one_process = one_process(command)
     out = workload / f"{config.split('.')[0]}-{command}"
-    run = _sharded(config, _args(workload, command, out, 8))
+    run = _sharded(config, _args(workload, command, out, 8), directory=workload)
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = _records(one_process), _records(out)
     assert len(one) == len(two) == 2
@@ -143,7 +164,12 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     resumed = workload / f"{out.name}-resumed"
     resumed.mkdir()
     os.rename(out / "checkpoint-1", resumed / "checkpoint-1")
-    run = _sharded(config, _args(workload, command, resumed, 8, "--resume_from_checkpoint", "true"))
+    if config.startswith("zero"):  # the engine's own state, one optimizer partition per process
+        engine_files = os.listdir(resumed / "checkpoint-1" / "deepspeed")
+        assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(
+            engine_files), engine_files
+    run = _sharded(config, _args(workload, command, resumed, 8, "--resume_from_checkpoint", "true"),
+                   directory=workload)
     assert run.returncode == 0, run.stderr[-3000:]
     last = _records(resumed)[-1]
     assert (last["step"], last["loss"]) == (two[-1]["step"], two[-1]["loss"])

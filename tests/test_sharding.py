@@ -1,6 +1,7 @@
-"""FSDP2 (torch's fully_shard) on 2 gloo processes: the pieces a sharded GRPO step goes through
-(posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives; and the
-strategies the trainers do not run yet are refused in one sentence."""
+"""FSDP2 (torch's fully_shard) and DeepSpeed ZeRO-3 on 2 gloo processes: the pieces a sharded GRPO step goes through
+(posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives; DeepSpeed's
+config entries come from the trainer's config; and FSDP1, which the trainers do not run, is refused in one
+sentence."""
 
 import json
 import os
@@ -31,21 +32,76 @@ def test_fsdp2_generation_training_and_export_equal_the_unsharded_model(tmp_path
         assert result["logps_max_diff"] == 0.0 and result["grad_max_diff"] == 0.0 and result["export_max_diff"] == 0.0
 
 
-@pytest.mark.parametrize("state, name", [
-    ({"distributed_type": "DEEPSPEED", "deepspeed_plugin": SimpleNamespace(zero_stage=3)}, "DeepSpeed ZeRO-3"),
-    ({"distributed_type": "FSDP", "fsdp_plugin": SimpleNamespace(fsdp_version=1)}, "FSDP1"),
-])
-def test_strategies_the_trainers_do_not_run_are_refused_in_one_sentence(state, name):
+@pytest.mark.multiproc
+def test_zero3_generation_training_and_export_equal_the_unsharded_model(tmp_path):
+    """The same under DeepSpeed ZeRO-3 with every parameter partitioned: generation inside the run's whole_weights
+    (every weight gathered and DeepSpeed's per-module hooks off, so the decodes end at different steps without
+    waiting), a training forward (the model's own logits: the output layer is whole only inside its forward) and
+    backward through the engine, and the export inside whole_weights. Completions, log-probs and the export equal
+    the unsharded copy's exactly; gradients to 1e-6 relative (the unsharded copy's output layer takes the chunked
+    path, whose sums run in another order)."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(TESTS, "multiproc_zero3.py"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert ranks[0]["lengths"] == [3, 3] and ranks[1]["lengths"] == [12, 12]
+    for result in ranks:
+        assert result["completions_equal"] and result["export_names_equal"] and result["export_shapes_full"]
+        assert result["logps_max_diff"] == 0.0 and result["export_max_diff"] == 0.0
+        assert result["grad_max_diff"] <= 1e-6 * result["grad_max"], result
+
+
+def test_fsdp1_is_refused_in_one_sentence():
     from accelerate.utils import DistributedType
 
     from posttrain.configs import ConfigError
     from posttrain.training.sharding import check_supported
 
-    state = dict(state, distributed_type=DistributedType[state["distributed_type"]])
     with pytest.raises(ConfigError) as err:
+        check_supported(SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP,
+                                                              fsdp_plugin=SimpleNamespace(fsdp_version=1))))
+    assert str(err.value) == ("This run was launched with FSDP1, which posttrain does not train with: launch with FSDP2 "
+                              "(accelerate_config fsdp2), the same sharding with plain parameter names, or with "
+                              "DeepSpeed ZeRO (accelerate_config zero2 or zero3).")
+    for state in ({"distributed_type": DistributedType.FSDP, "fsdp_plugin": SimpleNamespace(fsdp_version=2)},
+                  {"distributed_type": DistributedType.DEEPSPEED, "deepspeed_plugin": SimpleNamespace(zero_stage=3)}):
         check_supported(SimpleNamespace(state=SimpleNamespace(**state)))
-    assert str(err.value) == (f"This run was launched with {name}, which posttrain does not train with yet: launch "
-                              "with FSDP2 (accelerate_config fsdp2) to shard the model, or with DDP (accelerate_config "
-                              "multi_gpu).")
-    check_supported(SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP,
-                                                          fsdp_plugin=SimpleNamespace(fsdp_version=2))))
+
+
+def _args(**fields):
+    fields = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0, **fields}
+    return SimpleNamespace(**fields)
+
+
+def test_deepspeed_config_entries_come_from_the_trainers_config():
+    from posttrain.training.zero import fill_config
+
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+              "bf16": {"enabled": "auto"}}
+    fill_config(config, _args(), num_processes=3)
+    assert config == {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                      "gradient_clipping": 1.0, "bf16": {"enabled": "auto", "check_grad_overflow": True}}
+    config = {}
+    fill_config(config, _args(max_grad_norm=0.0), num_processes=1)
+    assert config["gradient_clipping"] == 0.0 and config["train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"gradient_accumulation_steps": 4}, "The DeepSpeed config sets gradient_accumulation_steps=4, but the trainer's "
+     "gradient_accumulation_steps gives 2: set it to \"auto\" in the DeepSpeed config (or to the same value)."),
+    ({"gradient_clipping": 0.5}, "The DeepSpeed config sets gradient_clipping=0.5, but the trainer's max_grad_norm "
+     "gives 1.0: set it to \"auto\" in the DeepSpeed config (or to the same value)."),
+    ({"optimizer": {"type": "AdamW"}}, "The DeepSpeed config has a \"optimizer\" section, but posttrain builds the "
+     "optimizer (optim, learning_rate, ...) from the trainer's config, as TRL does by default: remove the "
+     "\"optimizer\" section."),
+])
+def test_a_deepspeed_config_that_contradicts_the_trainers_stops_in_one_sentence(config, message):
+    from posttrain.configs import ConfigError
+    from posttrain.training.zero import fill_config
+
+    with pytest.raises(ConfigError) as err:
+        fill_config(config, _args(), num_processes=2)
+    assert str(err.value) == message

@@ -33,6 +33,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.trainer import training_flops_per_token
 
 logger = logging.getLogger("posttrain")
 
@@ -99,7 +100,7 @@ class DPOTrainer(BatchedDataTrainer):
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
         self._tokens_seen = 0
-        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._flops_per_token = training_flops_per_token(self.policy)
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
@@ -315,7 +316,7 @@ class DPOTrainer(BatchedDataTrainer):
         with self._offloading():
             pair_sum, sft_sum, stats = self._micro_loss(batch, grad=True)
             loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
-            self.accelerator.backward(loss)
+            self._backward(loss)
         stats = stats.clone()
         stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
         return stats

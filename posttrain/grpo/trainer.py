@@ -34,7 +34,7 @@ from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError is part of this module's API
+from posttrain.training.trainer import Trainer, TrainingError, training_flops_per_token  # noqa: F401 - TrainingError is part of this module's API
 from posttrain.weights import export_weights
 
 
@@ -108,7 +108,7 @@ class GRPOTrainer(Trainer):
         self._stream_epoch = 0.0
         self._pending_metrics: dict = {}
         self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
-        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._flops_per_token = training_flops_per_token(self.policy)
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
@@ -366,7 +366,7 @@ class GRPOTrainer(Trainer):
             out = self._loss(mb, logps, norm, kept)
             effective = mb.loss_mask if kept is None else kept
             loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
-            self.accelerator.backward(loss)
+            self._backward(loss)
         entropy = entropy.detach()
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on

@@ -111,6 +111,8 @@ def _check_fast_path(plain) -> bool:
     layer = output_layer(plain)
     if layer is None or logits_to_keep_kwarg(plain) is None:
         return False
+    if hasattr(layer.weight, "ds_tensor"):  # DeepSpeed ZeRO-3 holds it in shards, whole only inside the layer's own
+        return False  # forward: take the logits as the model computes them
     ids = (torch.arange(1, 9, device=layer.weight.device) % layer.weight.size(0)).unsqueeze(0)
     mask = torch.ones_like(ids)
     was_training = plain.training

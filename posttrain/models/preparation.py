@@ -51,11 +51,18 @@ def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
                               "reference is the policy with adapters off): set sync_ref_model=False, or train "
                               "all weights.")
         return None, (add_reference_adapter(model) if came_with_adapter else None)
+    from posttrain.training import zero
+
+    if any(zero.is_partitioned(p) for p in model.parameters()):  # DeepSpeed ZeRO-3 loaded it in shards
+        return zero.partitioned_copy(model).eval().requires_grad_(False), None
     return copy.deepcopy(model).eval().requires_grad_(False), None
 
 
 def mix_reference(ref_model, policy, alpha: float) -> None:
     """TR-DPO's reference update, parameter by parameter: ref = alpha * policy + (1 - alpha) * ref."""
+    from posttrain.training.sharding import local_tensor
+
     with torch.no_grad():
         for ref, pol in zip(ref_model.parameters(), policy.parameters()):
+            ref, pol = local_tensor(ref), local_tensor(pol)  # sharded alike: shard into shard
             ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)

@@ -24,6 +24,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.trainer import training_flops_per_token
 
 logger = logging.getLogger("posttrain")
 
@@ -79,7 +80,7 @@ class SFTTrainer(BatchedDataTrainer):
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
         self._tokens_seen = 0
-        self._flops_per_token = 6 * self.policy.num_parameters(exclude_embeddings=True)
+        self._flops_per_token = training_flops_per_token(self.policy)
         self._neftune = self._add_neftune() if args.neftune_noise_alpha else None
         self._call("on_init_end")
 
@@ -192,7 +193,7 @@ class SFTTrainer(BatchedDataTrainer):
         """Forward and backward of one micro-batch; [loss sum, entropy sum, correct, targets] (no gradient)."""
         with self._offloading():
             losses, entropy, top1 = self._forward(batch, scale)
-            self.accelerator.backward(losses.sum() * scale)
+            self._backward(losses.sum() * scale)
         return torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
                             torch.tensor(float(batch.num_targets), device=losses.device)])
 

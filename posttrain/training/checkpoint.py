@@ -3,7 +3,9 @@
 A checkpoint directory `checkpoint-<step>` holds:
     model.safetensors (or adapter_model.safetensors), tokenizer, posttrain_config.yaml   policy
     <name>.safetensors                                         other models whose weights change (e.g. ref_model)
-    optimizer.pt, scheduler.pt                                 state dicts, read with weights_only=True
+    optimizer.pt, scheduler.pt                                 state dicts, read with weights_only=True (under
+                                                               DeepSpeed the optimizer is the engine's own files,
+                                                               deepspeed/, one per process: training/sharding.py)
     rng_state_<rank>.pt                                        python, numpy, torch (+cuda), the trainer's generators
     buffer_<rank>.safetensors                                  the trainer's per-process tensors (GRPO: micro-batches
                                                                generated but not yet trained on)
@@ -189,11 +191,14 @@ def model_fingerprint(model) -> str:
     h = hashlib.sha256()
     config = {k: v for k, v in plain.config.to_dict().items() if k not in _VOLATILE}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    from posttrain.training import zero
+
     for name, p in sorted(plain.named_parameters()):
         if "lora_" in name or "modules_to_save" in name:
             continue
-        flat = p.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+        with zero.gathered([p]):  # whole for the sample under ZeRO-3 (a collective, every process computes it)
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
@@ -242,7 +247,6 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
     tmp = final + ".tmp"
     sharding = trainer.sharding
     whole = sharding.full_state_dict(trainer.model)  # sharded weights: gathered by every process (a collective)
-    optimizer = None if model_only else sharding.optimizer_state(trainer.model, trainer.optimizer)
     extra = {} if model_only else {name: sharding.full_state_dict(module)
                                    for name, module in trainer._checkpoint_models().items()}
     with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
@@ -250,7 +254,6 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
             shutil.rmtree(tmp, ignore_errors=True)
             save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp, whole)
             if not model_only:
-                torch.save(optimizer, os.path.join(tmp, "optimizer.pt"))
                 torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
                 for name, module in trainer._checkpoint_models().items():
                     if extra[name] is None:
@@ -259,6 +262,7 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
                         save_file(extra[name], os.path.join(tmp, f"{name}.safetensors"))
     with guarded(acc, writing=tmp):
         if not model_only:
+            sharding.save_optimizer(trainer.model, trainer.optimizer, tmp)  # every process (a collective when sharded)
             rank = acc.process_index
             torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
             save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
@@ -319,8 +323,7 @@ def load_checkpoint(trainer, path: str) -> dict:
                 load_model(module, os.path.join(path, f"{name}.safetensors"))
         device = trainer.accelerator.device
         rank = trainer.accelerator.process_index
-        trainer.sharding.load_optimizer_state(trainer.model, trainer.optimizer, torch.load(
-            os.path.join(path, "optimizer.pt"), weights_only=True, map_location="cpu"))  # moved to each parameter
+        trainer.sharding.load_optimizer(trainer.model, trainer.optimizer, path)
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
         set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
                       trainer._checkpoint_generators())

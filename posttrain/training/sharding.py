@@ -3,8 +3,17 @@
 Every sharding-aware step of a trainer goes through one `Sharding` object (built from the Accelerator); the
 trainers do not branch on the strategy:
 
-    sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere) or
+    sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere),
                                               "fsdp2" (accelerate's FSDP2: each process holds a shard, a DTensor)
+                                              or "zero" (DeepSpeed ZeRO-1/2/3 through accelerate, training/zero.py;
+                                              ZeRO-3 shards the weights)
+    sharding.prepare(model, opt, schedule)    accelerate's prepare (DeepSpeed: the config's batch and clipping
+                                              entries filled from the trainer's config; the schedule stepped by the
+                                              loop)
+    with sharding.accumulating(model, sync):  one micro-batch; gradients reduced across processes when `sync`
+        sharding.backward(model, loss)
+    sharding.clip_gradients(model, max_norm)  the norm before clipping (None under DeepSpeed: its step clips)
+    sharding.optimizer_step(model, opt)       the step; under DeepSpeed returns the norm (inf: step skipped)
     with sharding.whole_weights(model):       every parameter whole on every process for the whole block (the
         rollouts = generator.generate(...)    decode): processes may stop at different lengths, no collective
                                               inside; call on every process, outside inference_mode
@@ -14,8 +23,10 @@ trainers do not branch on the strategy:
                                               collective: every process calls it); None when the model is whole
                                               everywhere (save it as it is)
     sharding.load_full_state_dict(model, sd)  its inverse, every process reading the same whole state dict
-    sharding.optimizer_state(model, opt)      what a checkpoint stores of the optimizer: whole, keyed by parameter
-    sharding.load_optimizer_state(...)        name under FSDP2 (a collective); its inverse
+    sharding.save_optimizer(model, opt, dir)  a checkpoint's optimizer state: optimizer.pt (whole, keyed by
+    sharding.load_optimizer(model, opt, dir)  parameter name under FSDP2), or under DeepSpeed the engine's own
+                                              files, one per process (collectives: every process calls)
+    local_tensor(p)                           the part of a parameter this process holds (an update writes it)
     full_tensor(t)                            a DTensor's whole value (a collective), any other tensor as it is
 
 Why whole weights for generation: under FSDP2 every forward is a collective that gathers the layer it
@@ -25,7 +36,7 @@ cannot write. Unsharding before generating avoids both, at the cost of one whole
 while generating (as TRL's ds3_gather_for_generation=True).
 
 `check_launch(accelerator)` stops a run that asked for FSDP or DeepSpeed and would silently get something else;
-`check_supported(accelerator)` one launched with a strategy the trainers do not run yet (DeepSpeed ZeRO, FSDP1).
+`check_supported(accelerator)` one launched with a strategy the trainers do not run (FSDP1).
 """
 
 import contextlib
@@ -36,7 +47,10 @@ import torch
 from posttrain.configs import ConfigError
 from posttrain.training.distributed import mark_agreed
 
-KINDS = ("none", "fsdp2")
+from posttrain.training import zero
+
+KINDS = ("none", "fsdp2", "zero")
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 def check_launch(accelerator) -> None:
@@ -64,19 +78,15 @@ def check_launch(accelerator) -> None:
 
 
 def check_supported(accelerator) -> None:
-    """One sentence for a sharding strategy posttrain's trainers do not run yet (DeepSpeed ZeRO, FSDP1)."""
+    """One sentence for a sharding strategy posttrain's trainers do not run (FSDP1)."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
-    if state.distributed_type == DistributedType.DEEPSPEED:
-        what = f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
-    elif state.distributed_type == DistributedType.FSDP and getattr(state.fsdp_plugin, "fsdp_version", 1) != 2:
-        what = "FSDP1"
-    else:
-        return
-    raise mark_agreed(ConfigError(f"This run was launched with {what}, which posttrain does not train with yet: "
-                                  "launch with FSDP2 (accelerate_config fsdp2) to shard the model, or with DDP "
-                                  "(accelerate_config multi_gpu)."))  # every process raises it
+    if state.distributed_type == DistributedType.FSDP and getattr(state.fsdp_plugin, "fsdp_version", 1) != 2:
+        raise mark_agreed(ConfigError(  # every process raises it
+            "This run was launched with FSDP1, which posttrain does not train with: launch with FSDP2 "
+            "(accelerate_config fsdp2), the same sharding with plain parameter names, or with DeepSpeed ZeRO "
+            "(accelerate_config zero2 or zero3)."))
 
 
 def _fsdp2_units(model: torch.nn.Module) -> list:
@@ -99,28 +109,103 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a parameter, to update in place: a ZeRO-3 parameter's shard; the parameter itself
+    otherwise (an FSDP2 DTensor updates its own shard)."""
+    return zero.local_shard(param)
+
+
 class Sharding:
     """Args:
         kind: one of KINDS.
         accelerator: the run's Accelerator (accelerate prepares a frozen model with it).
     """
 
-    def __init__(self, kind: str, accelerator=None):
+    def __init__(self, kind: str, accelerator=None, zero_stage: int = 0):
         if kind not in KINDS:
             raise ValueError(f"unknown sharding {kind!r}")
-        self.kind, self.accelerator = kind, accelerator
+        self.kind, self.accelerator, self.zero_stage = kind, accelerator, zero_stage
 
     @classmethod
     def of(cls, accelerator) -> "Sharding":
         """The run's sharding (call check_launch and check_supported first)."""
         from accelerate.utils import DistributedType
 
-        return cls("fsdp2" if accelerator.state.distributed_type == DistributedType.FSDP else "none", accelerator)
+        kind = accelerator.state.distributed_type
+        if kind == DistributedType.DEEPSPEED:
+            return cls("zero", accelerator, int(accelerator.state.deepspeed_plugin.zero_stage))
+        return cls("fsdp2" if kind == DistributedType.FSDP else "none", accelerator)
 
     @property
     def shards_parameters(self) -> bool:
         """Whether a process holds only part of each parameter between steps."""
-        return self.kind == "fsdp2"
+        return self.kind == "fsdp2" or (self.kind == "zero" and self.zero_stage == 3)
+
+    @property
+    def name(self) -> str:
+        return {"none": "none", "fsdp2": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
+
+    # ------------------------------------------------------------------ the training step
+
+    def prepare(self, model, optimizer, scheduler, args):
+        """accelerate's prepare of the model and optimizer (and, outside DeepSpeed, the schedule). Under DeepSpeed
+        the config's batch, accumulation and clipping entries come from `args` (training/zero.fill_config), and the
+        schedule stays a plain one that the loop steps after each applied update (accelerate would hand DeepSpeed a
+        wrapper that never steps it)."""
+        if self.kind != "zero":
+            return self.accelerator.prepare(model, optimizer, scheduler)
+        zero.fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, args,
+                         self.accelerator.num_processes)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        return model, optimizer, scheduler
+
+    def accumulating(self, model, sync: bool):
+        """The block of one micro-batch's forward and backward; gradients are reduced across processes only when
+        `sync` (the step's last micro-batch)."""
+        if self.kind == "zero":
+            model.set_gradient_accumulation_boundary(sync)  # DeepSpeed reduces at the boundary
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
+
+    def backward(self, model, loss: torch.Tensor) -> None:
+        """Backpropagate a micro-batch's loss, already normalised for the whole step (never divided again)."""
+        if self.kind == "zero":
+            model.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
+
+    def clip_gradients(self, model, max_norm: float) -> float | None:
+        """Clip the step's gradients to `max_norm` (<= 0: no clipping); returns their norm before clipping, or None
+        under DeepSpeed, whose step clips and measures."""
+        if self.kind == "zero":
+            return None
+        params = [p for p in model.parameters() if p.requires_grad]
+        return float(self.accelerator.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+
+    def optimizer_step(self, model, optimizer) -> float | None:
+        """Apply the update. Under DeepSpeed the engine clips, steps and returns the norm before clipping: inf or nan
+        when it was not finite, and then the engine did not apply the update."""
+        if self.kind == "zero":
+            model.step()
+            return zero.global_grad_norm(model)
+        optimizer.step()
+        return None
+
+    def all_finite(self, model) -> tuple[bool, str | None]:
+        """Whether every trainable weight is finite on every process, and else the first non-finite one's name."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params:
+            return True, None
+        local = [local_tensor(p) for _, p in params]
+        from torch.distributed.tensor import DTensor
+
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in local]
+        finite = torch.stack([torch.isfinite(t).all() for t in local]).to(torch.int32)
+        if self.shards_parameters and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if bool(finite.all()):
+            return True, None
+        return False, params[int((finite == 0).nonzero()[0])][0]
 
     # ------------------------------------------------------------------ whole weights for generation
 
@@ -129,6 +214,9 @@ class Sharding:
         """Every parameter of `model` whole on this process for the block (entering is a collective)."""
         if self.kind == "fsdp2" or is_sharded(model):
             with _fsdp2_unsharded(model):
+                yield model
+        elif self.kind == "zero" and self.zero_stage == 3:
+            with zero.whole_for_generation(model):
                 yield model
         else:
             yield model
@@ -140,6 +228,8 @@ class Sharding:
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
             return fsdp2_prepare_model(self.accelerator, model)
+        if self.kind == "zero" and self.zero_stage == 3:  # ZeRO-1/2 keep whole weights on every process: as it is
+            return zero.frozen_engine(model, self.accelerator.state.deepspeed_plugin.deepspeed_config)
         return model
 
     def at_rest(self, *models: torch.nn.Module) -> None:
@@ -156,6 +246,8 @@ class Sharding:
         process holds the whole model (save it directly)."""
         if not self.shards_parameters and not is_sharded(model):
             return None
+        if self.kind == "zero":
+            return _zero3_full_state_dict(model, self.accelerator.is_main_process)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -164,6 +256,9 @@ class Sharding:
     def load_full_state_dict(self, model: torch.nn.Module, state: dict) -> None:
         """Load a whole state dict (read by every process) into the sharded model; KeyError when it does not fit
         (a tied output layer, stored once, may be missing)."""
+        if self.kind == "zero":
+            _zero3_load_full_state_dict(model, state)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -174,17 +269,36 @@ class Sharding:
             raise KeyError(f"weights do not match the model (missing {missing}, unexpected "
                            f"{list(result.unexpected_keys)})")
 
-    def optimizer_state(self, model: torch.nn.Module, optimizer) -> dict:
-        """What a checkpoint stores of the optimizer: under FSDP2 the whole state, gathered (a collective; keyed by
-        parameter name, so it does not depend on the number of processes); otherwise its state dict."""
+    def save_optimizer(self, model: torch.nn.Module, optimizer, directory: str) -> None:
+        """Write the optimizer's state into a checkpoint directory (every process calls; `directory` exists on
+        the main process). Under FSDP2 the whole state, gathered and keyed by parameter name (so it does not depend
+        on the number of processes); under DeepSpeed the engine's own files in directory/deepspeed (each process
+        writes its partition; the engine's loader unpickles them, as every DeepSpeed checkpoint); otherwise the
+        optimizer's state dict."""
+        if self.kind == "zero":
+            model.save_checkpoint(directory, tag=zero.CHECKPOINT_TAG, save_latest=False)
+            return
         if self.kind == "fsdp2":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            return get_optimizer_state_dict(model, optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return optimizer.state_dict()
+            state = get_optimizer_state_dict(model, optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            state = optimizer.state_dict()
+        if self.accelerator is None or self.accelerator.is_main_process:
+            torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
 
-    def load_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+    def load_optimizer(self, model: torch.nn.Module, optimizer, directory: str) -> None:
+        """Restore what save_optimizer wrote (every process calls). Under DeepSpeed the engine restores its weights
+        (full-precision master copies included) and its optimizer partitions."""
+        if self.kind == "zero":
+            loaded, _ = model.load_checkpoint(directory, tag=zero.CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+            if loaded is None:
+                raise FileNotFoundError(f"no DeepSpeed state in {os.path.join(directory, zero.CHECKPOINT_TAG)}")
+            return
+        state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=True,
+                           map_location="cpu")  # moved to each parameter's device by the optimizer
         if self.kind == "fsdp2":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -196,6 +310,47 @@ class Sharding:
                 group.update({k: v for k, v in saved.items() if k != "params"})
             return
         optimizer.load_state_dict(state)
+
+
+def _zero3_full_state_dict(model: torch.nn.Module, is_main: bool) -> dict:
+    """A ZeRO-3 model's whole state dict on the main process ({} elsewhere), gathered one parameter at a time (a
+    collective; the tied output layer once)."""
+    from posttrain.models.loading import unwrap
+
+    plain = unwrap(model)
+    state = {}
+    for name, param in plain.named_parameters():
+        with zero.gathered([param]):
+            if is_main:
+                state[name] = param.detach().to("cpu", copy=True)
+    if is_main:
+        params = dict(plain.named_parameters(remove_duplicate=False))
+        for name, tensor in plain.state_dict().items():
+            if name not in params:  # persistent buffers
+                state[name] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
+    """Write a whole state dict (read by every process) into a ZeRO-3 model's shards; KeyError when it does not fit
+    (a tied output layer, stored once, may be missing)."""
+    from posttrain.models.loading import unwrap
+
+    plain = unwrap(model)
+    params = dict(plain.named_parameters())  # tied ones once
+    tied = {name for name, p in plain.named_parameters(remove_duplicate=False)} - set(params)
+    unexpected = [name for name in state if name not in params and name not in tied and
+                  name not in dict(plain.named_buffers())]
+    missing = [name for name in params if name not in state]
+    if missing or unexpected:
+        raise KeyError(f"weights do not match the model (missing {missing}, unexpected {unexpected})")
+    with torch.no_grad():
+        for name, param in params.items():
+            with zero.gathered_for_writing([param]):
+                param.copy_(state[name].to(param.dtype))
+        for name, buffer in plain.named_buffers():
+            if name in state:
+                buffer.copy_(state[name])
 
 
 def _without_tied_copies(model: torch.nn.Module, state: dict) -> dict:

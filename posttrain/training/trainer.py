@@ -54,6 +54,14 @@ def _let_collectives_finish() -> None:
     time.sleep(0.05)
 
 
+def training_flops_per_token(model) -> int:
+    """6 x the parameters outside the input embeddings (transformers' count; a ZeRO-3 parameter counts whole)."""
+    from posttrain.training.zero import whole_numel
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return 6 * sum(whole_numel(p) for p in model.parameters() if id(p) not in embeddings)
+
+
 def make_accelerator(args, mixed_precision: str):
     """An Accelerator for `args` (DDP and process-group options included); in a process that already made one with
     another precision (a notebook, a test run), its process-wide state is reset first. The distributed state
@@ -144,7 +152,7 @@ class Trainer:
         if optimizer is None:
             optimizer = make_optimizer(model, self.args, self._optimizer_cls_and_kwargs)
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
-        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.lr_scheduler = self.sharding.prepare(model, optimizer, scheduler, self.args)
         self.policy = self.accelerator.unwrap_model(self.model)
         if getattr(self, "ref_model", None) is not None:  # a separate reference: sharded as the policy is
             self.ref_model = self.sharding.prepare_frozen(self.ref_model)
@@ -343,38 +351,44 @@ class Trainer:
         results = []
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+            with self.sharding.accumulating(self.model, sync):
                 results.append(micro_step(mb, sync))
             if not sync:
                 self._call("on_substep_end")
         return results
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss (normalised for the whole step) through the run's sharding."""
+        self.sharding.backward(self.model, loss)
+
     def _apply_update(self, loss: float) -> float:
         """Clip the accumulated gradients, check that the step's `loss` (the same on every process) and gradient norm
-        are finite, step the optimizer and the schedule. Returns the gradient norm before clipping."""
-        grad_norm = self._clip_gradients()
+        are finite, step the optimizer and the schedule. Returns the gradient norm before clipping.
+
+        Under DeepSpeed the engine's step clips and measures the norm itself, and skips an update whose norm is not
+        finite: the norm is checked right after it, with the same outcome (no update applied, the run stops)."""
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else 0.0
+        grad_norm = self.sharding.clip_gradients(self.model, max_norm)
         self._check_finite(loss, grad_norm)
         self._call("on_pre_optimizer_step")
-        self.optimizer.step()
+        stepped_norm = self.sharding.optimizer_step(self.model, self.optimizer)
+        if grad_norm is None:
+            grad_norm = stepped_norm
+            self._check_finite(loss, grad_norm)
         self._check_weights_finite()
         self._call("on_optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        return float(self.accelerator.clip_grad_norm_(params, max_norm))
-
     _nonfinite_hint = "Lower the learning_rate or check the data."
 
-    def _check_finite(self, loss: float, grad_norm: float) -> None:
-        """Stop before the update when the loss or gradient norm is not finite, keeping the last good state (the
-        weights are finite: every update was checked)."""
+    def _check_finite(self, loss: float, grad_norm: float | None) -> None:
+        """Stop before the update when the loss or gradient norm (None: not known yet) is not finite, keeping the last
+        good state (the weights are finite: every update was checked)."""
         step = self.state.global_step + 1
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
-            if not math.isfinite(value):
+            if value is not None and not math.isfinite(value):
                 self.optimizer.zero_grad(set_to_none=True)
                 path = save_checkpoint(self, self.args.output_dir, prefix="emergency-checkpoint")
                 raise mark_agreed(TrainingError(  # every process sees the same reduced values, and raises together
@@ -384,14 +398,12 @@ class Trainer:
     def _check_weights_finite(self) -> None:
         """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
         such weights are never saved as a good state."""
-        params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
-        finite = torch.stack([torch.isfinite(p).all() for _, p in params])
-        if bool(finite.all()):
+        finite, name = self.sharding.all_finite(self.policy)
+        if finite:
             return
-        name = params[int((~finite).nonzero()[0])][0]
         newest = checkpoints(self.args.output_dir)
         where = f"the newest checkpoint is {newest[-1][1]}" if newest else "there is no checkpoint"
-        raise mark_agreed(TrainingError(  # DDP keeps the weights identical, so every process sees it
+        raise mark_agreed(TrainingError(  # every process sees it (all_finite agrees across shards)
             f"Step {self.state.global_step + 1}: the update made weights non-finite (first: {name}), so they are not "
             f"saved; {where}. Lower the learning_rate (or max_grad_norm)."))
 
