@@ -5,7 +5,10 @@
 patches one place to fail on one process only, writes the time of the fault to OUT_DIR/fault_time, then runs the
 command line as a user would. FAULT is reward (rank 1's reward function raises at step 2), generation (rank 1's
 generator at its second round), data (rank 1's prompt stream breaks after its first round), saving (the main
-process cannot write checkpoint-1), nonfinite (rank 1's loss turns NaN at step 2).
+process cannot write checkpoint-1), nonfinite (rank 1's loss turns NaN at step 2), nonfinite_grad (rank 1's
+gradient turns NaN at step 2 while its loss stays finite: under DeepSpeed the engine's own step meets it).
+With PT_ACCELERATE_ON_CPU=1 the test-only patch of tests/accelerate_on_cpu.py is applied first (FSDP and DeepSpeed
+launches on CPU).
 """
 
 import os
@@ -84,9 +87,28 @@ def _patch():
             return out
 
         losses.Loss.__call__ = call
+    elif FAULT == "nonfinite_grad" and RANK == 1:
+        import torch
+
+        from posttrain.grpo import losses
+
+        original = losses.Loss.__call__
+
+        def call(self, inputs, params, norm):
+            out = original(self, inputs, params, norm)
+            if inputs.logps.requires_grad and os.path.exists(os.path.join(OUT, "step1_done")):
+                _mark()  # 0 * sqrt(0 * x): the value 0, the gradient 0 * inf = NaN
+                return losses.LossOutputs(out.loss + 0 * torch.sqrt(0 * inputs.logps.sum()), out.stats)
+            return out
+
+        losses.Loss.__call__ = call
 
 
 if __name__ == "__main__":
+    if os.environ.get("PT_ACCELERATE_ON_CPU") == "1":
+        import accelerate_on_cpu
+
+        accelerate_on_cpu.install()
     _patch()
     from transformers import TrainerCallback
 

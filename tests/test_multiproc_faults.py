@@ -7,11 +7,13 @@ and both hung.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FAULTS = {
@@ -46,3 +48,36 @@ def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
     assert ended - fault_time < 30, ended - fault_time  # stopped within seconds, not at a collective's timeout
     lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
     assert len(lines) == 1 and FAULTS[fault] in lines[0], out.stderr[-3000:]  # the original message, once
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", ["multi_gpu", "zero2", "zero3"])
+def test_a_nonfinite_gradient_stops_every_strategy_before_its_update(strategy, tmp_path, tiny_model_dir):
+    """Rank 1's gradient turns NaN at step 2, its loss finite. Under DDP the loop measures the norm before the step;
+    under DeepSpeed the engine's step measures it and skips the update. Either way both processes stop with one
+    sentence, and the emergency checkpoint holds the weights of step 1, bit for bit: the update was not applied."""
+    from safetensors.torch import load_file
+
+    if strategy.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PT_ACCELERATE_ON_CPU="1")
+    configs = os.path.join(os.path.dirname(TESTS), "posttrain", "accelerate_configs")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(configs, f"{strategy}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+           os.path.join(TESTS, "multiproc_faults.py"), "nonfinite_grad", str(tmp_path), "--",
+           "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
+           "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
+           "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "4", "--logging_steps", "1",
+           "--gradient_checkpointing", "false", "--use_cpu", "true", "--save_strategy", "steps", "--save_steps", "1",
+           "--output_dir", str(tmp_path / "out")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
+    assert len(lines) == 1 and re.search(r"Step 2: grad_norm is (nan|inf); the update was not applied and the last "
+                                         r"good state is saved in .*emergency-checkpoint-1", lines[0]), out.stderr[-3000:]
+    good, emergency = (load_file(tmp_path / "out" / name / "model.safetensors")
+                       for name in ("checkpoint-1", "emergency-checkpoint-1"))
+    assert all(torch.equal(good[k], emergency[k]) for k in good)

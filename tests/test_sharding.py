@@ -94,7 +94,7 @@ def test_deepspeed_config_entries_come_from_the_trainers_config():
      "gradient_accumulation_steps gives 2: set it to \"auto\" in the DeepSpeed config (or to the same value)."),
     ({"gradient_clipping": 0.5}, "The DeepSpeed config sets gradient_clipping=0.5, but the trainer's max_grad_norm "
      "gives 1.0: set it to \"auto\" in the DeepSpeed config (or to the same value)."),
-    ({"optimizer": {"type": "AdamW"}}, "The DeepSpeed config has a \"optimizer\" section, but posttrain builds the "
+    ({"optimizer": {"type": "AdamW"}}, "The DeepSpeed config has its own \"optimizer\" section, but posttrain builds the "
      "optimizer (optim, learning_rate, ...) from the trainer's config, as TRL does by default: remove the "
      "\"optimizer\" section."),
 ])
