@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GRPO through `posttrain grpo` on one process, on 2 processes with DDP, and on 2 processes with accelerate's FSDP2
-# (through the test-only CPU patch, tests/multiproc_sharded.py), same global batch (16 rows), SGD, 2 steps, on
+# GRPO through `posttrain grpo` on one process, on 2 processes with DDP, and on 2 processes with accelerate's FSDP2,
+# DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, through the test-only CPU patch, tests/multiproc_sharded.py),
+# same global batch (16 rows), SGD, 2 steps, on
 # MODEL_DIR; one JSON line per run: s/step (median of the steps' step_time), peak RSS of the largest process (MiB,
 # GNU time's maximum resident set size over the launcher's children), and the largest parameter difference from the
 # one-process run after the 2 steps (and how far the weights moved). The reward is bench/sharded_rewards.py's.
@@ -44,6 +45,8 @@ cd "$here"
 export PYTHONPATH="$here/bench${PYTHONPATH:+:$PYTHONPATH}"
 run one "$PT_PY" -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 16
 run ddp "${launch[@]}" --multi_gpu -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 8
-run fsdp2 "${launch[@]}" --config_file posttrain/accelerate_configs/fsdp2.yaml tests/multiproc_sharded.py grpo \
-  "${args[@]}" --per_device_train_batch_size 8
+for config in fsdp2 zero2 zero3; do
+  run $config "${launch[@]}" --config_file posttrain/accelerate_configs/$config.yaml tests/multiproc_sharded.py grpo \
+    "${args[@]}" --per_device_train_batch_size 8
+done
 rm -rf "$out"

@@ -155,8 +155,8 @@ TRAINING_ARGS: list[Compat] = [
                 "FSDP is set up by the launcher (see fsdp): put FSDP settings in the accelerate config file",
                 accepts=_empty),
     unsupported("deepspeed", Union[str, dict, None], None,
-                "DeepSpeed is not run by posttrain yet; shard with FSDP2 (--accelerate_config fsdp2) or launch with "
-                "DDP (--accelerate_config multi_gpu)"),
+                "DeepSpeed is set up by the launcher, not by a config field: launch with --accelerate_config "
+                "zero1|zero2|zero3, or with an accelerate config whose deepspeed_config_file is your JSON"),
     unsupported("debug", Union[str, list], "",
                 "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not wired in; remove it",
                 accepts=_empty),
@@ -174,8 +174,8 @@ GRPO_ONLY: list[Compat] = [
     unsupported("router_aux_loss_coef", Optional[float], None,
                 "the router load-balancing loss of mixture-of-experts models is not added; remove it", range=NON_NEGATIVE),
     same("ds3_gather_for_generation", bool, True,
-         "only read under DeepSpeed ZeRO-3, which posttrain does not run yet; under FSDP2 generation always gathers "
-         "whole weights, as True does"),
+         "under DeepSpeed ZeRO-3 (and FSDP2) generation gathers the whole weights once for the whole decode, as "
+         "True does; generating through the partitioned model (False) is not supported", accepts=(True,)),
     same("cache_implementation", Optional[str], None,
          "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
          "never the samples"),
