@@ -50,9 +50,10 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _export_plain(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    state = model.state_dict(keep_vars=True)
-    sources = {name: params.get(name, tensor) for name, tensor in state.items()}
+    # the state dict's entries read from the modules, not through state_dict(): its hooks may change the model (FSDP2's
+    # reshard it, freeing the whole weights that Sharding.whole_weights holds for the export)
+    sources = {plain_name(name): tensor for module_name, module in model.named_modules(remove_duplicate=False)
+               for name, tensor in _module_entries(module, f"{module_name}." if module_name else "")}
     counts: dict[int, int] = {}
     for source in sources.values():
         counts[id(source)] = counts.get(id(source), 0) + 1
@@ -67,14 +68,31 @@ def _export_plain(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tied[id(source)]
 
 
-def _module_tensors(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """A module's own parameters and persistent buffers (not its children's)."""
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")  # torch's wrappers' own module names
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the module names torch's checkpoint and FSDP1 wrappers insert (their state_dict
+    hooks drop them too)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _module_entries(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters and persistent buffers (not its children's), as they are."""
     for name, param in module._parameters.items():
         if param is not None:
-            yield f"{prefix}{name}", _own(param)
+            yield f"{prefix}{name}", param
     for name, buf in module._buffers.items():
         if buf is not None and name not in module._non_persistent_buffers_set:
-            yield f"{prefix}{name}", buf.detach()
+            yield f"{prefix}{name}", buf
+
+
+def _module_tensors(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters (copied when trained) and persistent buffers."""
+    for name, tensor in _module_entries(module, prefix):
+        yield name, _own(tensor) if isinstance(tensor, torch.nn.Parameter) else tensor.detach()
 
 
 def _merged_copy(layer) -> torch.nn.Module:

@@ -346,7 +346,7 @@ def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
         raise KeyError(f"weights do not match the model (missing {missing}, unexpected {unexpected})")
     with torch.no_grad():
         for name, param in params.items():
-            with zero.gathered_for_writing([param]):
+            with zero.gathered([param], keep_changes=True):
                 param.copy_(state[name].to(param.dtype))
         for name, buffer in plain.named_buffers():
             if name in state:
@@ -356,10 +356,12 @@ def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
 def _without_tied_copies(model: torch.nn.Module, state: dict) -> dict:
     """A gathered state dict holds a tied weight (the output layer sharing the embedding) once per name, as separate
     tensors: keep the first name only, as save_pretrained does for a model's own state dict."""
+    from posttrain import weights  # it imports this module
+
     first: dict[int, str] = {}
     drop = set()
     for name, param in model.named_parameters(remove_duplicate=False):
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+        name = weights.plain_name(name)
         if id(param) in first:
             drop.add(name)
         else:

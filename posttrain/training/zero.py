@@ -83,28 +83,16 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def gathered(params):
-    """ZeRO-3 parameters whole on every process for the block (a collective); read-only: changes are not kept."""
+def gathered(params, keep_changes: bool = False):
+    """ZeRO-3 parameters whole on every process for the block (a collective). With `keep_changes`, what the
+    processes write (the same values on each) is kept in the shards; otherwise the block only reads."""
     params = [p for p in params if is_partitioned(p)]
     if not params:  # nothing partitioned (DeepSpeed may not even be installed)
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
-
-
-@contextlib.contextmanager
-def gathered_for_writing(params):
-    """ZeRO-3 parameters whole for the block; what every process writes (the same values) is kept in the shards."""
-    params = [p for p in params if is_partitioned(p)]
-    if not params:  # nothing partitioned (DeepSpeed may not even be installed)
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if keep_changes else None):
         yield
 
 
