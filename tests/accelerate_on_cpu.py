@@ -6,7 +6,7 @@ MULTI_CPU and drops the plugin (the run would silently be DDP), which posttrain 
 before posttrain builds its Accelerator, puts back what accelerate sets on GPUs, in the process-wide state that every
 Accelerator reads:
   - FSDP: the distributed type, and the plugin read from the launcher's FSDP_* variables;
-  - DeepSpeed: the Accelerator is built with cpu=False (accelerate then selects DEEPSPEED and DeepSpeed starts its
+  - DeepSpeed (from the launcher, or a `deepspeed` field's plugin): the Accelerator is built with cpu=False (accelerate then selects DEEPSPEED and DeepSpeed starts its
     gloo process group on its CPU accelerator), and the process count and ranks, which accelerate leaves at 1 and 0
     when it finds no GPU, are read from the process group.
 Nothing else in accelerate is changed.
@@ -29,7 +29,7 @@ def install() -> None:
     original = Accelerator.__init__
 
     def init(self, *args, **kwargs):
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" or kwargs.get("deepspeed_plugin"):
             kwargs["cpu"] = False
             original(self, *args, **kwargs)
             import torch.distributed as dist

@@ -79,14 +79,20 @@ def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
             "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--output_dir", str(out), *extra]
 
 
-def _config_file(config: str, directory) -> str:
-    """A shipped accelerate config, or `zero3-all`: ZeRO-3 with every parameter partitioned."""
-    if config != "zero3-all":
-        return os.path.join(CONFIGS, config)
+def _zero3_all(directory) -> str:
+    """A DeepSpeed JSON config: ZeRO-3 with every parameter partitioned."""
     ds = directory / "zero3-all.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                               "train_batch_size": "auto", "gradient_clipping": "auto",
                               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return str(ds)
+
+
+def _config_file(config: str, directory) -> str:
+    """A shipped accelerate config, or `zero3-all`: one that names _zero3_all's DeepSpeed JSON."""
+    if config != "zero3-all":
+        return os.path.join(CONFIGS, config)
+    ds = _zero3_all(directory)
     path = directory / "zero3-all.yaml"
     path.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {ds}\n"
                     "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
@@ -131,15 +137,21 @@ def _weights(path) -> dict:
 CASES = [(config, command) for config in ("fsdp2.yaml", "zero2.yaml", "zero3-all") for command in ("grpo", "sft", "dpo")]
 
 
-@pytest.mark.parametrize("config,command", CASES + [("zero3.yaml", "grpo")])
+@pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
+                                                     ("deepspeed-field", "grpo")])
 def test_sharded_training_saves_and_resumes_like_one_process(config, command, workload, one_process, tokenizer):
+    """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
+    transformers' users write `--deepspeed ds_config.json`."""
     from transformers import AutoModelForCausalLM
 
-    if config.startswith("zero"):
+    extra = []
+    if config.startswith("zero") or config == "deepspeed-field":
         pytest.importorskip("deepspeed")  # in the dev extra; absent only where someone installed without it
+    if config == "deepspeed-field":
+        config, extra = "multi_gpu.yaml", ["--deepspeed", _zero3_all(workload)]
     one_process = one_process(command)
-    out = workload / f"{config.split('.')[0]}-{command}"
-    run = _sharded(config, _args(workload, command, out, 8), directory=workload)
+    out = workload / f"{config.split('.')[0]}-{command}{'-field' if extra else ''}"
+    run = _sharded(config, _args(workload, command, out, 8, *extra), directory=workload)
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = _records(one_process), _records(out)
     assert len(one) == len(two) == 2
@@ -164,11 +176,11 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     resumed = workload / f"{out.name}-resumed"
     resumed.mkdir()
     os.rename(out / "checkpoint-1", resumed / "checkpoint-1")
-    if config.startswith("zero"):  # the engine's own state, one optimizer partition per process
+    if config.startswith("zero") or extra:  # the engine's own state, one optimizer partition per process
         engine_files = os.listdir(resumed / "checkpoint-1" / "deepspeed")
         assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(
             engine_files), engine_files
-    run = _sharded(config, _args(workload, command, resumed, 8, "--resume_from_checkpoint", "true"),
+    run = _sharded(config, _args(workload, command, resumed, 8, "--resume_from_checkpoint", "true", *extra),
                    directory=workload)
     assert run.returncode == 0, run.stderr[-3000:]
     last = _records(resumed)[-1]

@@ -94,6 +94,7 @@ def test_the_fields_a_trl_user_tries_first():
     (dict(reward_weights=[1.0, float("nan")]), "finite numbers"),
     (dict(eval_strategy="steps", per_device_eval_batch_size=6, num_generations=4), "multiple of 4"),
     (dict(pad_to_multiple_of="big"), "pad_to_multiple_of='big'"),
+    (dict(deepspeed="no/such/ds_config.json"), "deepspeed='no/such/ds_config.json' is not a file: give the path"),
 ])
 def test_new_fields_are_validated(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -156,6 +156,10 @@ class DeviceConfig:
     ddp_backend: Optional[str] = _help("Process-group backend: nccl, gloo, mpi, ccl, hccl, cncl or mccl.", default=None)
     ddp_timeout: int = _help("Seconds a collective may wait before the process group times out.",
         range=AT_LEAST_ONE, default=1800)
+    deepspeed: Optional[Union[str, dict]] = _help(
+        "A DeepSpeed config (a JSON file's path, or a dict), as transformers' field: the run trains under DeepSpeed "
+        "ZeRO through accelerate with it, as with an accelerate config naming it (docs/distributed.md). Launch "
+        "several processes (accelerate launch, torchrun, or --num_processes).", default=None)
 
     def _check(self):
         if self.bf16 and self.fp16:
@@ -167,6 +171,9 @@ class DeviceConfig:
             check_positive(self, "ddp_bucket_cap_mb")
         if self.ddp_backend is not None:
             check_choice(self, "ddp_backend", ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl"))
+        if isinstance(self.deepspeed, str) and not os.path.isfile(os.path.expanduser(self.deepspeed)):
+            raise ConfigError(f"deepspeed={self.deepspeed!r} is not a file: give the path of a DeepSpeed JSON config "
+                              "(or a dict).")
 
 
 @dataclass

@@ -154,9 +154,6 @@ TRAINING_ARGS: list[Compat] = [
     unsupported("fsdp_config", Optional[dict], None,
                 "FSDP is set up by the launcher (see fsdp): put FSDP settings in the accelerate config file",
                 accepts=_empty),
-    unsupported("deepspeed", Union[str, dict, None], None,
-                "DeepSpeed is set up by the launcher, not by a config field: launch with --accelerate_config "
-                "zero1|zero2|zero3, or with an accelerate config whose deepspeed_config_file is your JSON"),
     unsupported("debug", Union[str, list], "",
                 "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not wired in; remove it",
                 accepts=_empty),

@@ -85,7 +85,25 @@ def make_accelerator(args, mixed_precision: str):
     # (it assumes a schedule sized for one process's batches), and with 2 processes the learning rate decays twice
     # as fast.
     return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
-                       step_scheduler_with_optimizer=False)
+                       step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
+
+
+def _deepspeed_plugin(args):
+    """accelerate's DeepSpeed plugin for the `deepspeed` field (a JSON path or a dict), or None."""
+    if not args.deepspeed:
+        return None
+    import copy
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from posttrain.configs import ConfigError
+
+    config = os.path.expanduser(args.deepspeed) if isinstance(args.deepspeed, str) else copy.deepcopy(args.deepspeed)
+    try:
+        return DeepSpeedPlugin(hf_ds_config=config)
+    except (ValueError, OSError, TypeError, KeyError) as err:
+        raise ConfigError(f"deepspeed={args.deepspeed!r} is not a DeepSpeed config accelerate can read "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}).") from err
 
 
 def _set_log_level(args, is_main: bool) -> None:
