@@ -84,3 +84,42 @@ def test_model_returning_too_few_positions_is_an_error(tokenizer):
     model = tiny_model(tokenizer, model_class=ShortLM, hidden=32, layers=1)
     with pytest.raises(RuntimeError, match="does not honour that keyword"):
         token_logprobs(model, *_batch(tokenizer))
+
+
+def test_the_chunked_path_inside_the_output_layers_forward_gives_the_same_numbers(tokenizer, monkeypatch):
+    """Where the output layer's weight is whole only inside its own forward (DeepSpeed ZeRO-3; marked here by the
+    attribute DeepSpeed gives a partitioned parameter, on an ordinary model), the chunked log-probs run as that
+    forward: log-probs, entropy and gradients equal the ordinary chunked path's bit for bit, for GRPO's completions
+    and for SFT/DPO's target tokens, and the layer's own forward is back afterwards."""
+    from posttrain.models import logprobs
+    from posttrain.models.logprobs import next_token_logprobs, output_layer
+
+    calls = []
+    real = logprobs._computing_in
+    monkeypatch.setattr(logprobs, "_computing_in", lambda layer, compute: calls.append(1) or real(layer, compute))
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    prompt, completion = ids[:, :3], ids[:, 3:]
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    source = torch.zeros_like(ids, dtype=torch.bool)
+    source[:, 1:5] = True
+    results = []
+    for marked in (False, True):
+        model = tiny_model(tokenizer, seed=5)
+        layer = output_layer(model)
+        if marked:
+            layer.weight.ds_tensor = torch.empty(0)
+        logps, entropy = token_logprobs(model, prompt, torch.ones_like(prompt), completion, mask, 0.7,
+                                        with_entropy=True)
+        targets = ids[:, 2:6][source[:, 1:5]]
+        seq_logps, seq_entropy, top1 = next_token_logprobs(model, ids, torch.ones_like(ids), None, source, targets,
+                                                           with_entropy=True, with_top1=True)
+        ((logps * mask).sum() + seq_logps.sum()).backward()
+        assert "forward" not in vars(layer)  # the class's forward again
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((logps.detach(), entropy, seq_logps.detach(), seq_entropy, top1, grads))
+    plain, in_forward = results
+    assert len(calls) == 2  # the marked model's two forwards ran inside its output layer
+    for a, b in zip(plain[:5], in_forward[:5]):
+        assert torch.equal(a * 1, b * 1)
+    assert all(torch.equal(plain[5][n], in_forward[5][n]) for n in plain[5])

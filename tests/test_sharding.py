@@ -21,9 +21,9 @@ def test_sharded_generation_training_and_export_equal_the_unsharded_model(strate
     than the other process's (3 against 12 tokens: no collective waits inside the decode), then trains (no
     inference-tensor error after generation) and exports whole tensors. Completions, log-probs and the export equal
     an unsharded copy's exactly; gradients (summed over both batches) to 0 under FSDP2, and to 1e-6 relative under
-    ZeRO-3 with every parameter partitioned (its output layer's weight is whole only inside its own forward, so
-    log-probs come through the model's logits, whose sums run in another order than the unsharded chunked path's;
-    DeepSpeed's hooks are off while generating, so the decodes do not wait for each other)."""
+    ZeRO-3 with every parameter partitioned (the tied embedding's two gradients are reduced separately, so they sum
+    in another order). Under ZeRO-3 the output layer's weight is whole only inside its own forward: the chunked
+    log-probs run as that forward; DeepSpeed's hooks are off while generating, so the decodes do not wait."""
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))

@@ -114,7 +114,7 @@ def trainer_logps(model, rollouts: Rollouts, params: SamplingParams, temperature
     steps = torch.arange(width, device=mask.device).expand_as(mask)[mask]
     chosen = rollouts.completion_ids[mask]
     layer = lp.output_layer(model) if lp.fast_path_available(model) else None
-    if layer is not None:  # as token_logprobs computes them, and the kept mass from the same hidden states
+    if layer is not None and not lp.whole_only_in_forward(layer):  # as token_logprobs computes them, and the kept mass from the same hidden states
         hidden = lp.final_hidden(model, ids, attention)[:, -width - 1:-1][mask]  # [M, H]
         logps, _ = lp.chunked_token_logprobs(hidden, layer.weight, layer.bias, chosen, temperature, False)
         kept = _kept_from_hidden(hidden, layer, chosen, logps, steps, params, temperature, eos_ids)

@@ -8,6 +8,10 @@ layer is a plain `nn.Linear` and, checked once per model, when its output equals
 (which rules out models that post-process logits, e.g. soft-capping). Otherwise the logits path below
 is used.
 
+Where the output layer's weight exists whole only inside the layer's own forward and backward (DeepSpeed ZeRO-3
+keeps it in shards and gathers it around them), the chunked computation runs as the output layer's forward for that
+one model call (`_computing_in`): it sees the whole weight, and its backward is gathered as the layer's own.
+
 The model is asked for logits at the completion positions only. Whether it can be asked depends
 on the transformers version and the model class: recent ones take `logits_to_keep`, older ones
 `num_logits_to_keep`, some neither. The keyword is chosen from the forward signature, and the
@@ -15,6 +19,7 @@ returned logits are checked against what was asked (some models accept the keywo
 it, as Qwen2 did on transformers 4.48), slicing when more came back.
 """
 
+import contextlib
 import functools
 import inspect
 from typing import Callable
@@ -111,9 +116,7 @@ def _check_fast_path(plain) -> bool:
     layer = output_layer(plain)
     if layer is None or logits_to_keep_kwarg(plain) is None:
         return False
-    if hasattr(layer.weight, "ds_tensor"):  # DeepSpeed ZeRO-3 holds it in shards, whole only inside the layer's own
-        return False  # forward: take the logits as the model computes them
-    ids = (torch.arange(1, 9, device=layer.weight.device) % layer.weight.size(0)).unsqueeze(0)
+    ids = (torch.arange(1, 9, device=layer.weight.device) % layer.out_features).unsqueeze(0)
     mask = torch.ones_like(ids)
     was_training = plain.training
     plain.eval()  # dropout would make two forwards differ
@@ -126,6 +129,23 @@ def _check_fast_path(plain) -> bool:
         return False  # no hidden states, or not the shapes we expect: use the logits path
     finally:
         plain.train(was_training)
+
+
+def whole_only_in_forward(layer: torch.nn.Module) -> bool:
+    """Whether the layer's weight is whole only inside its own forward and backward (DeepSpeed ZeRO-3 partitions it
+    and gathers it around them)."""
+    return hasattr(layer.weight, "ds_tensor")
+
+
+@contextlib.contextmanager
+def _computing_in(layer: torch.nn.Module, compute: Callable):
+    """For one model call, the output layer's forward is `compute(h)` (h: the layer's input, the kept positions'
+    final hidden states), a tuple of tensors that the model returns as its `logits`."""
+    layer.forward = compute  # an instance attribute shadows the class's forward; hooks on the module still run
+    try:
+        yield
+    finally:
+        del layer.forward
 
 
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -174,12 +194,19 @@ def _row_predictor(loss_gradient, mask: torch.Tensor):
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                       with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
-    hidden = final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1]  # [N, C, H]
     layer = output_layer(model)
     mask = completion_mask.bool()
-    logps, entropy = chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask],
-                                            temperature, with_entropy, _row_predictor(loss_gradient, mask),
-                                            entropy_grad)
+
+    def rows(hidden):  # [N, C, H] the final hidden states that predict the completion tokens
+        return chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask], temperature,
+                                      with_entropy, _row_predictor(loss_gradient, mask), entropy_grad)
+
+    if whole_only_in_forward(layer):
+        with _computing_in(layer, lambda h: rows(h[:, -n - 1:-1])):
+            logps, entropy = model(input_ids=input_ids, attention_mask=attention_mask,
+                                   **_forward_kwargs(model, attention_mask, n + 1)).logits
+    else:
+        logps, entropy = rows(final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1])
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
     full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
     if not with_entropy:
@@ -247,12 +274,19 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
     if fast_path_available(model):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                    **_sequence_kwargs(model, position_ids, 1))
-        hidden = out.hidden_states[-1][source_mask]  # [M, H]
         layer = output_layer(model)
-        out = chunked_token_logprobs(hidden, layer.weight, layer.bias, targets, 1.0, with_entropy, predict_grad,
-                                     with_top1=True, with_stats=with_stats)
+
+        def rows(hidden):  # [B, T, H] the final hidden states
+            return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
+                                          predict_grad, with_top1=True, with_stats=with_stats)
+
+        if whole_only_in_forward(layer):
+            with _computing_in(layer, rows):
+                out = model(input_ids=input_ids, attention_mask=attention_mask,
+                            **_sequence_kwargs(model, position_ids, 0)).logits
+        else:
+            out = rows(model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                             **_sequence_kwargs(model, position_ids, 1)).hidden_states[-1])
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result
