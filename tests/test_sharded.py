@@ -189,11 +189,15 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     assert all(torch.equal(again[name], sharded[name]) for name in sharded)
 
 
-def test_a_sharded_config_without_a_gpu_stops_in_one_sentence(workload):
-    """Without the test patch, accelerate turns an FSDP launch on CPU into DDP: the run stops before loading, once."""
-    run = _sharded("fsdp2.yaml", _args(workload, "grpo", workload / "refused", 8), patched=False)
+@pytest.mark.parametrize("config, name", [("fsdp2.yaml", "FSDP"), ("zero2.yaml", "DeepSpeed")])
+def test_a_sharded_config_without_a_gpu_stops_in_one_sentence(config, name, workload):
+    """Without the test patch, accelerate turns an FSDP or DeepSpeed launch on CPU (use_cpu) into DDP: the run stops
+    before loading, once."""
+    if name == "DeepSpeed":
+        pytest.importorskip("deepspeed")
+    run = _sharded(config, _args(workload, "grpo", workload / f"refused-{name}", 8), patched=False)
     lines = [line for line in run.stderr.splitlines() if line.startswith("posttrain:")]
     assert run.returncode != 0 and lines == [
-        "posttrain: error: This run was launched with FSDP, but accelerate set up DDP over 2 processes instead, as it "
-        "does on a machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without "
+        f"posttrain: error: This run was launched with {name}, but accelerate set up DDP over 2 processes instead, as "
+        "it does on a machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without "
         "use_cpu, or launch with DDP (accelerate_config multi_gpu)."], run.stderr[-3000:]
