@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | plot | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -29,7 +29,7 @@ TRAINERS = {
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
-COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "env")
+COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "env")
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
 
 
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output_dir", default="posttrain-demo")
     demo.add_argument("--max_steps", type=int, default=1200)
     demo.add_argument("--seed", type=int, default=0)
+    plot = sub.add_parser("plot", help="Draw the curves of one or more runs from their metrics.jsonl.",
+                          allow_abbrev=False)
+    plot.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="A run's output_dir (several: overlaid).")
+    plot.add_argument("--out", default=None, metavar="FILE",
+                      help="FILE.png, .svg or .html (one self-contained page); default OUTPUT_DIR/plots.png of the "
+                           "first run.")
     sub.add_parser("env", help="Print versions and devices for bug reports.")
     return parser
 
@@ -343,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             from posttrain.demo import run_demo
 
             run_demo(args.output_dir, args.max_steps, args.seed)
+        elif argv[0] == "plot":
+            args = parser.parse_args(argv)
+            from posttrain.plotting import plot_runs
+
+            out = args.out or os.path.join(args.output_dirs[0], "plots.png")
+            print(f"posttrain: wrote {plot_runs(args.output_dirs, out)}")
         else:
             print_env()
     except Exception as err:

@@ -5,6 +5,16 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def _no_plots_at_the_end_of_runs(request, monkeypatch):
+    """The hundreds of tiny in-process runs skip plot_on_end's drawing (about a second each); tests marked `plots`
+    run it, and runs in subprocesses draw as a user's do."""
+    if request.node.get_closest_marker("plots") is None:
+        from posttrain.training.trainer import Trainer
+
+        monkeypatch.setattr(Trainer, "_write_plots", lambda self: None)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from posttrain.testing import tiny_tokenizer

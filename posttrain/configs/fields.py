@@ -199,8 +199,18 @@ class LoggingConfig:
     log_level: str = _help("Level of posttrain's and transformers' loggers on the main process: passive (leave as "
                            "is), debug, info, warning, error or critical.", default="passive")
     log_level_replica: str = _help("The same, on the other processes.", default="warning")
+    plot_on_end: Optional[bool] = _help(
+        "Draw the run's curves into output_dir/plots.png at the end of training (posttrain plot): None (default) "
+        "when matplotlib (the plot extra) is installed, True always (matplotlib required), False never.",
+        default=None)
 
     def _check(self):
+        if self.plot_on_end:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ConfigError("plot_on_end=True needs matplotlib: install it with `pip install 'posttrain[plot]'`, "
+                                  "or set plot_on_end=False.")
         check_choice(self, "logging_strategy", ("steps", "epoch", "no"))
         check_steps(self, "logging_steps")
         check_choice(self, "log_level", LOG_LEVELS)

@@ -325,12 +325,27 @@ class Trainer:
         finally:
             self.logger.close()
         self.save_model(args.output_dir)
+        self._on_main(self._write_plots)
         if getattr(args, "save_merged", False):
             self.save_merged(os.path.join(args.output_dir, "merged"))
         self._call("on_train_end")
         if args.push_to_hub:
             self.push_to_hub(commit_message="End of training")
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _write_plots(self) -> None:
+        """output_dir/plots.png from metrics.jsonl, as plot_on_end says (None: when matplotlib is installed)."""
+        import importlib.util
+
+        from posttrain.plotting import PlotError, plot_runs
+
+        if self.args.plot_on_end is False or (self.args.plot_on_end is None and
+                                              importlib.util.find_spec("matplotlib") is None):
+            return
+        try:
+            plot_runs([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
+        except PlotError as err:  # nothing logged (logging_strategy=no): the run itself is fine
+            logger.warning("No plots.png: %s", err)
 
     _title = "train"
     _cumulative_metrics: tuple = ()  # metrics that are running totals (logged as their latest value)

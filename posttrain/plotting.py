@@ -1,0 +1,195 @@
+"""Curves of a run from its metrics.jsonl alone: `posttrain plot OUTPUT_DIR [OUTPUT_DIR ...] [--out FILE]`.
+
+Each panel holds one kind of metric (reward, KL, entropy, lengths, clip ratios, grad norm, learning rate, step time,
+and SFT's and DPO's own); several runs are overlaid, one colour per run, with a legend. A series with more than
+`SMOOTH_FROM` points is drawn faint as logged, with its smoothed line over it (an exponential moving average,
+debiased at the start, as TensorBoard's). Panels without data in any run are left out, so the same call plots GRPO,
+SFT and DPO runs. Works on a finished run, a running one (a half-written last line is skipped) and a resumed one
+(steps logged again after resuming replace the first record of those steps).
+
+    plot_runs(["out/a", "out/b"], "curves.png")      # .png, .svg or .html (one self-contained file, the SVG inline)
+
+matplotlib is the `plot` extra; without it, MissingDependency names the install line.
+"""
+
+import fnmatch
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from posttrain.errors import UserError
+
+SMOOTH_FROM = 12  # points: below this a series is drawn as logged only
+SMOOTHING = 0.9  # the moving average's weight on the past
+FORMATS = (".png", ".svg", ".html")
+
+
+class PlotError(UserError, ValueError):
+    """Nothing to plot, or an output the plot cannot be written to; the message names it."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    keys: tuple  # metric names or fnmatch patterns, in legend order
+    log_scale: bool = False
+
+
+PANELS = (
+    Panel("reward", ("reward", "rewards/*/mean")),
+    Panel("loss", ("loss",)),
+    Panel("KL to the reference", ("kl",)),
+    Panel("entropy", ("entropy",)),
+    Panel("completion length (tokens)", ("completions/mean_length", "completions/min_length",
+                                         "completions/max_length")),
+    Panel("completions cut at max length", ("completions/clipped_ratio",)),
+    Panel("clip ratios", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                          "cispo_clip_ratio")),
+    Panel("token accuracy (SFT)", ("mean_token_accuracy",)),
+    Panel("DPO rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
+    Panel("DPO accuracy", ("rewards/accuracies",)),
+    Panel("DPO log-probs", ("logps/chosen", "logps/rejected")),
+    Panel("evaluation", ("eval_reward", "eval_loss", "eval_rewards/accuracies", "eval_mean_token_accuracy")),
+    Panel("grad norm", ("grad_norm",), log_scale=True),
+    Panel("learning rate", ("learning_rate",)),
+    Panel("step time (s)", ("step_time",)),
+)
+
+
+def read_metrics(output_dir: str) -> dict[int, dict]:
+    """{step: the step's metrics} from output_dir/metrics.jsonl. Records of one step merge (training and evaluation
+    log separately), a later record of a step replaces an earlier one's values (a resumed run logs again the steps
+    after its checkpoint), and a line that does not parse is skipped (a running run's half-written last line)."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise PlotError(f"{output_dir} has no metrics.jsonl: give the output_dir of a posttrain run.")
+    steps: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                steps.setdefault(record["step"], {}).update(record)
+    return dict(sorted(steps.items()))
+
+
+def series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one metric, where it is a finite number."""
+    xs, ys = [], []
+    for step, record in steps.items():
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            xs.append(step)
+            ys.append(float(value))
+    return xs, ys
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average, debiased so the first points are not pulled toward 0."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, 1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight ** i))
+    return out
+
+
+def _keys(panel: Panel, runs: list[dict[int, dict]]) -> list[str]:
+    """The panel's metrics present in any run, in the panel's order."""
+    present = set().union(*(record.keys() for steps in runs for record in steps.values()))
+    keys = []
+    for pattern in panel.keys:
+        keys += sorted(k for k in present if fnmatch.fnmatchcase(k, pattern) and k not in keys)
+    return keys
+
+
+def panels_with_data(runs: list[dict[int, dict]]) -> list[tuple[Panel, list[str]]]:
+    """The panels some run has a metric of, each with the metrics it draws."""
+    return [(panel, keys) for panel in PANELS if (keys := _keys(panel, runs))]
+
+
+def _labels(output_dirs: list[str]) -> list[str]:
+    """Each run's name in the legend: its directory's name, or its path where two names are the same."""
+    names = [os.path.basename(os.path.normpath(d)) for d in output_dirs]
+    return [n if names.count(n) == 1 else os.path.normpath(d) for n, d in zip(names, output_dirs)]
+
+
+def plot_runs(output_dirs: list[str], out: str) -> str:
+    """Draw every panel with data for the runs in `output_dirs` into `out` (.png, .svg or .html). Returns `out`."""
+    from posttrain._optional import require
+
+    extension = os.path.splitext(out)[1].lower()
+    if extension not in FORMATS:
+        raise PlotError(f"--out {out!r}: the plot is written as {', '.join(FORMATS)}; end the name with one of them.")
+    runs = [read_metrics(d) for d in output_dirs]
+    if not any(runs):
+        raise PlotError(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging step.")
+    panels = panels_with_data(runs)
+    require("matplotlib", "posttrain plot")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text: searchable, and smaller
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.4 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    for ax, (panel, keys) in zip(axes.flat, panels):
+        _draw(ax, panel, keys, runs, _labels(output_dirs), colours, styles)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    figure.tight_layout()
+    _save(figure, out, extension)
+    plt.close(figure)
+    return out
+
+
+def _draw(ax, panel: Panel, keys: list[str], runs: list, labels: list[str], colours: list, styles: list) -> None:
+    for r, (steps, label) in enumerate(zip(runs, labels)):
+        colour = colours[r % len(colours)]
+        for k, key in enumerate(keys):
+            xs, ys = series(steps, key)
+            if not xs:
+                continue
+            name = label if len(keys) == 1 else f"{label}: {key}" if len(runs) > 1 else key
+            style = styles[k % len(styles)]
+            if len(xs) >= SMOOTH_FROM:
+                ax.plot(xs, ys, style, color=colour, alpha=0.25, linewidth=1)
+                ax.plot(xs, smooth(ys), style, color=colour, linewidth=1.8, label=name)
+            else:
+                ax.plot(xs, ys, style, color=colour, marker="o", markersize=3, linewidth=1.5, label=name)
+    ax.ticklabel_format(axis="y", useOffset=False)  # a constant learning rate reads 0.001, not 1e-15 + 1e-3
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    if panel.log_scale and all(v > 0 for steps in runs for key in keys for v in series(steps, key)[1]):
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def _save(figure, out: str, extension: str) -> None:
+    directory = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if extension != ".html":
+            figure.savefig(out, dpi=110)
+            return
+        import io
+
+        svg = io.StringIO()
+        figure.savefig(svg, format="svg")
+        body = svg.getvalue()
+        body = body[body.index("<svg"):]  # inline: no XML prologue inside HTML
+        with open(out, "w") as f:
+            f.write("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>posttrain curves</title></head>\n"
+                    f"<body>\n{body}\n</body></html>\n")
+    except OSError as err:
+        from posttrain.errors import storage_error
+
+        raise storage_error(err, "write the plot to", out, fix="choose another --out") from err
