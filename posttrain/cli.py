@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         trainer = sub.add_parser(command, help=line, allow_abbrev=False,
                                  description=f"{line} Flags override the values in --config.")
         trainer.add_argument("--config", help="YAML file of field: value pairs (any field below).")
+        trainer.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                             help="Nothing per step, only errors (log_level error, no progress bar).")
+        trainer.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="posttrain's and transformers' info messages and their progress bars (log_level "
+                                  "info).")
         seen: set = set()
         # --help shows the config group by group, the TRL fields accepted at posttrain's behaviour last
         for cls in (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT):
@@ -190,7 +195,13 @@ def parse_command(command: str, argv: list[str]):
         raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, _hint(command))}")
     values = load_yaml(args.config) if args.config else {}
     launch = launch_args_from_yaml(values) + launch
-    values.update({k: v for k, v in vars(args).items() if k not in ("command", "config")})
+    values.update({k: v for k, v in vars(args).items() if k not in ("command", "config", "quiet", "verbose")})
+    if getattr(args, "quiet", False) and getattr(args, "verbose", False):
+        raise ConfigError("--quiet and --verbose both given: choose one.")
+    if getattr(args, "quiet", False):
+        values.update(log_level="error", disable_tqdm=True)
+    elif getattr(args, "verbose", False):
+        values.update(log_level="info")
     script_values, lora_values, config_values = split_values(values, *classes, hint=_hint(command))
     return (build(script_cls, script_values), build(LoraArguments, lora_values), build(config_cls, config_values),
             launch)

@@ -39,10 +39,15 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
             raise DataError(f"Evaluation needs a {split!r} split, and the single file {name!r} is one split: save the "
                             "dataset with its splits (DatasetDict.save_to_disk) and give that directory, or set "
                             "eval_strategy='no'.")
+        was_shown = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # a local file converts in seconds: no "Generating train split" bars
         try:
             return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={split: name}, split=split, streaming=streaming)
         except Exception as err:  # noqa: BLE001 - datasets and pyarrow raise many types for a bad file
             raise _unreadable(name, ext, err) from err
+        finally:
+            if was_shown:
+                datasets.enable_progress_bars()
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
             os.path.join(name, "dataset_dict.json")):
         loaded = datasets.load_from_disk(name)

@@ -20,7 +20,7 @@ LAUNCH_FLAGS = {
     "main_process_port": True, "mixed_precision": True, "gpu_ids": True, "num_cpu_threads_per_process": True,
     "rdzv_backend": True, "rdzv_conf": True, "max_restarts": True, "monitor_interval": True, "log_dir": True,
     "tee": True, "role": True, "dynamo_backend": True,
-    "multi_gpu": False, "cpu": False, "same_network": False, "quiet": False, "enable_cpu_affinity": False,
+    "multi_gpu": False, "cpu": False, "same_network": False, "enable_cpu_affinity": False,
 }
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_configs")
 SHIPPED = ("single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "fsdp1", "fsdp2")
@@ -90,6 +90,9 @@ def in_launched_process() -> bool:
 
 def relaunch(command: str, launch: list[str], rest: list[str]) -> int:
     """Run `posttrain <command> <rest>` under `accelerate launch <launch>`; its exit code."""
+    if "--quiet" in rest:  # posttrain's --quiet, and accelerate's (only the failing process's traceback)
+        launch = [*launch, "--quiet"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "posttrain.cli", command, *rest]
-    print("posttrain: launching with accelerate: " + " ".join(launch), file=sys.stderr, flush=True)
+    if "--quiet" not in rest:
+        print("posttrain: launching with accelerate: " + " ".join(launch), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env={**os.environ, LAUNCHED: "1"})

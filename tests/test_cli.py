@@ -1,4 +1,5 @@
 import json
+import re
 import os
 import signal
 import subprocess
@@ -208,3 +209,32 @@ def test_a_signal_stops_at_the_step_with_a_checkpoint_and_one_line(tmp_path, tin
     assert straight.returncode == 0
     a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "straight" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # interrupted and resumed = never interrupted
+
+
+def test_the_terminal_without_a_tty_shows_what_to_watch_and_nothing_else(tmp_path, tiny_model_dir):
+    """Without a terminal: one line per logging step with GRPO's reward and its moving average (not the loss, about
+    0 on-policy), the elapsed time and the time left; no per-save or per-load progress bars. --quiet: nothing."""
+    base = [sys.executable, "-m", "posttrain.cli", "grpo", "--model_name_or_path", tiny_model_dir, "--dataset_name",
+            str(_write_data(tmp_path)), "--reward_funcs", "length", "--per_device_train_batch_size", "8",
+            "--num_generations", "4", "--max_completion_length", "4", "--max_steps", "3", "--logging_steps", "1",
+            "--save_steps", "1", "--gradient_checkpointing", "false", "--use_cpu", "true", "--plot_on_end", "false"]
+    out = subprocess.run([*base, "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if "[real_accelerator.py" not in line]  # DeepSpeed on CPU
+    assert len(lines) == 3, out.stderr
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    average = 0.0
+    for i, (line, record) in enumerate(zip(lines, records), 1):
+        average = 0.9 * average + 0.1 * record["reward"]
+        assert re.fullmatch(rf"step {i}/3  reward={record['reward']:.4g} \(avg {average / (1 - 0.9 ** i):.4g}\)  "
+                            r"entropy=\S+  length=\S+  \d+:\d\d elapsed(, \d+:\d\d left)?", line), line
+    assert lines[-1].endswith("elapsed") and "loss" not in out.stderr and "Writing model shards" not in out.stderr
+    assert "Loading weights" not in out.stderr
+    quiet = subprocess.run([*base, "--output_dir", str(tmp_path / "quiet"), "--quiet"], capture_output=True,
+                           text=True, env=_env())
+    assert quiet.returncode == 0 and not [line for line in quiet.stderr.splitlines()
+                                          if "[real_accelerator.py" not in line], quiet.stderr
+    both = subprocess.run([*base, "--output_dir", str(tmp_path / "both"), "--quiet", "--verbose"],
+                          capture_output=True, text=True, env=_env())
+    assert both.returncode == 2 and both.stderr.strip().splitlines()[-1] == (
+        "posttrain: error: --quiet and --verbose both given: choose one.")

@@ -69,6 +69,7 @@ class DPOTrainer(BatchedDataTrainer):
     """
 
     _title = "DPO"
+    _shown_metrics = ("loss", "rewards/accuracies", "rewards/margins")
     _data_noun = "pairs"
     _data_parts = "the pairs or their order"
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",

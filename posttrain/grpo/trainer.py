@@ -57,6 +57,8 @@ class GRPOTrainer(Trainer):
     """
 
     _title = "GRPO"
+    # not the loss: on-policy GRPO's is about 0 by construction (its gradient is not), which reads as "not training"
+    _shown_metrics = ("reward", "kl", "entropy", "completions/mean_length")
     _nonfinite_hint = "Lower the learning_rate or check the rewards."
     # fields whose change makes a checkpoint's optimizer state, buffer or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",

@@ -1,5 +1,6 @@
 """Load a causal LM and its tokenizer from a path, a hub id, or take them as given."""
 
+import contextlib
 import logging
 import os
 
@@ -68,6 +69,22 @@ def _init_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
+@contextlib.contextmanager
+def without_progress_bars():
+    """transformers' bars for loading and writing weights ("Loading weights", "Writing model shards") off for the
+    block, unless its logging is at info or debug (log_level info: posttrain's --verbose); then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    quiet = hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() > logging.INFO
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
+
+
 def load_causal_lm(model, init_kwargs: dict | None = None):
     """Return a `PreTrainedModel` for causal LM.
 
@@ -84,7 +101,8 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
     kwargs = _init_kwargs(init_kwargs)
     hub_reachable_or_cached(model, "model", kwargs.get("revision"))
     try:
-        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        with without_progress_bars():
+            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except TypeError as err:
         raise _unknown_init_kwarg(model, kwargs, err) from err
     except ValueError as err:

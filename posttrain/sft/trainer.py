@@ -56,6 +56,7 @@ class SFTTrainer(BatchedDataTrainer):
     """
 
     _title = "SFT"
+    _shown_metrics = ("loss", "mean_token_accuracy")
     # fields whose change makes a checkpoint's optimizer state or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
                        "packing", "packing_strategy", "padding_free", "shuffle_dataset", "train_sampling_strategy",

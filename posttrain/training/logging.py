@@ -3,6 +3,11 @@
 Only the main process writes. `metrics.jsonl` in the output directory gets one line per record (a training window,
 an evaluation, the end-of-training summary); trackers named in `report_to` (wandb, trackio, tensorboard) get the same
 numbers.
+
+The terminal shows each trainer's metrics to watch (`shown`; its first, the headline, with its moving average
+beside the window's value: GRPO's reward, SFT's and DPO's loss), the elapsed time and an ETA from this run's own
+pace (steps done since it started, not a short recent window): on a progress bar on a terminal, else one line per
+logging step (about 50 in a run). With log_level error or critical, nothing per step.
 """
 
 import datetime
@@ -12,6 +17,7 @@ import math
 import os
 import socket
 import sys
+import time
 
 from posttrain._optional import require
 from posttrain.errors import storage_error
@@ -91,11 +97,18 @@ class MetricsLogger:
         append: resuming: keep metrics.jsonl up to `start_step` instead of starting it afresh.
     """
 
-    SHOWN = ("reward", "loss", "kl", "mean_token_accuracy", "rewards/accuracies", "rewards/margins")
+    LABELS = {"completions/mean_length": "length", "mean_token_accuracy": "accuracy",
+              "rewards/accuracies": "accuracy", "rewards/margins": "margin"}
+    AVERAGING = 0.9  # the headline's moving average: weight on the past (debiased, as the plots' smoothing)
 
     def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
-                 append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = ()):
+                 append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = (),
+                 shown: tuple = ("loss",)):
         self.enabled = enabled
+        self.shown = shown
+        self.average, self.averaged = 0.0, 0  # the headline's moving average, and how many values it holds
+        self.start_time, self.start_step, self.step = time.time(), start_step, start_step
+        self.quiet = getattr(args, "log_level", "passive") in ("error", "critical")
         self.cumulative = set(cumulative)  # running totals (e.g. num_tokens seen): a window reports its last value
         self.total_steps = total_steps
         self.window: dict[str, list[float]] = {}
@@ -113,15 +126,22 @@ class MetricsLogger:
             open(self.path, "w").close()
         self.trackers = make_trackers(args, run_config or {})
         show_bar = sys.stderr.isatty() if args.disable_tqdm is None else not args.disable_tqdm
-        if show_bar:
+        if show_bar and not self.quiet:
             self._start_progress(title)
             self.progress.update(self.task, completed=start_step)
 
     def _start_progress(self, title: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+        from rich.text import Text
 
-        self.progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+        logger = self
+
+        class Timing(ProgressColumn):
+            def render(self, task):
+                return Text(logger.timing(), style="progress.remaining")
+
+        self.progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), Timing(),
+                                 TextColumn("{task.description}"), transient=False)
         self.progress.start()
         self.task = self.progress.add_task("", total=self.total_steps)
 
@@ -140,8 +160,16 @@ class MetricsLogger:
                 self.window.setdefault(key, []).append(float(value))
 
     def advance(self) -> None:
+        self.step += 1
         if self.progress is not None:
             self.progress.advance(self.task)
+
+    def timing(self) -> str:
+        """Elapsed time, and the time left at this run's average pace so far."""
+        elapsed = time.time() - self.start_time
+        done, left = self.step - self.start_step, self.total_steps - self.step
+        eta = _clock(elapsed / done * left) if done > 0 else "?"
+        return f"{_clock(elapsed)} elapsed, {eta} left" if left > 0 else f"{_clock(elapsed)} elapsed"
 
     def flush(self) -> dict:
         """The window's means (a new window starts)."""
@@ -169,13 +197,28 @@ class MetricsLogger:
                 raise storage_error(err, "write", self.path) from err
 
     def _show(self, record: dict):
-        text = "  ".join(f"{k}={record[k]:.4g}" for k in self.SHOWN if k in record)
-        if not text:
+        text = self.describe(record)
+        if not text or self.quiet:
             return
         if self.progress is not None:
             self.progress.update(self.task, description=text)
         elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:
-            print(f"step {record['step']}/{self.total_steps}  {text}", file=sys.stderr, flush=True)
+            print(f"step {record['step']}/{self.total_steps}  {text}  {self.timing()}", file=sys.stderr, flush=True)
+
+    def describe(self, record: dict) -> str:
+        """The shown metrics of a training record; the headline with its moving average over the records so far."""
+        parts = []
+        for i, key in enumerate(self.shown):
+            value = record.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            part = f"{self.LABELS.get(key, key)}={value:.4g}"
+            if i == 0 and math.isfinite(value):
+                self.averaged += 1
+                self.average = self.AVERAGING * self.average + (1 - self.AVERAGING) * value
+                part += f" (avg {self.average / (1 - self.AVERAGING ** self.averaged):.4g})"
+            parts.append(part)
+        return "  ".join(parts)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -184,3 +227,10 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

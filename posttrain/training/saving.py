@@ -5,6 +5,7 @@ Callers run these on the main process only.
 
 import os
 
+from posttrain.models.loading import without_progress_bars
 from posttrain.models.peft import is_peft_model
 from posttrain.weights import embeddings_still_tied, export_weights
 
@@ -31,10 +32,11 @@ def save_policy(policy, tokenizer, config: dict, output_dir: str, state_dict: di
     import yaml
 
     os.makedirs(output_dir, exist_ok=True)
-    if state_dict is None:
-        policy.save_pretrained(output_dir, safe_serialization=True)
-    else:
-        policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+    with without_progress_bars():  # one bar per save otherwise
+        if state_dict is None:
+            policy.save_pretrained(output_dir, safe_serialization=True)
+        else:
+            policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
@@ -52,7 +54,8 @@ def save_merged(policy, tokenizer, output_dir: str) -> None:
     if tied and not embeddings_still_tied(plain, state):
         plain.config.tie_word_embeddings = False  # restored below: the training model stays as it was
     try:
-        plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+        with without_progress_bars():
+            plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
     finally:
         if tied is not None:
             plain.config.tie_word_embeddings = tied

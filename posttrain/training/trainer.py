@@ -306,7 +306,7 @@ class Trainer:
         self.logger = MetricsLogger(args, self.state.max_steps, enabled=self.accelerator.is_main_process,
                                     run_config=args.to_dict(), append=path is not None,
                                     start_step=self.state.global_step, title=self._title,
-                                    cumulative=self._cumulative_metrics)
+                                    cumulative=self._cumulative_metrics, shown=self._shown_metrics)
         start_time, start_step, self._loss_sum = time.time(), self.state.global_step, 0.0
         self._call("on_train_begin")
         self._epoch_open = False
@@ -348,6 +348,7 @@ class Trainer:
             logger.warning("No plots.png: %s", err)
 
     _title = "train"
+    _shown_metrics: tuple = ("loss",)  # on the terminal; the first with its moving average (training/logging.py)
     _cumulative_metrics: tuple = ()  # metrics that are running totals (logged as their latest value)
 
     def _one_step(self) -> None:
