@@ -79,6 +79,8 @@ def make_accelerator(args, mixed_precision: str):
     ddp = {k: v for k, v in ddp.items() if v is not None}
     if ddp:
         handlers.append(DistributedDataParallelKwargs(**ddp))
+    if not torch.accelerator.is_available():  # DeepSpeed, imported by accelerate and transformers wherever it is
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # installed, would warn in every run that it found no GPU
     if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
         AcceleratorState._reset_state(reset_partial_state=False)
     # The schedule is built for optimizer steps: accelerate would otherwise step it once per process at every step
