@@ -76,7 +76,8 @@ def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
             str(workload / f"{command}.jsonl"), *COMMANDS[command][0], "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",
-            "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--output_dir", str(out), *extra]
+            "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--plot_on_end", "false", "--output_dir", str(out),
+            *extra]
 
 
 def _zero3_all(directory) -> str:
