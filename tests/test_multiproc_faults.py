@@ -25,22 +25,28 @@ FAULTS = {
 }
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
+def _run_with_fault(fault: str, launch: list[str], tmp_path, model_dir: str, timeout: int, **env):
+    """`accelerate launch <launch> multiproc_faults.py FAULT` of a 4-step GRPO run on 16 prompts."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch,
            os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--",
-           "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
+           "--model_name_or_path", model_dir, "--dataset_name", str(data),
            "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
            "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "4", "--logging_steps", "1",
            "--gradient_checkpointing", "false", "--use_cpu", "true", "--save_strategy", "steps", "--save_steps", "1",
            "--output_dir", str(tmp_path / "out")]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    out = _run_with_fault(fault, launch, tmp_path, tiny_model_dir, timeout=240)
     ended = time.time()
     assert out.returncode != 0
     fault_time = float((tmp_path / "fault_time").read_text())
@@ -60,20 +66,10 @@ def test_a_nonfinite_gradient_stops_every_strategy_before_its_update(strategy, t
 
     if strategy.startswith("zero"):
         pytest.importorskip("deepspeed")
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PT_ACCELERATE_ON_CPU="1")
     configs = os.path.join(os.path.dirname(TESTS), "posttrain", "accelerate_configs")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(configs, f"{strategy}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-           os.path.join(TESTS, "multiproc_faults.py"), "nonfinite_grad", str(tmp_path), "--",
-           "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
-           "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
-           "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "4", "--logging_steps", "1",
-           "--gradient_checkpointing", "false", "--use_cpu", "true", "--save_strategy", "steps", "--save_steps", "1",
-           "--output_dir", str(tmp_path / "out")]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    launch = ["--config_file", os.path.join(configs, f"{strategy}.yaml"), "--num_processes", "2",
+              "--mixed_precision", "no"]
+    out = _run_with_fault("nonfinite_grad", launch, tmp_path, tiny_model_dir, timeout=300, PT_ACCELERATE_ON_CPU="1")
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
     assert len(lines) == 1 and re.search(r"Step 2: grad_norm is (nan|inf); the update was not applied and the last "

@@ -141,10 +141,6 @@ class Sharding:
         """Whether a process holds only part of each parameter between steps."""
         return self.kind == "fsdp2" or (self.kind == "zero" and self.zero_stage == 3)
 
-    @property
-    def name(self) -> str:
-        return {"none": "none", "fsdp2": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
-
     # ------------------------------------------------------------------ the training step
 
     def prepare(self, model, optimizer, scheduler, args):
@@ -338,9 +334,9 @@ def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
 
     plain = unwrap(model)
     params = dict(plain.named_parameters())  # tied ones once
-    tied = {name for name, p in plain.named_parameters(remove_duplicate=False)} - set(params)
-    unexpected = [name for name in state if name not in params and name not in tied and
-                  name not in dict(plain.named_buffers())]
+    buffers = dict(plain.named_buffers())
+    known = {name for name, _ in plain.named_parameters(remove_duplicate=False)} | set(buffers)  # tied names too
+    unexpected = [name for name in state if name not in known]
     missing = [name for name in params if name not in state]
     if missing or unexpected:
         raise KeyError(f"weights do not match the model (missing {missing}, unexpected {unexpected})")
@@ -348,7 +344,7 @@ def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
         for name, param in params.items():
             with zero.gathered([param], keep_changes=True):
                 param.copy_(state[name].to(param.dtype))
-        for name, buffer in plain.named_buffers():
+        for name, buffer in buffers.items():
             if name in state:
                 buffer.copy_(state[name])
 
