@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GRPO through `posttrain grpo` on one process, on 2 processes with DDP, and on 2 processes with accelerate's FSDP2,
-# DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, through the test-only CPU patch, tests/multiproc_sharded.py),
+# GRPO through `posttrain grpo` on one process, on 2 processes with DDP, and on 2 processes with accelerate's FSDP1,
+# FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, through the test-only CPU patch, tests/multiproc_sharded.py),
 # same global batch (16 rows), SGD, 2 steps, on
 # MODEL_DIR; one JSON line per run: s/step (median of the steps' step_time), peak RSS of the largest process (MiB,
 # GNU time's maximum resident set size over the launcher's children), and the largest parameter difference from the
@@ -45,8 +45,14 @@ cd "$here"
 export PYTHONPATH="$here/bench${PYTHONPATH:+:$PYTHONPATH}"
 run one "$PT_PY" -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 16
 run ddp "${launch[@]}" --multi_gpu -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 8
-for config in fsdp2 zero2 zero3; do
-  run $config "${launch[@]}" --config_file posttrain/accelerate_configs/$config.yaml tests/multiproc_sharded.py grpo \
+# FSDP1 as tests/test_sharded.py runs it: the shipped fsdp1.yaml without RAM-efficient loading (GPU-only in torch)
+sed -e 's/fsdp_cpu_ram_efficient_loading: true/fsdp_cpu_ram_efficient_loading: false/' \
+  -e 's/fsdp_sync_module_states: true/fsdp_sync_module_states: false/' \
+  posttrain/accelerate_configs/fsdp1.yaml > "$out/fsdp1.yaml"
+for config in fsdp1 fsdp2 zero2 zero3; do
+  file=posttrain/accelerate_configs/$config.yaml
+  [ "$config" = fsdp1 ] && file="$out/fsdp1.yaml"
+  run $config "${launch[@]}" --config_file "$file" tests/multiproc_sharded.py grpo \
     "${args[@]}" --per_device_train_batch_size 8
 done
 rm -rf "$out"

@@ -14,6 +14,8 @@ Nothing else in accelerate is changed.
 
 import os
 
+import torch
+
 PINNED = "1.15."
 
 
@@ -42,6 +44,8 @@ def install() -> None:
         original(self, *args, **kwargs)
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
             plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate does
+            if plugin.fsdp_version == 1:  # FSDP1 takes `cpu` for a CPU device, not accelerate's `cpu:0`
+                PartialState._shared_state["device"] = AcceleratorState._shared_state["device"] = torch.device("cpu")
             if self.state.mixed_precision != "no":
                 plugin.set_mixed_precision(self.state.mixed_precision)
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP

@@ -1,9 +1,10 @@
 """Run by tests/test_sharding.py on 2 gloo processes (torch.distributed.run):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 multiproc_sharding.py fsdp2|zero3 OUT_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 2 multiproc_sharding.py fsdp1|fsdp2|zero3 OUT_DIR
 
-A tiny model sharded with torch's fully_shard (fsdp2) or partitioned by DeepSpeed ZeRO-3 (zero3: every parameter,
-`stage3_param_persistence_threshold: 0`) generates each process's own prompts (completions of different lengths)
+A tiny model sharded with torch's FullyShardedDataParallel (fsdp1: each decoder layer a unit, the rest the root's,
+use_orig_params as accelerate sets it), with fully_shard (fsdp2), or partitioned by DeepSpeed ZeRO-3 (zero3: every
+parameter, `stage3_param_persistence_threshold: 0`) generates each process's own prompts (completions of different lengths)
 inside the run's whole_weights, then takes a training forward and backward, and exports its weights whole; OUT_DIR/
 rank<RANK>.json holds the differences from an unsharded copy of the same model given the same work."""
 
@@ -19,7 +20,7 @@ from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models import token_logprobs
 from posttrain.testing import tiny_model, tiny_tokenizer
-from posttrain.training.sharding import Sharding, full_tensor, is_sharded
+from posttrain.training.sharding import Sharding, _mark_output_layer, full_tensor, is_sharded
 from posttrain.training.zero import is_partitioned
 from posttrain.weights import export_weights
 
@@ -48,6 +49,19 @@ if strategy == "zero3":
                                        config=config)
     assert all(is_partitioned(p) and p.numel() == 0 for p in model.parameters())  # every weight in shards
     sharding = Sharding("zero", SimpleNamespace(), zero_stage=3)
+elif strategy == "fsdp1":
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    layer_class = type(model.model.layers[0])
+    sharded = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                             transformer_layer_cls={layer_class}),
+                   use_orig_params=True, device_id=torch.device("cpu"))
+    _mark_output_layer(sharded)  # as Sharding.prepare does
+    assert model.model.embed_tokens.weight.dim() == 1  # the root unit's weights in flat shards
+    sharding = Sharding("fsdp1")
 else:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -72,6 +86,10 @@ def work(m, sharded_run):
         m.set_gradient_accumulation_boundary(True)
         m.backward(loss, scale_wrt_gas=False)
         grads = {n: safe_get_full_grad(p) for n, p in model.named_parameters()}
+    elif strategy == "fsdp1":
+        loss.backward()
+        with FSDP.summon_full_params(m, with_grads=True):
+            grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
     else:
         loss.backward()
         grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}

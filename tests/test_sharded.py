@@ -1,13 +1,17 @@
-"""Sharded training through accelerate's own FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
+"""Sharded training through accelerate's own FSDP1, FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
 
 Each case runs `posttrain grpo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
 with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP or DeepSpeed without a GPU.
 ZeRO-3 runs with the shipped zero3.yaml's settings and, in `zero3-all`, with every parameter partitioned
 (`stage3_param_persistence_threshold: 0`: DeepSpeed keeps parameters under 100k elements whole by default, which
-is every parameter of the tiny test model). GRPO's two
+is every parameter of the tiny test model). FSDP1 runs as `fsdp1-cpu`: the shipped fsdp1.yaml without its
+RAM-efficient loading (torch's FSDP1 builds the other processes' weights from the main one's only on a GPU,
+sync_module_states). GRPO's two
 processes sample completions of different lengths (the model's EOS is likely at some positions: one process's
 decode ends long before the other's); GRPO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
-toward the policy every step, sync_ref_model, and restored from the checkpoint).
+toward the policy every step, sync_ref_model, and restored from the checkpoint). `grpo-lora` trains a LoRA adapter
+(no dropout, so that the runs compare), its weights sharded with the rest: the saved adapter holds all 8 LoRA
+weights whole, and resuming loads it back into the shards.
 Against one process with the same global batch (SGD with momentum, so the comparison is not amplified by Adam's
 normalisation):
   - every step's loss and metrics are equal, and the weights after 2 steps equal to float rounding;
@@ -65,6 +69,10 @@ COMMANDS = {
     "grpo": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
               "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
              ["loss", "reward", "kl", "completions/mean_length", "completions/min_length", "completions/max_length"]),
+    # LoRA: the adapter's parameters sharded with the rest; the saved adapter holds every LoRA weight, whole
+    "grpo-lora": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
+                   "0.04", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"],
+                  ["loss", "reward", "kl", "completions/mean_length"]),
     "sft": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens", "mean_token_accuracy"]),
     "dpo": (["--train_sampling_strategy", "sequential", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
             ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
@@ -72,8 +80,9 @@ COMMANDS = {
 
 
 def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
-    return [command, "--model_name_or_path", str(workload / "model"), "--dataset_name",
-            str(workload / f"{command}.jsonl"), *COMMANDS[command][0], "--per_device_train_batch_size",
+    cli = command.split("-")[0]
+    return [cli, "--model_name_or_path", str(workload / "model"), "--dataset_name",
+            str(workload / f"{cli}.jsonl"), *COMMANDS[command][0], "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",
             "momentum=0.9", "--learning_rate", "0.5", "--use_cpu", "true", "--plot_on_end", "false", "--output_dir", str(out),
@@ -90,7 +99,16 @@ def _zero3_all(directory) -> str:
 
 
 def _config_file(config: str, directory) -> str:
-    """A shipped accelerate config, or `zero3-all`: one that names _zero3_all's DeepSpeed JSON."""
+    """A shipped accelerate config, `fsdp1-cpu` (fsdp1.yaml with every process loading the weights itself), or
+    `zero3-all`: one that names _zero3_all's DeepSpeed JSON."""
+    if config == "fsdp1-cpu":
+        path = directory / "fsdp1-cpu.yaml"
+        text = open(os.path.join(CONFIGS, "fsdp1.yaml")).read()
+        for setting in ("fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states"):
+            assert f"{setting}: true" in text
+            text = text.replace(f"{setting}: true", f"{setting}: false")
+        path.write_text(text)
+        return str(path)
     if config != "zero3-all":
         return os.path.join(CONFIGS, config)
     ds = _zero3_all(directory)
@@ -129,13 +147,14 @@ def _records(out) -> list[dict]:
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
-def _weights(path) -> dict:
+def _weights(path, lora: bool = False) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(path, "model.safetensors"))
+    return load_file(os.path.join(path, "adapter_model.safetensors" if lora else "model.safetensors"))
 
 
-CASES = [(config, command) for config in ("fsdp2.yaml", "zero2.yaml", "zero3-all") for command in ("grpo", "sft", "dpo")]
+CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
+         for command in ("grpo", "sft", "dpo")] + [(config, "grpo-lora") for config in ("fsdp1-cpu", "zero3-all")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
@@ -162,16 +181,28 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     if command == "grpo":
         assert two[0]["completions/min_length"] < two[0]["completions/max_length"]  # decodes of different lengths
 
-    reference, sharded = _weights(one_process), _weights(out)
+    lora = command.endswith("-lora")
+    reference, sharded = _weights(one_process, lora), _weights(out, lora)
     assert sharded.keys() == reference.keys()  # plain names, the tied output layer not stored twice
-    moved = max(float((reference[k] - _weights(workload / "model")[k]).abs().max()) for k in reference)
+    if lora:  # every LoRA weight of the two adapted projections of both layers; B starts at zero
+        assert len(reference) == 8
+        moved = max(float(reference[k].abs().max()) for k in reference if "lora_B" in k)
+    else:
+        moved = max(float((reference[k] - _weights(workload / "model")[k]).abs().max()) for k in reference)
     assert moved > 1e-3  # the two steps changed the weights
     for name in reference:
         assert torch.allclose(sharded[name], reference[name], rtol=1e-5, atol=1e-7), name
 
+    def load(path):
+        if not lora:
+            return AutoModelForCausalLM.from_pretrained(path)
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workload / "model"), path)
+
     ids = torch.tensor([tokenizer("1+2=33")["input_ids"]])
     with torch.no_grad():
-        logits = [AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits for path in (one_process, out)]
+        logits = [load(path)(input_ids=ids).logits for path in (one_process, out)]
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
     resumed = workload / f"{out.name}-resumed"
@@ -186,7 +217,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     assert run.returncode == 0, run.stderr[-3000:]
     last = _records(resumed)[-1]
     assert (last["step"], last["loss"]) == (two[-1]["step"], two[-1]["loss"])
-    again = _weights(resumed)
+    again = _weights(resumed, lora)
     assert all(torch.equal(again[name], sharded[name]) for name in sharded)
 
 

@@ -1,7 +1,7 @@
-"""FSDP2 (torch's fully_shard) and DeepSpeed ZeRO-3 on 2 gloo processes: the pieces a sharded GRPO step goes through
-(posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives; DeepSpeed's
-config entries come from the trainer's config; and FSDP1, which the trainers do not run, is refused in one
-sentence."""
+"""FSDP1, FSDP2 (torch's fully_shard) and DeepSpeed ZeRO-3 on 2 gloo processes: the pieces a sharded GRPO step goes
+through (posttrain/training/sharding.py, the weight export) give what an unsharded copy of the model gives;
+DeepSpeed's config entries come from the trainer's config; and FSDP1 without use_orig_params, which the trainers do
+not run, is refused in one sentence."""
 
 import json
 import os
@@ -15,15 +15,16 @@ TESTS = os.path.dirname(__file__)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2", "zero3"])
 def test_sharded_generation_training_and_export_equal_the_unsharded_model(strategy, tmp_path):
     """Each process generates its own prompts inside the run's whole_weights, its completions ending at another step
     than the other process's (3 against 12 tokens: no collective waits inside the decode), then trains (no
     inference-tensor error after generation) and exports whole tensors. Completions, log-probs and the export equal
     an unsharded copy's exactly; gradients (summed over both batches) to 0 under FSDP2, and to 1e-6 relative under
     ZeRO-3 with every parameter partitioned (the tied embedding's two gradients are reduced separately, so they sum
-    in another order). Under ZeRO-3 the output layer's weight is whole only inside its own forward: the chunked
-    log-probs run as that forward; DeepSpeed's hooks are off while generating, so the decodes do not wait."""
+    in another order). Under ZeRO-3 and FSDP1 the output layer's weight is whole only inside the model's forward:
+    the chunked log-probs run as the layer's forward; DeepSpeed's hooks are off while generating, and FSDP1 runs its
+    summoned weights through the plain modules, so the decodes do not wait."""
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
@@ -33,25 +34,30 @@ def test_sharded_generation_training_and_export_equal_the_unsharded_model(strate
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert ranks[0]["lengths"] == [3, 3] and ranks[1]["lengths"] == [12, 12]
-    tolerance = 0.0 if strategy == "fsdp2" else 1e-6
+    tolerance = 1e-6 if strategy == "zero3" else 0.0
     for result in ranks:
         assert result["completions_equal"] and result["export_names_equal"] and result["export_shapes_full"]
         assert result["logps_max_diff"] == 0.0 and result["export_max_diff"] == 0.0
         assert result["grad_max_diff"] <= tolerance * result["grad_max"], result
 
 
-def test_fsdp1_is_refused_in_one_sentence():
+def test_fsdp1_without_original_parameters_is_refused_in_one_sentence():
     from accelerate.utils import DistributedType
 
     from posttrain.configs import ConfigError
     from posttrain.training.sharding import check_supported
 
+    def fsdp1(use_orig_params):
+        return SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=SimpleNamespace(
+            fsdp_version=1, use_orig_params=use_orig_params)))
+
     with pytest.raises(ConfigError) as err:
-        check_supported(SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP,
-                                                              fsdp_plugin=SimpleNamespace(fsdp_version=1))))
-    assert str(err.value) == ("This run was launched with FSDP1, which posttrain does not train with: launch with FSDP2 "
-                              "(accelerate_config fsdp2), the same sharding with plain parameter names, or with "
-                              "DeepSpeed ZeRO (accelerate_config zero2 or zero3).")
+        check_supported(fsdp1(False))
+    assert str(err.value) == ("This run was launched with FSDP1 and fsdp_use_orig_params: false, which posttrain does "
+                              "not train with (its optimizer would see flattened parameters): set "
+                              "fsdp_use_orig_params: true in the accelerate config (accelerate's default), or launch "
+                              "with fsdp2.")
+    check_supported(fsdp1(True))
     for state in ({"distributed_type": DistributedType.FSDP, "fsdp_plugin": SimpleNamespace(fsdp_version=2)},
                   {"distributed_type": DistributedType.DEEPSPEED, "deepspeed_plugin": SimpleNamespace(zero_stage=3)}):
         check_supported(SimpleNamespace(state=SimpleNamespace(**state)))

@@ -33,7 +33,6 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import training_flops_per_token
 
 logger = logging.getLogger("posttrain")
 
@@ -101,7 +100,6 @@ class DPOTrainer(BatchedDataTrainer):
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
         self._tokens_seen = 0
-        self._flops_per_token = training_flops_per_token(self.policy)
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
@@ -181,13 +179,19 @@ class DPOTrainer(BatchedDataTrainer):
         """The unwrapped policy, also before the accelerator has prepared it."""
         return self.policy if self.policy is not None else self._setup_model
 
+    @property
+    def _no_grad_model(self):
+        """What forwards without gradient call: the policy as training/sharding.forward_module says, also before the
+        accelerator has prepared it."""
+        return self.forward_policy if self.forward_policy is not None else self._setup_model
+
     def _reference_logps(self, batch: PairBatch) -> torch.Tensor:
         """[P, 2] reference sequence log-probs of a batch (precomputed, 0 when reference_free, else computed)."""
         if batch.ref is not None:
             return batch.ref
         if self.args.reference_free:
             return torch.zeros((batch.pairs, 2), device=batch.targets.device)
-        model = self.ref_model if self.ref_model is not None else self.policy_or_model
+        model = self.ref_model if self.ref_model is not None else self._no_grad_model
         with torch.no_grad(), self._reference_context(), self.accelerator.autocast():
             logps, _, _ = next_token_logprobs(model, *self._inputs(batch))
         return self._sequence_logps(logps, batch).view(-1, 2)
@@ -277,8 +281,8 @@ class DPOTrainer(BatchedDataTrainer):
         each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)])."""
         args = self.args
         with self.accelerator.autocast():
-            logps, entropy, top1, stats = next_token_logprobs(self.model if grad else self.policy_or_model,
-                                                              *self._inputs(batch), with_entropy=True,
+            model = self.model if grad else self._no_grad_model
+            logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
                                                               with_top1=True, with_stats=True)
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
@@ -344,7 +348,7 @@ class DPOTrainer(BatchedDataTrainer):
         self.state.total_flos += self._flops_per_token * tokens
         args = self.args
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
-            self.sharding.at_rest(self.ref_model, self.policy)
+            self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         return metrics
 

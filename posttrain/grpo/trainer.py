@@ -34,7 +34,7 @@ from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import Trainer, TrainingError, training_flops_per_token  # noqa: F401 - TrainingError is part of this module's API
+from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError is part of this module's API
 from posttrain.weights import export_weights
 
 
@@ -110,7 +110,6 @@ class GRPOTrainer(Trainer):
         self._stream_epoch = 0.0
         self._pending_metrics: dict = {}
         self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
-        self._flops_per_token = training_flops_per_token(self.policy)
         self._call("on_init_end")
 
     # ------------------------------------------------------------------ setup
@@ -214,7 +213,7 @@ class GRPOTrainer(Trainer):
             if args.corrects_sampling:
                 old_logps, weights, sampling_stats = self._sampling_correction(rollouts)
             else:
-                old_logps = self._logps_no_grad(self.policy, rollouts) if self.needs_old_logps else None
+                old_logps = self._logps_no_grad(self.forward_policy, rollouts) if self.needs_old_logps else None
             ref_logps = self._reference_logps(rollouts)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
@@ -259,7 +258,7 @@ class GRPOTrainer(Trainer):
         trainer's log-probs over the sampler's support coming from the same forward as the old ones."""
         args = self.args
         old_logps, support_logps = self._no_grad_per_micro_batch(
-            rollouts, lambda r: trainer_logps(self.policy, r, self.sampling_params, args.temperature,
+            rollouts, lambda r: trainer_logps(self.forward_policy, r, self.sampling_params, args.temperature,
                                               self.generator.eos_ids))
         mask = rollouts.completion_mask.bool()
         ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
@@ -290,7 +289,7 @@ class GRPOTrainer(Trainer):
         if self.ref_model is not None:
             return self._logps_no_grad(self.ref_model, rollouts)
         with reference_mode(self.policy, self.reference_adapter):
-            return self._logps_no_grad(self.policy, rollouts)
+            return self._logps_no_grad(self.forward_policy, rollouts)
 
     # ------------------------------------------------------------------ optimisation
 
@@ -390,7 +389,7 @@ class GRPOTrainer(Trainer):
         if self.entropy_control.enabled:
             metrics.update(self._entropy_step(stats))
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
-            self.sharding.at_rest(self.ref_model, self.policy)
+            self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         metrics.update(self._pending_metrics)
         self._pending_metrics = {}

@@ -103,13 +103,41 @@ def final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
 
 
 def fast_path_available(model) -> bool:
-    """Whether the chunked path reproduces this model's logits; decided once per model object and cached."""
+    """Whether the chunked path reproduces this model's logits; decided once per model object and cached (on the
+    first call, a forward of `model`: under sharding a collective, which every process reaches alike)."""
     plain = unwrap(model)
     cached = getattr(plain, "_posttrain_fast_logprobs", None)
     if cached is None:
-        cached = _check_fast_path(plain)
+        layer = output_layer(plain)
+        if layer is not None and whole_only_in_forward(layer):
+            cached = _check_in_forward_path(model, layer)
+        else:
+            cached = _check_fast_path(plain)
         plain._posttrain_fast_logprobs = cached
     return cached
+
+
+def _check_in_forward_path(model, layer) -> bool:
+    """Whether the model returns its output layer's output as its logits, unchanged (the chunked path computed as
+    that layer's forward then gives the model's log-probs)."""
+    plain = unwrap(model)
+    if logits_to_keep_kwarg(plain) is None:
+        return False
+    seen = []
+    hook = layer.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    ids = (torch.arange(1, 9) % layer.out_features).unsqueeze(0).to(next(plain.parameters()).device)
+    was_training = plain.training
+    plain.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           **_forward_kwargs(plain, torch.ones_like(ids), 4)).logits
+        return len(seen) == 1 and seen[0].shape == logits.shape and bool(torch.equal(seen[0], logits))
+    except (TypeError, AttributeError, IndexError, RuntimeError):
+        return False
+    finally:
+        hook.remove()
+        plain.train(was_training)
 
 
 def _check_fast_path(plain) -> bool:
@@ -131,10 +159,13 @@ def _check_fast_path(plain) -> bool:
         plain.train(was_training)
 
 
+WHOLE_ONLY_IN_FORWARD = "_posttrain_whole_only_in_forward"  # set on an output layer by training/sharding.py
+
+
 def whole_only_in_forward(layer: torch.nn.Module) -> bool:
-    """Whether the layer's weight is whole only inside its own forward and backward (DeepSpeed ZeRO-3 partitions it
-    and gathers it around them)."""
-    return hasattr(layer.weight, "ds_tensor")
+    """Whether the layer's weight is whole only inside the model's forward and backward: DeepSpeed ZeRO-3
+    partitions it and gathers it around the layer's own; FSDP1 gathers it around its root wrapper's (marked so)."""
+    return hasattr(layer.weight, "ds_tensor") or getattr(layer, WHOLE_ONLY_IN_FORWARD, False)
 
 
 @contextlib.contextmanager

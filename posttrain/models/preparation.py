@@ -65,4 +65,7 @@ def mix_reference(ref_model, policy, alpha: float) -> None:
     with torch.no_grad():
         for ref, pol in zip(ref_model.parameters(), policy.parameters()):
             ref, pol = local_tensor(ref), local_tensor(pol)  # sharded alike: shard into shard
+            if ref.shape != pol.shape:  # never broadcast one into the other
+                raise RuntimeError(f"the reference's parameter {tuple(ref.shape)} and the policy's "
+                                   f"{tuple(pol.shape)} differ: they are not sharded alike")
             ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)

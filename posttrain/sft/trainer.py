@@ -24,7 +24,6 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.trainer import training_flops_per_token
 
 logger = logging.getLogger("posttrain")
 
@@ -81,7 +80,6 @@ class SFTTrainer(BatchedDataTrainer):
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
         self._tokens_seen = 0
-        self._flops_per_token = training_flops_per_token(self.policy)
         self._neftune = self._add_neftune() if args.neftune_noise_alpha else None
         self._call("on_init_end")
 

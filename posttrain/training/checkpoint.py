@@ -311,7 +311,8 @@ def load_checkpoint(trainer, path: str) -> dict:
         if is_peft_model(trainer.policy):
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
+            with trainer.sharding.writable_whole(trainer.model):  # sharded: every process, the adapter whole
+                set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
         elif trainer.sharding.shards_parameters:
             trainer.sharding.load_full_state_dict(trainer.model, load_file(os.path.join(path, "model.safetensors")))
         else:

@@ -31,12 +31,15 @@ def save_policy(policy, tokenizer, config: dict, output_dir: str, state_dict: di
     """
     import yaml
 
+    from posttrain.training.sharding import fsdp1_wrappers_set_aside
+
     os.makedirs(output_dir, exist_ok=True)
     with without_progress_bars():  # one bar per save otherwise
         if state_dict is None:
             policy.save_pretrained(output_dir, safe_serialization=True)
-        else:
-            policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        else:  # peft picks the adapter's entries by module name: the names the gathered state dict has
+            with fsdp1_wrappers_set_aside(policy):
+                policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)

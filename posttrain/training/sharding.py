@@ -4,9 +4,13 @@ Every sharding-aware step of a trainer goes through one `Sharding` object (built
 trainers do not branch on the strategy:
 
     sharding = Sharding.of(accelerator)       kind: "none" (one process, or DDP: whole weights everywhere),
-                                              "fsdp2" (accelerate's FSDP2: each process holds a shard, a DTensor)
+                                              "fsdp2" (accelerate's FSDP2: each process holds a shard, a DTensor),
+                                              "fsdp1" (accelerate's FSDP1 with use_orig_params: each process holds
+                                              a flat shard; every forward runs through the root wrapper)
                                               or "zero" (DeepSpeed ZeRO-1/2/3 through accelerate, training/zero.py;
                                               ZeRO-3 shards the weights)
+    sharding.forward_module(model, policy)    the module training and no-grad forwards call: the unwrapped policy,
+                                              or FSDP1's root wrapper (its forward gathers the root's weights)
     sharding.prepare(model, opt, schedule)    accelerate's prepare (DeepSpeed: the config's batch and clipping
                                               entries filled from the trainer's config; the schedule stepped by the
                                               loop)
@@ -33,10 +37,11 @@ Why whole weights for generation: under FSDP2 every forward is a collective that
 runs, so processes whose completions end at different steps would wait for each other forever; and under FSDP2 a
 first forward inside inference_mode leaves the unshard buffers as inference tensors that the next training forward
 cannot write. Unsharding before generating avoids both, at the cost of one whole copy of the weights per process
-while generating (as TRL's ds3_gather_for_generation=True).
+while generating (as TRL's ds3_gather_for_generation=True). FSDP1 refuses a forward while its weights are summoned
+whole, so inside whole_weights each of its wrappers is set aside and the model runs as the plain module it wraps.
 
 `check_launch(accelerator)` stops a run that asked for FSDP or DeepSpeed and would silently get something else;
-`check_supported(accelerator)` one launched with a strategy the trainers do not run (FSDP1).
+`check_supported(accelerator)` one launched with FSDP1 settings the trainers do not run (use_orig_params=False).
 """
 
 import contextlib
@@ -49,7 +54,7 @@ from posttrain.training.distributed import mark_agreed
 
 from posttrain.training import zero
 
-KINDS = ("none", "fsdp2", "zero")
+KINDS = ("none", "fsdp1", "fsdp2", "zero")
 OPTIMIZER_FILE = "optimizer.pt"
 
 
@@ -78,15 +83,21 @@ def check_launch(accelerator) -> None:
 
 
 def check_supported(accelerator) -> None:
-    """One sentence for a sharding strategy posttrain's trainers do not run (FSDP1)."""
+    """One sentence for FSDP1 without use_orig_params: its optimizer would hold flattened parameters, which
+    posttrain's parameter groups, reference mixing and checks by name do not see."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
-    if state.distributed_type == DistributedType.FSDP and getattr(state.fsdp_plugin, "fsdp_version", 1) != 2:
+    plugin = getattr(state, "fsdp_plugin", None)
+    if state.distributed_type == DistributedType.FSDP and _fsdp_version(plugin) == 1 and not plugin.use_orig_params:
         raise mark_agreed(ConfigError(  # every process raises it
-            "This run was launched with FSDP1, which posttrain does not train with: launch with FSDP2 "
-            "(accelerate_config fsdp2), the same sharding with plain parameter names, or with DeepSpeed ZeRO "
-            "(accelerate_config zero2 or zero3)."))
+            "This run was launched with FSDP1 and fsdp_use_orig_params: false, which posttrain does not train with "
+            "(its optimizer would see flattened parameters): set fsdp_use_orig_params: true in the accelerate "
+            "config (accelerate's default), or launch with fsdp2."))
+
+
+def _fsdp_version(plugin) -> int:
+    return int(getattr(plugin, "fsdp_version", 1) or 1)
 
 
 def _fsdp2_units(model: torch.nn.Module) -> list:
@@ -134,12 +145,20 @@ class Sharding:
         kind = accelerator.state.distributed_type
         if kind == DistributedType.DEEPSPEED:
             return cls("zero", accelerator, int(accelerator.state.deepspeed_plugin.zero_stage))
-        return cls("fsdp2" if kind == DistributedType.FSDP else "none", accelerator)
+        if kind == DistributedType.FSDP:
+            return cls(f"fsdp{_fsdp_version(accelerator.state.fsdp_plugin)}", accelerator)
+        return cls("none", accelerator)
 
     @property
     def shards_parameters(self) -> bool:
         """Whether a process holds only part of each parameter between steps."""
-        return self.kind == "fsdp2" or (self.kind == "zero" and self.zero_stage == 3)
+        return self.kind in ("fsdp1", "fsdp2") or (self.kind == "zero" and self.zero_stage == 3)
+
+    def forward_module(self, model: torch.nn.Module, policy: torch.nn.Module) -> torch.nn.Module:
+        """The module that every forward of the trained model calls, given the prepared `model` and its unwrapped
+        `policy`: FSDP1's root wrapper (it gathers the weights outside the decoder layers' own wrappers), else the
+        policy itself."""
+        return model if self.kind == "fsdp1" else policy
 
     # ------------------------------------------------------------------ the training step
 
@@ -149,7 +168,10 @@ class Sharding:
         schedule stays a plain one that the loop steps after each applied update (accelerate would hand DeepSpeed a
         wrapper that never steps it)."""
         if self.kind != "zero":
-            return self.accelerator.prepare(model, optimizer, scheduler)
+            prepared = self.accelerator.prepare(model, optimizer, scheduler)
+            if self.kind == "fsdp1":
+                _mark_output_layer(prepared[0])
+            return prepared
         zero.fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, args,
                          self.accelerator.num_processes)
         model, optimizer = self.accelerator.prepare(model, optimizer)
@@ -175,6 +197,8 @@ class Sharding:
         under DeepSpeed, whose step clips and measures."""
         if self.kind == "zero":
             return None
+        if self.kind == "fsdp1":  # the norm of the whole gradient, from every process's shards
+            return float(model.clip_grad_norm_(max_norm if max_norm > 0 else float("inf")))
         params = [p for p in model.parameters() if p.requires_grad]
         return float(self.accelerator.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
 
@@ -211,11 +235,31 @@ class Sharding:
         if self.kind == "fsdp2" or is_sharded(model):
             with _fsdp2_unsharded(model):
                 yield model
+        elif self.kind == "fsdp1":
+            with _fsdp1_summoned(model):
+                yield model
         elif self.kind == "zero" and self.zero_stage == 3:
             with zero.whole_for_generation(model):
                 yield model
         else:
             yield model
+
+    @contextlib.contextmanager
+    def writable_whole(self, model: torch.nn.Module):
+        """Every trainable parameter of `model` whole on every process for the block, and what the processes write
+        into them (the same values on each) kept in their shards on exit; the module tree as the model's own (FSDP1's
+        wrappers set aside). A collective: to load a LoRA adapter into a sharded policy (FSDP2's parameters take a
+        whole tensor as they are)."""
+        if self.kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.summon_full_params(model, recurse=True, writeback=True), fsdp1_wrappers_set_aside(model):
+                yield
+        elif self.kind == "zero" and self.zero_stage == 3:
+            with zero.gathered([p for p in model.parameters() if p.requires_grad], keep_changes=True):
+                yield
+        else:
+            yield
 
     def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A model that is not trained (a reference) sharded the way the policy is, so that it costs each process
@@ -224,14 +268,21 @@ class Sharding:
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
             return fsdp2_prepare_model(self.accelerator, model)
+        if self.kind == "fsdp1":
+            prepared = self.accelerator.prepare_model(model)
+            _mark_output_layer(prepared)
+            return prepared
         if self.kind == "zero" and self.zero_stage == 3:  # ZeRO-1/2 keep whole weights on every process: as it is
             return zero.frozen_engine(model, self.accelerator.state.deepspeed_plugin.deepspeed_config)
         return model
 
     def at_rest(self, *models: torch.nn.Module) -> None:
-        """Every FSDP2 unit of `models` resharded (a local step), so that their parameters are the shards an update
-        writes to: accelerate leaves the output layer's unit unsharded after a forward."""
+        """Every unit of `models` that holds whole weights between steps resharded (a local step), so that their
+        parameters are the shards an update or a mix writes to and the next forward gathers: accelerate leaves
+        FSDP2's output-layer unit unsharded after a forward, and FSDP1 keeps its root unit's whole weights after a
+        forward without backward (a reference's). Pass the prepared models (FSDP1's root wrapper)."""
         for model in models:
+            _fsdp1_reshard(model)
             for unit in _fsdp2_units(model):
                 unit.reshard()
 
@@ -246,7 +297,8 @@ class Sharding:
             return _zero3_full_state_dict(model, self.accelerator.is_main_process)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=_offload(model)))
         return _without_tied_copies(model, state)
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict) -> None:
@@ -274,11 +326,11 @@ class Sharding:
         if self.kind == "zero":
             model.save_checkpoint(directory, tag=zero.CHECKPOINT_TAG, save_latest=False)
             return
-        if self.kind == "fsdp2":
+        if self.kind in ("fsdp1", "fsdp2"):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            state = get_optimizer_state_dict(model, optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                        cpu_offload=_offload(model)))
         else:
             state = optimizer.state_dict()
         if self.accelerator is None or self.accelerator.is_main_process:
@@ -295,7 +347,7 @@ class Sharding:
             return
         state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=True,
                            map_location="cpu")  # moved to each parameter's device by the optimizer
-        if self.kind == "fsdp2":
+        if self.kind in ("fsdp1", "fsdp2"):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             if any(isinstance(v, torch.Tensor) and v.dim() for per in state["state"].values() for v in per.values()):
@@ -308,12 +360,20 @@ class Sharding:
         optimizer.load_state_dict(state)
 
 
+def _offload(model: torch.nn.Module) -> bool:
+    """Whether a gathered state dict is moved to the CPU as it is gathered: off the CPU only (there is nothing to
+    move, and FSDP1's offloading gathers crash on a CPU)."""
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type != "cpu"
+
+
 def _zero3_full_state_dict(model: torch.nn.Module, is_main: bool) -> dict:
     """A ZeRO-3 model's whole state dict on the main process ({} elsewhere), gathered one parameter at a time (a
-    collective; the tied output layer once)."""
-    from posttrain.models.loading import unwrap
+    collective; the tied output layer once), named as the engine's module names them (a LoRA policy's names keep
+    their PeftModel prefix: peft picks the adapter's entries by them)."""
+    from accelerate.utils import extract_model_from_parallel
 
-    plain = unwrap(model)
+    plain = extract_model_from_parallel(model)  # the engine's module (a PeftModel stays one)
     state = {}
     for name, param in plain.named_parameters():
         with zero.gathered([param]):
@@ -384,6 +444,60 @@ def _fsdp2_unsharded(model: torch.nn.Module):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
+
+
+def _fsdp1_reshard(model: torch.nn.Module) -> None:
+    """Every FSDP1 unit of `model` whose whole weights a forward left allocated (the root, after a forward without
+    backward) freed (a local step): its next forward would take them as they are instead of gathering the shards,
+    which an update or a mix outside FSDP has changed since."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._runtime_utils import _reshard  # torch's FSDP1 has no public reshard
+
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+            _reshard(unit, handle, free_unsharded_flat_param=True)
+
+
+def _mark_output_layer(model: torch.nn.Module) -> None:
+    """Under FSDP1 the output layer's weight is whole only inside the root wrapper's forward and backward: the
+    chunked log-prob path then runs as that layer's forward (models/logprobs.py)."""
+    from posttrain.models.logprobs import WHOLE_ONLY_IN_FORWARD, output_layer
+
+    layer = output_layer(model)
+    if layer is not None:
+        setattr(layer, WHOLE_ONLY_IN_FORWARD, True)
+
+
+@contextlib.contextmanager
+def _fsdp1_summoned(model: torch.nn.Module):
+    """Every FSDP1 parameter whole (summoned, not written back: nothing inside changes them), and every FSDP1 wrapper
+    below the root set aside in its parent for the plain module it wraps (FSDP1 refuses a forward while summoned); a
+    collective on entry."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, recurse=True, writeback=False), fsdp1_wrappers_set_aside(model):
+        yield
+
+
+@contextlib.contextmanager
+def fsdp1_wrappers_set_aside(model: torch.nn.Module):
+    """Every FSDP1 wrapper below `model` replaced in its parent by the module it wraps, for the block (a local step;
+    nothing else changes): the module tree, and its names, as before FSDP1 wrapped it. A no-op on other models."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # a torch without FSDP
+        yield
+        return
+    swapped = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, FSDP)]
+    for parent, name, child in swapped:
+        setattr(parent, name, child.module)
+    try:
+        yield
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
 
 
 def gathered_for_generation(model: torch.nn.Module):

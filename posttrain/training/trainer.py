@@ -148,7 +148,8 @@ class Trainer:
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        self.model = self.policy = self.optimizer = self.lr_scheduler = self.processing_class = None
+        self.model = self.policy = self.forward_policy = self.optimizer = self.lr_scheduler = None
+        self.processing_class = None
         self.callback_handler = CallbackHandler(callbacks, self)
         self._optimizers = optimizers
         self._optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
@@ -172,8 +173,10 @@ class Trainer:
         if optimizer is None:
             optimizer = make_optimizer(model, self.args, self._optimizer_cls_and_kwargs)
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
+        self._flops_per_token = training_flops_per_token(model)  # before sharding: whole parameters
         self.model, self.optimizer, self.lr_scheduler = self.sharding.prepare(model, optimizer, scheduler, self.args)
         self.policy = self.accelerator.unwrap_model(self.model)
+        self.forward_policy = self.sharding.forward_module(self.model, self.policy)  # for forwards without gradient
         if getattr(self, "ref_model", None) is not None:  # a separate reference: sharded as the policy is
             self.ref_model = self.sharding.prepare_frozen(self.ref_model)
         self._offloader = None
