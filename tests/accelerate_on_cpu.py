@@ -5,7 +5,8 @@ MULTI_CPU and drops the plugin (the run would silently be DDP), which posttrain 
 (training/sharding.check_launch). This patch, applied by the test's launcher script (tests/multiproc_sharded.py)
 before posttrain builds its Accelerator, puts back what accelerate sets on GPUs, in the process-wide state that every
 Accelerator reads:
-  - FSDP: the distributed type, and the plugin read from the launcher's FSDP_* variables;
+  - FSDP: the distributed type, and the plugin read from the launcher's FSDP_* variables; for FSDP1 the device as
+    torch's FSDP1 names a CPU (`cpu`; accelerate's `cpu:0` fails its device check);
   - DeepSpeed (from the launcher, or a `deepspeed` field's plugin): the Accelerator is built with cpu=False (accelerate then selects DEEPSPEED and DeepSpeed starts its
     gloo process group on its CPU accelerator), and the process count and ranks, which accelerate leaves at 1 and 0
     when it finds no GPU, are read from the process group.
