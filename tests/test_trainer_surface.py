@@ -4,6 +4,8 @@ summary, saving and the Hub, trackers, schedules and optimizers, and the GRPO fi
 import json
 import math
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -320,6 +322,54 @@ def test_reward_functions_get_trainer_state_log_extra_and_log_metric(tokenizer, 
     rows = [json.loads(line) for line in open(tmp_path / "out" / "completions.jsonl")]
     assert len(rows) == 16 and {"step", "prompt", "completion", "rewards", "advantage", "golden"} <= set(rows[0])
     assert rows[0]["golden"] == [r for r in addition_dataset if r["prompt"] == rows[0]["prompt"]][0]["answer"]
+
+
+def test_completions_reach_the_trackers_as_tables(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    """log_completions with report_to: each logging step's round as a table named "completions", TRL's columns (then
+    the log_extra columns): a Table through wandb's (and trackio's) API, and a Markdown table in TensorBoard's text
+    tab; log_unique_prompts keeps each prompt's first row."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = []
+
+    class Table:  # wandb's and trackio's Table(columns=..., data=...)
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    wandb = types.SimpleNamespace(init=lambda **kw: None, finish=lambda: None, Table=Table,
+                                  log=lambda record, step: logged.append((step, record)))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+
+    def reward(completions, answer, log_extra=None, **kwargs):
+        log_extra("golden", list(answer))
+        return [float(len(c)) for c in completions]
+
+    for unique in (False, True):
+        logged.clear()
+        out = tmp_path / f"unique-{unique}"
+        trainer = _trainer(tokenizer, addition_dataset, out, reward=reward, max_steps=2, log_completions=True,
+                           report_to=["wandb", "tensorboard"], logging_dir=str(out / "tb"),
+                           log_unique_prompts=unique)
+        trainer.train()
+        tables = [(step, record["completions"]) for step, record in logged if "completions" in record]
+        assert [step for step, _ in tables] == [1, 2]
+        table = tables[-1][1]
+        assert table.columns == ["step", "prompt", "completion", "reward", "advantage", "golden"]
+        rounds = [json.loads(line) for line in open(out / "out" / "completions.jsonl")]
+        last = [r for r in rounds if r["step"] == 2]
+        prompts = [r["prompt"] for r in last]
+        expected = [r for i, r in enumerate(last) if not unique or r["prompt"] not in prompts[:i]]
+        assert len(table.data) == len(expected) == (len(set(prompts)) if unique else len(last))
+        for row, r in zip(table.data, expected):
+            assert row == [2, r["prompt"], r["completion"], r["rewards"]["reward"], r["advantage"], r["golden"]]
+        events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0})
+        events.Reload()
+        text = [e for e in events.Tensors("completions/text_summary")]
+        assert [e.step for e in text] == [1, 2]
+        markdown = text[-1].tensor_proto.string_val[0].decode()
+        assert markdown.splitlines()[0] == "| step | prompt | completion | reward | advantage | golden |"
+        assert len(markdown.splitlines()) == 2 + len(expected)
 
 
 def test_remove_unused_columns_hides_the_columns_from_rewards(tokenizer, addition_dataset, tmp_path):

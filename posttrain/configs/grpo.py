@@ -74,6 +74,9 @@ class PromptDataConfig:
     num_completions_to_print: Optional[int] = _help(
         "With log_completions, how many completions to print at each logging step; None prints all.",
         range=NON_NEGATIVE, default=None)
+    log_unique_prompts: bool = _help(
+        "With log_completions, the completions table sent to the trackers in report_to holds each prompt's first "
+        "completion only (completions.jsonl keeps every one).", default=False)
 
     def _check(self):
         pass

@@ -181,9 +181,6 @@ GRPO_ONLY: list[Compat] = [
     same("max_tool_calling_iterations", Optional[int], None,
          "only used with tools or environments, which GRPOTrainer here does not take", range=NON_NEGATIVE),
     same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),
-    unsupported("log_unique_prompts", bool, False,
-                "posttrain does not send completion tables to trackers; completions.jsonl keeps every completion, so "
-                "remove it"),
     unsupported("log_completions_hub_repo", Optional[str], None,
                 "completions are written to output_dir/completions.jsonl, not uploaded; push output_dir instead"),
     same("use_transformers_continuous_batching", bool, False,

@@ -6,7 +6,9 @@ with the step's metrics; extra columns are gathered across processes and join th
 
 With `log_completions`, every generation round's completions (all processes) are appended to
 output_dir/completions.jsonl, one line each: {"step", "prompt", "completion", "rewards": {function: value},
-"advantage", ...extra columns}; at each logging step a sample is printed (`num_completions_to_print`).
+"advantage", ...extra columns}; at each logging step a sample is printed (`num_completions_to_print`) and the latest
+round goes to the trackers in `report_to` as a table named "completions" (TRL's columns: step, prompt, completion,
+each reward function, advantage, then the extra columns; with `log_unique_prompts`, each prompt's first row only).
 """
 
 import json
@@ -65,6 +67,7 @@ class CompletionLog:
         self.names = reward_names
         self.to_print = args.num_completions_to_print
         self.enabled = args.log_completions
+        self.unique_prompts = args.log_unique_prompts
         self.last: list[dict] = []
 
     def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
@@ -90,6 +93,27 @@ class CompletionLog:
             f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
         self.last = rows
 
+    def table(self) -> tuple[list[str], list[list]]:
+        """The latest round as a table: its columns and one list per row (conversational prompts as role: content
+        lines); with log_unique_prompts each prompt's first row only."""
+        extra = [c for c in (self.last[0] if self.last else {}) if c not in ("step", "prompt", "completion",
+                                                                             "rewards", "advantage")]
+        columns = ["step", "prompt", "completion", *self.names, "advantage", *extra]
+        rows, seen = [], set()
+        for row in self.last:
+            prompt = _as_text(row["prompt"])
+            if self.unique_prompts and prompt in seen:
+                continue
+            seen.add(prompt)
+            rows.append([row["step"], prompt, _as_text(row["completion"]), *row["rewards"].values(), row["advantage"],
+                         *(row[c] for c in extra)])
+        return columns, rows
+
+    def to_trackers(self, metrics_logger, step: int) -> None:
+        """The latest round's table to the trackers (main process; nothing without log_completions)."""
+        if self.enabled and self.last and self.accelerator.is_main_process:
+            metrics_logger.log_table("completions", *self.table(), step)
+
     def show(self, step: int) -> None:
         """Print the latest round's completions (the first num_completions_to_print of them) as a table."""
         if not (self.enabled and self.last and self.accelerator.is_main_process):
@@ -105,3 +129,10 @@ class CompletionLog:
             rewards = [f"{v:.3g}" if v is not None else "-" for v in row["rewards"].values()]
             table.add_row(str(row["prompt"]), row["completion"], *rewards, f"{row['advantage']:.3g}")
         Console(stderr=True).print(table)
+
+
+def _as_text(value) -> str:
+    """A prompt or completion as text: a conversation as one `role: content` line per message."""
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in value)
+    return value if isinstance(value, str) else json.dumps(value, default=str)

@@ -431,6 +431,8 @@ class GRPOTrainer(Trainer):
         super().log(logs, start_time, to_file)
         if "loss" in logs:
             self.completion_log.show(self.state.global_step)
+            if self.logger is not None:  # trainer.log called outside train() has no trackers
+                self.completion_log.to_trackers(self.logger, self.state.global_step)
 
     def _checkpoint_meta(self) -> dict:
         return {"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()}

@@ -2,7 +2,8 @@
 
 Only the main process writes. `metrics.jsonl` in the output directory gets one line per record (a training window,
 an evaluation, the end-of-training summary); trackers named in `report_to` (wandb, trackio, tensorboard) get the same
-numbers.
+numbers, and tables (GRPO's completions with log_completions: a wandb or trackio Table, a Markdown table in
+TensorBoard's text tab).
 
 The terminal shows each trainer's metrics to watch (`shown`; its first, the headline, with its moving average
 beside the window's value: GRPO's reward, SFT's and DPO's loss), the elapsed time and an ETA from this run's own
@@ -39,6 +40,9 @@ class ModuleTracker:
     def log(self, record: dict, step: int) -> None:
         self.module.log(record, step=step)
 
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.module.log({name: self.module.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         self.module.finish()
 
@@ -73,8 +77,23 @@ class TensorBoardTracker:
                 self.writer.add_text(key, value, step)
         self.writer.flush()
 
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.writer.add_text(name, markdown_table(columns, rows), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A Markdown table (TensorBoard's text tab renders one); `|` and line breaks inside a cell escaped."""
+    def cell(value) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def make_trackers(args, run_config: dict) -> list:
@@ -187,6 +206,12 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(record, step=record["step"])
         self._show(record)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A table (one list per row, in `columns` order) to every tracker, at `step`."""
+        if self.enabled:
+            for tracker in self.trackers:
+                tracker.log_table(name, columns, rows, step)
 
     def write(self, record: dict) -> None:
         if self.enabled:
