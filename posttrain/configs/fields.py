@@ -88,8 +88,12 @@ class TrainingLoopConfig:
         self.output_dir = os.path.expanduser(self.output_dir if self.output_dir is not None else "trainer_output")
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict, with `hub_token` redacted (this dict is written to disk and to trackers)."""
+        """The fields as a plain dict, with `hub_token` redacted and a function given in Python (a group filter)
+        named by its dotted path (this dict is written to disk and to trackers)."""
         values = dataclasses.asdict(self)
+        for key, value in values.items():
+            if callable(value):
+                values[key] = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
         if values.get("hub_token"):
             values["hub_token"] = "<HUB_TOKEN>"
         return values

@@ -179,9 +179,24 @@ class GRPOObjectiveConfig:
     on_bad_reward: str = _help(
         "What a NaN or inf reward does: stop (the run, naming the function and step) or skip (its whole group "
         "gets advantage 0; counted in rewards/skipped_groups).", default="stop")
+    dynamic_sampling: bool = _help(
+        "DAPO's dynamic sampling: drop the prompt groups whose completions all got the same reward (advantage 0: "
+        "nothing to learn) and sample further rounds of prompts until the kept groups fill the generation batch, "
+        "before the optimizer step; the batch size and the loss normaliser never change (sampling/groups_filtered, "
+        "sampling/generation_rounds). Not in TRL.", default=False)
+    dynamic_sampling_max_rounds: int = _help(
+        "With dynamic_sampling, the most generation rounds one batch may take; past it the run stops saying how "
+        "many groups it found.", range=AT_LEAST_ONE, default=10)
+    dynamic_sampling_filter: Optional[str] = _help(
+        "With dynamic_sampling, which groups to keep instead of those whose rewards differ: a function (a dotted "
+        "path module.function, or in Python the function) taking a group's [num_generations, reward functions] "
+        "rewards tensor and returning whether to train on it.", default=None)
 
     def _check(self):
-        check_positive(self, "num_iterations", "ref_model_sync_steps")
+        check_positive(self, "num_iterations", "ref_model_sync_steps", "dynamic_sampling_max_rounds")
+        if self.dynamic_sampling_filter is not None and not self.dynamic_sampling:
+            raise ConfigError("dynamic_sampling_filter is set but dynamic_sampling is False, so it would filter "
+                              "nothing: set dynamic_sampling=True, or remove dynamic_sampling_filter.")
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations} leaves no group to compare against: "

@@ -56,7 +56,7 @@ def _group_stats(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     return mean, std
 
 
-def _weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_k w_k r_k ignoring NaN; NaN for rows where every function returned None. [N, F] -> [N]."""
     total = (rewards * weights).nansum(dim=1)
     return total.masked_fill(torch.isnan(rewards).all(dim=1), float("nan"))
@@ -80,7 +80,7 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group_size: i
     """
     rewards = rewards.float()
     weights = weights.to(rewards)
-    total = _weighted_sum(rewards, weights)
+    total = weighted_sum(rewards, weights)
     _, group_std = _group_stats(total, group_size)
     if aggregation == "sum_then_normalize":
         mean, std = _group_stats(total, group_size)
@@ -91,7 +91,7 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group_size: i
             adv = adv / (std + STD_EPS)
     elif aggregation == "normalize_then_sum":
         mean_k, std_k = _group_stats(rewards, group_size)
-        summed = _weighted_sum((rewards - mean_k) / (std_k + STD_EPS), weights)
+        summed = weighted_sum((rewards - mean_k) / (std_k + STD_EPS), weights)
         adv = (summed - nanmean(summed)) / (nanstd(summed) + STD_EPS)
     else:
         raise ValueError(f"Unknown multi_objective_aggregation {aggregation!r}.")

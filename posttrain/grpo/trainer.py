@@ -23,6 +23,7 @@ from posttrain.generation import SamplingParams, make_generator
 from posttrain.grpo.advantages import group_advantages
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog, RewardLogs
+from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs, resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
@@ -33,7 +34,7 @@ from posttrain.models.peft import reference_mode
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
-from posttrain.training.distributed import guarded
+from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError is part of this module's API
 from posttrain.weights import export_weights
 
@@ -135,6 +136,7 @@ class GRPOTrainer(Trainer):
         self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
         self.reward_funcs = resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
         self.reward_weights = self._reward_weights()
+        self._group_filter = resolve_filter(args.dynamic_sampling_filter)
         for f in self.reward_funcs:
             if f.model is not None:
                 f.model.to(self.accelerator.device)
@@ -191,6 +193,46 @@ class GRPOTrainer(Trainer):
         return prompt_round
 
     def _generate_and_score(self) -> TrainingBatch:
+        """The next generation batch: sampled and scored (with dynamic_sampling, from as many rounds as it takes to
+        fill it with groups whose rewards differ), then its old and reference log-probs and its advantages."""
+        args, G = self.args, self.args.num_generations
+        scored = self._generate_round()
+        sampling = {}
+        if args.dynamic_sampling:
+            scored, sampling = self._dynamically_sampled(scored)
+        rollouts = scored.rollouts
+        with guarded(self.accelerator):  # the log-prob passes can fail on one process only
+            weights = sampling_stats = None
+            if args.corrects_sampling:
+                old_logps, weights, sampling_stats = self._sampling_correction(rollouts)
+            else:
+                old_logps = self._logps_no_grad(self.forward_policy, rollouts) if self.needs_old_logps else None
+            ref_logps = self._reference_logps(rollouts)
+        rewards = scored.rewards
+        adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
+        n = len(scored.rows)
+        local = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
+
+        loss_mask = rollouts.completion_mask
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
+        batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
+                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=weights)
+        self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
+                                 **(reduce_stats(self.accelerator.gather(sampling_stats.to(self.accelerator.device))
+                                                 .cpu()) if sampling_stats is not None else {}),
+                                 **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
+                                 **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
+                                                      self.accelerator.gather(rollouts.is_eos).cpu()),
+                                 **scored.logs.reduced_metrics(self.accelerator), **sampling}
+        if args.log_completions:
+            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in scored.rows], scored.texts,
+                                    rewards, adv.advantages, scored.extra)
+        return batch
+
+    def _generate_round(self) -> ScoredRound:
+        """The next round of prompts, G completions of each sampled (this process's share of the rows) and scored;
+        every process's rewards gathered."""
         args, G = self.args, self.args.num_generations
         bad_rows = [] if args.on_bad_reward == "skip" else None
         logs = RewardLogs()
@@ -209,33 +251,40 @@ class GRPOTrainer(Trainer):
             local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
                                   self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers(),
                                   args.reward_timeout)
-            weights = sampling_stats = None
-            if args.corrects_sampling:
-                old_logps, weights, sampling_stats = self._sampling_correction(rollouts)
-            else:
-                old_logps = self._logps_no_grad(self.forward_policy, rollouts) if self.needs_old_logps else None
-            ref_logps = self._reference_logps(rollouts)
         rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
-        skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else 0
-        adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
-        local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
+        skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else None
+        extra = logs.gathered_extra(self.accelerator, len(rows)) if args.log_completions else {}
+        return ScoredRound(rows, texts, rollouts, rewards, logs, extra, skipped)
 
-        loss_mask = rollouts.completion_mask
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
-        batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
-                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=weights)
-        self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
-                                 **(reduce_stats(self.accelerator.gather(sampling_stats.to(self.accelerator.device))
-                                                 .cpu()) if sampling_stats is not None else {}),
-                                 **({"rewards/skipped_groups": skipped} if bad_rows is not None else {}),
-                                 **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
-                                                      self.accelerator.gather(rollouts.is_eos).cpu()),
-                                 **logs.reduced_metrics(self.accelerator)}
-        if args.log_completions:
-            self.completion_log.add(self.state.global_step + 1, prompts, texts, rewards, adv.advantages,
-                                    logs.gathered_extra(self.accelerator, len(rows)))
-        return batch
+    def _dynamically_sampled(self, scored: ScoredRound) -> tuple[ScoredRound, dict]:
+        """DAPO's dynamic sampling (grpo/dynamic_sampling.py): rounds until the groups whose rewards differ fill the
+        batch; the batch of the first of them (this process's share) and the sampling/* metrics."""
+        from accelerate.utils import gather_object
+
+        args, G, acc = self.args, self.args.num_generations, self.accelerator
+        needed = scored.rewards.size(0)  # B*G rows, the batch's size
+        rows, logs, filtered, rounds = [], RewardLogs(), 0, 0
+        skipped = None if scored.skipped is None else 0
+        while True:
+            rounds += 1
+            with guarded(acc):  # a user's filter can fail
+                keep = groups_to_keep(scored.rewards, self.reward_weights, G, self._group_filter)
+            filtered += int((~keep).sum())
+            rows += kept_rows(scored, keep, acc.process_index * len(scored.rows), G, gather_object)
+            merge_logs(logs, scored.logs)
+            skipped = None if skipped is None else skipped + scored.skipped
+            if len(rows) >= needed:
+                break
+            if rounds >= args.dynamic_sampling_max_rounds:
+                raise mark_agreed(DataError(  # every process counts the same rows
+                    f"dynamic_sampling: {rounds} generation rounds gave {len(rows) // G} of the {needed // G} prompt "
+                    f"groups a batch needs whose rewards differ (dynamic_sampling_max_rounds="
+                    f"{args.dynamic_sampling_max_rounds}): raise dynamic_sampling_max_rounds, use prompts that are "
+                    "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
+            scored = self._generate_round()
+        batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
+                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device)
+        return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}
 
     def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, n_local: int) -> int:
         """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.

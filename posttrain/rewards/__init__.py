@@ -54,7 +54,7 @@ class RewardFunction:
         return self.fn is not None and inspect.iscoroutinefunction(self.fn)
 
 
-def _import_dotted(path: str):
+def import_dotted(path: str):
     module, _, attr = path.rpartition(".")
     if not module:
         return None
@@ -142,7 +142,7 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
     funcs = []
     for spec, tokenizer in zip(specs, _processing_classes(processing_classes, len(specs))):
         if isinstance(spec, str):
-            fn = by_name(spec, config) or _import_dotted(spec)
+            fn = by_name(spec, config) or import_dotted(spec)
             # named as TRL names them: by the function's __name__ (a factory's class sets it)
             funcs.append(RewardFunction(name=getattr(fn, "__name__", spec.split(".")[-1]), fn=fn) if fn else
                          _load_reward_model(spec, trust_remote_code, tokenizer))

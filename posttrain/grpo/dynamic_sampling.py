@@ -1,0 +1,131 @@
+"""Dynamic sampling (DAPO): a generation batch made only of prompt groups whose rewards differ.
+
+A group whose G completions all get the same reward has advantage 0 and teaches the policy nothing (beyond a KL or
+entropy term). With `dynamic_sampling`, the trainer scores a generation round as usual, drops such groups (or the
+groups a user's `dynamic_sampling_filter` rejects), and draws further rounds from the prompt stream until the kept
+groups fill the configured batch (B prompts x G completions) before any optimizer step, so the batch size and the
+loss normaliser never change. The surplus of the last round is dropped. A batch takes at most
+`dynamic_sampling_max_rounds` rounds; past it the run stops with one sentence.
+
+Which groups are kept is decided on the gathered rewards (the same on every process), and the kept rows are gathered
+and shared out again in order: several processes train on exactly the batch one process would.
+
+    keep = groups_to_keep(rewards, weights, G, user_filter)     [B] bool over a round's groups
+    rows = kept_rows(round, keep, first_row, gather)            every process's kept rows, in the round's order
+    assemble(rows, n_needed, process, processes, ...)           this process's share of the first n_needed rows
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from posttrain.configs import ConfigError
+from posttrain.grpo.advantages import nanstd, weighted_sum
+from posttrain.grpo.completions import RewardLogs
+
+DEFAULT_MAX_ROUNDS = 10
+
+
+@dataclass
+class ScoredRound:
+    """Generation rounds' completions on this process and how every process's scored.
+
+    Attributes:
+        rows: this process's dataset rows, one per completion (the prompt repeated G times).
+        texts: this process's completion texts.
+        rollouts: this process's completions.
+        rewards: [B*G, F] every process's rewards, gathered in row order (a skipped group's are NaN).
+        logs: what the reward functions logged on this process (log_metric, log_extra).
+        extra: the log_extra columns over every process's completions (with log_completions only).
+        skipped: groups skipped for a non-finite reward (on_bad_reward=skip), else None.
+    """
+
+    rows: list[dict]
+    texts: list[str]
+    rollouts: Any
+    rewards: torch.Tensor
+    logs: RewardLogs
+    extra: dict = field(default_factory=dict)
+    skipped: int | None = None
+
+
+@dataclass(frozen=True)
+class KeptRow:
+    """One kept completion, as plain values that travel between processes."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]
+    row: dict
+    text: str
+    reward: list[float]
+    extra: dict
+
+
+def resolve_filter(spec) -> Callable | None:
+    """The user's group filter: a callable, a dotted path `module.function`, or None (keep groups whose rewards
+    differ)."""
+    if spec is None or callable(spec):
+        return spec
+    from posttrain.rewards import import_dotted
+
+    fn = import_dotted(spec) if isinstance(spec, str) else None
+    if not callable(fn):
+        raise ConfigError(f"dynamic_sampling_filter={spec!r} is not an importable function: give a dotted path "
+                          "module.function (importable from where you launch), taking a group's [G, F] rewards and "
+                          "returning whether to keep it.")
+    return fn
+
+
+def groups_to_keep(rewards: torch.Tensor, weights: torch.Tensor, G: int, user_filter: Callable | None = None
+                   ) -> torch.Tensor:
+    """[B] bool: the groups of `rewards` [B*G, F] to train on. By default a group whose weighted rewards are not all
+    equal (a group with a NaN total, skipped for a bad reward or with no applicable function, is dropped); with
+    `user_filter`, whatever it returns for the group's [G, F] rewards."""
+    groups = rewards.view(-1, G, rewards.size(1))
+    if user_filter is not None:
+        return torch.tensor([bool(user_filter(group.clone())) for group in groups], dtype=torch.bool)
+    total = weighted_sum(rewards, weights).view(-1, G)
+    std = nanstd(total, dim=1)
+    return ~torch.isnan(total).any(1) & torch.isfinite(std) & ~torch.isclose(std, torch.zeros_like(std))
+
+
+def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, gather_object) -> list[KeptRow]:
+    """Every process's rows whose group is kept, in the round's row order (a collective: `gather_object` joins the
+    processes' lists in process order). `first_row`: the global index of this process's first row."""
+    r = scored.rollouts
+    mine = []
+    for j in range(len(scored.rows)):
+        index = first_row + j
+        if not keep[index // G]:
+            continue
+        prompt, completion = r.prompt_mask[j].bool(), r.completion_mask[j].bool()
+        mine.append(KeptRow(r.prompt_ids[j][prompt].tolist(), r.completion_ids[j][completion].tolist(),
+                            r.sampler_logprobs[j][completion].tolist(), scored.rows[j], scored.texts[j],
+                            scored.rewards[index].tolist(),
+                            {c: values[index] for c, values in scored.extra.items()}))
+    return gather_object(mine)
+
+
+def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, logs: RewardLogs, skipped: int | None,
+             pad_id: int, eos_ids: list[int], device) -> ScoredRound:
+    """The batch of the first `needed` kept rows, this process holding its contiguous share (as a round's rows are
+    shared out)."""
+    from posttrain.generation import Rollouts
+
+    batch = rows[:needed]
+    n = needed // processes
+    mine = batch[process * n:(process + 1) * n]
+    rollouts = Rollouts.from_lists([(r.prompt_ids, r.completion_ids, r.sampler_logprobs) for r in mine], pad_id,
+                                   eos_ids, device)
+    columns = sorted({c for r in batch for c in r.extra})
+    return ScoredRound(rows=[r.row for r in mine], texts=[r.text for r in mine], rollouts=rollouts,
+                       rewards=torch.tensor([r.reward for r in batch], dtype=torch.float32), logs=logs,
+                       extra={c: [r.extra.get(c) for r in batch] for c in columns}, skipped=skipped)
+
+
+def merge_logs(into: RewardLogs, logs: RewardLogs) -> None:
+    """A round's log_metric values added to the batch's (its log_extra columns travel with the kept rows)."""
+    for name, values in logs.metrics.items():
+        into.metrics[name].extend(values)
