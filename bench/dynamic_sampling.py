@@ -1,5 +1,6 @@
 """Dynamic sampling on the demo task: the sampled accuracy a run reaches for a fixed number of generated completions,
-with and without it (several seeds; one JSON line per run, then one per setting with the mean).
+with and without it, and without it for as many optimizer steps as the dynamic run took (several seeds; one JSON
+line per run, then one per setting with the mean).
 
     python bench/dynamic_sampling.py [--completions 19200] [--seeds 0 1 2]
 
@@ -29,17 +30,18 @@ class StopAfterCompletions:
             control.should_training_stop = True
 
 
-def run(dynamic: bool, seed: int, budget: int, out: str) -> dict:
+def run(dynamic: bool, seed: int, budget: int, out: str, steps: int | None = None) -> dict:
+    """One demo run, stopped after `budget` generated completions (or after `steps` optimizer steps)."""
     import torch
 
     from posttrain.demo import MAX_DIGIT, demo_config, demo_dataset, demo_model_path, sampled_accuracy
     from posttrain.grpo.trainer import GRPOTrainer
 
-    config = demo_config(out, max_steps=10 * budget // 64, seed=seed)
+    config = demo_config(out, max_steps=steps or 10 * budget // 64, seed=seed)
     config.dynamic_sampling = dynamic
     config.disable_tqdm = True
     config.plot_on_end = False
-    stop = StopAfterCompletions(budget)
+    stop = StopAfterCompletions(budget if steps is None else 10 ** 12)
     trainer = GRPOTrainer(demo_model_path(), "accuracy", config, train_dataset=demo_dataset(), callbacks=[stop])
     stop.trainer = trainer
     start = time.perf_counter()
@@ -59,17 +61,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results = {False: [], True: []}
+    results = {"plain, same completions": [], "dynamic": [], "plain, same optimizer steps": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for dynamic in (False, True):  # interleaved
-                result = run(dynamic, seed, args.completions, os.path.join(tmp, f"{dynamic}-{seed}"))
-                results[dynamic].append(result)
-                print(json.dumps(result), flush=True)
-    for dynamic, rows in results.items():
-        print(json.dumps({"dynamic_sampling": dynamic, "completions": args.completions, "seeds": args.seeds,
-                          "mean_sampled_accuracy": round(statistics.mean(r["sampled_accuracy"] for r in rows), 4),
-                          "mean_optimizer_steps": statistics.mean(r["optimizer_steps"] for r in rows)}), flush=True)
+        for seed in args.seeds:  # the settings interleaved
+            for name in results:
+                steps = results["dynamic"][-1]["optimizer_steps"] if name.endswith("steps") else None
+                result = run(name == "dynamic", seed, args.completions, os.path.join(tmp, f"{len(results[name])}"
+                                                                                          f"-{name[:5]}-{seed}"), steps)
+                results[name].append(result)
+                print(json.dumps({"setting": name, **result}), flush=True)
+    for name, rows in results.items():
+        print(json.dumps({"setting": name, "seeds": args.seeds,
+                          "mean_generated_completions": statistics.mean(r["generated_completions"] for r in rows),
+                          "mean_optimizer_steps": statistics.mean(r["optimizer_steps"] for r in rows),
+                          "mean_sampled_accuracy": round(statistics.mean(r["sampled_accuracy"] for r in rows), 4)}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | plot | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -29,7 +29,7 @@ TRAINERS = {
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
-COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "env")
+COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
 
 
@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, metavar="FILE",
                       help="FILE.png, .svg or .html (one self-contained page); default OUTPUT_DIR/plots.png of the "
                            "first run.")
+    report = sub.add_parser("report", help="Write a run's report: one self-contained HTML page with its summary, "
+                            "curves, sampled completions and config.", allow_abbrev=False)
+    report.add_argument("output_dir", metavar="OUTPUT_DIR", help="A run's output_dir.")
+    report.add_argument("--out", default=None, metavar="FILE.html", help="Default OUTPUT_DIR/report.html.")
+    report.add_argument("--steps", type=int, nargs="+", default=None, metavar="STEP",
+                        help="The steps whose completions are shown (default: the first, middle and last logged).")
+    report.add_argument("--rows", type=int, default=8, help="Completions shown per step (default 8).")
     sub.add_parser("env", help="Print versions and devices for bug reports.")
     return parser
 
@@ -366,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
 
             out = args.out or os.path.join(args.output_dirs[0], "plots.png")
             print(f"posttrain: wrote {plot_runs(args.output_dirs, out)}")
+        elif argv[0] == "report":
+            args = parser.parse_args(argv)
+            from posttrain.report import write_report
+
+            print(f"posttrain: wrote {write_report(args.output_dir, args.out, args.steps, args.rows)}")
         else:
             print_env()
     except Exception as err:

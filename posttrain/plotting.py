@@ -119,11 +119,42 @@ def _labels(output_dirs: list[str]) -> list[str]:
 
 def plot_runs(output_dirs: list[str], out: str) -> str:
     """Draw every panel with data for the runs in `output_dirs` into `out` (.png, .svg or .html). Returns `out`."""
-    from posttrain._optional import require
-
     extension = os.path.splitext(out)[1].lower()
     if extension not in FORMATS:
         raise PlotError(f"--out {out!r}: the plot is written as {', '.join(FORMATS)}; end the name with one of them.")
+    figure = _figure(output_dirs)
+    _save(figure, out, extension)
+    _close(figure)
+    return out
+
+
+def figure_svg(output_dirs: list[str]) -> str:
+    """The runs' panels as one inline <svg> element (text kept as text), for an HTML page."""
+    figure = _figure(output_dirs)
+    text = _svg_text(figure)
+    _close(figure)
+    return text
+
+
+def _svg_text(figure) -> str:
+    import io
+
+    svg = io.StringIO()
+    figure.savefig(svg, format="svg")
+    text = svg.getvalue()
+    return text[text.index("<svg"):]  # inline: no XML prologue inside HTML
+
+
+def _close(figure) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+
+
+def _figure(output_dirs: list[str]):
+    """A matplotlib figure of every panel with data for the runs in `output_dirs`."""
+    from posttrain._optional import require
+
     runs = [read_metrics(d) for d in output_dirs]
     if not any(runs):
         raise PlotError(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging step.")
@@ -145,9 +176,7 @@ def plot_runs(output_dirs: list[str], out: str) -> str:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     figure.tight_layout()
-    _save(figure, out, extension)
-    plt.close(figure)
-    return out
+    return figure
 
 
 def _draw(ax, panel: Panel, keys: list[str], runs: list, labels: list[str], colours: list, styles: list) -> None:
@@ -181,13 +210,8 @@ def _save(figure, out: str, extension: str) -> None:
         if extension != ".html":
             figure.savefig(out, dpi=110)
             return
-        import io
-
-        svg = io.StringIO()
-        figure.savefig(svg, format="svg")
-        body = svg.getvalue()
-        body = body[body.index("<svg"):]  # inline: no XML prologue inside HTML
-        with open(out, "w") as f:
+        body = _svg_text(figure)
+        with open(out, "w", encoding="utf-8") as f:
             f.write("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>posttrain curves</title></head>\n"
                     f"<body>\n{body}\n</body></html>\n")
     except OSError as err:

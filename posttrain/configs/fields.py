@@ -204,7 +204,8 @@ class LoggingConfig:
                            "is), debug, info, warning, error or critical.", default="passive")
     log_level_replica: str = _help("The same, on the other processes.", default="warning")
     plot_on_end: Optional[bool] = _help(
-        "Draw the run's curves into output_dir/plots.png at the end of training (posttrain plot): None (default) "
+        "Draw the run's curves into output_dir/plots.png and write output_dir/report.html at the end of training "
+        "(posttrain plot, posttrain report): None (default) "
         "when matplotlib (the plot extra) is installed, True always (matplotlib required), False never.",
         default=None)
 

@@ -101,11 +101,11 @@ class CompletionLog:
         columns = ["step", "prompt", "completion", *self.names, "advantage", *extra]
         rows, seen = [], set()
         for row in self.last:
-            prompt = _as_text(row["prompt"])
+            prompt = as_text(row["prompt"])
             if self.unique_prompts and prompt in seen:
                 continue
             seen.add(prompt)
-            rows.append([row["step"], prompt, _as_text(row["completion"]), *row["rewards"].values(), row["advantage"],
+            rows.append([row["step"], prompt, as_text(row["completion"]), *row["rewards"].values(), row["advantage"],
                          *(row[c] for c in extra)])
         return columns, rows
 
@@ -131,7 +131,7 @@ class CompletionLog:
         Console(stderr=True).print(table)
 
 
-def _as_text(value) -> str:
+def as_text(value) -> str:
     """A prompt or completion as text: a conversation as one `role: content` line per message."""
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
         return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in value)

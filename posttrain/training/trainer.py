@@ -339,10 +339,12 @@ class Trainer:
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _write_plots(self) -> None:
-        """output_dir/plots.png from metrics.jsonl, as plot_on_end says (None: when matplotlib is installed)."""
+        """output_dir/plots.png from metrics.jsonl and output_dir/report.html (posttrain/report.py), as plot_on_end
+        says (None: when matplotlib is installed)."""
         import importlib.util
 
         from posttrain.plotting import PlotError, plot_runs
+        from posttrain.report import write_report
 
         if self.args.plot_on_end is False or (self.args.plot_on_end is None and
                                               importlib.util.find_spec("matplotlib") is None):
@@ -351,6 +353,7 @@ class Trainer:
             plot_runs([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
         except PlotError as err:  # nothing logged (logging_strategy=no): the run itself is fine
             logger.warning("No plots.png: %s", err)
+        write_report(self.args.output_dir)  # without logged steps, it says so in place of the curves
 
     _title = "train"
     _shown_metrics: tuple = ("loss",)  # on the terminal; the first with its moving average (training/logging.py)

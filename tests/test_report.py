@@ -1,0 +1,120 @@
+"""The run report (posttrain/report.py): one self-contained HTML page that a real headless browser renders with its
+curves, its summary, its completions table and its config, from the output directory alone."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.plots
+
+CHROMIUM = os.environ.get("POSTTRAIN_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _run_dir(tmp_path):
+    """An output_dir as a GRPO run with log_completions leaves it: 6 logged steps, completions at each, a config and
+    the end-of-training summary; one completion holds HTML and a conversation."""
+    out = tmp_path / "my-run"
+    out.mkdir()
+    with open(out / "metrics.jsonl", "w") as f:
+        for step in range(1, 7):
+            f.write(json.dumps({"step": step, "epoch": step / 6, "loss": 0.1 / step, "reward": 0.1 * step,
+                                "rewards/accuracy/mean": 0.1 * step, "kl": 0.01 * step, "entropy": 2.0 - 0.1 * step,
+                                "completions/mean_length": 3.0, "grad_norm": 0.5, "learning_rate": 1e-3,
+                                "step_time": 0.1}) + "\n")
+        f.write(json.dumps({"step": 6, "train_runtime": 1.5, "train_loss": 0.04}) + "\n")
+    with open(out / "completions.jsonl", "w") as f:
+        for step in range(1, 7):
+            for i in range(4):
+                completion = "<b>not bold</b> & 7" if (step, i) == (1, 0) else f"{step + i}"
+                prompt = [{"role": "user", "content": f"{step}+{i}="}] if i == 3 else f"{step}+{i}="
+                f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion,
+                                    "rewards": {"accuracy": float(i % 2)}, "advantage": 0.5 - i % 2,
+                                    "golden": str(step + i)}) + "\n")
+    (out / "all_results.json").write_text(json.dumps({"train_runtime": 1.5, "train_loss": 0.04, "epoch": 1.0}))
+    (out / "posttrain_config.yaml").write_text("learning_rate: 0.001\nnum_generations: 4\nloss_type: dapo\n")
+    return out
+
+
+def test_the_report_holds_every_piece_escaped(tmp_path):
+    from posttrain.report import chosen_steps, write_report
+
+    out = _run_dir(tmp_path)
+    path = write_report(str(out))
+    assert path == str(out / "report.html")
+    page = open(path, encoding="utf-8").read()
+    assert page.count("<svg") == 1  # the curves inline
+    assert not any(tag in page for tag in ("<script", "<link", "<img", "src=", "href=\"http"))  # nothing to fetch
+    assert "&lt;b&gt;not bold&lt;/b&gt; &amp; 7" in page and "<b>not bold</b>" not in page
+    assert "user: 6+3=" in page  # a conversation as role: content
+    assert [f"<h3>Step {s} " in page for s in (1, 4, 6)] == [True, True, True]  # first, middle, last
+    assert "loss_type" in page and "dapo" in page and "train_runtime" in page
+    assert chosen_steps([1, 2, 3], [2, 9]) == [2] and chosen_steps([5], None) == [5] and chosen_steps([], None) == []
+
+
+def test_a_run_without_completions_or_summary_says_so(tmp_path):
+    from posttrain.report import write_report
+
+    out = tmp_path / "running"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n{\"step\": 2, \"lo")  # half-written
+    page = open(write_report(str(out)), encoding="utf-8").read()
+    assert "No completions.jsonl: set log_completions=True" in page
+    assert "No all_results.json: the run has not finished." in page
+    assert "No posttrain_config.yaml" in page and page.count("<svg") == 1
+
+
+def test_the_report_command(tmp_path):
+    out = _run_dir(tmp_path)
+    run = subprocess.run([sys.executable, "-m", "posttrain.cli", "report", str(out), "--steps", "2", "5", "--rows",
+                          "2", "--out", str(tmp_path / "r.html")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"posttrain: wrote {tmp_path / 'r.html'}"
+    page = open(tmp_path / "r.html", encoding="utf-8").read()
+    assert "<h3>Step 2 (2 of 4 completions)</h3>" in page and "<h3>Step 5 (2 of 4 completions)</h3>" in page
+    assert "<h3>Step 1 " not in page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's chromium)")
+def test_a_headless_browser_renders_the_curves_and_the_tables(tmp_path):
+    """Opened from disk (file://, no server) in headless Chromium: the curves are drawn (an SVG with its panels'
+    lines and titles, of real size), the completions tables show their rows (with the HTML in a completion shown
+    as text), the summary is visible and the config opens on a click, and the page fetched nothing."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    from posttrain.report import write_report
+
+    path = write_report(str(_run_dir(tmp_path)))
+    requests = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.on("request", lambda request: requests.append(request.url))
+        page.goto(f"file://{path}")
+        svg = page.locator("svg").first.bounding_box()
+        assert svg is not None and svg["width"] > 600 and svg["height"] > 200
+        assert page.locator("svg path").count() > 20  # the panels' lines, axes and ticks
+        titles = page.locator("svg text").all_text_contents()
+        assert {"reward", "KL to the reference", "entropy"} <= {t.strip() for t in titles}
+        tables = page.locator("table.completions")
+        assert tables.count() == 3
+        first = tables.first
+        assert first.locator("tbody tr").count() == 4 and first.is_visible()
+        cells = first.locator("tbody tr").first.locator("td").all_inner_texts()
+        assert cells[:3] == ["1+0=", "<b>not bold</b> & 7", "0"]
+        assert first.locator("th").all_inner_texts() == ["prompt", "completion", "accuracy", "advantage", "golden"]
+        box = first.locator("tbody tr").first.bounding_box()
+        assert box is not None and box["height"] > 5 and box["width"] > 100
+        assert page.locator("table.summary").is_visible() and not page.locator("table.config").is_visible()
+        page.locator("details summary").click()  # the config, folded away, opens
+        assert page.locator("table.config").is_visible()
+        assert page.locator("table.config tbody tr").count() == 3
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        browser.close()
+    assert requests == [f"file://{path}"]  # the page itself only
+    assert os.path.getsize(tmp_path / "report.png") > 20_000
