@@ -222,14 +222,21 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     assert all(torch.equal(again[name], sharded[name]) for name in sharded)
 
 
-@pytest.mark.parametrize("config, name", [("fsdp2.yaml", "FSDP"), ("zero2.yaml", "DeepSpeed")])
+@pytest.mark.parametrize("config, name", [("fsdp1.yaml", "FSDP"), ("fsdp2.yaml", "FSDP"), ("zero2.yaml", "DeepSpeed")])
 def test_a_sharded_config_without_a_gpu_stops_in_one_sentence(config, name, workload):
     """Without the test patch, accelerate turns an FSDP or DeepSpeed launch on CPU (use_cpu) into DDP: the run stops
     before loading, once."""
     if name == "DeepSpeed":
         pytest.importorskip("deepspeed")
-    run = _sharded(config, _args(workload, "grpo", workload / f"refused-{name}", 8), patched=False)
+    run = _sharded(config, _args(workload, "grpo", workload / f"refused-{config}", 8), patched=False)
     lines = [line for line in run.stderr.splitlines() if line.startswith("posttrain:")]
+    if config == "fsdp1.yaml":  # the shipped fsdp1 loads the weights on one process: accelerate stops before choosing
+        assert run.returncode != 0 and lines == [
+            "posttrain: error: This run was launched with FSDP loading the weights on one process and sharing them "
+            "(fsdp_cpu_ram_efficient_loading or fsdp_sync_module_states), which accelerate sets up only on a GPU, and "
+            "this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."], \
+            run.stderr[-3000:]
+        return
     assert run.returncode != 0 and lines == [
         f"posttrain: error: This run was launched with {name}, but accelerate set up DDP over 2 processes instead, as "
         "it does on a machine without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without "

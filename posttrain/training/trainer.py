@@ -86,8 +86,19 @@ def make_accelerator(args, mixed_precision: str):
     # The schedule is built for optimizer steps: accelerate would otherwise step it once per process at every step
     # (it assumes a schedule sized for one process's batches), and with 2 processes the learning rate decays twice
     # as fast.
-    return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
-                       step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
+    try:
+        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
+                           step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
+    except RuntimeError as err:
+        from posttrain.configs import ConfigError
+
+        if "no available devices found" in str(err) and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+            raise mark_agreed(ConfigError(  # every process raises it
+                "This run was launched with FSDP loading the weights on one process and sharing them "
+                "(fsdp_cpu_ram_efficient_loading or fsdp_sync_module_states), which accelerate sets up only on a "
+                "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
+            )) from err
+        raise
 
 
 def _deepspeed_plugin(args):
