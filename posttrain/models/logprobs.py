@@ -109,9 +109,9 @@ def fast_path_available(model) -> bool:
     cached = getattr(plain, "_posttrain_fast_logprobs", None)
     if cached is None:
         layer = output_layer(plain)
-        if layer is not None and whole_only_in_forward(layer):
+        if layer is not None and getattr(layer, WHOLE_ONLY_IN_FORWARD, False):  # FSDP1: only its root gathers
             cached = _check_in_forward_path(model, layer)
-        else:
+        else:  # ZeRO-3's hooks gather the weights of the plain module's parts
             cached = _check_fast_path(plain)
         plain._posttrain_fast_logprobs = cached
     return cached
@@ -119,7 +119,8 @@ def fast_path_available(model) -> bool:
 
 def _check_in_forward_path(model, layer) -> bool:
     """Whether the model returns its output layer's output as its logits, unchanged (the chunked path computed as
-    that layer's forward then gives the model's log-probs)."""
+    that layer's forward then gives the model's log-probs). One forward through `model`, FSDP1's root wrapper,
+    which gathers the weights outside the decoder layers."""
     plain = unwrap(model)
     if logits_to_keep_kwarg(plain) is None:
         return False
