@@ -15,7 +15,7 @@ import html
 import json
 import os
 
-from posttrain.grpo.completions import as_text
+from posttrain.grpo.completions import as_text, extra_columns
 from posttrain.plotting import PlotError, figure_svg, read_metrics
 
 REPORT = "report.html"
@@ -154,7 +154,7 @@ def _completions(output_dir: str, steps: list[int] | None, rows: int) -> str:
     for step in chosen:
         logged = by_step[step]
         functions = list(logged[0].get("rewards", {}))
-        extra = [k for k in logged[0] if k not in ("step", "prompt", "completion", "rewards", "advantage")]
+        extra = extra_columns(logged[0])
         body = [[as_text(r.get("prompt")), as_text(r.get("completion")), *(r.get("rewards", {}).get(n) for n in functions),
                  r.get("advantage"), *(r.get(k) for k in extra)] for r in logged[:rows]]
         parts.append(f"<h3>Step {step} ({min(rows, len(logged))} of {len(logged)} completions)</h3>")

@@ -96,8 +96,7 @@ class CompletionLog:
     def table(self) -> tuple[list[str], list[list]]:
         """The latest round as a table: its columns and one list per row (conversational prompts as role: content
         lines); with log_unique_prompts each prompt's first row only."""
-        extra = [c for c in (self.last[0] if self.last else {}) if c not in ("step", "prompt", "completion",
-                                                                             "rewards", "advantage")]
+        extra = extra_columns(self.last[0]) if self.last else []
         columns = ["step", "prompt", "completion", *self.names, "advantage", *extra]
         rows, seen = [], set()
         for row in self.last:
@@ -129,6 +128,11 @@ class CompletionLog:
             rewards = [f"{v:.3g}" if v is not None else "-" for v in row["rewards"].values()]
             table.add_row(str(row["prompt"]), row["completion"], *rewards, f"{row['advantage']:.3g}")
         Console(stderr=True).print(table)
+
+
+def extra_columns(row: dict) -> list[str]:
+    """A completions.jsonl row's log_extra columns: every key but the fixed ones."""
+    return [key for key in row if key not in ("step", "prompt", "completion", "rewards", "advantage")]
 
 
 def as_text(value) -> str:
