@@ -235,3 +235,35 @@ def test_a_row_samples_the_same_completion_in_any_batch(tokenizer):
             assert torch.allclose(whole.sampler_logprobs[r, :n], part.sampler_logprobs[row, :n], atol=1e-5)
     # copies of one prompt differ (their keys do)
     assert len({tuple(whole.completion_ids[r].tolist()) for r in range(3)}) > 1
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_finished_rows_leave_the_batch_and_the_rest_sample_what_they_would_have(tokenizer, lean, monkeypatch):
+    """Decode compaction: rows that produced EOS leave the decode batch; every row's tokens and sampler log-probs
+    equal those of a decode that keeps every row to the end (LeanDecoder and the model's own cache alike), with a
+    repetition penalty (its per-row seen tokens shrink with the batch)."""
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer, hidden=32, layers=2)
+    with torch.no_grad():  # a likely EOS whose chance depends on the context: completions end at different lengths
+        model.lm_head.weight[tokenizer.eos_token_id] = model.lm_head.weight[tokenizer.eos_token_id] * 60.0
+    assert lean_decoder.supports(model)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, repetition_penalty=1.2)
+    prompts = _prompts(tokenizer) * 6  # 18 rows
+
+    def run():
+        gen = TransformersGenerator(model, tokenizer, params, seed=5, lean=lean)
+        return gen.generate(prompts), gen.decoded_row_steps
+
+    compacted, steps = run()
+    lengths = compacted.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) >= 4 and compacted.is_eos.sum() >= 6  # the test needs spread lengths
+    assert steps == int(lengths.sum())  # one model row per token each row generated, none after its EOS
+    stepper = lean_decoder.LeanDecoder if lean else ModelStepper
+    monkeypatch.setattr(stepper, "keep_rows", lambda self, rows: False)
+    every_row, steps_uncompacted = run()
+    assert steps_uncompacted == len(prompts) * compacted.completion_ids.size(1)
+    assert torch.equal(compacted.completion_ids, every_row.completion_ids)
+    assert torch.equal(compacted.completion_mask, every_row.completion_mask)
+    assert torch.allclose(compacted.sampler_logprobs, every_row.sampler_logprobs, atol=1e-5)

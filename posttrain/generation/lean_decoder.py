@@ -210,6 +210,18 @@ class LeanDecoder:
         self.key_mask[:, 0, 0, self.length] = True
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
 
+    def keep_rows(self, rows: torch.Tensor) -> bool:
+        """Keep only these rows ([n'] indices) of the batch: their keys, values and key mask move to a smaller cache
+        (the filled positions only); the logits buffer shrinks to n' rows."""
+        keys = self.keys.new_empty((self.keys.size(0), rows.numel()) + self.keys.shape[2:])
+        values = torch.empty_like(keys)
+        keys[:, :, :, :self.length] = self.keys[:, rows, :, :self.length]
+        values[:, :, :, :self.length] = self.values[:, rows, :, :self.length]
+        self.keys, self.values, self.key_mask = keys, values, self.key_mask[rows]
+        if self.logits is not None:
+            self.logits = self.logits[:rows.numel()]
+        return True
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, copies=None) -> torch.Tensor:
         x = self.body.embed_tokens(ids)  # [N, L, H]
         if self.rope_table is not None:
@@ -224,7 +236,7 @@ class LeanDecoder:
             x = layer.down_plus(x, layer.act(gate) * up)
         self.length = end
         last = self.final_norm(x[:, -1])  # [N, H]
-        if self.logits is not None and copies is None:  # the buffer has N rows
+        if self.logits is not None and copies is None:  # the buffer has a row per row of the batch
             return torch.mm(last, self.head.weight.T, out=self.logits)
         return self.head(last).float()
 

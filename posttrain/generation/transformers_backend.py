@@ -42,6 +42,11 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+# rows that have finished leave the decode batch once they are at least 1/COMPACT_FRACTION of it: with 16 rows at
+# once, with 256 rows in groups of 8 (each removal copies the KV cache)
+COMPACT_FRACTION = 32
+
+
 class ModelStepper:
     """Prefill and one-token steps through the model's own forward and a transformers KV cache."""
 
@@ -64,6 +69,15 @@ class ModelStepper:
         ones = torch.ones((token_ids.size(0), 1), dtype=self.attention.dtype, device=self.attention.device)
         self.attention = torch.cat([self.attention, ones], dim=1)
         return self._forward(token_ids.unsqueeze(1), positions)
+
+    def keep_rows(self, rows: torch.Tensor) -> bool:
+        """Keep only these rows ([n'] indices) of the batch; False when the cache cannot drop rows."""
+        select = getattr(self.cache, "batch_select_indices", None)
+        if select is None:
+            return False
+        select(rows)
+        self.attention = self.attention[rows]
+        return True
 
     def _forward(self, ids, positions):
         kwargs = dict(self.kwargs, past_key_values=self.cache)
@@ -138,6 +152,9 @@ class TransformersGenerator:
             self.model.train(was_training)
 
     def _decode(self, prompts: list[list[int]]) -> Rollouts:
+        """The decode loop. Rows that have produced EOS leave the batch (and the stepper's KV cache) once they are
+        at least 1/COMPACT_FRACTION of it, so finished rows are not decoded on to the longest row's end; `active`
+        maps each row of the shrinking batch to its row in the round."""
         p, device = self.params, self._device()
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, device)
         n = len(prompts)
@@ -145,13 +162,17 @@ class TransformersGenerator:
         banned = torch.tensor(p.suppress_tokens, device=device) if p.suppress_tokens else None
         tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
-        done = torch.zeros(n, dtype=torch.bool, device=device)
+        active = torch.arange(n, device=device)
+        streams = self._streams
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # of the active rows
         positions = positions_from_mask(prompt_mask)
         stepper = self._stepper(prompt_mask, p.max_new_tokens)
-        logits, seen = stepper.prefill(prompt_ids, positions), None  # [N, V]
+        logits, seen = stepper.prefill(prompt_ids, positions), None  # [n_active, V]
+        self.decoded_row_steps = 0  # rows run through the model per token, summed (what compaction saves)
         for t in range(p.max_new_tokens):
             if t > 0:
-                logits = stepper.step(tokens[:, t - 1], positions)
+                logits = stepper.step(tokens[active, t - 1], positions)
+            self.decoded_row_steps += active.numel()
             if p.repetition_penalty != 1.0:
                 if seen is None:
                     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, prompt_ids, prompt_mask)
@@ -162,17 +183,23 @@ class TransformersGenerator:
                 logits.index_fill_(1, banned, float("-inf"))
             if t == 0 and p.begin_suppress_tokens:
                 logits.index_fill_(1, torch.tensor(p.begin_suppress_tokens, device=device), float("-inf"))
-            token, logp = sample(filter_logits(logits, p), stream_uniforms(self._streams, t),
+            token, logp = sample(filter_logits(logits, p), stream_uniforms(streams, t),
                                  overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
-            tokens[:, t] = token
-            logprobs[:, t] = logp.masked_fill(done, 0.0)
+            tokens[active, t] = token
+            logprobs[active, t] = logp.masked_fill(done, 0.0)
             if seen is not None:
                 seen.scatter_(1, token.unsqueeze(1), True)
             done = done | torch.isin(token, eos)
-            if bool(done.all()):
+            finished = int(done.sum())
+            if finished == done.numel():
                 break
             positions = positions[:, -1:] + 1
+            if finished >= max(1, done.numel() // COMPACT_FRACTION):
+                keep = (~done).nonzero().squeeze(1)
+                if stepper.keep_rows(keep):
+                    active, streams, positions, done = active[keep], streams[keep], positions[keep], done[keep]
+                    seen = seen[keep] if seen is not None else None
         return self._rollouts(prompt_ids, prompt_mask, tokens[:, :t + 1], logprobs[:, :t + 1], eos)
 
     def _stepper(self, prompt_mask: torch.Tensor, max_new_tokens: int):
