@@ -1,4 +1,5 @@
-"""Decode speed of the transformers generator: LeanDecoder against the model's own forward.
+"""Decode speed of the transformers generator: LeanDecoder (with oneDNN's linear, and with torch's GEMM) against
+the model's own forward.
 
 Usage: python bench/decode_micro.py MODEL_DIR [--rows 16] [--tokens 64] [--repeats 5] [--threads 2]
 Samples `rows` completions of exactly `tokens` tokens (min_new_tokens) from the bench prompts, alternating
@@ -27,6 +28,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.generation import SamplingParams
+    from posttrain.generation import lean_decoder
     from posttrain.generation.lean_decoder import supports
     from posttrain.generation.transformers_backend import TransformersGenerator
 
@@ -34,10 +36,11 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [tokenizer(f"What is {10 + i // 8} + {100 + i // 8}?").input_ids for i in range(args.rows)]
     params = SamplingParams(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    ms = {"lean": [], "model_forward": []}
+    ms = {"lean": [], "lean_gemm": [], "model_forward": []}
     for _ in range(args.repeats + 1):  # the first round warms up and is dropped
         for name in ms:
-            gen = TransformersGenerator(model, tokenizer, params, seed=0, lean=name == "lean")
+            lean_decoder._ONEDNN = False if name == "lean_gemm" else None  # None: probe oneDNN again
+            gen = TransformersGenerator(model, tokenizer, params, seed=0, lean=name != "model_forward")
             start = time.perf_counter()
             gen.generate(prompts)
             ms[name].append((time.perf_counter() - start) * 1000 / args.tokens)

@@ -39,3 +39,29 @@ def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
     for _ in range(repeats):
         a @ b.T
     return 2 * rows * inner * cols * repeats / (time.perf_counter() - start) / 1e9
+
+
+def padding_waste(config, rounds: list[dict], beta: float, compacted_decode: bool, head_on_real_tokens: bool) -> dict:
+    """Share of a run's matmul FLOPs spent on padding and on rows that had already finished.
+
+    Each round is {"prompt": [N] prompt lengths, "completion": [N] completion lengths (EOS included),
+    "decoded_row_steps": rows run through the model per decode token, summed (None: every row to the longest
+    row's end)}. The training passes (policy forward + backward, 3x; reference, 1x with beta > 0) run the body
+    over the padded [N, max prompt + max completion] block; the output layer runs over every padded completion
+    position unless `head_on_real_tokens` (posttrain's chunked log-probs take the real positions only).
+    """
+    body, head = body_params(config), config.hidden_size * config.vocab_size
+    passes = 3 + (1 if beta > 0 else 0)
+    useful = wasted = 0
+    for r in rounds:
+        n, width = len(r["completion"]), max(r["completion"])
+        real_completion = sum(r["completion"])
+        decoded = r["decoded_row_steps"] if compacted_decode else n * width
+        useful += 2 * real_completion * (body + head)
+        wasted += 2 * (decoded - real_completion) * (body + head)
+        padded = n * (max(r["prompt"]) + width)
+        real = sum(r["prompt"]) + real_completion
+        useful += passes * 2 * (real * body + real_completion * head)
+        wasted += passes * 2 * ((padded - real) * body + (0 if head_on_real_tokens else (n * width - real_completion) * head))
+    return {"padding_flop_fraction": round(wasted / (useful + wasted), 4),
+            "useful_gflop": round(useful / 1e9, 1), "padding_gflop": round(wasted / 1e9, 1)}

@@ -5,7 +5,10 @@ Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [
 (--server URL: generate through `posttrain serve` at URL, weights pushed before every round: bench/compare_serve.sh.)
 Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
 lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
-Every completion is forced to full length (min_new_tokens) so both sides do identical work.
+Every completion is forced to full length (min_new_tokens) so both sides do identical work; with --natural
+completions end at EOS (beside bench/trl_grpo_natural.py, on a model from bench/make_natural.py), and the JSON
+line adds the completions' mean/min/max length and the share of the run's matmul FLOPs spent on padding and on
+finished rows (flops.padding_waste, from each round's lengths and the rows the decoder actually ran).
 Beside the anchor's keys it prints `step_gflop` (matmul FLOPs of one step, bench/flops.py),
 `achieved_gflop_per_s` (those FLOPs over the measured s/step) and `matmul_gflop_per_s` (what a
 [2048 x hidden] @ [hidden x vocab] float32 product reaches here, i.e. the machine's own limit for the
@@ -36,6 +39,8 @@ def main():
     ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
     ap.add_argument("--no-sampling-correction", action="store_true",
                     help="with --server: vllm_importance_sampling_correction=False (TRL's default is True)")
+    ap.add_argument("--natural", action="store_true",
+                    help="completions end at EOS (no min_new_tokens); with a model from bench/make_natural.py")
     args = ap.parse_args()
 
     import torch
@@ -44,6 +49,18 @@ def main():
     from datasets import Dataset
 
     from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain.generation.transformers_backend import TransformersGenerator
+
+    rounds = []  # per generation round: prompt and completion lengths, rows decoded per token (summed)
+    generate_seeded = TransformersGenerator.generate_seeded
+
+    def recorded(self, prompts, seed, row_keys=None):
+        out = generate_seeded(self, prompts, seed, row_keys)
+        rounds.append({"prompt": [len(p) for p in prompts], "completion": out.completion_mask.sum(1).tolist(),
+                       "decoded_row_steps": getattr(self, "decoded_row_steps", None)})
+        return out
+
+    TransformersGenerator.generate_seeded = recorded
 
     pairs = list(zip(range(10, 74), range(100, 164)))
     ds = Dataset.from_dict({"prompt": [f"What is {a} + {b}?" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
@@ -56,8 +73,8 @@ def main():
         output_dir="/tmp/posttrain-bench-out", use_cpu=True, bf16=False, max_steps=args.steps,
         num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
-        save_strategy="no", seed=0, generation_kwargs={"min_new_tokens": args.completion},
-        gradient_checkpointing=args.gradient_checkpointing,
+        save_strategy="no", seed=0, generation_kwargs={} if args.natural else {"min_new_tokens": args.completion},
+        gradient_checkpointing=args.gradient_checkpointing, plot_on_end=False,  # a one-off end-of-run cost, not a step
         **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server,
             "vllm_importance_sampling_correction": not args.no_sampling_correction} if args.server else {}))
     peft_config = None
@@ -70,20 +87,27 @@ def main():
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    tokens = args.steps * args.batch * args.completion
+    tokens = sum(sum(r["completion"]) for r in rounds) if rounds else args.steps * args.batch * args.completion
     peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    from flops import grpo_step_flops, matmul_gflops
+    from flops import grpo_step_flops, matmul_gflops, padding_waste
 
     config = trainer.policy.config
     prompt_len = max(len(ids) for ids in trainer.prompts.prompt_ids)
     flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
+    natural = {}
+    if args.natural and rounds:
+        lengths = [n for r in rounds for n in r["completion"]]
+        natural = {"completion_mean": round(sum(lengths) / len(lengths), 1), "completion_min": min(lengths),
+                   "completion_max": max(lengths),
+                   **padding_waste(config, rounds, args.beta, all(r["decoded_row_steps"] is not None for r in rounds),
+                                   head_on_real_tokens=True)}
     print(json.dumps({
         "impl": ("posttrain-serve" + ("-uncorrected" if args.no_sampling_correction else "")) if args.server
         else "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
         "completion_tok_per_s": round(tokens / wall, 1), "peak_rss_mib": peak,
         "step_gflop": round(flops["total"] / 1e9, 1),
         "achieved_gflop_per_s": round(flops["total"] / 1e9 / (wall / args.steps), 1),
-        "matmul_gflop_per_s": round(matmul_gflops(2048, config.hidden_size, config.vocab_size), 1),
+        "matmul_gflop_per_s": round(matmul_gflops(2048, config.hidden_size, config.vocab_size), 1), **natural,
     }))
 
 
