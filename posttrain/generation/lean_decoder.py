@@ -87,6 +87,10 @@ class _Packer:
     def __init__(self, rows: int):
         self.rows, self.left = rows, PACKED_COPY_BUDGET
 
+    def fits(self, weights) -> bool:
+        """Whether packed copies of these weights fit in what is left of the budget."""
+        return sum(w.numel() * w.element_size() for w in weights) <= self.left
+
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         size = weight.numel() * weight.element_size()
         if size > self.left:
@@ -125,9 +129,11 @@ def _plain_linear(module) -> bool:
 
 
 def _concatenated(modules, fuse: bool, packer=None):
-    """`x -> cat([m(x) for m in modules], -1)`. With `fuse` and plain float32 Linears, one product with the
-    weights (and biases) concatenated once per decode: one kernel instead of three for q/k/v."""
-    if fuse and all(_plain_linear(m) for m in modules):
+    """`x -> cat([m(x) for m in modules], -1)`. For plain float32 Linears, one product with the weights (and biases)
+    concatenated once per decode (one kernel instead of three for q/k/v) when `fuse`, or when they will be packed
+    (the packed copy is made from the concatenation, which is then dropped: no more memory than packing each)."""
+    if all(_plain_linear(m) for m in modules) and (
+            fuse or (packer is not None and packer.fits([m.weight for m in modules]))):
         weight, bias = torch.cat([m.weight for m in modules]), None
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
