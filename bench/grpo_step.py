@@ -101,6 +101,7 @@ def main():
                    "completion_max": max(lengths),
                    **padding_waste(config, rounds, args.beta, all(r["decoded_row_steps"] is not None for r in rounds),
                                    head_on_real_tokens=True)}
+        flops = {"total": natural["useful_gflop"] * 1e9 / len(rounds)}  # a step's work: the real tokens' FLOPs
     print(json.dumps({
         "impl": ("posttrain-serve" + ("-uncorrected" if args.no_sampling_correction else "")) if args.server
         else "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
