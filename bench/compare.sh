@@ -6,12 +6,7 @@
 # ONLY=v152k (a model directory name) runs just that model's rows.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${SHARED:-$here/../../shared/bench}
-models=${1:-/tmp/bench-models}
-TRL_PY=${TRL_PY:-/tmp/trl-venv/bin/python}
-PT_PY=${PT_PY:-python3}
-REPEATS=${REPEATS:-1}
-mkdir -p "$models"
+source "$here/settings.sh"
 [ -d "$models/default" ] || $PT_PY "$shared/make_tiny.py" "$models/default" >/dev/null
 [ -d "$models/v65k" ] || $PT_PY "$shared/make_tiny.py" "$models/v65k" --model-vocab 65536 >/dev/null
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null

@@ -7,13 +7,8 @@
 # precompute (precompute_ref_log_probs), peft (LoRA r16 all-linear, reference = adapters off).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${SHARED:-$here/../../shared/bench}
-models=${1:-/tmp/bench-models}
-TRL_PY=${TRL_PY:-/tmp/trl-venv/bin/python}
-PT_PY=${PT_PY:-python3}
-REPEATS=${REPEATS:-1}
+source "$here/settings.sh"
 ROWS=${ROWS:-"dpo ld precompute peft"}
-mkdir -p "$models"
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null
 declare -A flags=([dpo]="" [ld]="--rejected 32 --ld-alpha 0.5" [precompute]="--precompute-ref" [peft]="--peft")
 for row in $ROWS; do

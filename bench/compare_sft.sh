@@ -7,13 +7,8 @@
 # completion-only), packed (text, packing=True).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${SHARED:-$here/../../shared/bench}
-models=${1:-/tmp/bench-models}
-TRL_PY=${TRL_PY:-/tmp/trl-venv/bin/python}
-PT_PY=${PT_PY:-python3}
-REPEATS=${REPEATS:-1}
+source "$here/settings.sh"
 ROWS=${ROWS:-"text completion"}
-mkdir -p "$models"
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null
 declare -A flags=([text]="--mode text" [completion]="--mode completion" [packed]="--mode text --packing")
 for row in $ROWS; do

@@ -11,14 +11,9 @@
 #            completion that leaves no room for a prompt in the model's context; the weights are v152k's)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${SHARED:-$here/../../shared/bench}
-models=${1:-/tmp/bench-models}
-TRL_PY=${TRL_PY:-/tmp/trl-venv/bin/python}
-PT_PY=${PT_PY:-python3}
-REPEATS=${REPEATS:-1}
+source "$here/settings.sh"
 ROWS=${ROWS:-natural wide long}
 LONG=${LONG:-256 512 1024}
-mkdir -p "$models"
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null
 [ -d "$models/v152k-natural" ] || $PT_PY "$here/make_natural.py" "$models/v152k" "$models/v152k-natural" --eos-scale 4 >/dev/null 2>&1
 if [ ! -d "$models/v152k-long" ]; then

@@ -1,6 +1,6 @@
 """Give a `make_tiny.py` model natural completion lengths: completions that end at EOS after a spread of lengths.
 
-Usage: python bench/make_natural.py SRC_MODEL_DIR OUT_DIR [--eos-scale 2.0] [--completion 128]
+Usage: python bench/make_natural.py SRC_MODEL_DIR OUT_DIR [--eos-scale 4.0] [--completion 128]
 
 A random tiny model almost never samples EOS (one token in 151,936). This copies the model and sets the output
 layer's EOS row to `eos_scale` times the unit vector of the mean final hidden state (measured on random tokens), so
@@ -22,7 +22,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src")
     ap.add_argument("out")
-    ap.add_argument("--eos-scale", type=float, default=2.0)
+    ap.add_argument("--eos-scale", type=float, default=4.0)
     ap.add_argument("--completion", type=int, default=128)
     args = ap.parse_args()
     shutil.copytree(args.src, args.out, dirs_exist_ok=True)
