@@ -272,7 +272,7 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_what_they_would_have(
 def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokenizer, monkeypatch):
     """On CPU the decoder's products go through oneDNN's linear on packed weights (2-3x faster for a decode step's
     rows); the tokens and log-probs are those of torch's GEMM, and a weight budget of 0 (weights read in place)
-    changes nothing either."""
+    changes nothing either. A decode of fewer than PACK_MIN_NEW_TOKENS tokens packs nothing."""
     from posttrain.generation import lean_decoder
     from posttrain.testing import tiny_model
 
@@ -280,7 +280,8 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
         pytest.skip("this torch has no oneDNN linear")
     model = tiny_model(tokenizer, hidden=32, layers=2)
     assert lean_decoder.supports(model)  # its check (a decode of its own) done before counting
-    params = SamplingParams(max_new_tokens=12, temperature=0.9, min_new_tokens=12)
+    params = SamplingParams(max_new_tokens=lean_decoder.PACK_MIN_NEW_TOKENS, temperature=0.9,
+                            min_new_tokens=lean_decoder.PACK_MIN_NEW_TOKENS)  # long enough a decode to pack
 
     def run():
         return TransformersGenerator(model, tokenizer, params, seed=4).generate(_prompts(tokenizer) * 3)
@@ -288,8 +289,15 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
     calls, packer = [], lean_decoder._Packer
     monkeypatch.setattr(lean_decoder, "_Packer", type("Counting", (packer,), {
         "__call__": lambda self, w: calls.append(w.shape) or packer.__call__(self, w)}))
+    reorder, packed = torch.ops.mkldnn._reorder_linear_weight, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: packed.append(w) or reorder(w, rows))
     onednn = run()
     assert len(calls) == 2 * 4 + 1  # per layer q/k/v (fused), o, gate/up (fused), down; and the output layer
+    assert len(packed) == len(calls)  # all of them packed
+    packed.clear()
+    short = SamplingParams(max_new_tokens=lean_decoder.PACK_MIN_NEW_TOKENS - 1)
+    TransformersGenerator(model, tokenizer, short, seed=4).generate(_prompts(tokenizer))
+    assert not packed  # a short decode reads the weights in place
     monkeypatch.setattr(lean_decoder, "PACKED_COPY_BUDGET", 0)
     in_place = run()
     monkeypatch.setattr(lean_decoder, "_ONEDNN", False)

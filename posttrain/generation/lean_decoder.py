@@ -55,6 +55,9 @@ def _known_structure(plain) -> bool:
 
 FUSED_COPY_BUDGET = 64 << 20  # bytes: the most that fused copies of q/k/v and gate/up weights may take per decode
 PACKED_COPY_BUDGET = 1 << 30  # bytes: the most that oneDNN-packed copies of the weights may take per decode
+# packing reads and writes every weight once, about what 3 decode tokens take: a decode of fewer new tokens than
+# this (a short server request, the decoder's own check) reads the weights in place instead
+PACK_MIN_NEW_TOKENS = 16
 
 
 def _onednn_linear():
@@ -86,8 +89,8 @@ class _Packer:
     """Float32 weights as oneDNN's linear reads them fastest: packed for `rows` rows (a copy made once per decode)
     while the copies total at most PACKED_COPY_BUDGET bytes, as they are (read in place) beyond it."""
 
-    def __init__(self, rows: int):
-        self.rows, self.left = rows, PACKED_COPY_BUDGET
+    def __init__(self, rows: int, budget: int):
+        self.rows, self.left = rows, budget
 
     def fits(self, weights) -> bool:
         """Whether packed copies of these weights fit in what is left of the budget."""
@@ -227,7 +230,9 @@ class LeanDecoder:
         self.key_mask = torch.zeros((n, 1, 1, p + max_new_tokens), dtype=torch.bool, device=device)
         self.key_mask[:, 0, 0, :p] = prompt_mask
         fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
-        packer = _Packer(n) if device.type == "cpu" and _onednn_linear() is not None else None
+        packer = None
+        if device.type == "cpu" and _onednn_linear() is not None:
+            packer = _Packer(n, PACKED_COPY_BUDGET if max_new_tokens >= PACK_MIN_NEW_TOKENS else 0)
         self.layers = [_Layer(layer, fuse, packer) for layer in self.body.layers]
         self.final_norm = _direct(self.body.norm)
         self.rotate_half = _rotate_half_matrix(self.head_dim, dtype, device)
