@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Issue 16's rows, TRL and posttrain alternately (who goes first alternates), REPEATS times each; a JSON line per run.
 #   REPEATS=3 TRL_PY=/tmp/trl-venv/bin/python PT_PY=python3 bash bench/compare_shapes.sh /tmp/bench-models
-# ROWS (default "natural wide long"):
+# ROWS (default "natural wide wide-natural long"):
 #   natural  152k model with natural lengths (bench/make_natural.py --eos-scale 4): completions end at EOS,
 #            --completion 128 --steps 4; TRL through bench/trl_grpo_natural.py (the anchor without min_new_tokens)
 #   wide     a body-dominated model (hidden 768, 8 layers, 12 heads / 4 KV heads, 32,768 vocabulary):
 #            --completion 128 --steps 4, the anchor as it is
+#   wide-natural  the wide model with natural lengths (bench/make_natural.py --eos-rate 0.02), --completion 128
+#            --steps 4, TRL through bench/trl_grpo_natural.py
 #   long     152k model, --completion 256, 512 and 1024 (LONG="256 512 1024"), --steps 2: peak RSS against length;
 #            the model's config says 2,048 positions (v152k-long: make_tiny.py writes 1,024, and posttrain refuses a
 #            completion that leaves no room for a prompt in the model's context; the weights are v152k's)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/settings.sh"
-ROWS=${ROWS:-natural wide long}
+ROWS=${ROWS:-natural wide wide-natural long}
 LONG=${LONG:-256 512 1024}
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null
 [ -d "$models/v152k-natural" ] || $PT_PY "$here/make_natural.py" "$models/v152k" "$models/v152k-natural" --eos-scale 4 >/dev/null 2>&1
@@ -22,6 +24,8 @@ if [ ! -d "$models/v152k-long" ]; then
 fi
 [ -d "$models/wide" ] || $PT_PY "$shared/make_tiny.py" "$models/wide" --model-vocab 32768 --hidden 768 --layers 8 \
   --heads 12 --kv-heads 4 >/dev/null
+[ -d "$models/wide-natural" ] || $PT_PY "$here/make_natural.py" "$models/wide" "$models/wide-natural" --eos-rate 0.02 \
+  >/dev/null 2>&1
 
 run() {  # run ROW_NAME MODEL FLAGS TRL_SCRIPT OUR_EXTRA_FLAGS
   local name=$1 model=$2 flags=$3 trl_script=$4 ours=$5 rep side out order
@@ -39,6 +43,7 @@ for row in $ROWS; do
   case $row in
     natural) run natural v152k-natural "--completion 128 --steps 4" "$here/trl_grpo_natural.py" "--natural" ;;
     wide) run wide wide "--completion 128 --steps 4" "$shared/trl_grpo.py" "" ;;
+    wide-natural) run wide-natural wide-natural "--completion 128 --steps 4" "$here/trl_grpo_natural.py" "--natural" ;;
     long) for c in $LONG; do run "long-$c" v152k-long "--completion $c --steps 2" "$shared/trl_grpo.py" ""; done ;;
   esac
 done
