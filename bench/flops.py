@@ -41,8 +41,8 @@ def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
     return 2 * rows * inner * cols * repeats / (time.perf_counter() - start) / 1e9
 
 
-def padding_waste(config, rounds: list[dict], beta: float, compacted_decode: bool, head_on_real_tokens: bool) -> dict:
-    """Share of a run's matmul FLOPs spent on padding and on rows that had already finished.
+def padding_waste(config, rounds: list[dict], beta: float, head_on_real_tokens: bool) -> dict:
+    """The completions' lengths and the share of a run's matmul FLOPs spent on padding and on finished rows.
 
     Each round is {"prompt": [N] prompt lengths, "completion": [N] completion lengths (EOS included),
     "decoded_row_steps": rows run through the model per decode token, summed (None: every row to the longest
@@ -56,12 +56,15 @@ def padding_waste(config, rounds: list[dict], beta: float, compacted_decode: boo
     for r in rounds:
         n, width = len(r["completion"]), max(r["completion"])
         real_completion = sum(r["completion"])
-        decoded = r["decoded_row_steps"] if compacted_decode else n * width
+        decoded = r["decoded_row_steps"] if r["decoded_row_steps"] is not None else n * width
         useful += 2 * real_completion * (body + head)
         wasted += 2 * (decoded - real_completion) * (body + head)
         padded = n * (max(r["prompt"]) + width)
         real = sum(r["prompt"]) + real_completion
         useful += passes * 2 * (real * body + real_completion * head)
-        wasted += passes * 2 * ((padded - real) * body + (0 if head_on_real_tokens else (n * width - real_completion) * head))
-    return {"padding_flop_fraction": round(wasted / (useful + wasted), 4),
+        padded_head = 0 if head_on_real_tokens else (n * width - real_completion) * head
+        wasted += passes * 2 * ((padded - real) * body + padded_head)
+    lengths = [length for r in rounds for length in r["completion"]]
+    return {"completion_mean": round(sum(lengths) / len(lengths), 1), "completion_min": min(lengths),
+            "completion_max": max(lengths), "padding_flop_fraction": round(wasted / (useful + wasted), 4),
             "useful_gflop": round(useful / 1e9, 1), "padding_gflop": round(wasted / 1e9, 1)}

@@ -96,11 +96,7 @@ def main():
     flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
     natural = {}
     if args.natural and rounds:
-        lengths = [n for r in rounds for n in r["completion"]]
-        natural = {"completion_mean": round(sum(lengths) / len(lengths), 1), "completion_min": min(lengths),
-                   "completion_max": max(lengths),
-                   **padding_waste(config, rounds, args.beta, all(r["decoded_row_steps"] is not None for r in rounds),
-                                   head_on_real_tokens=True)}
+        natural = padding_waste(config, rounds, args.beta, head_on_real_tokens=True)
         flops = {"total": natural["useful_gflop"] * 1e9 / len(rounds)}  # a step's work: the real tokens' FLOPs
     print(json.dumps({
         "impl": ("posttrain-serve" + ("-uncorrected" if args.no_sampling_correction else "")) if args.server

@@ -9,6 +9,8 @@ matmul FLOPs spent on padding and finished rows (flops.padding_waste: TRL's gene
 round's longest, and its training passes project every padded completion position).
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -23,7 +25,7 @@ def main():
 
     import trl_grpo  # the anchor script
 
-    config_class, trainer_class, runs = trl.GRPOConfig, trl.GRPOTrainer, []
+    config_class, trainer_class, runs, rounds = trl.GRPOConfig, trl.GRPOTrainer, [], []
 
     def natural_config(*args, **kwargs):
         kwargs["generation_kwargs"] = {k: v for k, v in (kwargs.get("generation_kwargs") or {}).items()
@@ -37,36 +39,21 @@ def main():
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            mask = out["completion_mask"]
-            self._posttrain_rounds = getattr(self, "_posttrain_rounds", [])
-            self._posttrain_rounds.append({"prompt": out["prompt_mask"].sum(1).tolist(),
-                                           "completion": mask.sum(1).tolist(), "decoded_row_steps": None})
+            rounds.append({"prompt": out["prompt_mask"].sum(1).tolist(),
+                           "completion": out["completion_mask"].sum(1).tolist(),
+                           "decoded_row_steps": None})  # TRL's generate decodes every row to the longest
             return out
 
     trl.GRPOConfig, trl.GRPOTrainer = natural_config, Recorded
-    lines = []
-    real_print = print
-
-    import builtins
-
-    builtins.print = lambda *a, **k: lines.append(" ".join(map(str, a)))
-    try:
+    anchor_output = io.StringIO()
+    with contextlib.redirect_stdout(anchor_output):
         trl_grpo.main()
-    finally:
-        builtins.print = real_print
-    result = json.loads(lines[-1])
-    trainer = runs[-1]
-    rounds = trainer._posttrain_rounds
+    result = json.loads(anchor_output.getvalue().strip().splitlines()[-1])
     from flops import padding_waste
 
-    lengths = [n for r in rounds for n in r["completion"]]
-    result["completion_tok_per_s"] = round(sum(lengths) / result["wall_s"], 1)
-    result.update(completion_mean=round(sum(lengths) / len(lengths), 1), completion_min=min(lengths),
-                  completion_max=max(lengths),
-                  **padding_waste(trainer.model.config, rounds, trainer.beta, compacted_decode=False,
-                                  head_on_real_tokens=False))
+    result["completion_tok_per_s"] = round(sum(sum(r["completion"]) for r in rounds) / result["wall_s"], 1)
+    result.update(padding_waste(runs[-1].model.config, rounds, runs[-1].beta, head_on_real_tokens=False))
     print(json.dumps(result))
-
 
 if __name__ == "__main__":
     main()

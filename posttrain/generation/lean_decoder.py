@@ -94,13 +94,12 @@ class _Packer:
 
     def fits(self, weights) -> bool:
         """Whether packed copies of these weights fit in what is left of the budget."""
-        return sum(w.numel() * w.element_size() for w in weights) <= self.left
+        return sum(w.nbytes for w in weights) <= self.left
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        size = weight.numel() * weight.element_size()
-        if size > self.left:
+        if weight.nbytes > self.left:
             return weight
-        self.left -= size
+        self.left -= weight.nbytes
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows)
 
 
