@@ -46,9 +46,11 @@ def padding_waste(config, rounds: list[dict], beta: float, head_on_real_tokens: 
 
     Each round is {"prompt": [N] prompt lengths, "completion": [N] completion lengths (EOS included),
     "decoded_row_steps": rows run through the model per decode token, summed (None: every row to the longest
-    row's end)}. The training passes (policy forward + backward, 3x; reference, 1x with beta > 0) run the body
-    over the padded [N, max prompt + max completion] block; the output layer runs over every padded completion
-    position unless `head_on_real_tokens` (posttrain's chunked log-probs take the real positions only).
+    row's end), and optionally "trained_positions": the positions the training passes run the body over (posttrain
+    packs the rollouts' real tokens, models/packing.py; absent: the padded [N, max prompt + max completion] block)}.
+    The training passes are the policy forward + backward (3x) and the reference (1x with beta > 0); the output
+    layer runs over every padded completion position unless `head_on_real_tokens` (posttrain's chunked log-probs
+    take the real positions only).
     """
     body, head = body_params(config), config.hidden_size * config.vocab_size
     passes = 3 + (1 if beta > 0 else 0)
@@ -59,7 +61,7 @@ def padding_waste(config, rounds: list[dict], beta: float, head_on_real_tokens: 
         decoded = r["decoded_row_steps"] if r["decoded_row_steps"] is not None else n * width
         useful += 2 * real_completion * (body + head)
         wasted += 2 * (decoded - real_completion) * (body + head)
-        padded = n * (max(r["prompt"]) + width)
+        padded = r.get("trained_positions") or n * (max(r["prompt"]) + width)
         real = sum(r["prompt"]) + real_completion
         useful += passes * 2 * (real * body + real_completion * head)
         padded_head = 0 if head_on_real_tokens else (n * width - real_completion) * head

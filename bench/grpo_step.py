@@ -8,7 +8,8 @@ lines that read as a ratio: wall seconds of train(), seconds/step, completion to
 Every completion is forced to full length (min_new_tokens) so both sides do identical work; with --natural
 completions end at EOS (beside bench/trl_grpo_natural.py, on a model from bench/make_natural.py), and the JSON
 line adds the completions' mean/min/max length and the share of the run's matmul FLOPs spent on padding and on
-finished rows (flops.padding_waste, from each round's lengths and the rows the decoder actually ran).
+finished rows (flops.padding_waste, from each round's lengths, the rows the decoder actually ran and the positions
+the packed training passes ran: one micro-batch per round, as here).
 Beside the anchor's keys it prints `step_gflop` (matmul FLOPs of one step, bench/flops.py),
 `achieved_gflop_per_s` (those FLOPs over the measured s/step) and `matmul_gflop_per_s` (what a
 [2048 x hidden] @ [hidden x vocab] float32 product reaches here, i.e. the machine's own limit for the
@@ -23,6 +24,19 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/flops.py
+
+
+def trained_positions(prompt: list[int], completion: list[int]) -> int:
+    """Positions the training passes run the model's body over for one micro-batch of rollouts of these lengths:
+    the packed rows' when posttrain packs them (models/packing.py), else the padded block's."""
+    from posttrain.models.packing import packed_shape, worth_packing
+
+    sequences = [p + c for p, c in zip(prompt, completion)]
+    padded = len(sequences) * (max(prompt) + max(completion))
+    if not worth_packing(sequences, max(prompt) + max(completion)):
+        return padded
+    rows, width = packed_shape(sequences)
+    return rows * width
 
 
 def main():
@@ -56,8 +70,9 @@ def main():
 
     def recorded(self, prompts, seed, row_keys=None):
         out = generate_seeded(self, prompts, seed, row_keys)
-        rounds.append({"prompt": [len(p) for p in prompts], "completion": out.completion_mask.sum(1).tolist(),
-                       "decoded_row_steps": getattr(self, "decoded_row_steps", None)})
+        lengths = {"prompt": [len(p) for p in prompts], "completion": out.completion_mask.sum(1).tolist()}
+        rounds.append(dict(lengths, decoded_row_steps=getattr(self, "decoded_row_steps", None),
+                           trained_positions=trained_positions(**lengths)))
         return out
 
     TransformersGenerator.generate_seeded = recorded

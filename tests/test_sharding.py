@@ -41,6 +41,23 @@ def test_sharded_generation_training_and_export_equal_the_unsharded_model(strate
         assert result["grad_max_diff"] <= tolerance * result["grad_max"], result
 
 
+@pytest.mark.multiproc
+def test_a_zero3_reference_mixed_toward_the_policy_computes_with_the_mixed_weights(tmp_path):
+    """sync_ref_model's update under ZeRO-3 reaches the reference's forward, persistent parameters included (ZeRO-3
+    keeps a small parameter whole between forwards, and a forward reads that copy: updating the shard alone left
+    them at their old values)."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(TESTS, "multiproc_zero3_mix.py"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert result["persistent"] > 0  # the case this is about
+        assert result["max_diff"] <= 1e-6 * result["max_logit"], result
+
+
 def test_fsdp1_without_original_parameters_is_refused_in_one_sentence():
     from accelerate.utils import DistributedType
 

@@ -104,6 +104,7 @@ class GRPOTrainer(Trainer):
         self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
                                          and not self.entropy_control.enabled and args.loss_type != "vespo")
         self.pad_to_multiple_of = self._padding_multiple()
+        self.packing = self.pad_to_multiple_of is None  # padded widths are fixed for a reason: keep them
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -317,7 +318,8 @@ class GRPOTrainer(Trainer):
 
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
         return self._no_grad_per_micro_batch(rollouts, lambda r: token_logprobs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature)[:1])[0]
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature,
+            packing=self.packing)[:1])[0]
 
     def _no_grad_per_micro_batch(self, rollouts, fn) -> tuple[torch.Tensor, ...]:
         """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
@@ -411,7 +413,7 @@ class GRPOTrainer(Trainer):
                 logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                                 r.completion_mask, self.args.temperature, with_entropy=True,
                                                 loss_gradient=self._loss_gradient(mb, norm, bonus),
-                                                entropy_grad=self.entropy_control.enabled)
+                                                entropy_grad=self.entropy_control.enabled, packing=self.packing)
             kept = self._entropy_mask(entropy.detach(), mb.loss_mask)
             out = self._loss(mb, logps, norm, kept)
             effective = mb.loss_mask if kept is None else kept

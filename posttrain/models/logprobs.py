@@ -28,6 +28,7 @@ import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.loading import is_plain_linear, unwrap
+from posttrain.models.packing import PackedRows, pack_rollouts
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 
@@ -182,7 +183,8 @@ def _computing_in(layer: torch.nn.Module, compute: Callable):
 
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                   loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False):
+                   loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False,
+                   packing: bool = True):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
 
     Args:
@@ -194,6 +196,8 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
             term depends on its own log-prob only (it is called with other tokens' entries set to 0). On the fast
             path it lets the output layer's gradient be computed in the forward (see models/chunked.py).
         entropy_grad: return the entropy with its gradient (for an entropy bonus); implies with_entropy.
+        packing: run the rollouts' real tokens packed into fewer, shorter rows where that saves positions and the
+            model allows it (models/packing.py); False keeps the batch's own shape (a fixed pad_to_multiple_of).
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -202,20 +206,25 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     with_entropy = with_entropy or entropy_grad
     if fast_path_available(model):
+        # packing_works runs on every call, so its one-time check (a forward) is reached by every process alike
+        packed = pack_rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask) \
+            if packing_works(model) and packing else None
+        if packed is not None:
+            return _packed_logprobs(model, packed, completion_ids.shape, temperature, with_entropy, loss_gradient,
+                                    entropy_grad)
         return _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                                  with_entropy, loss_gradient, entropy_grad)
     return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad)
 
 
-def _row_predictor(loss_gradient, mask: torch.Tensor):
+def _row_predictor(loss_gradient, shape: torch.Size, positions: torch.Tensor):
     """A chunk-level gradient predictor (models/chunked.py) from a [N, C] -> [N, C] loss gradient: the chunk's
-    rows are the masked positions of [N, C] in row-major order."""
+    rows are the [N, C] entries at the flat indices `positions` ([M]), in that order."""
     if loss_gradient is None:
         return None
-    positions = mask.reshape(-1).nonzero().squeeze(1)  # flat index of each masked row
 
     def predict(rows: slice, logps: torch.Tensor) -> torch.Tensor:
-        full = torch.zeros(mask.shape, dtype=torch.float32, device=logps.device)
+        full = torch.zeros(shape, dtype=torch.float32, device=logps.device)
         full.view(-1)[positions[rows]] = logps
         grad = loss_gradient(full).reshape(-1)[positions[rows]]
         return torch.where(torch.isfinite(grad), grad, 0.0)  # a non-finite guess becomes 0: recomputed if wrong
@@ -223,27 +232,101 @@ def _row_predictor(loss_gradient, mask: torch.Tensor):
     return predict
 
 
+def _at_positions(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[M] values placed at flat indices `positions` of a zero [N, C] float32 tensor (differentiable)."""
+    full = torch.zeros(shape.numel(), dtype=torch.float32, device=values.device)
+    return full.index_copy(0, positions, values.float()).view(shape)
+
+
+def _through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable):
+    """`compute(h)` on the final hidden states [B, n_keep, H] of the last `n_keep` positions (every position when
+    n_keep is 0), from the model's own forward: as the output layer's forward where its weight is whole only there
+    (see `_computing_in`), else on the hidden states of a forward that computes one position of logits."""
+    layer = output_layer(model)
+    if whole_only_in_forward(layer):
+        with _computing_in(layer, compute):
+            return model(input_ids=input_ids, attention_mask=attention_mask,
+                         **_sequence_kwargs(model, position_ids, n_keep)).logits
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                   **_sequence_kwargs(model, position_ids, 1)).hidden_states[-1]
+    return compute(hidden[:, -n_keep:])  # n_keep 0: every position
+
+
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                       with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
     layer = output_layer(model)
     mask = completion_mask.bool()
+    positions = mask.reshape(-1).nonzero().squeeze(1)  # flat index of each real completion token, row-major
+    predictor = _row_predictor(loss_gradient, completion_ids.shape, positions)
+    position_ids = positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
 
-    def rows(hidden):  # [N, C, H] the final hidden states that predict the completion tokens
-        return chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask], temperature,
-                                      with_entropy, _row_predictor(loss_gradient, mask), entropy_grad)
+    def rows(hidden):  # [N, C + 1, H]: the last C predict the completion tokens
+        return chunked_token_logprobs(hidden[:, :-1][mask], layer.weight, layer.bias, completion_ids[mask],
+                                      temperature, with_entropy, predictor, entropy_grad)
 
-    if whole_only_in_forward(layer):
-        with _computing_in(layer, lambda h: rows(h[:, -n - 1:-1])):
-            logps, entropy = model(input_ids=input_ids, attention_mask=attention_mask,
-                                   **_forward_kwargs(model, attention_mask, n + 1)).logits
-    else:
-        logps, entropy = rows(final_hidden(model, input_ids, attention_mask)[:, -n - 1:-1])
-    full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=logps.device)
-    full = full.masked_scatter(mask, logps)  # differentiable scatter back to [N, C]
-    if not with_entropy:
-        return full, None
-    return full, torch.zeros_like(full).masked_scatter(mask, entropy)
+    logps, entropy = _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1, rows)
+    full = _at_positions(logps, positions, completion_ids.shape)
+    return full, (_at_positions(entropy, positions, completion_ids.shape) if with_entropy else None)
+
+
+def _packed_logprobs(model, packed: PackedRows, shape: torch.Size, temperature, with_entropy, loss_gradient,
+                     entropy_grad):
+    """token_logprobs' results [N, C] from the packed rows of the same rollouts (models/packing.py)."""
+    layer = output_layer(model)
+    predictor = _row_predictor(loss_gradient, shape, packed.positions)
+
+    def rows(hidden):  # [B', W, H]
+        return chunked_token_logprobs(hidden[packed.source_mask], layer.weight, layer.bias, packed.targets,
+                                      temperature, with_entropy, predictor, entropy_grad)
+
+    logps, entropy = _through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows)
+    full = _at_positions(logps, packed.positions, shape)
+    return full, (_at_positions(entropy, packed.positions, shape) if with_entropy else None)
+
+
+def packing_works(model) -> bool:
+    """Whether the model attends within each sequence of a packed row (position ids restarting at 0, no attention
+    mask); decided once per model object and cached. The check (two forwards: a packed row of two sequences, and
+    the same sequences as a padded batch) runs on every process alike, on the first call."""
+    plain = unwrap(model)
+    cached = getattr(plain, "_posttrain_packing_works", None)
+    if cached is None:
+        layer = output_layer(plain)
+        # FSDP1 gathers the weights only around its root wrapper's forward: the check goes through it
+        runner = model if layer is not None and getattr(layer, WHOLE_ONLY_IN_FORWARD, False) else plain
+        cached = forward_accepts(plain, "position_ids") and _check_packing(runner, plain)
+        plain._posttrain_packing_works = cached
+    return cached
+
+
+def _check_packing(runner, plain) -> bool:
+    """Hidden states of sequences of 3 and 5 tokens, packed into one row against the same two as a right-padded
+    batch, within a tolerance that float32 meets by far and a sequence seeing the other's tokens misses."""
+    device = next(plain.parameters()).device
+    vocab = plain.get_input_embeddings().num_embeddings
+    ids = (torch.arange(3, 11, device=device) * 7919) % vocab  # [8]
+    packed_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
+    padded = torch.zeros((2, 5), dtype=torch.long, device=device)
+    padded[0, :3], padded[1] = ids[:3], ids[3:]
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], device=device)
+    was_training = plain.training
+    plain.eval()
+    try:
+        with torch.no_grad():
+            together = runner(input_ids=ids[None], output_hidden_states=True,
+                              **_sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
+            apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
+                           **_sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
+                           ).hidden_states[-1].float()
+        apart = torch.cat([apart[0, :3], apart[1]])
+        precise = plain.get_input_embeddings().weight.dtype == torch.float32
+        tolerance = 1e-4 if precise else 3e-2
+        return bool(torch.allclose(together, apart, atol=tolerance, rtol=tolerance))
+    except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
+        return False
+    finally:
+        plain.train(was_training)
 
 
 def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):
@@ -312,13 +395,7 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
                                           predict_grad, with_top1=True, with_stats=with_stats)
 
-        if whole_only_in_forward(layer):
-            with _computing_in(layer, rows):
-                out = model(input_ids=input_ids, attention_mask=attention_mask,
-                            **_sequence_kwargs(model, position_ids, 0)).logits
-        else:
-            out = rows(model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                             **_sequence_kwargs(model, position_ids, 1)).hidden_states[-1])
+        out = _through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows)
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result

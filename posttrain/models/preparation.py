@@ -60,10 +60,18 @@ def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
 
 def mix_reference(ref_model, policy, alpha: float) -> None:
     """TR-DPO's reference update, parameter by parameter: ref = alpha * policy + (1 - alpha) * ref."""
+    from posttrain.training import zero
     from posttrain.training.sharding import local_tensor
 
     with torch.no_grad():
         for ref, pol in zip(ref_model.parameters(), policy.parameters()):
+            if zero.is_partitioned(ref):
+                # whole, and written back to the shards: ZeRO-3 keeps a small parameter ("persistent", below
+                # stage3_param_persistence_threshold) whole between forwards, and a forward reads that copy, not
+                # the shard, so an update of the shard alone would not reach the reference's log-probs
+                with zero.gathered([pol]), zero.gathered([ref], keep_changes=True):
+                    ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
+                continue
             ref, pol = local_tensor(ref), local_tensor(pol)  # sharded alike: shard into shard
             if ref.shape != pol.shape:  # never broadcast one into the other
                 raise RuntimeError(f"the reference's parameter {tuple(ref.shape)} and the policy's "
