@@ -261,8 +261,8 @@ def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completi
     predictor = _row_predictor(loss_gradient, completion_ids.shape, positions)
     position_ids = positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
 
-    def rows(hidden):  # [N, C + 1, H]: the last C predict the completion tokens
-        return chunked_token_logprobs(hidden[:, :-1][mask], layer.weight, layer.bias, completion_ids[mask],
+    def rows(hidden):  # [N, >= C + 1, H] (a model may keep more positions than asked): C of them predict the C tokens
+        return chunked_token_logprobs(hidden[:, -n - 1:-1][mask], layer.weight, layer.bias, completion_ids[mask],
                                       temperature, with_entropy, predictor, entropy_grad)
 
     logps, entropy = _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1, rows)

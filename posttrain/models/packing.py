@@ -84,8 +84,8 @@ def pack_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     n, (big_p, big_c) = len(sequence_lengths), (prompt_ids.size(1), completion_ids.size(1))
     if n == 0 or not worth_packing(sequence_lengths, big_p + big_c):
         return None
-    if any(p == 0 < c for p, c in zip(prompt_lengths, completion_lengths)):
-        return None  # a completion's first token would have no position to be predicted from
+    if 0 in prompt_lengths:
+        return None  # an empty prompt: a completion's first token would have no position to be predicted from
     width = max(sequence_lengths)
     bins = first_fit_decreasing(sequence_lengths, width)
     # where each rollout's run starts in the packed batch, as a flat index into [B', W]
