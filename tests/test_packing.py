@@ -133,3 +133,16 @@ def test_a_model_that_would_mix_packed_sequences_keeps_the_padded_batch(tokenize
     reference = logits.log_softmax(-1).gather(-1, batch[2][..., None]).squeeze(-1)
     real = batch[3].bool()
     assert torch.allclose(logps[real], reference[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bfloat16 weights", "float32 under bf16 autocast"])
+def test_the_packing_check_passes_in_16_bit_and_under_autocast(tokenizer, case):
+    """The check runs in the model's own precision (not an autocast around the training call), with a tolerance
+    for a 16-bit model's rounding: mixed-precision and bf16 runs pack too."""
+    model = tiny_model(tokenizer, seed=2, hidden=32, layers=2)
+    if case == "bfloat16 weights":
+        model = model.to(torch.bfloat16)
+        assert packing_works(model)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert packing_works(model)

@@ -302,7 +302,8 @@ def packing_works(model) -> bool:
 
 def _check_packing(runner, plain) -> bool:
     """Hidden states of sequences of 3 and 5 tokens, packed into one row against the same two as a right-padded
-    batch, within a tolerance that float32 meets by far and a sequence seeing the other's tokens misses."""
+    batch, within a tolerance (relative to the largest value; 1e-4 in float32, 3e-2 in a 16-bit dtype) that the
+    model's own rounding meets and a sequence seeing the other's tokens misses."""
     device = next(plain.parameters()).device
     vocab = plain.get_input_embeddings().num_embeddings
     ids = (torch.arange(3, 11, device=device) * 7919) % vocab  # [8]
@@ -312,8 +313,8 @@ def _check_packing(runner, plain) -> bool:
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], device=device)
     was_training = plain.training
     plain.eval()
-    try:
-        with torch.no_grad():
+    try:  # in the model's own precision: the check is about attention, not about an autocast around the call
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = runner(input_ids=ids[None], output_hidden_states=True,
                               **_sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
             apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
@@ -321,8 +322,8 @@ def _check_packing(runner, plain) -> bool:
                            ).hidden_states[-1].float()
         apart = torch.cat([apart[0, :3], apart[1]])
         precise = plain.get_input_embeddings().weight.dtype == torch.float32
-        tolerance = 1e-4 if precise else 3e-2
-        return bool(torch.allclose(together, apart, atol=tolerance, rtol=tolerance))
+        tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
+        return bool((together - apart).abs().max() <= tolerance)
     except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
         return False
     finally:
