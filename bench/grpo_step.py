@@ -29,14 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/flops.py
 def trained_positions(prompt: list[int], completion: list[int]) -> int:
     """Positions the training passes run the model's body over for one micro-batch of rollouts of these lengths:
     the packed rows' when posttrain packs them (models/packing.py), else the padded block's."""
-    from posttrain.models.packing import packed_shape, worth_packing
+    from posttrain.models.packing import packing_plan
 
     sequences = [p + c for p, c in zip(prompt, completion)]
-    padded = len(sequences) * (max(prompt) + max(completion))
-    if not worth_packing(sequences, max(prompt) + max(completion)):
-        return padded
-    rows, width = packed_shape(sequences)
-    return rows * width
+    padded_width = max(prompt) + max(completion)
+    bins = packing_plan(sequences, padded_width)
+    return len(sequences) * padded_width if bins is None else len(bins) * max(sequences)
 
 
 def main():

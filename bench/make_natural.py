@@ -53,7 +53,8 @@ def main():
             mask = torch.cat([sampled.prompt_mask, sampled.completion_mask], 1).long()
             hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1][:, -64:]
             hidden = hidden.reshape(-1, hidden.size(-1))  # [16 x 64, H] at sampled positions
-            unit = hidden.mean(0) / hidden.mean(0).norm()
+            mean = hidden.mean(0)
+            unit = mean / mean.norm()
             projection = hidden @ unit
             median = projection.median(0).indices
             others = model.lm_head(hidden[median]).index_fill(0, torch.tensor([tok.eos_token_id]), float("-inf"))

@@ -60,13 +60,10 @@ def test_what_is_not_packed():
     assert pack_rollouts(p_ids, right_padded, c_ids, c_mask) is None
 
 
-class InForwardMarked:
-    """Marks the output layer's weight as DeepSpeed marks a partitioned one, so the chunked log-probs run as its
+def _mark_in_forward(model):
+    """Mark the output layer's weight as DeepSpeed marks a partitioned one, so the chunked log-probs run as its
     forward (models/logprobs.py `_computing_in`)."""
-
-    @staticmethod
-    def apply(model):
-        model.get_output_embeddings().weight.ds_tensor = torch.empty(0)
+    model.get_output_embeddings().weight.ds_tensor = torch.empty(0)
 
 
 @pytest.mark.parametrize("in_forward", [False, True])
@@ -82,7 +79,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_batch(tokenizer,
     for packed in (False, True):
         model = tiny_model(tokenizer, seed=2, hidden=32, layers=2)
         if in_forward:
-            InForwardMarked.apply(model)
+            _mark_in_forward(model)
         if not packed:
             monkeypatch.setattr(logprobs, "pack_rollouts", lambda *a: None)
         else:

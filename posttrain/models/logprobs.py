@@ -56,17 +56,28 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
-    """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits."""
+def _sequence_kwargs(model, position_ids, n_keep: int) -> dict:
+    """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits (0: every
+    position), with these position ids (None: the model's own)."""
     kwargs = {}
     keep = logits_to_keep_kwarg(model)
     if keep is not None:
         kwargs[keep] = n_keep
-    if forward_accepts(model, "position_ids"):
-        kwargs["position_ids"] = positions_from_mask(attention_mask)
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
     if forward_accepts(model, "use_cache"):
-        kwargs["use_cache"] = False
+        kwargs["use_cache"] = False  # a cache would also hide packed sequences' boundaries from sdpa and eager
     return kwargs
+
+
+def _mask_positions(model, attention_mask) -> torch.Tensor | None:
+    """Position ids of left-padded rows, when the model's forward takes them."""
+    return positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
+
+
+def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
+    """_sequence_kwargs for left-padded rows: position ids from the mask."""
+    return _sequence_kwargs(model, _mask_positions(model, attention_mask), n_keep)
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -259,7 +270,7 @@ def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completi
     mask = completion_mask.bool()
     positions = mask.reshape(-1).nonzero().squeeze(1)  # flat index of each real completion token, row-major
     predictor = _row_predictor(loss_gradient, completion_ids.shape, positions)
-    position_ids = positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
+    position_ids = _mask_positions(model, attention_mask)
 
     def rows(hidden):  # [N, >= C + 1, H] (a model may keep more positions than asked): C of them predict the C tokens
         return chunked_token_logprobs(hidden[:, -n - 1:-1][mask], layer.weight, layer.bias, completion_ids[mask],
@@ -353,18 +364,6 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 
 
 # ---------------------------------------------------------------------- sequences with their own targets (SFT, DPO)
-
-
-def _sequence_kwargs(model, position_ids, n_keep: int) -> dict:
-    kwargs = {}
-    keep = logits_to_keep_kwarg(model)
-    if keep is not None:
-        kwargs[keep] = n_keep
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if forward_accepts(model, "use_cache"):
-        kwargs["use_cache"] = False  # a cache would also hide packed sequences' boundaries from sdpa and eager
-    return kwargs
 
 
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

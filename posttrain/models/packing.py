@@ -9,7 +9,7 @@ per row as it does padded. Sequences are told apart by position ids restarting a
 transformers' sdpa, eager and flash attention then attend within each sequence only (a block-diagonal causal mask);
 the positions left at a bin's end are one more sequence, never read.
 
-Packing is used when it removes at least 1/16 of the positions (`worth_packing`; completions all run to the same
+Packing is used when it removes at least 1/16 of the positions (`packing_plan`; completions all run to the same
 length leave nothing to remove), when the masks are a contiguous run of real tokens per row (left-padded prompt,
 right-padded completion), and when the model honours packed rows, checked once per model (`packing_works`: a
 packed row must give the hidden states of its sequences run one by one). Otherwise the padded batch is used as is.
@@ -47,16 +47,15 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def packed_shape(sequence_lengths: list[int]) -> tuple[int, int]:
-    """(rows, width) of the packed batch of sequences of these lengths."""
-    width = max(sequence_lengths)
-    return len(first_fit_decreasing(sequence_lengths, width)), width
-
-
-def worth_packing(sequence_lengths: list[int], padded_width: int) -> bool:
-    """Whether packing removes at least MIN_SAVING of the [N, padded_width] positions."""
-    rows, width = packed_shape(sequence_lengths)
-    return rows * width <= (1 - MIN_SAVING) * len(sequence_lengths) * padded_width
+def packing_plan(sequence_lengths: list[int], padded_width: int) -> list[list[int]] | None:
+    """The bins (first-fit decreasing, capacity the longest sequence) of sequences of these lengths, or None when
+    packing them would not remove MIN_SAVING of the padded [N, padded_width] batch's positions."""
+    if not sequence_lengths:
+        return None
+    bins = first_fit_decreasing(sequence_lengths, max(sequence_lengths))
+    if len(bins) * max(sequence_lengths) > (1 - MIN_SAVING) * len(sequence_lengths) * padded_width:
+        return None
+    return bins
 
 
 def _run_lengths(prompt_mask: torch.Tensor, completion_mask: torch.Tensor):
@@ -82,12 +81,12 @@ def pack_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     prompt_lengths, completion_lengths = (t.tolist() for t in lengths)
     sequence_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
     n, (big_p, big_c) = len(sequence_lengths), (prompt_ids.size(1), completion_ids.size(1))
-    if n == 0 or not worth_packing(sequence_lengths, big_p + big_c):
-        return None
     if 0 in prompt_lengths:
         return None  # an empty prompt: a completion's first token would have no position to be predicted from
+    bins = packing_plan(sequence_lengths, big_p + big_c)
+    if bins is None:
+        return None
     width = max(sequence_lengths)
-    bins = first_fit_decreasing(sequence_lengths, width)
     # where each rollout's run starts in the packed batch, as a flat index into [B', W]
     starts = [0] * n
     for b, members in enumerate(bins):
