@@ -75,7 +75,7 @@ def _loss_metrics(trainer, rollouts, ref_logps, advantages: torch.Tensor, mask: 
     with torch.no_grad(), acc.autocast():
         logps, entropy = token_logprobs(trainer.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                         r.completion_mask, args.temperature, with_entropy=True,
-                                        packing=trainer.packing)
+                                        packing=trainer.packing, share_prompts=trainer.share_prompts)
         kept = trainer._entropy_mask(entropy, mask)
         result = trainer.loss_fn(LossInputs(logps, None, ref_logps, advantages, mask, kept), trainer.loss_params, norm)
         loss = result.loss

@@ -105,6 +105,10 @@ class GRPOTrainer(Trainer):
                                          and not self.entropy_control.enabled and args.loss_type != "vespo")
         self.pad_to_multiple_of = self._padding_multiple()
         self.packing = self.pad_to_multiple_of is None  # padded widths are fixed for a reason: keep them
+        # each distinct prompt once (two forwards before a backward): a model not wrapped for gradient
+        # synchronisation or sharded, i.e. one process without FSDP or DeepSpeed
+        self.share_prompts = (self.packing and self.accelerator.num_processes == 1
+                              and self.sharding.kind == "none")
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -319,7 +323,7 @@ class GRPOTrainer(Trainer):
     def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
         return self._no_grad_per_micro_batch(rollouts, lambda r: token_logprobs(
             model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature,
-            packing=self.packing)[:1])[0]
+            packing=self.packing, share_prompts=self.share_prompts)[:1])[0]
 
     def _no_grad_per_micro_batch(self, rollouts, fn) -> tuple[torch.Tensor, ...]:
         """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
@@ -413,7 +417,8 @@ class GRPOTrainer(Trainer):
                 logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                                 r.completion_mask, self.args.temperature, with_entropy=True,
                                                 loss_gradient=self._loss_gradient(mb, norm, bonus),
-                                                entropy_grad=self.entropy_control.enabled, packing=self.packing)
+                                                entropy_grad=self.entropy_control.enabled, packing=self.packing,
+                                                share_prompts=self.share_prompts)
             kept = self._entropy_mask(entropy.detach(), mb.loss_mask)
             out = self._loss(mb, logps, norm, kept)
             effective = mb.loss_mask if kept is None else kept

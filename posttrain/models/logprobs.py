@@ -29,6 +29,7 @@ import torch
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.loading import is_plain_linear, unwrap
 from posttrain.models.packing import PackedRows, pack_rollouts
+from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 
@@ -195,7 +196,7 @@ def _computing_in(layer: torch.nn.Module, compute: Callable):
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
                    loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False,
-                   packing: bool = True):
+                   packing: bool = True, share_prompts: bool = False):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
 
     Args:
@@ -209,6 +210,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
         entropy_grad: return the entropy with its gradient (for an entropy bonus); implies with_entropy.
         packing: run the rollouts' real tokens packed into fewer, shorter rows where that saves positions and the
             model allows it (models/packing.py); False keeps the batch's own shape (a fixed pad_to_multiple_of).
+        share_prompts: run each distinct prompt once and the completions against its keys and values, where that
+            saves positions and the model allows it (models/prompt_sharing.py). Two forwards before one backward:
+            for a model that is not wrapped for gradient synchronisation or sharded (one process).
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -220,6 +224,14 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
         # packing_works runs on every call, so its one-time check (a forward) is reached by every process alike
         packed = pack_rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask) \
             if packing_works(model) and packing else None
+        shared = _shared_prompts(model, prompt_ids, prompt_mask, completion_ids.size(1),
+                                 input_ids.numel() if packed is None else packed.input_ids.numel()) \
+            if share_prompts else None
+        if shared is not None:
+            return _at_completions(model, lambda rows: rows(_shared_prompt_hidden(model, shared, completion_ids,
+                                                                                   completion_mask)),
+                                   completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
+                                   entropy_grad)
         if packed is not None:
             return _packed_logprobs(model, packed, completion_ids.shape, temperature, with_entropy, loss_gradient,
                                     entropy_grad)
@@ -266,17 +278,30 @@ def _through_output_layer(model, input_ids, attention_mask, position_ids, n_keep
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                       with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
+    position_ids = _mask_positions(model, attention_mask)
+
+    def run(rows):  # the model may keep more positions than asked (>= C + 1): C of them predict the C tokens
+        return _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1,
+                                     lambda hidden: rows(hidden[:, -n - 1:-1]))
+
+    return _at_completions(model, run, completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
+                           entropy_grad)
+
+
+def _at_completions(model, run: Callable, completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
+                    entropy_grad):
+    """token_logprobs' [N, C] results, given `run(rows)`: `rows` (the chunked output layer at the real completion
+    tokens) applied to the [N, C, H] final hidden states that predict the completion tokens."""
     layer = output_layer(model)
     mask = completion_mask.bool()
     positions = mask.reshape(-1).nonzero().squeeze(1)  # flat index of each real completion token, row-major
     predictor = _row_predictor(loss_gradient, completion_ids.shape, positions)
-    position_ids = _mask_positions(model, attention_mask)
 
-    def rows(hidden):  # [N, >= C + 1, H] (a model may keep more positions than asked): C of them predict the C tokens
-        return chunked_token_logprobs(hidden[:, -n - 1:-1][mask], layer.weight, layer.bias, completion_ids[mask],
-                                      temperature, with_entropy, predictor, entropy_grad)
+    def rows(hidden):
+        return chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask], temperature,
+                                      with_entropy, predictor, entropy_grad)
 
-    logps, entropy = _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1, rows)
+    logps, entropy = run(rows)
     full = _at_positions(logps, positions, completion_ids.shape)
     return full, (_at_positions(entropy, positions, completion_ids.shape) if with_entropy else None)
 
@@ -331,14 +356,86 @@ def _check_packing(runner, plain) -> bool:
             apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
                            **_sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
                            ).hidden_states[-1].float()
-        apart = torch.cat([apart[0, :3], apart[1]])
-        precise = plain.get_input_embeddings().weight.dtype == torch.float32
-        tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
-        return bool((together - apart).abs().max() <= tolerance)
+        return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
     except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
         return False
     finally:
         plain.train(was_training)
+
+
+def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
+    """The rollouts' distinct prompts (models/prompt_sharing.py) when running them once pays and the model allows it,
+    else None."""
+    plain = unwrap(model)
+    if plain.training and any(getattr(m, "gradient_checkpointing", False) is True for m in plain.modules()):
+        return None  # transformers turns the cache off in a checkpointed module's training forward
+    if not prompt_sharing_works(model):
+        return None
+    return distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise)
+
+
+def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completion_mask) -> torch.Tensor:
+    """[N, C, H] final hidden states that predict each completion token: the distinct prompts' forward with a cache
+    (its last position predicts the first token), the cache's rows selected for the N rollouts, then the completions'
+    forward against it (its positions 0 .. C - 2 predict tokens 1 .. C - 1)."""
+    kwargs = {"use_cache": True, "output_hidden_states": True, logits_to_keep_kwarg(model): 1}
+    prompts = model(input_ids=shared.prompt_ids, attention_mask=shared.prompt_mask,
+                    position_ids=positions_from_mask(shared.prompt_mask), **kwargs)
+    cache = prompts.past_key_values
+    cache.batch_select_indices(shared.source)
+    mask = torch.cat([shared.prompt_mask[shared.source], completion_mask.long()], dim=1)  # [N, Lp + C]
+    completions = model(input_ids=completion_ids, attention_mask=mask, past_key_values=cache,
+                        position_ids=positions_from_mask(mask)[:, shared.prompt_ids.size(1):], **kwargs)
+    last = prompts.hidden_states[-1][:, -1][shared.source]  # [N, H]
+    return torch.cat([last[:, None], completions.hidden_states[-1][:, :-1]], dim=1)
+
+
+def prompt_sharing_works(model) -> bool:
+    """Whether the model gives the same hidden states to completions run against their prompt's selected cache as to
+    the whole rollouts; decided once per model object and cached. The check (a shared and an unshared forward of
+    two completions of one prompt) needs a forward that takes position ids, a cache and logits_to_keep, and an
+    output layer whole outside the model's forward (not ZeRO-3's or FSDP1's)."""
+    plain = unwrap(model)
+    cached = getattr(plain, "_posttrain_prompt_sharing_works", None)
+    if cached is None:
+        layer = output_layer(plain)
+        cached = (layer is not None and not whole_only_in_forward(layer) and logits_to_keep_kwarg(plain) is not None
+                  and all(forward_accepts(plain, name) for name in ("position_ids", "past_key_values", "use_cache"))
+                  and _check_prompt_sharing(plain))
+        plain._posttrain_prompt_sharing_works = cached
+    return cached
+
+
+def _check_prompt_sharing(plain) -> bool:
+    """Completions of 3 and 2 tokens of one 4-token prompt: shared against unshared hidden states, within
+    `_agree`'s tolerance."""
+    device = next(plain.parameters()).device
+    vocab = plain.get_input_embeddings().num_embeddings
+    ids = (torch.arange(3, 10, device=device) * 7919) % vocab  # [7]
+    prompt, completions = ids[None, :4], torch.stack([ids[4:], ids[4:]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
+    shared = SharedPrompts(prompt, torch.ones_like(prompt), torch.zeros(2, dtype=torch.long, device=device))
+    was_training = plain.training
+    plain.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            together = _shared_prompt_hidden(plain, shared, completions, completion_mask)
+            mask = torch.cat([torch.ones((2, 4), dtype=torch.long, device=device), completion_mask], dim=1)
+            apart = final_hidden(plain, torch.cat([prompt.expand(2, 4), completions], dim=1), mask)[:, 3:-1]
+        real = completion_mask.bool()
+        return _agree(plain, together[real].float(), apart[real].float())
+    except (TypeError, AttributeError, IndexError, RuntimeError, ValueError, KeyError):
+        return False
+    finally:
+        plain.train(was_training)
+
+
+def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:
+    """Whether two computations of the same hidden states agree within what the model's own rounding allows: 1e-4
+    in float32, 3e-2 in a 16-bit dtype, relative to the largest value; a position that sees other tokens misses."""
+    precise = plain.get_input_embeddings().weight.dtype == torch.float32
+    tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
+    return bool((together - apart).abs().max() <= tolerance)
 
 
 def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):

@@ -1,0 +1,75 @@
+"""GRPO's log-prob passes with each distinct prompt run once (models/prompt_sharing.py) against the rollouts run whole.
+
+Usage: python bench/prompt_sharing_micro.py MODEL_DIR [--rows 16] [--gens 8] [--prompt 10] [--completion 128]
+                                                      [--repeats 5] [--threads 2]
+rows / gens distinct prompts of --prompt random tokens, each with gens completions of --completion random tokens
+(every row full length, so packing has nothing to remove). Per repeat, alternating: the policy pass (token_logprobs
+with entropy and the loss gradient predicted, then backward) and the reference pass (no gradient), shared and
+unshared. Prints one JSON line: the median seconds of each, their ratios, the positions each runs the body over, and
+the largest difference between the two log-probs.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--gens", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=10)
+    ap.add_argument("--completion", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.logprobs import fast_path_available, packing_works, prompt_sharing_works, token_logprobs
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model.train()
+    if not (fast_path_available(model) and packing_works(model) and prompt_sharing_works(model)):
+        raise SystemExit(f"{args.model}: the shared-prompt pass does not reproduce this model's hidden states")
+    n, p, c = args.rows, args.prompt, args.completion
+    prompt_of_row = torch.arange(n) // args.gens
+    prompt_ids = torch.randint(3, 1000, (int(prompt_of_row.max()) + 1, p))[prompt_of_row]
+    prompt_mask = torch.ones(n, p, dtype=torch.long)
+    completion_ids = torch.randint(3, 1000, (n, c))
+    completion_mask = torch.ones(n, c, dtype=torch.long)
+    weights = torch.randn(n, c) / (n * c)
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+    times = {(share, kind): [] for share in (False, True) for kind in ("policy", "reference")}
+    logps = {}
+    for _ in range(args.repeats):
+        for share in (False, True):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            lp, _ = token_logprobs(model, *batch, with_entropy=True, loss_gradient=lambda x: weights,
+                                   share_prompts=share)
+            (lp * weights).sum().backward()
+            times[(share, "policy")].append(time.perf_counter() - start)
+            with torch.no_grad():
+                start = time.perf_counter()
+                logps[share] = token_logprobs(model, *batch, share_prompts=share)[0]
+                times[(share, "reference")].append(time.perf_counter() - start)
+    median = {f"{'shared' if share else 'unshared'}_{kind}_s": round(statistics.median(t), 3)
+              for (share, kind), t in times.items()}
+    print(json.dumps({
+        "rows": n, "distinct_prompts": int(prompt_of_row.max()) + 1, "prompt": p, "completion": c, **median,
+        "policy_ratio": round(median["shared_policy_s"] / median["unshared_policy_s"], 3),
+        "reference_ratio": round(median["shared_reference_s"] / median["unshared_reference_s"], 3),
+        "unshared_positions": n * (p + c), "shared_positions": (int(prompt_of_row.max()) + 1) * p + n * c,
+        "max_logp_diff": float((logps[True] - logps[False]).abs().max()),
+    }))
+
+
+if __name__ == "__main__":
+    main()

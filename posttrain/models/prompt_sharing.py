@@ -1,0 +1,46 @@
+"""Each distinct prompt once in the log-prob passes: the prompts' keys and values computed once, every completion run
+against its prompt's.
+
+GRPO samples `num_generations` completions of each prompt, so a micro-batch of rollouts holds each prompt several
+times, and the model's body runs over every copy. Shared, the distinct prompts ([P, Lp], left-padded as given) run
+once with a cache, the cache's rows are indexed out to the N rollouts (an index_select: a gradient reaching a row's
+keys and values flows back into its prompt, summed over the copies as it would be over G separate copies), and the
+completions ([N, C]) run against it. The body runs over P * Lp + N * C positions instead of N * (Lp + C); attention
+reads the same keys as before.
+
+Sharing is used when it removes at least MIN_SAVING of the positions that would run otherwise (the padded batch's, or
+the packed rows' where packing applies), when every prompt ends at its last column (left padding) and is not empty
+(the prompt's last position predicts the first completion token), and when the model reproduces its unshared hidden
+states through a selected cache, checked once per model (models/logprobs.py `prompt_sharing_works`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.models.packing import MIN_SAVING
+
+
+@dataclass
+class SharedPrompts:
+    prompt_ids: torch.Tensor  # [P, Lp] each distinct prompt once, left-padded as the rollouts' are
+    prompt_mask: torch.Tensor  # [P, Lp]
+    source: torch.Tensor  # [N] the index in [P] of each rollout's prompt
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_width: int,
+                  positions_otherwise: int) -> SharedPrompts | None:
+    """The distinct prompts of [N, Lp] left-padded prompts, or None when running them once (P * Lp + N *
+    completion_width positions) would not remove MIN_SAVING of `positions_otherwise`, or when a prompt is empty or
+    right-padded."""
+    n, width = prompt_ids.shape
+    if n < 2 or width == 0 or not bool(prompt_mask[:, -1].all()):
+        return None  # a prompt that does not end at its last column (or is empty): its last position is not real
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)  # padding ids may differ between copies of one prompt
+    distinct, source = torch.unique(key, dim=0, return_inverse=True)
+    shared_positions = len(distinct) * width + n * completion_width
+    if len(distinct) == n or shared_positions > (1 - MIN_SAVING) * positions_otherwise:
+        return None
+    rows = torch.arange(n, device=prompt_ids.device)
+    first = torch.full((len(distinct),), n, device=prompt_ids.device).scatter_reduce(0, source, rows, "amin")
+    return SharedPrompts(prompt_ids[first], prompt_mask[first], source)
