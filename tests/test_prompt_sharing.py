@@ -29,6 +29,13 @@ def _group_rollouts(prompts: list[list[int]], copies: list[int], completion_leng
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+@pytest.fixture(autouse=True)
+def share_on_tiny_models(monkeypatch):
+    """The tests' models are tiny: sharing would save fewer FLOPs than MIN_SHARED_SAVING_FLOP, so the floor is 0
+    here (test_tiny_savings_do_not_pay_for_a_second_forward checks the floor itself)."""
+    monkeypatch.setattr(logprobs, "MIN_SHARED_SAVING_FLOP", 0)
+
+
 def test_distinct_prompts_and_what_is_not_shared():
     p_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9], [0, 5, 6]])
     p_mask = (p_ids > 0).long()
@@ -40,6 +47,7 @@ def test_distinct_prompts_and_what_is_not_shared():
     # 2 * 3 + 5 * 4 = 26 positions against 35: shared; against 27 (what packing might leave): not worth it
     assert distinct_prompts(p_ids, p_mask, 4, 27) is None
     assert distinct_prompts(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long), 4, 12) is None
+    assert distinct_prompts(p_ids, p_mask, 4, 35, min_saved_positions=10) is None  # 9 saved
     right_padded = torch.flip(p_mask, [1])
     assert distinct_prompts(p_ids, right_padded, 4, 35) is None  # a prompt's last column is not real
     empty = p_mask.clone()
@@ -89,6 +97,17 @@ def test_too_little_to_share_runs_the_rollouts_as_they_are(tokenizer):
     batch = _group_rollouts([[11, 12], [21, 22]], [0, 1, 0, 1], [20] * 4, 20, len(tokenizer))
     *_, widths = _passes(tokenizer, batch, True)
     assert widths == [(4, 22)]
+
+
+def test_tiny_savings_do_not_pay_for_a_second_forward(tokenizer, monkeypatch):
+    """With the shipped floor, the tests' 32-wide model (18,720 body parameters) would need about 27,000 positions
+    saved; the example saves 30 of 99 and runs whole. A floor it clears (a thousandth: 27 positions) shares."""
+    monkeypatch.setattr(logprobs, "MIN_SHARED_SAVING_FLOP", 1e9)
+    prompts = [[11, 12], [21, 22, 23, 24, 25], [31, 32, 33]]
+    batch = _group_rollouts(prompts, [0, 1, 2, 0, 1, 2, 0, 1, 2], [6, 1, 4, 6, 3, 2, 5, 6, 1], 6, len(tokenizer))
+    assert _passes(tokenizer, batch, True)[3] == [(9, 11)]
+    monkeypatch.setattr(logprobs, "MIN_SHARED_SAVING_FLOP", 1e6)
+    assert _passes(tokenizer, batch, True)[3] == [(3, 5), (9, 6)]
 
 
 class CachelessLM(Qwen2ForCausalLM):

@@ -22,6 +22,7 @@ it, as Qwen2 did on transformers 4.48), slicing when more came back.
 import contextlib
 import functools
 import inspect
+import math
 from typing import Callable
 
 import torch
@@ -32,6 +33,9 @@ from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
+# a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
+# cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
+MIN_SHARED_SAVING_FLOP = 1e9
 
 
 @functools.lru_cache(maxsize=64)
@@ -371,7 +375,20 @@ def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, posit
         return None  # transformers turns the cache off in a checkpointed module's training forward
     if not prompt_sharing_works(model):
         return None
-    return distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise)
+    min_saved = MIN_SHARED_SAVING_FLOP / (2 * max(_body_parameters(plain), 1))
+    return distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise, math.ceil(min_saved))
+
+
+def _body_parameters(plain) -> int:
+    """Parameters of the model's body (all but the input embedding and the output layer), counted once per model: a
+    position's forward through the body's products costs 2 FLOPs per parameter."""
+    count = getattr(plain, "_posttrain_body_parameters", None)
+    if count is None:
+        edges = {id(p) for module in (plain.get_input_embeddings(), output_layer(plain)) if module is not None
+                 for p in module.parameters()}
+        count = sum(p.numel() for p in plain.parameters() if id(p) not in edges)
+        plain._posttrain_body_parameters = count
+    return count
 
 
 def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completion_mask) -> torch.Tensor:

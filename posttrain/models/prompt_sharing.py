@@ -9,7 +9,8 @@ completions ([N, C]) run against it. The body runs over P * Lp + N * C positions
 reads the same keys as before.
 
 Sharing is used when it removes at least MIN_SAVING of the positions that would run otherwise (the padded batch's, or
-the packed rows' where packing applies), when every prompt ends at its last column (left padding) and is not empty
+the packed rows' where packing applies) and enough of them to outweigh a second forward's fixed cost (models/logprobs.py
+MIN_SHARED_SAVING_FLOP), when every prompt ends at its last column (left padding) and is not empty
 (the prompt's last position predicts the first completion token), and when the model reproduces its unshared hidden
 states through a selected cache, checked once per model (models/logprobs.py `prompt_sharing_works`).
 """
@@ -29,17 +30,18 @@ class SharedPrompts:
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_width: int,
-                  positions_otherwise: int) -> SharedPrompts | None:
+                     positions_otherwise: int, min_saved_positions: int = 0) -> SharedPrompts | None:
     """The distinct prompts of [N, Lp] left-padded prompts, or None when running them once (P * Lp + N *
-    completion_width positions) would not remove MIN_SAVING of `positions_otherwise`, or when a prompt is empty or
-    right-padded."""
+    completion_width positions) would not remove MIN_SAVING of `positions_otherwise`, nor at least
+    `min_saved_positions`, or when a prompt is empty or right-padded."""
     n, width = prompt_ids.shape
     if n < 2 or width == 0 or not bool(prompt_mask[:, -1].all()):
         return None  # a prompt that does not end at its last column (or is empty): its last position is not real
     key = prompt_ids.masked_fill(prompt_mask == 0, -1)  # padding ids may differ between copies of one prompt
     distinct, source = torch.unique(key, dim=0, return_inverse=True)
     shared_positions = len(distinct) * width + n * completion_width
-    if len(distinct) == n or shared_positions > (1 - MIN_SAVING) * positions_otherwise:
+    saved = positions_otherwise - shared_positions
+    if len(distinct) == n or saved < MIN_SAVING * positions_otherwise or saved < min_saved_positions:
         return None
     rows = torch.arange(n, device=prompt_ids.device)
     first = torch.full((len(distinct),), n, device=prompt_ids.device).scatter_reduce(0, source, rows, "amin")
