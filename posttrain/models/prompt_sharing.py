@@ -32,8 +32,8 @@ class SharedPrompts:
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_width: int,
                      positions_otherwise: int, min_saved_positions: int = 0) -> SharedPrompts | None:
     """The distinct prompts of [N, Lp] left-padded prompts, or None when running them once (P * Lp + N *
-    completion_width positions) would not remove MIN_SAVING of `positions_otherwise`, nor at least
-    `min_saved_positions`, or when a prompt is empty or right-padded."""
+    completion_width positions) would remove less than MIN_SAVING of `positions_otherwise` or fewer than
+    `min_saved_positions` positions, or when a prompt is empty or right-padded."""
     n, width = prompt_ids.shape
     if n < 2 or width == 0 or not bool(prompt_mask[:, -1].all()):
         return None  # a prompt that does not end at its last column (or is empty): its last position is not real
