@@ -144,10 +144,8 @@ def _check_in_forward_path(model, layer) -> bool:
     seen = []
     hook = layer.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
     ids = (torch.arange(1, 9) % layer.out_features).unsqueeze(0).to(next(plain.parameters()).device)
-    was_training = plain.training
-    plain.eval()
     try:
-        with torch.no_grad():
+        with _in_eval_mode(plain), torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
                            **_forward_kwargs(plain, torch.ones_like(ids), 4)).logits
         return len(seen) == 1 and seen[0].shape == logits.shape and bool(torch.equal(seen[0], logits))
@@ -155,7 +153,6 @@ def _check_in_forward_path(model, layer) -> bool:
         return False
     finally:
         hook.remove()
-        plain.train(was_training)
 
 
 def _check_fast_path(plain) -> bool:
@@ -164,15 +161,22 @@ def _check_fast_path(plain) -> bool:
         return False
     ids = (torch.arange(1, 9, device=layer.weight.device) % layer.out_features).unsqueeze(0)
     mask = torch.ones_like(ids)
-    was_training = plain.training
-    plain.eval()  # dropout would make two forwards differ
     try:
-        with torch.no_grad():
+        with _in_eval_mode(plain), torch.no_grad():
             logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
             hidden = final_hidden(plain, ids, mask)[:, -4:]
             return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
     except (TypeError, AttributeError, IndexError, RuntimeError):
         return False  # no hidden states, or not the shapes we expect: use the logits path
+
+
+@contextlib.contextmanager
+def _in_eval_mode(plain):
+    """The model in eval mode for the block (dropout would make two forwards of a check differ), then as it was."""
+    was_training = plain.training
+    plain.eval()
+    try:
+        yield
     finally:
         plain.train(was_training)
 
@@ -351,10 +355,8 @@ def _check_packing(runner, plain) -> bool:
     padded = torch.zeros((2, 5), dtype=torch.long, device=device)
     padded[0, :3], padded[1] = ids[:3], ids[3:]
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], device=device)
-    was_training = plain.training
-    plain.eval()
     try:  # in the model's own precision: the check is about attention, not about an autocast around the call
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with _in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = runner(input_ids=ids[None], output_hidden_states=True,
                               **_sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
             apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
@@ -363,8 +365,6 @@ def _check_packing(runner, plain) -> bool:
         return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
     except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
         return False
-    finally:
-        plain.train(was_training)
 
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
@@ -432,10 +432,8 @@ def _check_prompt_sharing(plain) -> bool:
     prompt, completions = ids[None, :4], torch.stack([ids[4:], ids[4:]])
     completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
     shared = SharedPrompts(prompt, torch.ones_like(prompt), torch.zeros(2, dtype=torch.long, device=device))
-    was_training = plain.training
-    plain.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+    try:  # in the model's own precision, as the packing check
+        with _in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = _shared_prompt_hidden(plain, shared, completions, completion_mask)
             mask = torch.cat([torch.ones((2, 4), dtype=torch.long, device=device), completion_mask], dim=1)
             apart = final_hidden(plain, torch.cat([prompt.expand(2, 4), completions], dim=1), mask)[:, 3:-1]
@@ -443,8 +441,6 @@ def _check_prompt_sharing(plain) -> bool:
         return _agree(plain, together[real].float(), apart[real].float())
     except (TypeError, AttributeError, IndexError, RuntimeError, ValueError, KeyError):
         return False
-    finally:
-        plain.train(was_training)
 
 
 def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:

@@ -43,6 +43,5 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comple
     saved = positions_otherwise - shared_positions
     if len(distinct) == n or saved < MIN_SAVING * positions_otherwise or saved < min_saved_positions:
         return None
-    rows = torch.arange(n, device=prompt_ids.device)
-    first = torch.full((len(distinct),), n, device=prompt_ids.device).scatter_reduce(0, source, rows, "amin")
-    return SharedPrompts(prompt_ids[first], prompt_mask[first], source)
+    # the distinct keys are the prompts: -1 marks padding (its id, 0 here, is never attended to)
+    return SharedPrompts(distinct.clamp(min=0), (distinct >= 0).to(prompt_mask.dtype), source)
