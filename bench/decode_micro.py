@@ -28,9 +28,9 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.generation import SamplingParams
-    from posttrain.generation import lean_decoder
     from posttrain.generation.lean_decoder import supports
     from posttrain.generation.transformers_backend import TransformersGenerator
+    from posttrain.models import onednn
 
     model = AutoModelForCausalLM.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -39,7 +39,7 @@ def main():
     ms = {"lean": [], "lean_gemm": [], "model_forward": []}
     for _ in range(args.repeats + 1):  # the first round warms up and is dropped
         for name in ms:
-            lean_decoder._ONEDNN = False if name == "lean_gemm" else None  # None: probe oneDNN again
+            onednn._OP = False if name == "lean_gemm" else None  # None: probe oneDNN again
             gen = TransformersGenerator(model, tokenizer, params, seed=0, lean=name != "model_forward")
             start = time.perf_counter()
             gen.generate(prompts)

@@ -3,9 +3,26 @@
 import pytest
 import torch
 
-from posttrain.models import chunked
+from posttrain.models import chunked, onednn
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.logprobs import fast_path_available
+
+
+@pytest.fixture(params=["mkl", "onednn"])
+def logits_library(request, monkeypatch):
+    """Each chunk's logits through torch's GEMM into a workspace buffer, or through oneDNN into a tensor of its own
+    (from any hidden size here; in use from ONEDNN_LOGITS_MIN_HIDDEN). Yields the list of oneDNN products made."""
+    calls = []
+    if request.param == "mkl":
+        monkeypatch.setattr(onednn, "_OP", False)
+    else:
+        if onednn.linear_op() is None:
+            pytest.skip("this torch has no oneDNN linear")
+        monkeypatch.setattr(chunked, "ONEDNN_LOGITS_MIN_HIDDEN", 0)
+        original = onednn.linear
+        monkeypatch.setattr(onednn, "linear", lambda *args: calls.append(args[0].shape) or original(*args))
+    yield request.param, calls
+    assert bool(calls) == (request.param == "onednn")
 
 
 def _prediction(kind: str, g: torch.Tensor):
@@ -18,7 +35,7 @@ def _prediction(kind: str, g: torch.Tensor):
 
 @pytest.mark.parametrize("prediction", ["none", "right", "partly", "wrong"])
 @pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
-def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias, prediction):
+def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias, prediction, logits_library):
     """Values and gradients equal the reference with or without a predicted gradient, right or wrong."""
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 50)  # 3 rows per chunk: several chunks, a ragged last one
     torch.manual_seed(0)
@@ -96,7 +113,7 @@ def test_float32_inside_bf16_autocast():
 
 
 @pytest.mark.parametrize("predicted", [False, True])
-def test_entropy_gradient_equals_autograd_of_full_logits(predicted):
+def test_entropy_gradient_equals_autograd_of_full_logits(predicted, logits_library):
     """With entropy_grad the entropy carries its gradient (for an entropy bonus), through the recomputing backward
     and beside a predicted log-prob gradient alike."""
     torch.manual_seed(0)

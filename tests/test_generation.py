@@ -274,9 +274,10 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
     rows); the tokens and log-probs are those of torch's GEMM, and a weight budget of 0 (weights read in place)
     changes nothing either. A decode of fewer than PACK_MIN_NEW_TOKENS tokens packs nothing."""
     from posttrain.generation import lean_decoder
+    from posttrain.models import onednn
     from posttrain.testing import tiny_model
 
-    if lean_decoder._onednn_linear() is None:
+    if onednn.linear_op() is None:
         pytest.skip("this torch has no oneDNN linear")
     model = tiny_model(tokenizer, hidden=32, layers=2)
     assert lean_decoder.supports(model)  # its check (a decode of its own) done before counting
@@ -291,7 +292,7 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
         "__call__": lambda self, w: calls.append(w.shape) or packer.__call__(self, w)}))
     reorder, packed = torch.ops.mkldnn._reorder_linear_weight, []
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: packed.append(w) or reorder(w, rows))
-    onednn = run()
+    through_onednn = run()
     assert len(calls) == 2 * 4 + 1  # per layer q/k/v (fused), o, gate/up (fused), down; and the output layer
     assert len(packed) == len(calls)  # all of them packed
     packed.clear()
@@ -300,8 +301,8 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
     assert not packed  # a short decode reads the weights in place
     monkeypatch.setattr(lean_decoder, "PACKED_COPY_BUDGET", 0)
     in_place = run()
-    monkeypatch.setattr(lean_decoder, "_ONEDNN", False)
+    monkeypatch.setattr(onednn, "_OP", False)
     gemm = run()
     for other in (in_place, gemm):
-        assert torch.equal(onednn.completion_ids, other.completion_ids)
-        assert torch.allclose(onednn.sampler_logprobs, other.sampler_logprobs, atol=1e-5)
+        assert torch.equal(through_onednn.completion_ids, other.completion_ids)
+        assert torch.allclose(through_onednn.sampler_logprobs, other.sampler_logprobs, atol=1e-5)

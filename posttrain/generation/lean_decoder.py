@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.models.loading import unwrap
+from posttrain.models.onednn import linear_op
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                 "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.act_fn")
@@ -60,31 +61,6 @@ PACKED_COPY_BUDGET = 1 << 30  # bytes: the most that oneDNN-packed copies of the
 PACK_MIN_NEW_TOKENS = 16
 
 
-def _onednn_linear():
-    """oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, what torch's own compiler emits on CPU), when this torch
-    has it and it agrees with `F.linear` on a probe; else None. For the few rows of a decode step it runs 2-3x faster
-    than `F.linear`'s GEMM (docs/performance.md), and faster still on weights packed once for it."""
-    global _ONEDNN
-    if _ONEDNN is None:
-        _ONEDNN = False
-        try:
-            if torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
-                op = torch.ops.mkldnn._linear_pointwise
-                probe = torch.Generator().manual_seed(0)
-                x, w, b = (torch.randn(shape, generator=probe) for shape in ((3, 2, 24), (40, 24), (40,)))
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
-                want = F.linear(x, w, b)
-                if all(torch.allclose(op(x, weight, b, "none", [None], ""), want, rtol=1e-5, atol=1e-5)
-                       for weight in (w, packed)):
-                    _ONEDNN = op
-        except (AttributeError, RuntimeError):
-            pass
-    return _ONEDNN or None
-
-
-_ONEDNN = None
-
-
 class _Packer:
     """Float32 weights as oneDNN's linear reads them fastest: packed for `rows` rows (a copy made once per decode)
     while the copies total at most PACKED_COPY_BUDGET bytes, as they are (read in place) beyond it."""
@@ -107,7 +83,7 @@ def _linear(weight: torch.Tensor, bias, packer):
     """`x -> F.linear(x, weight, bias)` for a float32 weight: through oneDNN when `packer` is given."""
     if packer is None:
         return lambda x: F.linear(x, weight, bias)
-    op, weight = _onednn_linear(), packer(weight)
+    op, weight = linear_op(), packer(weight)
     return lambda x: op(x, weight, bias, "none", [None], "")
 
 
@@ -151,7 +127,7 @@ def _plus(module, packer=None):
     fused add with `packer`, else `addmm`)."""
     if _plain_linear(module) and module.bias is None:
         if packer is not None:
-            op, weight = _onednn_linear(), packer(module.weight)
+            op, weight = linear_op(), packer(module.weight)
             return lambda x, y: op.binary(y.flatten(0, -2), x.flatten(0, -2), weight, None, "add").view(x.shape)
         weight_t = module.weight.T
         return lambda x, y: torch.addmm(x.flatten(0, -2), y.flatten(0, -2), weight_t).view(x.shape)
@@ -230,7 +206,7 @@ class LeanDecoder:
         self.key_mask[:, 0, 0, :p] = prompt_mask
         fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
         packer = None
-        if device.type == "cpu" and _onednn_linear() is not None:
+        if device.type == "cpu" and linear_op() is not None:
             packer = _Packer(n, PACKED_COPY_BUDGET if max_new_tokens >= PACK_MIN_NEW_TOKENS else 0)
         self.layers = [_Layer(layer, fuse, packer) for layer in self.body.layers]
         self.final_norm = _direct(self.body.norm)

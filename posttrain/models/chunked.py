@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from posttrain.models import onednn
+
 CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 logits per chunk: big enough for the matmul to run near peak
 
 # (row slice, log-probs of those rows [k]) -> predicted d loss / d log-prob of those rows [k]
@@ -44,11 +46,26 @@ def _workspace(rows: int, vocab: int, device, count: int) -> list[torch.Tensor]:
     return [torch.empty((rows, vocab), dtype=torch.float32, device=device) for _ in range(count)]
 
 
-def _chunk_logits(h, weight, bias, temperature, out: torch.Tensor):
-    """[k, V] float32 logits of k rows, written into `out` ([>= k, V]); `weight` and `bias` are already float32."""
-    logits = torch.mm(h.float(), weight.T, out=out[:h.size(0)])
-    if bias is not None:
-        logits += bias
+# oneDNN computes a chunk's logits into a new tensor of its own (it has no `out=`): the page faults of a fresh 128 MiB
+# cost less than its speed-up over MKL's GEMM into a buffer only when each logit takes enough work, i.e. from this
+# hidden size (768: 1.3x faster; 128: 1.4x slower, docs/performance.md)
+ONEDNN_LOGITS_MIN_HIDDEN = 512
+
+
+def _logits_buffers(h, weight, bias) -> int:
+    """Workspace buffers a chunk's logits need: none where oneDNN computes them, else one for `torch.mm(..., out=)`."""
+    return 0 if weight.size(1) >= ONEDNN_LOGITS_MIN_HIDDEN and onednn.applies(h, weight, bias) else 1
+
+
+def _chunk_logits(h, weight, bias, temperature, out: torch.Tensor | None):
+    """[k, V] float32 logits of k rows, written into `out` ([>= k, V]), or by oneDNN into a new tensor when `out` is
+    None; `weight` and `bias` are already float32."""
+    if out is None:
+        logits = onednn.linear(h.float(), weight, bias)
+    else:
+        logits = torch.mm(h.float(), weight.T, out=out[:h.size(0)])
+        if bias is not None:
+            logits += bias
     if temperature != 1.0:
         logits /= temperature
     return logits
@@ -141,11 +158,12 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         predicted = torch.zeros_like(logps) if predict_grad is not None else None
         grads = _Grads(h, weight, bias, ctx.needs_input_grad) if predict_grad is not None else None
         step = max(1, min(_rows_per_chunk(weight.size(0)), h.size(0)))
-        buffers = _workspace(step, weight.size(0), h.device, 2 if with_entropy else 1)
+        own = _logits_buffers(h, w32, b32)
+        buffers = _workspace(step, weight.size(0), h.device, own + int(with_entropy))
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
-            logits = _chunk_logits(h[rows], w32, b32, temperature, buffers[0])  # [k, V]
-            lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[1] if with_entropy else None,
+            logits = _chunk_logits(h[rows], w32, b32, temperature, buffers[0] if own else None)  # [k, V]
+            lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[-1] if with_entropy else None,
                                                                 stats[rows] if with_stats else None)
             lse_all[rows], logps[rows], top1[rows] = lse, chosen, is_top
             if ent is not None:
@@ -197,15 +215,16 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
         return
     w32, b32 = _float32(weight, bias)
     step = max(1, min(_rows_per_chunk(weight.size(0)), rows.numel()))
-    buffers = _workspace(step, weight.size(0), h.device, 1 if grad_entropy is None else 2)
+    own = _logits_buffers(h, w32, b32)
+    buffers = _workspace(step, weight.size(0), h.device, own + int(grad_entropy is not None))
     for start in range(0, rows.numel(), step):
         idx = rows[start:start + step]
         h_rows = h[idx]
-        log_p = _chunk_logits(h_rows, w32, b32, temperature, buffers[0]).sub_(lse_all[idx, None])
+        log_p = _chunk_logits(h_rows, w32, b32, temperature, buffers[0] if own else None).sub_(lse_all[idx, None])
         if grad_entropy is None:
             d = _d_logits(log_p.exp_(), ids[idx], grad_logps[idx], temperature)
         else:
-            probs = torch.exp(log_p, out=buffers[1][:idx.numel()])
+            probs = torch.exp(log_p, out=buffers[-1][:idx.numel()])
             # p * (g_logp + g_H (log p + H)), negated, plus g_logp at the chosen token
             coeff = log_p.add_(entropy[idx, None]).mul_(grad_entropy[idx, None]).add_(grad_logps[idx, None])
             d = coeff.mul_(probs).neg_()

@@ -298,3 +298,9 @@ def enable_checkpointing(model, kwargs: dict | None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
+
+
+def checkpointing(plain) -> bool:
+    """Whether the model recomputes activations in its backward: transformers' gradient checkpointing, in training
+    mode."""
+    return plain.training and any(getattr(m, "gradient_checkpointing", False) is True for m in plain.modules())

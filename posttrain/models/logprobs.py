@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.loading import is_plain_linear, unwrap
+from posttrain.models.loading import checkpointing, is_plain_linear, unwrap
+from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
 
@@ -201,6 +202,17 @@ def _computing_in(layer: torch.nn.Module, compute: Callable):
         del layer.forward
 
 
+def _with_cpu_linears(fn: Callable) -> Callable:
+    """`fn(model, ...)` with the model's float32 CPU products through oneDNN (models/onednn.py)."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with cpu_linears(unwrap(model)):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
+@_with_cpu_linears
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
                    loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False,
@@ -371,7 +383,7 @@ def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, posit
     """The rollouts' distinct prompts (models/prompt_sharing.py) when running them once pays and the model allows it,
     else None."""
     plain = unwrap(model)
-    if plain.training and any(getattr(m, "gradient_checkpointing", False) is True for m in plain.modules()):
+    if checkpointing(plain):
         return None  # transformers turns the cache off in a checkpointed module's training forward
     if not prompt_sharing_works(model):
         return None
@@ -476,6 +488,7 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 # ---------------------------------------------------------------------- sequences with their own targets (SFT, DPO)
 
 
+@_with_cpu_linears
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
                         with_entropy: bool = False, with_top1: bool = False, predict_grad=None,
