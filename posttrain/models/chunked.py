@@ -172,6 +172,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 g = predict_grad(rows, chosen).float()
                 predicted[rows] = g
                 grads.add(rows, _d_logits(weights.div_(z[:, None]), ids[rows], g, temperature), h[rows], w32)
+            del logits, weights  # a chunk's logits tensor of its own (oneDNN's) is freed before the next one is made
         ctx.save_for_backward(h, weight, bias, ids, lse_all, predicted, entropy if entropy_grad else None)
         ctx.temperature = temperature
         ctx.grads = grads
@@ -232,6 +233,7 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
             if temperature != 1.0:
                 d /= temperature
         grads.add(idx, d, h_rows, w32)
+        log_p = d = coeff = None  # as in the forward (all three name one tensor)
 
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
