@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(onednn.linear_op() is None, reason="this torch h
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The list of input shapes of every oneDNN product made by `cpu_linears` while the test runs."""
+    """The list of input shapes of every oneDNN product made by `cpu_linears` while the test runs (for models of any
+    width: the tests' are narrower than MIN_HIDDEN)."""
+    monkeypatch.setattr(onednn, "MIN_HIDDEN", 0)
     calls, op = [], onednn.linear_op()
     monkeypatch.setattr(onednn, "_OP", lambda x, *rest: calls.append(tuple(x.shape)) or op(x, *rest))
     return calls
@@ -89,9 +91,9 @@ def test_token_logprobs_through_onednn_equal_the_gemm_pass(tokenizer, counted, m
         assert torch.allclose(a, c, atol=1e-5, rtol=1e-4)
 
 
-def test_not_used_where_it_does_not_apply(tokenizer, counted):
-    """Not under gradient checkpointing (the recomputation runs outside the block), a CPU autocast or for a
-    16-bit model: there F.linear runs as it would."""
+def test_not_used_where_it_does_not_apply(tokenizer, counted, monkeypatch):
+    """Not under gradient checkpointing (the recomputation runs outside the block), a CPU autocast, for a 16-bit
+    model or one narrower than MIN_HIDDEN: there F.linear runs as it would."""
     from posttrain.models.loading import enable_checkpointing
     from posttrain.testing import tiny_model
 
@@ -108,4 +110,8 @@ def test_not_used_where_it_does_not_apply(tokenizer, counted):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _pass(model, rollouts)
     _pass(model.to(torch.bfloat16), rollouts)
+    assert counted == []
+    counted.clear()
+    monkeypatch.setattr(onednn, "MIN_HIDDEN", 33)  # the model is 32 wide
+    _pass(model.float(), rollouts)
     assert counted == []

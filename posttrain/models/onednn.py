@@ -8,7 +8,8 @@ runs: 2-4x for a decode step's few rows (generation/lean_decoder.py), 10-40% for
 - `linear_op()`: the op itself, when this torch has it and it agrees with `F.linear` on a probe (else None);
 - `linear(x, w, b)`: one product without autograd (the chunked output layer's logits, models/chunked.py);
 - `cpu_linears(model)`: for a block, every `F.linear` on plain float32 CPU tensors computes its forward through
-  oneDNN (its backward stays F.linear's). Used around the model calls of the log-prob passes (models/logprobs.py).
+  oneDNN (its backward stays F.linear's), for models from MIN_HIDDEN wide. Used around the model calls of the
+  log-prob passes (models/logprobs.py).
 
 The results differ from MKL's by float32 rounding (a few units in the 7th digit), as two GEMM libraries do.
 """
@@ -115,13 +116,27 @@ class _Linears(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# below this hidden size a pass's products are too small for oneDNN to save reliably what routing every call through
+# Python costs: the demo's 64-wide model trained 15-25% slower with it, the 128-wide 152k benchmark model as fast, the
+# 256-wide default model 15% faster in one comparison and 18% slower in the next (docs/performance.md)
+MIN_HIDDEN = 512
+
+
+def _hidden_size(plain) -> int:
+    get = getattr(plain, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    weight = getattr(embedding, "weight", None)
+    return weight.size(-1) if weight is not None and weight.dim() == 2 else 0
+
+
 @contextlib.contextmanager
 def cpu_linears(plain):
     """For the block, the model's float32 CPU products through oneDNN (`_Linears`). A no-op where oneDNN is missing,
-    the model is not on a CPU, or it checkpoints activations (their recomputation in the backward runs outside the
-    block, and would take the other library's rounding)."""
+    the model is not on a CPU or narrower than MIN_HIDDEN, or it checkpoints activations (their recomputation in the
+    backward runs outside the block, and would take the other library's rounding)."""
     first = next(plain.parameters(), None)
-    if first is None or first.device.type != "cpu" or linear_op() is None or checkpointing(plain):
+    if (first is None or first.device.type != "cpu" or linear_op() is None or _hidden_size(plain) < MIN_HIDDEN
+            or checkpointing(plain)):
         yield
         return
     with _Linears():
