@@ -3,6 +3,8 @@
 Usage: python bench/onednn_passes_micro.py MODEL_DIR [--rows 16] [--gens 8] [--prompt 11] [--completion 128]
                                                      [--repeats 5] [--threads 2]
 rows / gens distinct prompts of --prompt random tokens, each with gens completions of --completion random tokens.
+oneDNN is used whatever the model's width here (the trainer uses it from onednn.MIN_HIDDEN and, for the chunked
+logits, chunked.ONEDNN_LOGITS_MIN_HIDDEN), so that narrower models can be measured too.
 Per repeat, alternating the two libraries: the policy pass (token_logprobs with entropy and the loss gradient
 predicted, then backward) and the reference pass (no gradient), as the trainer runs them on one process. Prints one
 JSON line: the median seconds of each (the first repeat, a warm-up, dropped), their ratios, and the largest
@@ -29,8 +31,10 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models import onednn
+    from posttrain.models import chunked, onednn
     from posttrain.models.logprobs import token_logprobs
+
+    onednn.MIN_HIDDEN = chunked.ONEDNN_LOGITS_MIN_HIDDEN = 0
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -71,12 +71,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class _OneDnnLinear(torch.autograd.Function):
-    """(x [M, K], weight [N, K], bias [N] | None) -> x weight^T + bias [M, N], the forward through oneDNN, the
-    backward F.linear's own (torch's GEMM: oneDNN's input gradient, on the transposed weight, is not faster by more
-    than the noise, and its rounding depends on where the weight lies in memory, so FSDP2's gathered weights would get
-    other gradients than the same weights unsharded). Saves what F.linear saves (x and the weight). Two-dimensional: oneDNN returns a view for
-    more dimensions, and a view made inside a custom Function may not be modified in place (a model adding to its
-    logits would fail), so the caller flattens and unflattens."""
+    """(x [M, K], weight [N, K], bias [N] | None) -> x weight^T + bias [M, N]: the forward through oneDNN, the
+    backward F.linear's own, torch's GEMM (oneDNN's input gradient, on the transposed weight, was not faster by more
+    than the noise, and its rounding depends on where the weight lies in memory: FSDP2's gathered weights got other
+    gradients than the same weights unsharded). Saves what F.linear saves (x and the weight).
+
+    Two-dimensional: oneDNN returns a view for more dimensions, and a view made inside a custom Function may not be
+    modified in place (a model adding to its logits would fail), so the caller flattens and unflattens."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
