@@ -54,7 +54,7 @@ def test_a_frozen_weight_gets_no_gradient(counted):
     assert torch.allclose(grad_x, torch.ones(3, 4) @ w, atol=1e-6) and counted
 
 
-def _rollouts(tokenizer):
+def _rollouts():
     torch.manual_seed(0)
     prompt_ids = torch.randint(3, 60, (4, 5))
     prompt_mask = torch.ones_like(prompt_ids)
@@ -82,7 +82,7 @@ def test_token_logprobs_through_onednn_equal_the_gemm_pass(tokenizer, counted, m
 
     model = tiny_model(tokenizer, hidden=32, layers=2)
     model.train()
-    rollouts = _rollouts(tokenizer)
+    rollouts = _rollouts()
     ours = _pass(model, rollouts)
     assert len(counted) >= 2 * 7  # per layer q, k, v, o, gate, up, down
     monkeypatch.setattr(onednn, "_OP", False)
@@ -97,7 +97,7 @@ def test_not_used_where_it_does_not_apply(tokenizer, counted, monkeypatch):
     from posttrain.models.loading import enable_checkpointing
     from posttrain.testing import tiny_model
 
-    rollouts = _rollouts(tokenizer)
+    rollouts = _rollouts()
     checkpointed = tiny_model(tokenizer, hidden=32, layers=1)
     enable_checkpointing(checkpointed, None)
     checkpointed.train()
