@@ -1,4 +1,5 @@
-"""A reward for the multi-process test: records which prompts each process scored."""
+"""Rewards for the multi-process tests: one records which prompts each process scored; one varies with what was
+sampled when every completion has the same length."""
 
 import json
 import os
@@ -10,3 +11,8 @@ def recording_length_reward(prompts, completions, trainer_state, **kwargs):
     with open(path, "a") as f:
         f.write(json.dumps({"step": trainer_state.global_step + 1, "prompts": prompts, "rewards": rewards}) + "\n")
     return rewards
+
+
+def digit_share(completions, **kwargs):
+    """The share of each completion's characters that are digits."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]

@@ -1,5 +1,7 @@
 """`posttrain <command> ...` as a user runs it under `accelerate launch --config_file <fsdp2|zero2|zero3>`, with the
-test-only patch that lets accelerate's FSDP and DeepSpeed paths run on CPU (tests/accelerate_on_cpu.py).
+test-only patch that lets accelerate's FSDP and DeepSpeed paths run on CPU (tests/accelerate_on_cpu.py). With
+POSTTRAIN_TEST_SHARED_LOG=DIR, prompts are shared on the tiny test model too (no FLOP floor), and DIR/rank<RANK>.txt
+gets a line per shared pass: its rollouts and whether it had a gradient.
 
     accelerate launch --config_file CONFIG tests/multiproc_sharded.py grpo --model_name_or_path ... 
 """
@@ -12,6 +14,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 import accelerate_on_cpu  # noqa: E402
 
 accelerate_on_cpu.install()
+
+if os.environ.get("POSTTRAIN_TEST_SHARED_LOG"):  # share prompts on the tiny model, and say where they were shared
+    import torch
+
+    from posttrain.models import logprobs
+
+    logprobs.MIN_SHARED_SAVING_FLOP = 0
+    _hidden = logprobs._shared_prompt_hidden
+
+    def _recorded(model, shared, *args):
+        path = os.path.join(os.environ["POSTTRAIN_TEST_SHARED_LOG"], f"rank{os.environ['RANK']}.txt")
+        with open(path, "a") as f:
+            f.write(f"{len(shared.source)} {int(torch.is_grad_enabled())}\n")
+        return _hidden(model, shared, *args)
+
+    logprobs._shared_prompt_hidden = _recorded
 
 from posttrain import cli  # noqa: E402
 

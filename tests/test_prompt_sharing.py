@@ -178,3 +178,31 @@ def test_a_grpo_step_with_shared_prompts_equals_the_unshared_step(tokenizer, add
     for name, grad in results[0].items():
         assert torch.allclose(results[1][name], grad, rtol=1e-4, atol=1e-7), name
     assert any(g.abs().sum() > 0 for g in results[0].values())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("find_unused", ["false", "true"])
+def test_under_ddp_every_process_shares_or_none_does(find_unused, tmp_path):
+    """2 gloo processes, a DDP-wrapped model (buffers broadcast at every forward): where both processes' rollouts
+    repeat their prompts, both share them, in the pass without gradient and in the one with; where one process has
+    nothing to share, neither does (a process sharing alone would run two forwards, and two buffer broadcasts, to the
+    other's one). Log-probs and DDP's averaged gradients equal an unwrapped copy's without sharing."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(tests, "multiproc_prompt_sharing.py"), find_unused, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    for result in ranks:
+        assert (result["both"]["shared_without_gradient"], result["both"]["shared_with_gradient"]) == (1, 1)
+        assert (result["one"]["shared_without_gradient"], result["one"]["shared_with_gradient"]) == (0, 0)
+        for case in result.values():
+            assert case["logps_max_diff"] <= 1e-5 and case["no_grad_logps_max_diff"] <= 1e-5, case
+            assert case["grad_max"] > 0 and case["grad_max_diff"] <= 1e-5 * case["grad_max"], case

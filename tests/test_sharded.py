@@ -73,6 +73,9 @@ COMMANDS = {
     "grpo-lora": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
                    "0.04", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"],
                   ["loss", "reward", "kl", "completions/mean_length"]),
+    # completions at full length (nothing for packing to remove): the prompts are shared where the test asks for it
+    "grpo-shared": (["--reward_funcs", "multiproc_rewards.digit_share", "--num_generations", "4", "--max_completion_length", "16", "--beta",
+                     "0.04", "--generation_kwargs", '{"min_new_tokens": 16}'], ["loss", "reward", "kl"]),
     "sft": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens", "mean_token_accuracy"]),
     "dpo": (["--train_sampling_strategy", "sequential", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
             ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
@@ -118,12 +121,12 @@ def _config_file(config: str, directory) -> str:
     return str(path)
 
 
-def _sharded(config: str, args: list[str], patched: bool = True, directory=None) -> subprocess.CompletedProcess:
+def _sharded(config: str, args: list[str], patched: bool = True, directory=None, **env) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file <config>` of posttrain on 2 processes, through the CPU patch or not."""
     target = [os.path.join(TESTS, "multiproc_sharded.py")] if patched else ["-m", "posttrain.cli"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _config_file(config, directory),
            "--num_processes", "2", "--mixed_precision", "no", *target, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(_env(), **env), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +223,36 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     assert (last["step"], last["loss"]) == (two[-1]["step"], two[-1]["loss"])
     again = _weights(resumed, lora)
     assert all(torch.equal(again[name], sharded[name]) for name in sharded)
+
+
+def test_ddp_processes_share_their_prompts_and_train_like_one_process(workload, one_process, tmp_path):
+    """DDP (the shipped multi_gpu.yaml), completions at full length: each process runs its 2 prompts once in its
+    reference and policy passes (the FLOP floor off for the tiny model). The two steps' metrics equal one process's
+    over the 16 rows, and the weights equal the same DDP run's without sharing (both differ from one process's by
+    the batch split's rounding, up to 1e-5 of a weight at this workload's learning rate of 0.5)."""
+    reference = one_process("grpo-shared")
+    shared, unshared, log = workload / "ddp-grpo-shared", workload / "ddp-grpo-unshared", tmp_path / "shared"
+    log.mkdir()
+    run = _sharded("multi_gpu.yaml", _args(workload, "grpo-shared", shared, 8), directory=workload,
+                   POSTTRAIN_TEST_SHARED_LOG=str(log))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        passes = (log / f"rank{rank}.txt").read_text().splitlines()
+        # per step, the reference pass (8 rollouts, no gradient) and the policy pass (with); besides, each model's
+        # one-time check (2 rollouts)
+        assert passes.count("8 0") == 2 and passes.count("8 1") == 2, passes
+        assert set(passes) == {"2 0", "8 0", "8 1"}, passes
+    one, two = _records(reference), _records(shared)
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for key in COMMANDS["grpo-shared"][1]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    run = _sharded("multi_gpu.yaml", _args(workload, "grpo-shared", unshared, 8), directory=workload)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected, trained = _weights(unshared), _weights(shared)
+    assert max(float((expected[k] - _weights(workload / "model")[k]).abs().max()) for k in expected) > 1e-3
+    for name in expected:
+        assert torch.allclose(trained[name], expected[name], rtol=1e-5, atol=1e-6), name
 
 
 @pytest.mark.parametrize("config, name", [("fsdp1.yaml", "FSDP"), ("fsdp2.yaml", "FSDP"), ("zero2.yaml", "DeepSpeed")])
