@@ -6,6 +6,7 @@
 # GNU time's maximum resident set size over the launcher's children), and the largest parameter difference from the
 # one-process run after the 2 steps (and how far the weights moved). The reward is bench/sharded_rewards.py's.
 #   PT_PY=/tmp/pt-venv/bin/python bash bench/sharded.sh /tmp/bench-models/v152k
+# RUNS="one fsdp2" runs only those (one, the reference, always runs); PYTHONPATH=<another checkout> runs its posttrain.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 model=${1:?model dir}
@@ -43,13 +44,18 @@ EOF
 }
 cd "$here"
 export PYTHONPATH="$here/bench${PYTHONPATH:+:$PYTHONPATH}"
+RUNS=${RUNS:-"one ddp fsdp1 fsdp2 zero2 zero3"}
+wanted() { [[ " $RUNS " == *" $1 "* ]]; }
 run one "$PT_PY" -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 16
-run ddp "${launch[@]}" --multi_gpu -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 8
+if wanted ddp; then
+  run ddp "${launch[@]}" --multi_gpu -m posttrain.cli grpo "${args[@]}" --per_device_train_batch_size 8
+fi
 # FSDP1 as tests/test_sharded.py runs it: the shipped fsdp1.yaml without RAM-efficient loading (GPU-only in torch)
 sed -e 's/fsdp_cpu_ram_efficient_loading: true/fsdp_cpu_ram_efficient_loading: false/' \
   -e 's/fsdp_sync_module_states: true/fsdp_sync_module_states: false/' \
   posttrain/accelerate_configs/fsdp1.yaml > "$out/fsdp1.yaml"
 for config in fsdp1 fsdp2 zero2 zero3; do
+  wanted $config || continue
   file=posttrain/accelerate_configs/$config.yaml
   [ "$config" = fsdp1 ] && file="$out/fsdp1.yaml"
   run $config "${launch[@]}" --config_file "$file" tests/multiproc_sharded.py grpo \

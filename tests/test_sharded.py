@@ -163,9 +163,11 @@ CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
                                                      ("deepspeed-field", "grpo")])
-def test_sharded_training_saves_and_resumes_like_one_process(config, command, workload, one_process, tokenizer):
+def test_sharded_training_saves_and_resumes_like_one_process(config, command, workload, one_process, tokenizer,
+                                                            tmp_path):
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
-    transformers' users write `--deepspeed ds_config.json`."""
+    transformers' users write `--deepspeed ds_config.json`. Every log-prob pass runs the output layer in chunks, as on
+    one process (never the model's whole logits: under FSDP2 accelerate retypes the output layer, a unit of its own)."""
     from transformers import AutoModelForCausalLM
 
     extra = []
@@ -175,8 +177,12 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
         config, extra = "multi_gpu.yaml", ["--deepspeed", _zero3_all(workload)]
     one_process = one_process(command)
     out = workload / f"{config.split('.')[0]}-{command}{'-field' if extra else ''}"
-    run = _sharded(config, _args(workload, command, out, 8, *extra), directory=workload)
+    run = _sharded(config, _args(workload, command, out, 8, *extra), directory=workload,
+                   POSTTRAIN_TEST_PATH_LOG=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        paths = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
     one, two = _records(one_process), _records(out)
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):

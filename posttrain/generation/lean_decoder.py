@@ -24,7 +24,7 @@ h query heads, k key/value heads, D head size.
 import torch
 import torch.nn.functional as F
 
-from posttrain.models.loading import unwrap
+from posttrain.models.loading import class_before_fully_shard, unwrap
 from posttrain.models.onednn import linear_op
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -105,7 +105,12 @@ def _direct(module, packer=None):
 
 
 def _plain_linear(module) -> bool:
-    return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+    """A float32 nn.Linear, also as FSDP2's `fully_shard` retypes it (whole for the decode: `whole_weights`)."""
+    return _linear_class(module) and module.weight.dtype == torch.float32
+
+
+def _linear_class(module) -> bool:
+    return torch.nn.Linear in (type(module), class_before_fully_shard(type(module)))
 
 
 def _concatenated(modules, fuse: bool, packer=None):
@@ -220,7 +225,7 @@ class LeanDecoder:
         self.gqa = self.kv_heads != self.q_heads
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
-        plain_head = type(self.head) is torch.nn.Linear and self.head.bias is None
+        plain_head = _linear_class(self.head) and self.head.bias is None
         self.logits = (torch.empty((n, self.head.weight.size(0)), dtype=torch.float32, device=device)
                        if plain_head and self.head.weight.dtype == torch.float32 and packer is None else None)
         # with oneDNN the output layer's product is its own (2-3x faster for a decode step's rows than `torch.mm`)

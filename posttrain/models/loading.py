@@ -267,10 +267,29 @@ def _float32_linear():
 
 
 def is_plain_linear(layer) -> bool:
-    """An nn.Linear computing exactly x W^T + b (the plain class, or the float32 one above)."""
+    """An nn.Linear computing exactly x W^T + b: the plain class or the float32 one above, also as FSDP2's
+    `fully_shard` retypes it (accelerate makes the output layer a unit of its own)."""
     import torch
 
-    return type(layer) in (torch.nn.Linear, _float32_linear())
+    plain = (torch.nn.Linear, _float32_linear())
+    return type(layer) in plain or class_before_fully_shard(type(layer)) in plain
+
+
+def is_fully_shard_unit(module) -> bool:
+    """Whether FSDP2's `fully_shard` was applied to this module itself: its parameters are whole from its group's
+    forward to the backward, and sharded (DTensors) elsewhere."""
+    return class_before_fully_shard(type(module)) is not None
+
+
+def class_before_fully_shard(cls: type) -> type | None:
+    """The module class that `fully_shard` derived `cls` from (it retypes a module to a class whose bases are
+    FSDPModule and the module's own class, adding nothing but a refusal to deepcopy), else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    bases = cls.__bases__
+    return bases[1] if len(bases) == 2 and bases[0] is FSDPModule else None
 
 
 def enable_checkpointing(model, kwargs: dict | None) -> None:

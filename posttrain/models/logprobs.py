@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.loading import checkpointing, is_plain_linear, unwrap
+from posttrain.models.loading import checkpointing, is_fully_shard_unit, is_plain_linear, unwrap
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
@@ -127,7 +127,7 @@ def fast_path_available(model) -> bool:
     cached = getattr(plain, "_posttrain_fast_logprobs", None)
     if cached is None:
         layer = output_layer(plain)
-        if layer is not None and getattr(layer, WHOLE_ONLY_IN_FORWARD, False):  # FSDP1: only its root gathers
+        if layer is not None and _whole_in_model_forward(layer):  # FSDP1 and FSDP2: gathered by the model's forward
             cached = _check_in_forward_path(model, layer)
         else:  # ZeRO-3's hooks gather the weights of the plain module's parts
             cached = _check_fast_path(plain)
@@ -187,8 +187,16 @@ WHOLE_ONLY_IN_FORWARD = "_posttrain_whole_only_in_forward"  # set on an output l
 
 def whole_only_in_forward(layer: torch.nn.Module) -> bool:
     """Whether the layer's weight is whole only inside the model's forward and backward: DeepSpeed ZeRO-3
-    partitions it and gathers it around the layer's own; FSDP1 gathers it around its root wrapper's (marked so)."""
-    return hasattr(layer.weight, "ds_tensor") or getattr(layer, WHOLE_ONLY_IN_FORWARD, False)
+    partitions it and gathers it around the layer's own; FSDP1 gathers it around its root wrapper's (marked so);
+    FSDP2, where the layer is a unit of its own (as accelerate makes it), around its group's."""
+    return hasattr(layer.weight, "ds_tensor") or _whole_in_model_forward(layer)
+
+
+def _whole_in_model_forward(layer: torch.nn.Module) -> bool:
+    """Whether the chunked output layer must run inside the model's forward, and its check through the model: FSDP1
+    gathers the layer's weight only around its root wrapper's forward (the layer is marked so); FSDP2 gathers a
+    unit's weights around its group's forward and, unless told otherwise, reshards them after it."""
+    return getattr(layer, WHOLE_ONLY_IN_FORWARD, False) or is_fully_shard_unit(layer)
 
 
 @contextlib.contextmanager
