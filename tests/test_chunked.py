@@ -60,7 +60,7 @@ def test_matches_reference_across_chunks(monkeypatch, temperature, with_bias, pr
         assert torch.allclose(a, c, atol=1e-5)
 
 
-def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer):
+def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer, caplog):
     from transformers import Qwen2ForCausalLM
 
     from posttrain.testing import tiny_model
@@ -68,13 +68,32 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
     class SoftCapped(Qwen2ForCausalLM):
         """Post-processes logits after the output layer: the chunked path would be wrong, so it must not be used."""
 
-        def forward(self, *args, **kwargs):
-            out = super().forward(*args, **kwargs)
+        def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
+            out = super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)
             out.logits = 5 * torch.tanh(out.logits / 5)
             return out
 
-    assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
-    assert not fast_path_available(tiny_model(tokenizer, hidden=32, layers=1, model_class=SoftCapped))
+    class NoKeyword(Qwen2ForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    with caplog.at_level("WARNING", logger="posttrain.models.logprobs"):
+        assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
+        assert not caplog.records
+        for model_class in (SoftCapped, NoKeyword):
+            model = tiny_model(tokenizer, hidden=32, layers=1, model_class=model_class)
+            assert not fast_path_available(model) and not fast_path_available(model)
+        custom_head = tiny_model(tokenizer, hidden=32, layers=1)
+        custom_head.lm_head.__class__ = type("ScaledHead", (torch.nn.Linear,), {})  # a subclass may compute anything
+        assert not fast_path_available(custom_head)
+    # said once per model, with the reason
+    start = "log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in TRL), not from its " \
+            "output layer in chunks, because"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"SoftCapped: {start} its logits are not its output layer's output (it changes them, as soft-capping does).",
+        f"NoKeyword: {start} its forward takes neither logits_to_keep nor num_logits_to_keep.",
+        f"Qwen2ForCausalLM: {start} its output layer is ScaledHead, not a plain Linear (a LoRA adapter on it, or a "
+        "custom head)."]
 
 
 def test_right_prediction_recomputes_nothing(monkeypatch):

@@ -22,6 +22,7 @@ it, as Qwen2 did on transformers 4.48), slicing when more came back.
 import contextlib
 import functools
 import inspect
+import logging
 import math
 from typing import Callable
 
@@ -32,6 +33,8 @@ from posttrain.models.loading import checkpointing, is_fully_shard_unit, is_plai
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
+
+logger = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
@@ -122,7 +125,8 @@ def final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
 
 def fast_path_available(model) -> bool:
     """Whether the chunked path reproduces this model's logits; decided once per model object and cached (on the
-    first call, a forward of `model`: under sharding a collective, which every process reaches alike)."""
+    first call, a forward of `model`: under sharding a collective, which every process reaches alike). Where it does
+    not, a warning says why: the logits path holds [tokens, vocabulary] logits at once."""
     plain = unwrap(model)
     cached = getattr(plain, "_posttrain_fast_logprobs", None)
     if cached is None:
@@ -132,7 +136,21 @@ def fast_path_available(model) -> bool:
         else:  # ZeRO-3's hooks gather the weights of the plain module's parts
             cached = _check_fast_path(plain)
         plain._posttrain_fast_logprobs = cached
+        if not cached:
+            logger.warning("%s: log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
+                           "TRL), not from its output layer in chunks, because %s.", type(plain).__name__,
+                           _why_not_chunked(plain))
     return cached
+
+
+def _why_not_chunked(plain) -> str:
+    head = plain.get_output_embeddings() if hasattr(plain, "get_output_embeddings") else None
+    if output_layer(plain) is None:
+        return (f"its output layer is {type(head).__name__}, not a plain Linear (a LoRA adapter on it, or a custom "
+                "head)")
+    if logits_to_keep_kwarg(plain) is None:
+        return "its forward takes neither logits_to_keep nor num_logits_to_keep"
+    return "its logits are not its output layer's output (it changes them, as soft-capping does)"
 
 
 def _check_in_forward_path(model, layer) -> bool:
