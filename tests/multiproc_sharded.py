@@ -3,7 +3,7 @@ test-only patch that lets accelerate's FSDP and DeepSpeed paths run on CPU (test
 POSTTRAIN_TEST_SHARED_LOG=DIR, prompts are shared on the tiny test model too (no FLOP floor), and DIR/rank<RANK>.txt
 gets a line per shared pass: its rollouts and whether it had a gradient. With POSTTRAIN_TEST_PATH_LOG=DIR,
 DIR/rank<RANK>.txt gets a line per log-prob computation: "chunked" (the output layer in chunks, models/chunked.py)
-or "logits" (the model's whole logits, GRPO's fallback).
+or "logits" (the model's whole logits, GRPO's fallback), and "packed" before GRPO's passes over packed rows.
 
     accelerate launch --config_file CONFIG tests/multiproc_sharded.py grpo --model_name_or_path ... 
 """
@@ -46,6 +46,7 @@ if os.environ.get("POSTTRAIN_TEST_PATH_LOG"):  # a line per log-prob computation
 
     _logprobs.chunked_token_logprobs = _recording("chunked", _logprobs.chunked_token_logprobs)
     _logprobs._logits_logprobs = _recording("logits", _logprobs._logits_logprobs)
+    _logprobs._packed_logprobs = _recording("packed", _logprobs._packed_logprobs)
 
 from posttrain import cli  # noqa: E402
 
