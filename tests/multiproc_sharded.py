@@ -3,7 +3,8 @@ test-only patch that lets accelerate's FSDP and DeepSpeed paths run on CPU (test
 POSTTRAIN_TEST_SHARED_LOG=DIR, prompts are shared on the tiny test model too (no FLOP floor), and DIR/rank<RANK>.txt
 gets a line per shared pass: its rollouts and whether it had a gradient. With POSTTRAIN_TEST_PATH_LOG=DIR,
 DIR/rank<RANK>.txt gets a line per log-prob computation: "chunked" (the output layer in chunks, models/chunked.py)
-or "logits" (the model's whole logits, GRPO's fallback), and "packed" before GRPO's passes over packed rows.
+or "logits" (the model's whole logits, GRPO's fallback), "packed" before GRPO's passes over packed rows, and
+"lean-decoder" or "model-forward-decode" for each decode.
 
     accelerate launch --config_file CONFIG tests/multiproc_sharded.py grpo --model_name_or_path ... 
 """
@@ -47,6 +48,17 @@ if os.environ.get("POSTTRAIN_TEST_PATH_LOG"):  # a line per log-prob computation
     _logprobs.chunked_token_logprobs = _recording("chunked", _logprobs.chunked_token_logprobs)
     _logprobs._logits_logprobs = _recording("logits", _logprobs._logits_logprobs)
     _logprobs._packed_logprobs = _recording("packed", _logprobs._packed_logprobs)
+    from posttrain.generation import lean_decoder as _lean_decoder
+
+    _supports = _lean_decoder.supports
+
+    def _recorded_supports(model):
+        lean = _supports(model)
+        with open(os.path.join(os.environ["POSTTRAIN_TEST_PATH_LOG"], f"rank{os.environ['RANK']}.txt"), "a") as f:
+            f.write("lean-decoder\n" if lean else "model-forward-decode\n")
+        return lean
+
+    _lean_decoder.supports = _recorded_supports
 
 from posttrain import cli  # noqa: E402
 

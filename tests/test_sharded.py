@@ -168,7 +168,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
     transformers' users write `--deepspeed ds_config.json`. Every log-prob pass runs the output layer in chunks, as on
     one process (never the model's whole logits: under FSDP2 accelerate retypes the output layer, a unit of its own),
-    and GRPO packs its rollouts where that pays, as on one process."""
+    and GRPO decodes with the lean decoder and packs its rollouts where that pays, as on one process."""
     from transformers import AutoModelForCausalLM
 
     extra = []
@@ -185,7 +185,8 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
         paths = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
         if command.startswith("grpo"):  # completions of 1 to 16 tokens: some passes run packed rows
-            assert "packed" in paths, (rank, sorted(set(paths)))
+            assert "packed" in paths and "lean-decoder" in paths and "model-forward-decode" not in paths, (
+                rank, sorted(set(paths)))
     one, two = _records(one_process), _records(out)
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
