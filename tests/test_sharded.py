@@ -242,11 +242,14 @@ def test_ddp_processes_share_their_prompts_and_train_like_one_process(workload, 
     the batch split's rounding, up to 1e-5 of a weight at this workload's learning rate of 0.5)."""
     reference = one_process("grpo-shared")
     shared, unshared, log = workload / "ddp-grpo-shared", workload / "ddp-grpo-unshared", tmp_path / "shared"
+    (tmp_path / "paths").mkdir()
     log.mkdir()
     run = _sharded("multi_gpu.yaml", _args(workload, "grpo-shared", shared, 8), directory=workload,
-                   POSTTRAIN_TEST_SHARED_LOG=str(log))
+                   POSTTRAIN_TEST_SHARED_LOG=str(log), POSTTRAIN_TEST_PATH_LOG=str(tmp_path / "paths"))
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
+        paths = set((tmp_path / "paths" / f"rank{rank}.txt").read_text().split())
+        assert paths == {"chunked", "lean-decoder"}, paths  # full-length completions: nothing to pack
         passes = (log / f"rank{rank}.txt").read_text().splitlines()
         # per step, the reference pass (8 rollouts, no gradient) and the policy pass (with); besides, each model's
         # one-time check (2 rollouts)
