@@ -105,9 +105,9 @@ class GRPOTrainer(Trainer):
                                          and not self.entropy_control.enabled and args.loss_type != "vespo")
         self.pad_to_multiple_of = self._padding_multiple()
         self.packing = self.pad_to_multiple_of is None  # padded widths are fixed for a reason: keep them
-        # each distinct prompt once (two forwards before a backward): on one process or under DDP (not with a
-        # static graph, recorded for one forward), not sharded by FSDP or DeepSpeed
-        self.share_prompts = (self.packing and self.sharding.kind == "none" and not args.ddp_static_graph)
+        # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
+        # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
+        self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()

@@ -258,8 +258,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
             model allows it (models/packing.py); False keeps the batch's own shape (a fixed pad_to_multiple_of).
         share_prompts: run each distinct prompt once and the completions against its keys and values, where that
             saves positions and the model allows it (models/prompt_sharing.py). Two forwards before one backward:
-            for a model on one process or wrapped by DDP (the processes agree on sharing, a collective on every
-            call), not sharded by FSDP or DeepSpeed.
+            for a model whose weights are whole on every process (one process, DDP, DeepSpeed ZeRO-1/2; a model
+            wrapped across processes agrees with the others on sharing, a collective on every call), not sharded
+            by FSDP or ZeRO-3.
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -408,10 +409,9 @@ def _check_packing(runner, plain) -> bool:
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
     """The rollouts' distinct prompts (models/prompt_sharing.py) when running them once pays and the model allows it
-    (under DDP: on every process), else None."""
+    (for a model trained across processes: on every process), else None."""
     plain = unwrap(model)
-    ddp = _ddp_wrapper(model)
-    if ddp is not None and ddp.static_graph:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph:
         return None  # a static graph is recorded for one forward per backward (the same on every process)
     shared = None
     # transformers turns the cache off in a checkpointed module's training forward
@@ -419,18 +419,27 @@ def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, posit
         min_saved = MIN_SHARED_SAVING_FLOP / (2 * max(_body_parameters(plain), 1))
         shared = distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise,
                                   math.ceil(min_saved))
-    return shared if ddp is None or _on_every_process(ddp, shared is not None) else None
+    group = _group_in_step(model)
+    return shared if group is None or _on_every_process(model, group, shared is not None) else None
 
 
-def _ddp_wrapper(model) -> torch.nn.parallel.DistributedDataParallel | None:
-    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+def _group_in_step(model):
+    """The process group of a model wrapped for training across processes (DDP's group; the default one for
+    DeepSpeed's engine), else None. Its processes share prompts all or none: DDP broadcasts the model's buffers at
+    every forward, so each must run as many forwards as the others (two where the prompts are shared, one where
+    not); DeepSpeed's engine is kept in the same step alike."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.process_group
+    return distributed.group.WORLD if getattr(model, "module", None) is not None else None
 
 
-def _on_every_process(ddp: torch.nn.parallel.DistributedDataParallel, local: bool) -> bool:
-    """Whether `local` holds on every process of the DDP model's group. DDP broadcasts the model's buffers at every
-    forward, so its processes must run as many forwards each: two where the prompts are shared, one where not."""
-    flag = torch.tensor([int(local)], device=next(ddp.parameters()).device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=ddp.process_group)
+def _on_every_process(model, group, local: bool) -> bool:
+    """Whether `local` holds on every process of `group` (a collective)."""
+    flag = torch.tensor([int(local)], device=next(model.parameters()).device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
