@@ -126,3 +126,16 @@ def last_train_record(trainer) -> dict:
     """The last training-step record of log_history (after it comes the end-of-training summary, as in
     transformers)."""
     return [r for r in trainer.state.log_history if "loss" in r][-1]
+
+
+def two_gloo_processes(script: str, *args: str):
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/<script> ARGS...` (1 thread each, the
+    tests directory importable), asserted to exit 0."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(tests, script), *args], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -187,18 +187,11 @@ def test_under_ddp_every_process_shares_or_none_does(find_unused, tmp_path):
     repeat their prompts, both share them, in the pass without gradient and in the one with; where one process has
     nothing to share, neither does (a process sharing alone would run two forwards, and two buffer broadcasts, to the
     other's one). Log-probs and DDP's averaged gradients equal an unwrapped copy's without sharing."""
-    import os
-    import subprocess
-    import sys
-
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          os.path.join(tests, "multiproc_prompt_sharing.py"), find_unused, str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
     import json
 
+    from conftest import two_gloo_processes
+
+    two_gloo_processes("multiproc_prompt_sharing.py", find_unused, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     for result in ranks:
         assert (result["both"]["shared_without_gradient"], result["both"]["shared_with_gradient"]) == (1, 1)

@@ -4,14 +4,10 @@ DeepSpeed's config entries come from the trainer's config; and FSDP1 without use
 not run, is refused in one sentence."""
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-
-TESTS = os.path.dirname(__file__)
+from conftest import two_gloo_processes
 
 
 @pytest.mark.multiproc
@@ -27,11 +23,7 @@ def test_sharded_generation_training_and_export_equal_the_unsharded_model(strate
     summoned weights through the plain modules, so the decodes do not wait."""
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          os.path.join(TESTS, "multiproc_sharding.py"), strategy, str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    two_gloo_processes("multiproc_sharding.py", strategy, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert ranks[0]["lengths"] == [3, 3] and ranks[1]["lengths"] == [12, 12]
     tolerance = 1e-6 if strategy == "zero3" else 0.0
@@ -47,11 +39,7 @@ def test_a_zero3_reference_mixed_toward_the_policy_computes_with_the_mixed_weigh
     keeps a small parameter whole between forwards, and a forward reads that copy: updating the shard alone left
     them at their old values)."""
     pytest.importorskip("deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          os.path.join(TESTS, "multiproc_zero3_mix.py"), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    two_gloo_processes("multiproc_zero3_mix.py", str(tmp_path))
     for rank in (0, 1):
         result = json.load(open(tmp_path / f"rank{rank}.json"))
         assert result["persistent"] > 0  # the case this is about
