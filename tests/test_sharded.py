@@ -163,7 +163,7 @@ def _weights(path, lora: bool = False) -> dict:
 
 CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
          for command in ("grpo", "sft", "dpo")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
-                                                     for config in ("fsdp1-cpu", "zero3-all")]
+                                                     for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),

@@ -377,8 +377,9 @@ def packing_works(model) -> bool:
     cached = getattr(plain, "_posttrain_packing_works", None)
     if cached is None:
         layer = output_layer(plain)
-        # FSDP1 gathers the weights only around its root wrapper's forward: the check goes through it
-        runner = model if layer is not None and getattr(layer, WHOLE_ONLY_IN_FORWARD, False) else plain
+        # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
+        # model's, when it wraps one): the check goes through the model as given
+        runner = model if layer is not None and _whole_in_model_forward(layer) else plain
         cached = forward_accepts(plain, "position_ids") and _check_packing(runner, plain)
         plain._posttrain_packing_works = cached
     return cached
