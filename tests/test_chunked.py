@@ -73,6 +73,12 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
             out.logits = 5 * torch.tanh(out.logits / 5)
             return out
 
+    class NoHiddenStates(Qwen2ForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, output_hidden_states=None, **kw):
+            if output_hidden_states:
+                raise ValueError("no hidden states here")
+            return super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep, **kw)
+
     class NoKeyword(Qwen2ForCausalLM):
         def forward(self, *args, **kwargs):
             return super().forward(*args, **kwargs)
@@ -83,6 +89,8 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
         for model_class in (SoftCapped, NoKeyword):
             model = tiny_model(tokenizer, hidden=32, layers=1, model_class=model_class)
             assert not fast_path_available(model) and not fast_path_available(model)
+        raising = tiny_model(tokenizer, hidden=32, layers=1, model_class=NoHiddenStates)
+        assert not fast_path_available(raising)
         custom_head = tiny_model(tokenizer, hidden=32, layers=1)
         custom_head.lm_head.__class__ = type("ScaledHead", (torch.nn.Linear,), {})  # a subclass may compute anything
         assert not fast_path_available(custom_head)
@@ -92,6 +100,7 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
     assert [r.getMessage() for r in caplog.records] == [
         f"SoftCapped: {start} its logits are not its output layer's output (it changes them, as soft-capping does).",
         f"NoKeyword: {start} its forward takes neither logits_to_keep nor num_logits_to_keep.",
+        f"NoHiddenStates: {start} its one-time check raised ValueError: no hidden states here.",
         f"Qwen2ForCausalLM: {start} its output layer is ScaledHead, not a plain Linear (a LoRA adapter on it, or a "
         "custom head)."]
 

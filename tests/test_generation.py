@@ -200,6 +200,23 @@ def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):
     assert isinstance(gen._stepper(torch.ones(2, 3, dtype=torch.bool), 4), ModelStepper)
 
 
+def test_a_lean_decoder_check_that_raises_is_said_once(tokenizer, monkeypatch, caplog):
+    """A model the decoder seems to know but cannot run: its decodes go through its forward, with one warning."""
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    def fails(self, prompt_ids, positions):
+        raise IndexError("index 7 is out of bounds\nmore")
+
+    monkeypatch.setattr(lean_decoder.LeanDecoder, "prefill", fails)
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert not lean_decoder.supports(model) and not lean_decoder.supports(model)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Qwen2ForCausalLM: its decodes run through its own forward, not the lean decoder, because its one-time check "
+        "raised IndexError: index 7 is out of bounds."]
+
+
 def test_counter_based_streams_are_splitmix64_and_uniform():
     import random
 

@@ -132,6 +132,22 @@ def test_a_model_that_would_mix_packed_sequences_keeps_the_padded_batch(tokenize
     assert torch.allclose(logps[real], reference[real], atol=1e-5)
 
 
+def test_a_model_whose_packing_check_raises_keeps_the_padded_batch_and_says_why(tokenizer, caplog):
+    class MaskRequired(Qwen2ForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, logits_to_keep=0, **kwargs):
+            if attention_mask is None:
+                raise RuntimeError("this model needs an attention mask\nsecond line")
+            return super().forward(input_ids, attention_mask, position_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+    model = tiny_model(tokenizer, model_class=MaskRequired, seed=2, hidden=32, layers=2)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert logprobs.fast_path_available(model)
+        assert not packing_works(model) and not packing_works(model)
+    assert [r.getMessage() for r in caplog.records] == [
+        "MaskRequired: its log-prob passes run padded rows, not packed ones, because its one-time check raised "
+        "RuntimeError: this model needs an attention mask."]
+
+
 @pytest.mark.parametrize("case", ["bfloat16 weights", "float32 under bf16 autocast"])
 def test_the_packing_check_passes_in_16_bit_and_under_autocast(tokenizer, case):
     """The check runs in the model's own precision (not an autocast around the training call), with a tolerance

@@ -120,10 +120,15 @@ class CachelessLM(Qwen2ForCausalLM):
                                **kwargs)
 
 
-def test_a_model_without_a_usable_cache_runs_the_rollouts_unshared(tokenizer):
+def test_a_model_without_a_usable_cache_runs_the_rollouts_unshared(tokenizer, caplog):
     model = tiny_model(tokenizer, model_class=CachelessLM, seed=2, hidden=32, layers=2)
     assert logprobs.fast_path_available(model)
-    assert not prompt_sharing_works(model)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert not prompt_sharing_works(model)
+    # the check's selected cache is None: said once, with what it raised
+    assert [r.getMessage() for r in caplog.records] == [
+        "CachelessLM: its log-prob passes run each rollout's prompt, not each distinct prompt once, because its "
+        "one-time check raised AttributeError: 'NoneType' object has no attribute 'batch_select_indices'."]
     batch = _group_rollouts([[11, 12, 13], [21, 22]], [0, 1, 0, 1], [2, 1, 2, 2], 2, len(tokenizer))
     unshared = _passes(tokenizer, batch, False)
     shared = _passes(tokenizer, batch, True, model_class=CachelessLM)

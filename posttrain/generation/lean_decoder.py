@@ -24,7 +24,7 @@ h query heads, k key/value heads, D head size.
 import torch
 import torch.nn.functional as F
 
-from posttrain.models.loading import class_before_fully_shard, unwrap
+from posttrain.models.loading import CHECK_ERRORS, check_raised, class_before_fully_shard, unwrap
 from posttrain.models.onednn import linear_op
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -353,7 +353,7 @@ def _reproduces_logits(model) -> bool:
         tol = 1e-4 if unwrap(model).lm_head.weight.dtype == torch.float32 else 3e-2
         scale = theirs.abs().max().clamp(min=1.0)
         return bool(torch.allclose(torch.stack(ours, 1), theirs, atol=tol * scale, rtol=0))
-    except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
-        return False
+    except CHECK_ERRORS as err:
+        return check_raised(unwrap(model), "its decodes run through its own forward, not the lean decoder", err)
     finally:
         model.train(was_training)

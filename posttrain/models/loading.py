@@ -323,3 +323,20 @@ def checkpointing(plain) -> bool:
     """Whether the model recomputes activations in its backward: transformers' gradient checkpointing, in training
     mode."""
     return plain.training and any(getattr(m, "gradient_checkpointing", False) is True for m in plain.modules())
+
+
+# what a one-time check of a model may raise where the model does not support what is checked
+CHECK_ERRORS = (TypeError, AttributeError, IndexError, RuntimeError, ValueError, KeyError)
+
+
+def check_raised(plain, consequence: str, err: BaseException) -> bool:
+    """Warn (once: the checks' results are cached per model) that `consequence` holds for this model because its
+    one-time check raised `err`; False."""
+    logger.warning("%s: %s, because its one-time check raised %s.", type(plain).__name__, consequence, raised(err))
+    return False
+
+
+def raised(err: BaseException) -> str:
+    """`err` in a few words: its type and its message's first line."""
+    message = str(err).strip()
+    return f"{type(err).__name__}: {message.splitlines()[0] if message else 'no message'}"

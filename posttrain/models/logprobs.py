@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.loading import checkpointing, is_fully_shard_unit, is_plain_linear, unwrap
+from posttrain.models.loading import (CHECK_ERRORS, check_raised, checkpointing, is_fully_shard_unit,
+                                      is_plain_linear, raised, unwrap)
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
@@ -131,16 +132,20 @@ def fast_path_available(model) -> bool:
     cached = getattr(plain, "_posttrain_fast_logprobs", None)
     if cached is None:
         layer = output_layer(plain)
-        if layer is not None and _whole_in_model_forward(layer):  # FSDP1 and FSDP2: gathered by the model's forward
-            cached = _check_in_forward_path(model, layer)
-        else:  # ZeRO-3's hooks gather the weights of the plain module's parts
-            cached = _check_fast_path(plain)
+        try:
+            if layer is not None and _whole_in_model_forward(layer):  # FSDP1, FSDP2: gathered by the model's forward
+                cached = _check_in_forward_path(model, layer)
+            else:  # ZeRO-3's hooks gather the weights of the plain module's parts
+                cached = _check_fast_path(plain)
+            reason = None if cached else _why_not_chunked(plain)
+        except CHECK_ERRORS as err:  # no hidden states, or not the shapes we expect: the logits path
+            cached, reason = False, f"its one-time check raised {raised(err)}"
         plain._posttrain_fast_logprobs = cached
         if not cached:
             logger.warning("%s: log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
-                           "TRL), not from its output layer in chunks, because %s.", type(plain).__name__,
-                           _why_not_chunked(plain))
+                           "TRL), not from its output layer in chunks, because %s.", type(plain).__name__, reason)
     return cached
+
 
 
 def _why_not_chunked(plain) -> str:
@@ -168,8 +173,6 @@ def _check_in_forward_path(model, layer) -> bool:
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
                            **_forward_kwargs(plain, torch.ones_like(ids), 4)).logits
         return len(seen) == 1 and seen[0].shape == logits.shape and bool(torch.equal(seen[0], logits))
-    except (TypeError, AttributeError, IndexError, RuntimeError):
-        return False
     finally:
         hook.remove()
 
@@ -180,13 +183,10 @@ def _check_fast_path(plain) -> bool:
         return False
     ids = (torch.arange(1, 9, device=layer.weight.device) % layer.out_features).unsqueeze(0)
     mask = torch.ones_like(ids)
-    try:
-        with _in_eval_mode(plain), torch.no_grad():
-            logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
-            hidden = final_hidden(plain, ids, mask)[:, -4:]
-            return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
-    except (TypeError, AttributeError, IndexError, RuntimeError):
-        return False  # no hidden states, or not the shapes we expect: use the logits path
+    with _in_eval_mode(plain), torch.no_grad():
+        logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
+        hidden = final_hidden(plain, ids, mask)[:, -4:]
+        return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
 
 
 @contextlib.contextmanager
@@ -404,8 +404,8 @@ def _check_packing(runner, plain) -> bool:
                            **_sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
                            ).hidden_states[-1].float()
         return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
-    except (TypeError, AttributeError, IndexError, RuntimeError, ValueError):
-        return False
+    except CHECK_ERRORS as err:
+        return check_raised(plain, "its log-prob passes run padded rows, not packed ones", err)
 
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
@@ -504,8 +504,8 @@ def _check_prompt_sharing(plain) -> bool:
             apart = final_hidden(plain, torch.cat([prompt.expand(2, 4), completions], dim=1), mask)[:, 3:-1]
         real = completion_mask.bool()
         return _agree(plain, together[real].float(), apart[real].float())
-    except (TypeError, AttributeError, IndexError, RuntimeError, ValueError, KeyError):
-        return False
+    except CHECK_ERRORS as err:
+        return check_raised(plain, "its log-prob passes run each rollout's prompt, not each distinct prompt once", err)
 
 
 def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:
