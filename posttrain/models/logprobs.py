@@ -147,7 +147,6 @@ def fast_path_available(model) -> bool:
     return cached
 
 
-
 def _why_not_chunked(plain) -> str:
     head = plain.get_output_embeddings() if hasattr(plain, "get_output_embeddings") else None
     if output_layer(plain) is None:
