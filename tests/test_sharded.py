@@ -74,8 +74,9 @@ COMMANDS = {
                    "0.04", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"],
                   ["loss", "reward", "kl", "completions/mean_length"]),
     # completions at full length (nothing for packing to remove): the prompts are shared where the test asks for it
-    "grpo-shared": (["--reward_funcs", "multiproc_rewards.digit_share", "--num_generations", "4", "--max_completion_length", "16", "--beta",
-                     "0.04", "--generation_kwargs", '{"min_new_tokens": 16}'], ["loss", "reward", "kl"]),
+    "grpo-shared": (["--reward_funcs", "multiproc_rewards.digit_share", "--num_generations", "4",
+                     "--max_completion_length", "16", "--beta", "0.04", "--generation_kwargs",
+                     '{"min_new_tokens": 16}'], ["loss", "reward", "kl"]),
     "sft": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens", "mean_token_accuracy"]),
     "dpo": (["--train_sampling_strategy", "sequential", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
             ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
@@ -93,8 +94,8 @@ def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
             str(workload / f"{cli}.jsonl"), *COMMANDS[command][0], "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",
-            "momentum=0.9", "--learning_rate", str(LEARNING_RATE.get(command, 0.5)), "--use_cpu", "true", "--plot_on_end", "false", "--output_dir", str(out),
-            *extra]
+            "momentum=0.9", "--learning_rate", str(LEARNING_RATE.get(command, 0.5)), "--use_cpu", "true",
+            "--plot_on_end", "false", "--output_dir", str(out), *extra]
 
 
 def _zero3_all(directory) -> str:
@@ -250,8 +251,8 @@ def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_pro
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
     reference = one_process("grpo-shared")
-    name = config.split(".")[0]
-    shared, unshared = workload / f"{name}-grpo-shared", workload / f"{name}-grpo-unshared"
+    launch = config.split(".")[0]
+    shared, unshared = workload / f"{launch}-grpo-shared", workload / f"{launch}-grpo-unshared"
     log, paths_log = tmp_path / "shared", tmp_path / "paths"
     log.mkdir()
     paths_log.mkdir()
@@ -275,8 +276,8 @@ def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_pro
     assert run.returncode == 0, run.stderr[-3000:]
     expected, trained = _weights(unshared), _weights(shared)
     assert max(float((expected[k] - _weights(workload / "model")[k]).abs().max()) for k in expected) > 1e-4
-    for name in expected:
-        assert torch.allclose(trained[name], expected[name], rtol=1e-5, atol=1e-7), name
+    for key in expected:
+        assert torch.allclose(trained[key], expected[key], rtol=1e-5, atol=1e-7), key
 
 
 @pytest.mark.parametrize("config, name", [("fsdp1.yaml", "FSDP"), ("fsdp2.yaml", "FSDP"), ("zero2.yaml", "DeepSpeed")])
