@@ -18,47 +18,39 @@ import accelerate_on_cpu  # noqa: E402
 
 accelerate_on_cpu.install()
 
+
+def _recorded(fn, variable: str, line):
+    """`fn`, appending `line(args, result)` to $variable/rank<RANK>.txt after every call."""
+    def run(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        with open(os.path.join(os.environ[variable], f"rank{os.environ['RANK']}.txt"), "a") as f:
+            f.write(line(args, result) + "\n")
+        return result
+
+    return run
+
+
 if os.environ.get("POSTTRAIN_TEST_SHARED_LOG"):  # share prompts on the tiny model, and say where they were shared
     import torch
 
     from posttrain.models import logprobs
 
     logprobs.MIN_SHARED_SAVING_FLOP = 0
-    _hidden = logprobs._shared_prompt_hidden
+    logprobs._shared_prompt_hidden = _recorded(
+        logprobs._shared_prompt_hidden, "POSTTRAIN_TEST_SHARED_LOG",
+        lambda args, result: f"{len(args[1].source)} {int(torch.is_grad_enabled())}")
 
-    def _recorded(model, shared, *args):
-        path = os.path.join(os.environ["POSTTRAIN_TEST_SHARED_LOG"], f"rank{os.environ['RANK']}.txt")
-        with open(path, "a") as f:
-            f.write(f"{len(shared.source)} {int(torch.is_grad_enabled())}\n")
-        return _hidden(model, shared, *args)
+if os.environ.get("POSTTRAIN_TEST_PATH_LOG"):  # a line per log-prob computation and per decode: the path it took
+    from posttrain.generation import lean_decoder
+    from posttrain.models import logprobs
 
-    logprobs._shared_prompt_hidden = _recorded
-
-if os.environ.get("POSTTRAIN_TEST_PATH_LOG"):  # a line per log-prob computation: the chunked output layer or logits
-    from posttrain.models import logprobs as _logprobs
-
-    def _recording(name, fn):
-        def run(*args, **kwargs):
-            with open(os.path.join(os.environ["POSTTRAIN_TEST_PATH_LOG"], f"rank{os.environ['RANK']}.txt"), "a") as f:
-                f.write(name + "\n")
-            return fn(*args, **kwargs)
-
-        return run
-
-    _logprobs.chunked_token_logprobs = _recording("chunked", _logprobs.chunked_token_logprobs)
-    _logprobs._logits_logprobs = _recording("logits", _logprobs._logits_logprobs)
-    _logprobs._packed_logprobs = _recording("packed", _logprobs._packed_logprobs)
-    from posttrain.generation import lean_decoder as _lean_decoder
-
-    _supports = _lean_decoder.supports
-
-    def _recorded_supports(model):
-        lean = _supports(model)
-        with open(os.path.join(os.environ["POSTTRAIN_TEST_PATH_LOG"], f"rank{os.environ['RANK']}.txt"), "a") as f:
-            f.write("lean-decoder\n" if lean else "model-forward-decode\n")
-        return lean
-
-    _lean_decoder.supports = _recorded_supports
+    for name, function in (("chunked", "chunked_token_logprobs"), ("logits", "_logits_logprobs"),
+                           ("packed", "_packed_logprobs")):
+        setattr(logprobs, function, _recorded(getattr(logprobs, function), "POSTTRAIN_TEST_PATH_LOG",
+                                              lambda args, result, name=name: name))
+    lean_decoder.supports = _recorded(
+        lean_decoder.supports, "POSTTRAIN_TEST_PATH_LOG",
+        lambda args, lean: "lean-decoder" if lean else "model-forward-decode")
 
 from posttrain import cli  # noqa: E402
 

@@ -83,7 +83,7 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
         def forward(self, *args, **kwargs):
             return super().forward(*args, **kwargs)
 
-    with caplog.at_level("WARNING", logger="posttrain.models.logprobs"):
+    with caplog.at_level("WARNING", logger="posttrain"):
         assert fast_path_available(tiny_model(tokenizer, hidden=32, layers=1))
         assert not caplog.records
         for model_class in (SoftCapped, NoKeyword):

@@ -278,18 +278,24 @@ def is_plain_linear(layer) -> bool:
 def is_fully_shard_unit(module) -> bool:
     """Whether FSDP2's `fully_shard` was applied to this module itself: its parameters are whole from its group's
     forward to the backward, and sharded (DTensors) elsewhere."""
-    return class_before_fully_shard(type(module)) is not None
+    fsdp_module = _fsdp_module_class()
+    return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
 def class_before_fully_shard(cls: type) -> type | None:
     """The module class that `fully_shard` derived `cls` from (it retypes a module to a class whose bases are
     FSDPModule and the module's own class, adding nothing but a refusal to deepcopy), else None."""
+    fsdp_module, bases = _fsdp_module_class(), cls.__bases__
+    return bases[1] if fsdp_module is not None and len(bases) == 2 and bases[0] is fsdp_module else None
+
+
+def _fsdp_module_class():
+    """FSDP2's FSDPModule, or None in a torch without FSDP2."""
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
+    except ImportError:
         return None
-    bases = cls.__bases__
-    return bases[1] if len(bases) == 2 and bases[0] is FSDPModule else None
+    return FSDPModule
 
 
 def enable_checkpointing(model, kwargs: dict | None) -> None:
@@ -332,7 +338,12 @@ CHECK_ERRORS = (TypeError, AttributeError, IndexError, RuntimeError, ValueError,
 def check_raised(plain, consequence: str, err: BaseException) -> bool:
     """Warn (once: the checks' results are cached per model) that `consequence` holds for this model because its
     one-time check raised `err`; False."""
-    logger.warning("%s: %s, because its one-time check raised %s.", type(plain).__name__, consequence, raised(err))
+    return fallback_said(plain, consequence, f"its one-time check raised {raised(err)}")
+
+
+def fallback_said(plain, consequence: str, reason: str) -> bool:
+    """Warn that `consequence` holds for this model because of `reason`; False."""
+    logger.warning("%s: %s, because %s.", type(plain).__name__, consequence, reason)
     return False
 
 

@@ -22,20 +22,17 @@ it, as Qwen2 did on transformers 4.48), slicing when more came back.
 import contextlib
 import functools
 import inspect
-import logging
 import math
 from typing import Callable
 
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.loading import (CHECK_ERRORS, check_raised, checkpointing, is_fully_shard_unit,
+from posttrain.models.loading import (CHECK_ERRORS, check_raised, checkpointing, fallback_said, is_fully_shard_unit,
                                       is_plain_linear, raised, unwrap)
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
-
-logger = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
@@ -142,8 +139,8 @@ def fast_path_available(model) -> bool:
             cached, reason = False, f"its one-time check raised {raised(err)}"
         plain._posttrain_fast_logprobs = cached
         if not cached:
-            logger.warning("%s: log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
-                           "TRL), not from its output layer in chunks, because %s.", type(plain).__name__, reason)
+            fallback_said(plain, "log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
+                                 "TRL), not from its output layer in chunks", reason)
     return cached
 
 

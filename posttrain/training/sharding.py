@@ -50,6 +50,7 @@ import os
 import torch
 
 from posttrain.configs import ConfigError
+from posttrain.models.loading import is_fully_shard_unit
 from posttrain.training.distributed import mark_agreed
 
 from posttrain.training import zero
@@ -101,11 +102,7 @@ def _fsdp_version(plugin) -> int:
 
 
 def _fsdp2_units(model: torch.nn.Module) -> list:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if is_fully_shard_unit(m)]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
