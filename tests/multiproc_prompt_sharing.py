@@ -10,6 +10,7 @@ per case, whether the prompts were shared in each pass and the differences from 
 the same rollouts unshared (log-probs; gradients averaged over the two processes as DDP averages them)."""
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -84,4 +85,9 @@ for case, prompts in (("both", grouped), ("one", grouped if rank == 0 else disti
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(results, f)
 dist.barrier()
+# DDP holds the process group: while it lives, destroy_process_group leaves gloo's worker threads running, and one
+# still releasing a finished collective's tensors at interpreter exit aborts the process (SIGABRT). Dropped first, the
+# group goes with destroy_process_group, whose destructor joins those threads while Python can still serve them.
+del ddp
+gc.collect()
 dist.destroy_process_group()
