@@ -8,13 +8,15 @@
 #            --completion 128 --steps 4, the anchor as it is
 #   wide-natural  the wide model with natural lengths (bench/make_natural.py --eos-rate 0.02), --completion 128
 #            --steps 4, TRL through bench/trl_grpo_natural.py
+#   wide-prompts  the wide row with every prompt prefixed by a fixed 111-token instruction (bench/long_prompts.py,
+#            both sides): 122-token prompts, as a system prompt or a chat template makes them
 #   long     152k model, --completion 256, 512 and 1024 (LONG="256 512 1024"), --steps 2: peak RSS against length;
 #            the model's config says 2,048 positions (v152k-long: make_tiny.py writes 1,024, and posttrain refuses a
 #            completion that leaves no room for a prompt in the model's context; the weights are v152k's)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/settings.sh"
-ROWS=${ROWS:-natural wide wide-natural long}
+ROWS=${ROWS:-natural wide wide-natural wide-prompts long}
 LONG=${LONG:-256 512 1024}
 [ -d "$models/v152k" ] || $PT_PY "$shared/make_tiny.py" "$models/v152k" --model-vocab 151936 --hidden 128 --layers 2 >/dev/null
 [ -d "$models/v152k-natural" ] || $PT_PY "$here/make_natural.py" "$models/v152k" "$models/v152k-natural" --eos-scale 4 >/dev/null 2>&1
@@ -27,13 +29,13 @@ fi
 [ -d "$models/wide-natural" ] || $PT_PY "$here/make_natural.py" "$models/wide" "$models/wide-natural" --eos-rate 0.02 \
   >/dev/null 2>&1
 
-run() {  # run ROW_NAME MODEL FLAGS TRL_SCRIPT OUR_EXTRA_FLAGS
-  local name=$1 model=$2 flags=$3 trl_script=$4 ours=$5 rep side out order
+run() {  # run ROW_NAME MODEL FLAGS TRL_SCRIPT OUR_EXTRA_FLAGS [WRAPPER: a script that runs the bench script given it]
+  local name=$1 model=$2 flags=$3 trl_script=$4 ours=$5 wrapper=${6:-} rep side out order
   for rep in $(seq "$REPEATS"); do
     if [ $((rep % 2)) = 1 ]; then order="trl posttrain"; else order="posttrain trl"; fi
     for side in $order; do
-      if [ $side = trl ]; then out=$($TRL_PY "$trl_script" "$models/$model" $flags 2>/dev/null | tail -n 1 || echo '"failed"')
-      else out=$($PT_PY "$here/grpo_step.py" "$models/$model" $flags $ours 2>/dev/null | tail -n 1 || echo '"failed"'); fi
+      if [ $side = trl ]; then out=$($TRL_PY $wrapper "$trl_script" "$models/$model" $flags 2>/dev/null | tail -n 1 || echo '"failed"')
+      else out=$($PT_PY $wrapper "$here/grpo_step.py" "$models/$model" $flags $ours 2>/dev/null | tail -n 1 || echo '"failed"'); fi
       echo "{\"row\": \"$name\", \"model\": \"$model\", \"flags\": \"$flags\", \"rep\": $rep, \"side\": \"$side\", \"result\": $out}"
     done
   done
@@ -43,6 +45,7 @@ for row in $ROWS; do
   case $row in
     natural) run natural v152k-natural "--completion 128 --steps 4" "$here/trl_grpo_natural.py" "--natural" ;;
     wide) run wide wide "--completion 128 --steps 4" "$shared/trl_grpo.py" "" ;;
+    wide-prompts) run wide-prompts wide "--completion 128 --steps 4" "$shared/trl_grpo.py" "" "$here/long_prompts.py" ;;
     wide-natural) run wide-natural wide-natural "--completion 128 --steps 4" "$here/trl_grpo_natural.py" "--natural" ;;
     long) for c in $LONG; do run "long-$c" v152k-long "--completion $c --steps 2" "$shared/trl_grpo.py" ""; done ;;
   esac

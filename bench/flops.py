@@ -17,11 +17,17 @@ def body_params(config) -> int:
     return layers * (attention + mlp)
 
 
-def grpo_step_flops(config, batch: int, prompt_len: int, completion_len: int, beta: float, peft: bool) -> dict:
-    """FLOPs of one step: sampling, the policy's forward + backward, and the reference forward (beta > 0)."""
+def grpo_step_flops(config, batch: int, prompt_len: int, completion_len: int, beta: float, peft: bool,
+                    prefill_rows: int | None = None, trained_prompt_rows: int | None = None) -> dict:
+    """FLOPs of one step: sampling, the policy's forward + backward, and the reference forward (beta > 0).
+
+    `prefill_rows` / `trained_prompt_rows`: how many prompts the decode's prefill / the training passes run, where
+    the num_generations copies of a prompt run once (posttrain's shared prompts); default every row's."""
     body, head = body_params(config), config.hidden_size * config.vocab_size
-    gen = 2 * batch * ((prompt_len + completion_len) * body + completion_len * head)
-    fwd = 2 * batch * ((prompt_len + completion_len) * body + completion_len * head)
+    prefill_rows = batch if prefill_rows is None else prefill_rows
+    trained_prompt_rows = batch if trained_prompt_rows is None else trained_prompt_rows
+    gen = 2 * ((prefill_rows * prompt_len + batch * completion_len) * body + batch * completion_len * head)
+    fwd = 2 * ((trained_prompt_rows * prompt_len + batch * completion_len) * body + batch * completion_len * head)
     # backward: gradients w.r.t. activations and weights, 2x the forward; the chunked output layer also
     # recomputes its forward; with LoRA the frozen weights get no weight gradient (about 1x forward)
     backward = (1 if peft else 2) * fwd + 2 * batch * completion_len * head

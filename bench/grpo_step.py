@@ -10,7 +10,8 @@ completions end at EOS (beside bench/trl_grpo_natural.py, on a model from bench/
 line adds the completions' mean/min/max length and the share of the run's matmul FLOPs spent on padding and on
 finished rows (flops.padding_waste, from each round's lengths, the rows the decoder actually ran and the positions
 the packed training passes ran: one micro-batch per round, as here).
-Beside the anchor's keys it prints `step_gflop` (matmul FLOPs of one step, bench/flops.py),
+Beside the anchor's keys it prints `step_gflop` (matmul FLOPs of one step as posttrain ran it, a prompt that the
+decode's prefill or a training pass ran once for its num_generations rollouts counted once; bench/flops.py),
 `achieved_gflop_per_s` (those FLOPs over the measured s/step) and `matmul_gflop_per_s` (what a
 [2048 x hidden] @ [hidden x vocab] float32 product reaches here, i.e. the machine's own limit for the
 step's dominant shape).
@@ -75,6 +76,16 @@ def main():
 
     TransformersGenerator.generate_seeded = recorded
 
+    from posttrain.generation import lean_decoder
+    from posttrain.models import logprobs
+
+    shared_passes = []  # per training pass that ran each distinct prompt once: how many distinct prompts it ran
+    shared_prompt_hidden, supports = logprobs._shared_prompt_hidden, lean_decoder.supports
+    logprobs._shared_prompt_hidden = lambda model, shared, *a: (
+        shared_passes.append(shared.prompt_ids.size(0)) or shared_prompt_hidden(model, shared, *a))
+    lean_decodes = []  # per decode in this process: whether the lean decoder ran it (it prefills each prompt once)
+    lean_decoder.supports = lambda model: lean_decodes.append(supports(model)) or lean_decodes[-1]
+
     pairs = list(zip(range(10, 74), range(100, 164)))
     ds = Dataset.from_dict({"prompt": [f"What is {a} + {b}?" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
 
@@ -106,7 +117,11 @@ def main():
 
     config = trainer.policy.config
     prompt_len = max(len(ids) for ids in trainer.prompts.prompt_ids)
-    flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft)
+    passes = args.steps * (2 if args.beta > 0 else 1)  # the policy's and the reference's (no old-policy pass here)
+    trained_prompt_rows = (sum(shared_passes) + (passes - len(shared_passes)) * args.batch) / passes
+    prefill_rows = args.batch // args.gens if lean_decodes and all(lean_decodes) else None
+    flops = grpo_step_flops(config, args.batch, prompt_len, args.completion, args.beta, args.peft, prefill_rows,
+                            trained_prompt_rows)
     natural = {}
     if args.natural and rounds:
         natural = padding_waste(config, rounds, args.beta, head_on_real_tokens=True)
