@@ -81,8 +81,13 @@ def main():
 
     shared_passes = []  # per training pass that ran each distinct prompt once: how many distinct prompts it ran
     shared_prompt_hidden, supports = logprobs._shared_prompt_hidden, lean_decoder.supports
-    logprobs._shared_prompt_hidden = lambda model, shared, *a: (
-        shared_passes.append(shared.prompt_ids.size(0)) or shared_prompt_hidden(model, shared, *a))
+
+    def recorded_sharing(model, shared, *rest):
+        if shared.source.numel() == args.batch:  # a pass over the step's rollouts, not the one-time model check
+            shared_passes.append(shared.prompt_ids.size(0))
+        return shared_prompt_hidden(model, shared, *rest)
+
+    logprobs._shared_prompt_hidden = recorded_sharing
     lean_decodes = []  # per decode in this process: whether the lean decoder ran it (it prefills each prompt once)
     lean_decoder.supports = lambda model: lean_decodes.append(supports(model)) or lean_decodes[-1]
 
