@@ -24,10 +24,12 @@ def grpo_step_flops(config, batch: int, prompt_len: int, completion_len: int, be
     `prefill_rows` / `trained_prompt_rows`: how many prompts the decode's prefill / the training passes run, where
     the num_generations copies of a prompt run once (posttrain's shared prompts); default every row's."""
     body, head = body_params(config), config.hidden_size * config.vocab_size
-    prefill_rows = batch if prefill_rows is None else prefill_rows
-    trained_prompt_rows = batch if trained_prompt_rows is None else trained_prompt_rows
-    gen = 2 * ((prefill_rows * prompt_len + batch * completion_len) * body + batch * completion_len * head)
-    fwd = 2 * ((trained_prompt_rows * prompt_len + batch * completion_len) * body + batch * completion_len * head)
+
+    def forward(prompt_rows: int | None) -> float:
+        prompt_positions = (batch if prompt_rows is None else prompt_rows) * prompt_len
+        return 2 * ((prompt_positions + batch * completion_len) * body + batch * completion_len * head)
+
+    gen, fwd = forward(prefill_rows), forward(trained_prompt_rows)
     # backward: gradients w.r.t. activations and weights, 2x the forward; the chunked output layer also
     # recomputes its forward; with LoRA the frozen weights get no weight gradient (about 1x forward)
     backward = (1 if peft else 2) * fwd + 2 * batch * completion_len * head

@@ -1,6 +1,7 @@
 """Load a causal LM and its tokenizer from a path, a hub id, or take them as given."""
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -289,8 +290,9 @@ def class_before_fully_shard(cls: type) -> type | None:
     return bases[1] if fsdp_module is not None and len(bases) == 2 and bases[0] is fsdp_module else None
 
 
+@functools.cache
 def _fsdp_module_class():
-    """FSDP2's FSDPModule, or None in a torch without FSDP2."""
+    """FSDP2's FSDPModule, or None in a torch without FSDP2 (looked up once: every module of a model may ask)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
