@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from posttrain.models.loading import unwrap
+from posttrain.models.keywords import unwrap
 from posttrain.models.peft import is_peft_model
 from posttrain.training.sharding import full_tensor
 

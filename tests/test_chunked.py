@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 
 from posttrain.models import chunked, onednn
 from posttrain.models.chunked import chunked_token_logprobs
@@ -99,7 +100,8 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
             "output layer in chunks, because"
     assert [r.getMessage() for r in caplog.records] == [
         f"SoftCapped: {start} its logits are not its output layer's output (it changes them, as soft-capping does).",
-        f"NoKeyword: {start} its forward takes neither logits_to_keep nor num_logits_to_keep.",
+        f"NoKeyword: {start} its forward (NoKeyword, transformers {transformers.__version__}) takes neither "
+        "`logits_to_keep` nor `num_logits_to_keep`.",
         f"NoHiddenStates: {start} its one-time check raised ValueError: no hidden states here.",
         f"Qwen2ForCausalLM: {start} its output layer is ScaledHead, not a plain Linear (a LoRA adapter on it, or a "
         "custom head)."]

@@ -4,8 +4,11 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from posttrain.models.logprobs import logits_to_keep_kwarg, token_logprobs
+from posttrain.models.keywords import logits_to_keep_kwarg, transformers_cache_name
+from posttrain.models.logprobs import token_logprobs
 from posttrain.testing import tiny_model
+
+CACHE = transformers_cache_name()  # the doubles below keep an old signature and pass their cache on by today's name
 
 
 class OldNameLM(Qwen2ForCausalLM):
@@ -14,7 +17,7 @@ class OldNameLM(Qwen2ForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
                 num_logits_to_keep=0):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=num_logits_to_keep)
+                               **{CACHE: past_key_values}, use_cache=use_cache, logits_to_keep=num_logits_to_keep)
 
 
 class NoKeepLM(Qwen2ForCausalLM):
@@ -22,7 +25,7 @@ class NoKeepLM(Qwen2ForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=use_cache)
+                               **{CACHE: past_key_values}, use_cache=use_cache)
 
 
 class IgnoresKeepLM(Qwen2ForCausalLM):
@@ -31,7 +34,7 @@ class IgnoresKeepLM(Qwen2ForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
                 logits_to_keep=0):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=0)
+                               **{CACHE: past_key_values}, use_cache=use_cache, logits_to_keep=0)
 
 
 class ShortLM(Qwen2ForCausalLM):

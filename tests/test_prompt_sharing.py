@@ -6,9 +6,12 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from posttrain.models import logprobs
+from posttrain.models.keywords import transformers_cache_name
 from posttrain.models.logprobs import packing_works, prompt_sharing_works, token_logprobs
 from posttrain.models.prompt_sharing import distinct_prompts
 from posttrain.testing import tiny_model
+
+CACHE = transformers_cache_name()  # CachelessLM keeps an old signature and passes its cache on by today's name
 
 
 def _group_rollouts(prompts: list[list[int]], copies: list[int], completion_lengths: list[int], completion_width: int,
@@ -116,7 +119,7 @@ class CachelessLM(Qwen2ForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
                 logits_to_keep=0, **kwargs):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=False, logits_to_keep=logits_to_keep,
+                               **{CACHE: past_key_values}, use_cache=False, logits_to_keep=logits_to_keep,
                                **kwargs)
 
 

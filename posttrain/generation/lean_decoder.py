@@ -24,7 +24,8 @@ h query heads, k key/value heads, D head size.
 import torch
 import torch.nn.functional as F
 
-from posttrain.models.loading import CHECK_ERRORS, check_raised, class_before_fully_shard, unwrap
+from posttrain.models.keywords import unwrap
+from posttrain.models.loading import CHECK_ERRORS, check_raised, class_before_fully_shard
 from posttrain.models.onednn import linear_op
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",

@@ -13,7 +13,8 @@ import torch
 from posttrain.generation import Rollouts, SamplingParams, lean_decoder
 from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
                                            stream_uniforms)
-from posttrain.models.logprobs import forward_accepts, logits_to_keep_kwarg, positions_from_mask
+from posttrain.models.keywords import cache_kwarg, forward_accepts, logits_to_keep_kwarg, returned_cache
+from posttrain.models.logprobs import positions_from_mask
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -59,6 +60,7 @@ class ModelStepper:
         if keep is not None:
             self.kwargs[keep] = 1
         self.pass_positions = forward_accepts(model, "position_ids")
+        self.cache_name = cache_kwarg(model)
 
     def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[N, P] ids and positions -> next-token logits [N, V] float32."""
@@ -80,11 +82,11 @@ class ModelStepper:
         return True
 
     def _forward(self, ids, positions):
-        kwargs = dict(self.kwargs, past_key_values=self.cache)
+        kwargs = dict(self.kwargs, **{self.cache_name: self.cache})
         if self.pass_positions:
             kwargs["position_ids"] = positions
         out = self.model(input_ids=ids, attention_mask=self.attention, **kwargs)
-        self.cache = out.past_key_values
+        self.cache = returned_cache(out)
         return out.logits[:, -1, :].float()
 
 

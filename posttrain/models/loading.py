@@ -6,6 +6,7 @@ import logging
 import os
 
 from posttrain.errors import UserError
+from posttrain.models.keywords import dtype_keyword, unwrap
 
 logger = logging.getLogger("posttrain")
 
@@ -53,8 +54,6 @@ def hub_reachable_or_cached(name: str, what: str = "model", revision: str | None
 def _init_kwargs(kwargs: dict | None) -> dict:
     """Normalise `model_init_kwargs`: dtype strings to torch dtypes, and the dtype keyword's name."""
     import torch
-    import transformers
-    from packaging.version import Version
 
     kwargs = dict(kwargs or {})
     kwargs.setdefault("trust_remote_code", False)  # never transformers' interactive prompt
@@ -64,9 +63,7 @@ def _init_kwargs(kwargs: dict | None) -> dict:
             raise ModelLoadError(f"dtype={dtype!r} is not one of: auto, {', '.join(sorted(set(_DTYPES)))}.")
         dtype = getattr(torch, _DTYPES[dtype])
     if dtype is not None:
-        # transformers renamed `torch_dtype` to `dtype` in 4.56.
-        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-        kwargs[key] = dtype
+        kwargs[dtype_keyword()] = dtype
     return kwargs
 
 
@@ -200,19 +197,6 @@ def _pad_with_eos(tokenizer) -> None:
     if name:
         _PAD_WARNED.add(name)
     tokenizer.pad_token = tokenizer.eos_token
-
-
-def unwrap(model):
-    """The module whose `forward` signature describes the model: strips DDP/compile and PEFT wrappers."""
-    while True:
-        if hasattr(model, "module") and not hasattr(model, "get_base_model"):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        else:
-            return model
 
 
 def cast_output_layer_to_fp32(model) -> None:

@@ -21,15 +21,16 @@ it, as Qwen2 did on transformers 4.48), slicing when more came back.
 
 import contextlib
 import functools
-import inspect
 import math
 from typing import Callable
 
 import torch
 
 from posttrain.models.chunked import chunked_token_logprobs
+from posttrain.models.keywords import (cache_kwarg, forward_accepts, logits_to_keep_kwarg, missing_from_forward,
+                                       returned_cache, unwrap)
 from posttrain.models.loading import (CHECK_ERRORS, check_raised, checkpointing, fallback_said, is_fully_shard_unit,
-                                      is_plain_linear, raised, unwrap)
+                                      is_plain_linear, raised)
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
@@ -38,24 +39,9 @@ CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of f
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
 MIN_SHARED_SAVING_FLOP = 1e9
-
-
-@functools.lru_cache(maxsize=64)
-def _forward_params(model_type: type) -> frozenset:
-    return frozenset(inspect.signature(model_type.forward).parameters)
-
-
-def forward_accepts(model, name: str) -> bool:
-    """Whether the (unwrapped) model's forward names `name` explicitly (not just **kwargs)."""
-    return name in _forward_params(type(unwrap(model)))
-
-
-def logits_to_keep_kwarg(model) -> str | None:
-    """`logits_to_keep`, `num_logits_to_keep`, or None when the model's forward takes neither."""
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if forward_accepts(model, name):
-            return name
-    return None
+# what a model loses when a fast path's one-time check fails or its forward cannot take what the path passes
+PACKING_OFF = "its log-prob passes run padded rows, not packed ones"
+SHARING_OFF = "its log-prob passes run each rollout's prompt, not each distinct prompt once"
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -149,9 +135,8 @@ def _why_not_chunked(plain) -> str:
     if output_layer(plain) is None:
         return (f"its output layer is {type(head).__name__}, not a plain Linear (a LoRA adapter on it, or a custom "
                 "head)")
-    if logits_to_keep_kwarg(plain) is None:
-        return "its forward takes neither logits_to_keep nor num_logits_to_keep"
-    return "its logits are not its output layer's output (it changes them, as soft-capping does)"
+    missing = missing_from_forward(plain, ("logits_to_keep",))
+    return missing or "its logits are not its output layer's output (it changes them, as soft-capping does)"
 
 
 def _check_in_forward_path(model, layer) -> bool:
@@ -376,7 +361,8 @@ def packing_works(model) -> bool:
         # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
         # model's, when it wraps one): the check goes through the model as given
         runner = model if layer is not None and _whole_in_model_forward(layer) else plain
-        cached = forward_accepts(plain, "position_ids") and _check_packing(runner, plain)
+        missing = missing_from_forward(plain, ("position_ids",))
+        cached = fallback_said(plain, PACKING_OFF, missing) if missing else _check_packing(runner, plain)
         plain._posttrain_packing_works = cached
     return cached
 
@@ -401,7 +387,7 @@ def _check_packing(runner, plain) -> bool:
                            ).hidden_states[-1].float()
         return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
     except CHECK_ERRORS as err:
-        return check_raised(plain, "its log-prob passes run padded rows, not packed ones", err)
+        return check_raised(plain, PACKING_OFF, err)
 
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
@@ -459,10 +445,10 @@ def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completi
     kwargs = {"use_cache": True, "output_hidden_states": True, logits_to_keep_kwarg(model): 1}
     prompts = model(input_ids=shared.prompt_ids, attention_mask=shared.prompt_mask,
                     position_ids=positions_from_mask(shared.prompt_mask), **kwargs)
-    cache = prompts.past_key_values
+    cache = returned_cache(prompts)
     cache.batch_select_indices(shared.source)
     mask = torch.cat([shared.prompt_mask[shared.source], completion_mask.long()], dim=1)  # [N, Lp + C]
-    completions = model(input_ids=completion_ids, attention_mask=mask, past_key_values=cache,
+    completions = model(input_ids=completion_ids, attention_mask=mask, **{cache_kwarg(model): cache},
                         position_ids=positions_from_mask(mask)[:, shared.prompt_ids.size(1):], **kwargs)
     last = prompts.hidden_states[-1][:, -1][shared.source]  # [N, H]
     return torch.cat([last[:, None], completions.hidden_states[-1][:, :-1]], dim=1)
@@ -471,15 +457,18 @@ def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completi
 def prompt_sharing_works(model) -> bool:
     """Whether the model gives the same hidden states to completions run against their prompt's selected cache as to
     the whole rollouts; decided once per model object and cached. The check (a shared and an unshared forward of
-    two completions of one prompt) needs a forward that takes position ids, a cache and logits_to_keep, and an
-    output layer whole outside the model's forward (not ZeRO-3's or FSDP1's)."""
+    two completions of one prompt) needs an output layer whole outside the model's forward (not ZeRO-3's or
+    FSDP1's) and a forward that takes position ids, a cache and logits_to_keep under any of their names; a forward
+    that does not is said once, naming what it lacks."""
     plain = unwrap(model)
     cached = getattr(plain, "_posttrain_prompt_sharing_works", None)
     if cached is None:
         layer = output_layer(plain)
-        cached = (layer is not None and not whole_only_in_forward(layer) and logits_to_keep_kwarg(plain) is not None
-                  and all(forward_accepts(plain, name) for name in ("position_ids", "past_key_values", "use_cache"))
-                  and _check_prompt_sharing(plain))
+        if layer is None or whole_only_in_forward(layer):
+            cached = False  # the whole-logits path (said where it is chosen), or sharded by design (docs/grpo.md)
+        else:
+            missing = missing_from_forward(plain, ("position_ids", "cache", "use_cache", "logits_to_keep"))
+            cached = fallback_said(plain, SHARING_OFF, missing) if missing else _check_prompt_sharing(plain)
         plain._posttrain_prompt_sharing_works = cached
     return cached
 
@@ -501,7 +490,7 @@ def _check_prompt_sharing(plain) -> bool:
         real = completion_mask.bool()
         return _agree(plain, together[real].float(), apart[real].float())
     except CHECK_ERRORS as err:
-        return check_raised(plain, "its log-prob passes run each rollout's prompt, not each distinct prompt once", err)
+        return check_raised(plain, SHARING_OFF, err)
 
 
 def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:

@@ -185,7 +185,7 @@ def model_fingerprint(model) -> str:
     """
     import hashlib
 
-    from posttrain.models.loading import unwrap
+    from posttrain.models.keywords import unwrap
 
     plain = unwrap(model)
     h = hashlib.sha256()

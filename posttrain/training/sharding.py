@@ -387,7 +387,7 @@ def _zero3_full_state_dict(model: torch.nn.Module, is_main: bool) -> dict:
 def _zero3_load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
     """Write a whole state dict (read by every process) into a ZeRO-3 model's shards; KeyError when it does not fit
     (a tied output layer, stored once, may be missing)."""
-    from posttrain.models.loading import unwrap
+    from posttrain.models.keywords import unwrap
 
     plain = unwrap(model)
     params = dict(plain.named_parameters())  # tied ones once

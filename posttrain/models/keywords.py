@@ -1,0 +1,115 @@
+"""The names transformers gives the keywords posttrain passes to a model, chosen in this one place.
+
+transformers renames a keyword from time to time, keeps the old name working for a while with a deprecation
+warning, then removes it. posttrain never picks a name by guessing:
+
+    what                         newest name        older name            renamed in transformers
+    a forward's KV cache         cache              past_key_values       5.24 (old name warns; removal announced
+                                                                          for 5.40); also the output's field
+    logits of the last positions logits_to_keep     num_logits_to_keep    4.50 (per model class, from 4.45)
+    from_pretrained's dtype      dtype              torch_dtype           4.56 (old name warns)
+
+A forward keyword is chosen from the model class's own forward signature, since a model's code (a remote-code
+model, a subclass) may use either name on any transformers version. A model whose forward names neither takes the
+name transformers' own models take now, through its **kwargs. A `from_pretrained` keyword, which always goes
+through **kwargs, is chosen from the installed transformers version.
+"""
+
+import dataclasses
+import functools
+import inspect
+
+# the names of each renamed forward keyword, newest first
+FORWARD_NAMES = {
+    "cache": ("cache", "past_key_values"),
+    "logits_to_keep": ("logits_to_keep", "num_logits_to_keep"),
+}
+
+
+def unwrap(model):
+    """The module whose `forward` signature describes the model: strips DDP/compile and PEFT wrappers."""
+    while True:
+        if hasattr(model, "module") and not hasattr(model, "get_base_model"):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_params(model_type: type) -> frozenset:
+    return frozenset(inspect.signature(model_type.forward).parameters)
+
+
+def forward_accepts(model, name: str) -> bool:
+    """Whether the (unwrapped) model's forward names `name` explicitly (not just **kwargs)."""
+    return name in _forward_params(type(unwrap(model)))
+
+
+def forward_keyword(model, what: str) -> str | None:
+    """The name the model's forward gives `what` (a key of FORWARD_NAMES), newest first; None when it names none."""
+    return next((name for name in FORWARD_NAMES[what] if forward_accepts(model, name)), None)
+
+
+def logits_to_keep_kwarg(model) -> str | None:
+    """`logits_to_keep`, `num_logits_to_keep`, or None when the model's forward takes neither."""
+    return forward_keyword(model, "logits_to_keep")
+
+
+@functools.cache
+def transformers_cache_name() -> str:
+    """The name transformers' own causal LMs give the cache keyword in the installed version."""
+    from transformers import LlamaForCausalLM
+
+    return next(name for name in FORWARD_NAMES["cache"] if name in _forward_params(LlamaForCausalLM))
+
+
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes its KV cache under: its own name for it, else (a forward that takes it
+    through **kwargs) the installed transformers' name."""
+    return forward_keyword(model, "cache") or transformers_cache_name()
+
+
+def returned_cache(output):
+    """The KV cache a forward returned, read from the output's own field (`cache` from transformers 5.24,
+    `past_key_values` before), so that the deprecated alias is never touched."""
+    fields = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+    for name in FORWARD_NAMES["cache"]:
+        if name in fields:
+            return getattr(output, name)
+    return getattr(output, transformers_cache_name(), None)
+
+
+@functools.cache
+def dtype_keyword() -> str:
+    """`from_pretrained`'s dtype keyword in the installed transformers: `dtype` from 4.56, `torch_dtype` before."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+def missing_from_forward(model, needs: tuple[str, ...]) -> str | None:
+    """Why the model's forward cannot take what a fast path passes, or None when it takes all of it.
+
+    Args:
+        model: the model (wrappers are looked through).
+        needs: plain keyword names, or keys of FORWARD_NAMES (any of whose names will do).
+    Returns:
+        e.g. "its forward (Qwen2ForCausalLM, transformers 5.24.0) takes neither `cache` nor `past_key_values`",
+        naming every missing keyword.
+    """
+    import transformers
+
+    missing = []
+    for need in needs:
+        names = FORWARD_NAMES.get(need, (need,))
+        if not any(forward_accepts(model, name) for name in names):
+            missing.append(f"neither `{names[0]}` nor `{names[1]}`" if len(names) == 2 else f"no `{names[0]}`")
+    if not missing:
+        return None
+    return (f"its forward ({type(unwrap(model)).__name__}, transformers {transformers.__version__}) takes "
+            f"{', '.join(missing)}")
