@@ -23,6 +23,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from posttrain.models import token_logprobs
+    from posttrain.models.loading import enable_checkpointing
     from posttrain.training.offloading import SavedBytes
 
     model = AutoModelForCausalLM.from_pretrained(args.model).train()
@@ -35,7 +36,7 @@ def main():
     grads = None
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, {"use_reentrant": False})
         model.zero_grad()
         with SavedBytes(model) as saved:  # activations: the parameters autograd also keeps are left out
             logps, _ = token_logprobs(model, prompt, masks[0], completion, masks[1])

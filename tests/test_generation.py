@@ -130,7 +130,9 @@ def _llama_family(tokenizer, kind: str):
     config = LlamaConfig(**sizes)
     if kind == "llama-dynamic-rope":
         config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    assert model.model.rotary_emb.rope_type == ("dynamic" if kind == "llama-dynamic-rope" else "default")
+    return model
 
 
 @pytest.mark.parametrize("make", ["qwen2", "qwen2-unfused", "llama", "llama-dynamic-rope", "qwen3", "qwen2-lora"])

@@ -60,8 +60,8 @@ def test_each_keyword_is_the_forwards_own_name(tokenizer):
     assert CACHE == ("cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values")
     assert missing_from_forward(new, tuple(FORWARD_NAMES) + ("position_ids",)) is None
     assert missing_from_forward(anonymous, ("position_ids", "cache")) == (
-        f"its forward (KwargsOnlyLM, transformers {transformers.__version__}) takes no `position_ids`, neither "
-        "`cache` nor `past_key_values`")
+        f"its forward (KwargsOnlyLM, transformers {transformers.__version__}) takes no `position_ids`, none of "
+        "`cache`, `past_key_values`, `cache_params`")
 
 
 @dataclasses.dataclass
@@ -103,6 +103,26 @@ def test_decodes_and_shared_prompts_work_whatever_the_forward_calls_its_cache(to
     assert torch.allclose(shared[real], unshared[real], atol=1e-5)
 
 
+class NoCacheLM(Qwen2ForCausalLM):
+    """Returns no cache however asked (a cache under a name of its own, or none)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        setattr(out, CACHE, None)
+        return out
+
+
+def test_a_decode_without_a_returned_cache_stops_with_one_sentence(tokenizer):
+    """Without its cache each step would see one token: noise sampled as if it were the model's."""
+    from posttrain.errors import UserError
+
+    model = tiny_model(tokenizer, hidden=16, layers=1, model_class=NoCacheLM)
+    generator = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=3), seed=0, lean=False)
+    with pytest.raises(UserError, match=r"^NoCacheLM returned no KV cache from a forward with use_cache=True \(passed "
+                                        rf"as `{CACHE}`\), so it cannot be sampled from token by token in process: "):
+        generator.generate([[5, 6, 7]])
+
+
 def test_a_fast_path_off_for_a_missing_keyword_is_said_once_with_the_versions(tokenizer, caplog):
     model = tiny_model(tokenizer, hidden=16, layers=1, model_class=KwargsOnlyLM)
     with caplog.at_level("WARNING", logger="posttrain"):
@@ -112,8 +132,8 @@ def test_a_fast_path_off_for_a_missing_keyword_is_said_once_with_the_versions(to
     forward = f"its forward (KwargsOnlyLM, transformers {transformers.__version__}) takes"
     assert [r.getMessage() for r in caplog.records] == [
         f"KwargsOnlyLM: {logprobs.PACKING_OFF}, because {forward} no `position_ids`.",
-        f"KwargsOnlyLM: {logprobs.SHARING_OFF}, because {forward} no `position_ids`, neither `cache` nor "
-        "`past_key_values`, no `use_cache`, neither `logits_to_keep` nor `num_logits_to_keep`."]
+        f"KwargsOnlyLM: {logprobs.SHARING_OFF}, because {forward} no `position_ids`, none of `cache`, "
+        "`past_key_values`, `cache_params`, no `use_cache`, neither `logits_to_keep` nor `num_logits_to_keep`."]
 
 
 @pytest.mark.parametrize("given", ["dtype", "torch_dtype"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from posttrain.models import token_logprobs
+from posttrain.models.loading import enable_checkpointing
 from posttrain.testing import tiny_model
 from posttrain.training.offloading import ActivationOffloader, SavedBytes
 
@@ -43,7 +44,7 @@ def model(tokenizer):
 
 def test_checkpointing_saves_less_and_changes_no_gradient(model):
     plain, expected = _step(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     checkpointed, grads = _step(model)
     _same(grads, expected)
     assert checkpointed.bytes < 0.5 * plain.bytes, (checkpointed.bytes, plain.bytes)
@@ -75,7 +76,7 @@ class RecordingOffloader(ActivationOffloader):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_offloaded_activations_come_back_and_change_no_gradient(model, checkpointing):
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     _, expected = _step(model)
     offloader = RecordingOffloader(model)
     _, grads = _step(model, offloader)

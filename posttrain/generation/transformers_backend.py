@@ -10,10 +10,11 @@ from typing import Iterable
 
 import torch
 
+from posttrain.errors import UserError
 from posttrain.generation import Rollouts, SamplingParams, lean_decoder
 from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
                                            stream_uniforms)
-from posttrain.models.keywords import cache_kwarg, forward_accepts, logits_to_keep_kwarg, returned_cache
+from posttrain.models.keywords import cache_kwarg, forward_accepts, logits_to_keep_kwarg, returned_cache, unwrap
 from posttrain.models.logprobs import positions_from_mask
 
 
@@ -87,6 +88,11 @@ class ModelStepper:
             kwargs["position_ids"] = positions
         out = self.model(input_ids=ids, attention_mask=self.attention, **kwargs)
         self.cache = returned_cache(out)
+        if self.cache is None:  # the next step would see its one new token only, and sample noise
+            raise UserError(f"{type(unwrap(self.model)).__name__} returned no KV cache from a forward with "
+                            f"use_cache=True (passed as `{self.cache_name}`), so it cannot be sampled from token by "
+                            "token in process: generate with vLLM or posttrain serve (use_vllm: true), or use a model "
+                            "whose forward returns its cache.")
         return out.logits[:, -1, :].float()
 
 

@@ -3,14 +3,18 @@
 transformers renames a keyword from time to time, keeps the old name working for a while with a deprecation
 warning, then removes it. posttrain never picks a name by guessing:
 
-    what                         newest name        older name            renamed in transformers
-    a forward's KV cache         cache              past_key_values       5.24 (old name warns; removal announced
-                                                                          for 5.40); also the output's field
-    logits of the last positions logits_to_keep     num_logits_to_keep    4.50 (per model class, from 4.45)
-    from_pretrained's dtype      dtype              torch_dtype           4.56 (old name warns)
+    what                         newest name        older names           renamed in transformers
+    a forward's KV cache         cache              past_key_values,      5.24 (old names warn; removal announced
+                                                    cache_params (Mamba)  for 5.40); also the output's field
+    logits of the last positions logits_to_keep     num_logits_to_keep    4.49 (the old name warned until 4.50)
+    from_pretrained's dtype      dtype              torch_dtype           4.56 (the old name warned in 4.56-4.57)
+    save_pretrained's format     (safetensors only) safe_serialization    removed in 5.0 (peft's keeps it)
+    checkpointing's method       activation_        gradient_             5.23 (old name warns; chosen by
+                                 checkpointing_     checkpointing_        presence in models/loading.py's
+                                 enable             enable                enable_checkpointing)
 
 A forward keyword is chosen from the model class's own forward signature, since a model's code (a remote-code
-model, a subclass) may use either name on any transformers version. A model whose forward names neither takes the
+model, a subclass) may use any of the names on any transformers version. A model whose forward names none takes the
 name transformers' own models take now, through its **kwargs. A `from_pretrained` keyword, which always goes
 through **kwargs, is chosen from the installed transformers version.
 """
@@ -21,7 +25,7 @@ import inspect
 
 # the names of each renamed forward keyword, newest first
 FORWARD_NAMES = {
-    "cache": ("cache", "past_key_values"),
+    "cache": ("cache", "past_key_values", "cache_params"),
     "logits_to_keep": ("logits_to_keep", "num_logits_to_keep"),
 }
 
@@ -92,6 +96,13 @@ def dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
+def safetensors_kwargs(model) -> dict:
+    """`save_pretrained`'s keyword for safetensors where it has one: peft's models, and transformers before 5.0,
+    which dropped it (safetensors is the only format there, and the keyword would fall into **kwargs unread)."""
+    takes = "safe_serialization" in inspect.signature(type(model).save_pretrained).parameters
+    return {"safe_serialization": True} if takes else {}
+
+
 def missing_from_forward(model, needs: tuple[str, ...]) -> str | None:
     """Why the model's forward cannot take what a fast path passes, or None when it takes all of it.
 
@@ -99,7 +110,7 @@ def missing_from_forward(model, needs: tuple[str, ...]) -> str | None:
         model: the model (wrappers are looked through).
         needs: plain keyword names, or keys of FORWARD_NAMES (any of whose names will do).
     Returns:
-        e.g. "its forward (Qwen2ForCausalLM, transformers 5.24.0) takes neither `cache` nor `past_key_values`",
+        e.g. "its forward (Qwen2ForCausalLM, transformers 5.24.0) takes no `position_ids`",
         naming every missing keyword.
     """
     import transformers
@@ -108,8 +119,17 @@ def missing_from_forward(model, needs: tuple[str, ...]) -> str | None:
     for need in needs:
         names = FORWARD_NAMES.get(need, (need,))
         if not any(forward_accepts(model, name) for name in names):
-            missing.append(f"neither `{names[0]}` nor `{names[1]}`" if len(names) == 2 else f"no `{names[0]}`")
+            missing.append(_none_of(names))
     if not missing:
         return None
     return (f"its forward ({type(unwrap(model)).__name__}, transformers {transformers.__version__}) takes "
             f"{', '.join(missing)}")
+
+
+def _none_of(names: tuple[str, ...]) -> str:
+    quoted = [f"`{name}`" for name in names]
+    if len(quoted) == 1:
+        return f"no {quoted[0]}"
+    if len(quoted) == 2:
+        return f"neither {quoted[0]} nor {quoted[1]}"
+    return f"none of {', '.join(quoted)}"

@@ -7,6 +7,7 @@ The reference model of a LoRA run is the policy itself, so no second copy of the
 """
 
 import contextlib
+import warnings
 
 from posttrain._optional import require
 from posttrain.configs import ConfigError
@@ -30,7 +31,11 @@ def apply_peft(model, peft_config):
         if any(not any(n == t or n.endswith("." + t) for n in names) for t in targets):
             raise _unknown_targets(model, peft_config)
     try:
-        return peft.get_peft_model(model, peft_config)
+        with warnings.catch_warnings():
+            # peft (through 0.21) reads `is_gradient_checkpointing`, which transformers 5.23 renamed
+            # `is_activation_checkpointing`: the FutureWarning is about peft's call, not about this run
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            return peft.get_peft_model(model, peft_config)
     except ValueError as err:
         if "not found in the base model" not in str(err):
             raise

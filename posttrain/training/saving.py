@@ -5,6 +5,7 @@ Callers run these on the main process only.
 
 import os
 
+from posttrain.models.keywords import safetensors_kwargs
 from posttrain.models.loading import without_progress_bars
 from posttrain.models.peft import is_peft_model
 from posttrain.weights import embeddings_still_tied, export_weights
@@ -36,10 +37,10 @@ def save_policy(policy, tokenizer, config: dict, output_dir: str, state_dict: di
     os.makedirs(output_dir, exist_ok=True)
     with without_progress_bars():  # one bar per save otherwise
         if state_dict is None:
-            policy.save_pretrained(output_dir, safe_serialization=True)
+            policy.save_pretrained(output_dir, **safetensors_kwargs(policy))
         else:  # peft picks the adapter's entries by module name: the names the gathered state dict has
             with fsdp1_wrappers_set_aside(policy):
-                policy.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+                policy.save_pretrained(output_dir, state_dict=state_dict, **safetensors_kwargs(policy))
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "posttrain_config.yaml"), "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
@@ -58,7 +59,7 @@ def save_merged(policy, tokenizer, output_dir: str) -> None:
         plain.config.tie_word_embeddings = False  # restored below: the training model stays as it was
     try:
         with without_progress_bars():
-            plain.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            plain.save_pretrained(output_dir, state_dict=state, **safetensors_kwargs(plain))
     finally:
         if tied is not None:
             plain.config.tie_word_embeddings = tied
