@@ -521,6 +521,15 @@ def invalid_yaml(tmp):
     _parse("--config", _write(tmp / "run.yaml", "beta: [0.1\n"))
 
 
+@case("Config", "`steps_per_generation` and `generation_batch_size` that disagree", ConfigError,
+      r"steps_per_generation=2 and generation_batch_size=24 both set, and they disagree \(per_device_train_batch_size "
+      r"x processes = 8\): they say the same thing, keep one\.")
+def disagreeing_generation_batch(tmp):
+    from posttrain.configs import GRPOConfig
+
+    GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8, steps_per_generation=2, generation_batch_size=24)
+
+
 @case("Config", "typo in `model_init_kwargs` (`dtyp`)", ConfigError,
       r"model_init_kwargs has 'dtyp', which neither from_pretrained nor the model's config takes\. Did you mean dtype\?",
       kind="crash")

@@ -75,3 +75,54 @@ def test_a_tilde_in_output_dir_is_the_home_directory():
     assert GRPOConfig(output_dir="~/runs/a").output_dir == os.path.expanduser("~/runs/a")
     _, _, cfg = parse_grpo(["--output_dir", "~/runs/b"])
     assert cfg.output_dir == os.path.expanduser("~/runs/b")
+
+
+def group_filter_for_the_round_trip(rewards):
+    """A module-level group filter (dynamic_sampling_filter given as a function)."""
+    return rewards.std() > 0
+
+
+@pytest.mark.parametrize("make", ["grpo", "sft", "dpo"])
+def test_every_kind_of_value_a_config_takes_is_written_and_read_back(tmp_path, make):
+    """A torch dtype (as TRL's model_init_kwargs take it), a Path, transformers' enums, a function, tuples and sets
+    become plain YAML and JSON that construct the same config again."""
+    import json
+    import pathlib
+
+    import torch
+    import yaml
+    from transformers.trainer_utils import IntervalStrategy, SchedulerType
+
+    from posttrain import DPOConfig, SFTConfig
+
+    cls = {"grpo": GRPOConfig, "sft": SFTConfig, "dpo": DPOConfig}[make]
+    values = dict(output_dir=pathlib.Path(tmp_path) / "out", save_strategy=IntervalStrategy.STEPS,
+                  lr_scheduler_type=SchedulerType.COSINE, report_to=("none",),
+                  model_init_kwargs={"dtype": torch.bfloat16, "attn_implementation": "sdpa", "nested": [torch.float16]})
+    if make == "grpo":
+        values.update(dynamic_sampling=True, dynamic_sampling_filter=group_filter_for_the_round_trip)
+    written = cls(**values).to_dict()
+    text = yaml.safe_dump(written, sort_keys=False)
+    assert json.loads(json.dumps(written)) == written
+    again = cls(**yaml.safe_load(text))
+    assert again.to_dict() == written
+    assert written["model_init_kwargs"] == {"dtype": "bfloat16", "attn_implementation": "sdpa", "nested": ["float16"]}
+    assert (written["output_dir"], written["save_strategy"], written["lr_scheduler_type"]) == (
+        str(tmp_path / "out"), "steps", "cosine")
+    if make == "grpo":
+        assert written["dynamic_sampling_filter"] == "test_configs.group_filter_for_the_round_trip"
+
+
+def test_a_run_with_a_torch_dtype_in_model_init_kwargs_saves_its_config(tmp_path, tiny_model_dir):
+    """The final save wrote posttrain_config.yaml with yaml.safe_dump, which cannot represent torch.bfloat16."""
+    import torch
+    import yaml
+    from datasets import Dataset
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
+                     report_to="none", gradient_checkpointing=False, model_init_kwargs={"dtype": torch.bfloat16})
+    SFTTrainer(str(tiny_model_dir), args=args, train_dataset=Dataset.from_dict({"text": ["ab 1", "ab ab 2"]})).train()
+    with open(tmp_path / "out" / "posttrain_config.yaml") as f:
+        assert yaml.safe_load(f)["model_init_kwargs"]["dtype"] == "bfloat16"

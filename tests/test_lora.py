@@ -110,3 +110,63 @@ def test_separate_generator_follows_the_lora_policy(tokenizer, addition_dataset,
     assert not torch.allclose(engine, untrained, atol=1e-3)  # the policy did move
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     assert max(rewards[3:]) > rewards[0]  # the generator sampled the improving policy
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PromptEncoderConfig"])
+def test_adapters_that_add_virtual_tokens_are_refused_at_construction(tokenizer, addition_dataset, tmp_path, kind):
+    """Their virtual tokens precede every input, which the target masks do not count: step 1 used to crash."""
+    import peft
+
+    from posttrain.configs import ConfigError
+
+    config = getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=4, **(
+        {"encoder_hidden_size": 16} if kind == "PromptEncoderConfig" else {}))
+    with pytest.raises(ConfigError, match=rf"^peft_config is a {kind}, which adds trained virtual tokens to every "
+                                          r"input, .*: use LoRA \(LoraConfig, --use_peft\), another adapter, or prefix "
+                                          r"tuning \(PrefixTuningConfig\)\.$"):
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), five_reward, tiny_config(tmp_path),
+                    train_dataset=addition_dataset, processing_class=tokenizer, peft_config=config)
+
+
+def test_prefix_tuning_is_refused_for_grpo_whose_decode_would_drop_the_prefix(tokenizer, addition_dataset, tmp_path):
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from posttrain.configs import ConfigError
+
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    refused = r"^Prefix tuning \(PrefixTuningConfig\) trains SFT and DPO here, not GRPO: .*use LoRA"
+    with pytest.raises(ConfigError, match=refused):  # given as peft_config
+        GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), five_reward, tiny_config(tmp_path),
+                    train_dataset=addition_dataset, processing_class=tokenizer, peft_config=config)
+    with pytest.raises(ConfigError, match=refused):  # or a model that comes with a prefix
+        GRPOTrainer(get_peft_model(tiny_model(tokenizer, hidden=32, layers=1), config), five_reward,
+                    tiny_config(tmp_path), train_dataset=addition_dataset, processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("trainer_kind", ["sft", "dpo"])
+def test_prefix_tuning_trains_its_prefix_only(tokenizer, tmp_path, trainer_kind):
+    """Prefix tuning's virtual tokens live in the attention's keys and values: the prefix moves, the base does not."""
+    from datasets import Dataset
+    from peft import PrefixTuningConfig
+
+    from posttrain import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    base = {name: p.detach().clone() for name, p in model.named_parameters()}
+    common = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                  save_strategy="no", gradient_checkpointing=False, use_cpu=True, report_to="none")
+    if trainer_kind == "sft":
+        trainer = SFTTrainer(model, args=SFTConfig(**common), processing_class=tokenizer, peft_config=config,
+                             train_dataset=Dataset.from_dict({"text": ["ab ab 1", "ab 2", "a 3", "b 4"]}))
+    else:
+        pairs = Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3=", "1+2="], "chosen": ["2", "4", "6", "3"],
+                                   "rejected": ["3", "5", "7", "4"]})
+        trainer = DPOTrainer(model, args=DPOConfig(**common), processing_class=tokenizer, peft_config=config,
+                             train_dataset=pairs)
+    prefix = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert prefix and all("prompt_encoder" in n for n in prefix)
+    trainer.train()
+    after = dict(trainer.policy.named_parameters())
+    assert any(not torch.equal(after[n], p) for n, p in prefix.items())
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)

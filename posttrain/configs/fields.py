@@ -6,6 +6,7 @@ A step interval (`logging_steps`, `save_steps`, `eval_steps`) is a whole number 
 """
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -88,15 +89,41 @@ class TrainingLoopConfig:
         self.output_dir = os.path.expanduser(self.output_dir if self.output_dir is not None else "trainer_output")
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict, with `hub_token` redacted and a function given in Python (a group filter)
-        named by its dotted path (this dict is written to disk and to trackers)."""
-        values = dataclasses.asdict(self)
-        for key, value in values.items():
-            if callable(value):
-                values[key] = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
+        """The fields as plain YAML/JSON values (this dict is written to posttrain_config.yaml and to trackers), which
+        construct the same config when read back: `hub_token` redacted, and every value plain (`plain_value`)."""
+        values = {field.name: plain_value(getattr(self, field.name)) for field in dataclasses.fields(self)}
         if values.get("hub_token"):
             values["hub_token"] = "<HUB_TOKEN>"
         return values
+
+
+def plain_value(value):
+    """`value` as YAML's and JSON's plain types, meaning the same to a config that reads it back: a torch dtype as its
+    name ("bfloat16"), a path as a string, an enum as its value, an object with `to_dict` (a quantization or peft
+    config) as that dict, a set as a sorted list, a function as its dotted path `module.name` (which imports back
+    when the function is a module's own; a lambda or a nested function is written under its name, for the record
+    only), recursively through dicts, lists and tuples."""
+    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, enum.Enum):
+        return plain_value(value.value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # without importing torch here
+        return str(value).removeprefix("torch.")
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        return {str(plain_value(k)): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((plain_value(v) for v in value), key=repr)
+    if callable(getattr(value, "to_dict", None)):
+        return plain_value(value.to_dict())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_value(dataclasses.asdict(value))
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
 
 
 @dataclass
@@ -105,7 +132,8 @@ class ModelConfig:
 
     model_init_kwargs: Optional[dict] = _help(
         "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id "
-        "(e.g. {\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}).", default=None)
+        "(e.g. {\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}). Without `dtype` (or `torch_dtype`) the "
+        "model loads in float32, as in TRL; `dtype: auto` keeps the checkpoint's own.", default=None)
     trust_remote_code: bool = _help(
         "Allow models, tokenizers and reward models with custom code from their repository.", default=False)
     disable_dropout: bool = _help("Set every dropout probability in the policy (and reference) to 0.",

@@ -367,8 +367,13 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
         world = _world_size()
         per_step = self.per_device_train_batch_size * world
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            raise ConfigError(
-                "steps_per_generation and generation_batch_size both set: they say the same thing, keep one.")
+            # both are written to posttrain_config.yaml, which reads back as a config: agreeing, they are one setting
+            if self.generation_batch_size != per_step * self.steps_per_generation:
+                raise ConfigError(
+                    f"steps_per_generation={self.steps_per_generation} and generation_batch_size="
+                    f"{self.generation_batch_size} both set, and they disagree (per_device_train_batch_size x "
+                    f"processes = {per_step}): they say the same thing, keep one.")
+            self.generation_batch_size = None
         if self.generation_batch_size is None:
             if self.steps_per_generation is None:
                 self.steps_per_generation = self.gradient_accumulation_steps

@@ -31,8 +31,8 @@ class BaseScriptArguments:
         range=POSITIVE, default=None)
     trust_remote_code: bool = _help("Allow models with custom code from their repository.", default=False)
     model_revision: str = _help("Model revision (branch, tag or commit).", default="main")
-    dtype: Optional[str] = _help("Weights dtype for loading: auto, float32, bfloat16 or float16.",
-                                 default=None)
+    dtype: Optional[str] = _help("Weights dtype for loading: auto (the checkpoint's own), float32, bfloat16 or "
+                                 "float16; unset, float32 (TRL's default).", default=None)
     attn_implementation: Optional[str] = _help("Attention implementation, e.g. sdpa or eager.", default=None)
 
     def __post_init__(self):

@@ -41,10 +41,11 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
         return None, None
     if ref_model is not None:
         if isinstance(ref_model, str):
-            from posttrain.models import load_causal_lm
+            from posttrain.models.loading import load_causal_lm, with_trl_default_dtype
 
             kwargs = args.ref_model_init_kwargs or args.model_init_kwargs or {}
-            ref_model = load_causal_lm(ref_model, {"trust_remote_code": trust_remote_code, **kwargs})
+            ref_model = load_causal_lm(ref_model, with_trl_default_dtype({"trust_remote_code": trust_remote_code,
+                                                                          **kwargs}))
         return _frozen(ref_model, args, device), None
     if args.precompute_ref_log_probs and not is_peft_model(policy):
         return None, None  # the policy, before its first update, computes them

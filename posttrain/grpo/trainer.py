@@ -30,7 +30,7 @@ from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entrop
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
 from posttrain.models import token_logprobs
-from posttrain.models.peft import reference_mode
+from posttrain.models.peft import reference_mode, refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
@@ -136,6 +136,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         if train_dataset is None:
             raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        refuse_prefix_tuning_for_sampling(peft_config, model)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
         self.reward_funcs = resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)

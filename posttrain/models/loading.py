@@ -51,13 +51,24 @@ def hub_reachable_or_cached(name: str, what: str = "model", revision: str | None
                              "a local path.") from None
 
 
-def _init_kwargs(kwargs: dict | None) -> dict:
+def with_trl_default_dtype(kwargs: dict | None) -> dict:
+    """A trained model's `model_init_kwargs` with TRL's default dtype, float32, where neither `dtype` nor
+    `torch_dtype` is given (TRL's create_model_from_path). transformers 5 would load a checkpoint's own dtype, bfloat16
+    for most hub models, where AdamW's small updates round away; `dtype: auto` (or None) asks for that explicitly."""
+    kwargs = dict(kwargs or {})
+    if "dtype" not in kwargs and "torch_dtype" not in kwargs:
+        kwargs["dtype"] = "float32"
+    return kwargs
+
+
+def from_pretrained_kwargs(kwargs: dict | None) -> dict:
     """Normalise `model_init_kwargs`: dtype strings to torch dtypes, and the dtype keyword's name."""
     import torch
 
     kwargs = dict(kwargs or {})
     kwargs.setdefault("trust_remote_code", False)  # never transformers' interactive prompt
-    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+    dtype, legacy = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
+    dtype = legacy if dtype is None else dtype  # both given: `dtype` wins, as in transformers
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in _DTYPES:
             raise ModelLoadError(f"dtype={dtype!r} is not one of: auto, {', '.join(sorted(set(_DTYPES)))}.")
@@ -96,7 +107,7 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
 
     model = os.path.expanduser(model)
     _check_path(model)
-    kwargs = _init_kwargs(init_kwargs)
+    kwargs = from_pretrained_kwargs(init_kwargs)
     hub_reachable_or_cached(model, "model", kwargs.get("revision"))
     try:
         with without_progress_bars():

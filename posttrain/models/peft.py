@@ -25,6 +25,7 @@ def apply_peft(model, peft_config):
     peft = require("peft", "Training LoRA adapters (peft_config / --use_peft)")
     if is_peft_model(model):
         raise ConfigError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
+    _refuse_virtual_tokens(peft_config)
     targets = getattr(peft_config, "target_modules", None)
     if isinstance(targets, (list, set, tuple)):  # peft ignores a misspelled name as long as another one matches
         names = [name for name, _ in model.named_modules()]
@@ -40,6 +41,29 @@ def apply_peft(model, peft_config):
         if "not found in the base model" not in str(err):
             raise
         raise _unknown_targets(model, peft_config) from err
+
+
+def _refuse_virtual_tokens(peft_config) -> None:
+    """Prompt tuning and P-tuning put trained virtual tokens before each input, which every token mask, position and
+    log-prob of posttrain's passes would have to count; prefix tuning keeps its virtual tokens in the attention's keys
+    and values only, and trains like any adapter."""
+    if getattr(peft_config, "is_prompt_learning", False) and peft_config.peft_type != "PREFIX_TUNING":
+        raise ConfigError(f"peft_config is a {type(peft_config).__name__}, which adds trained virtual tokens to every "
+                          "input, and posttrain's masks and log-probs cover the real tokens only: use LoRA "
+                          "(LoraConfig, --use_peft), another adapter, or prefix tuning (PrefixTuningConfig).")
+
+
+def refuse_prefix_tuning_for_sampling(peft_config=None, model=None) -> None:
+    """GRPO samples from the policy it trains, and prefix tuning reaches the model as a KV cache, which peft's forward
+    puts in place of the one a decode step passes (transformers 5.24 then keeps one of the two with a warning): the
+    in-process decode would sample without the prefix, or without the prompt. SFT and DPO, whose passes carry no cache
+    of their own, train prefixes. Checks a config about to be applied, or the adapter a model came with."""
+    if peft_config is None and model is not None and is_peft_model(model):
+        peft_config = model.active_peft_config
+    if getattr(peft_config, "peft_type", None) == "PREFIX_TUNING":
+        raise ConfigError("Prefix tuning (PrefixTuningConfig) trains SFT and DPO here, not GRPO: its prefix reaches "
+                          "the model as a KV cache, which GRPO's in-process decode also passes, so completions would be "
+                          "sampled without it; use LoRA (LoraConfig, --use_peft) for GRPO.")
 
 
 def _unknown_targets(model, peft_config) -> ConfigError:

@@ -64,7 +64,7 @@ def import_dotted(path: str):
         return None
 
 
-def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> RewardFunction:
+def _load_reward_model(source, trust_remote_code: bool, tokenizer=None, dtype=None) -> RewardFunction:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from posttrain.models.loading import ModelLoadError, load_tokenizer
@@ -78,7 +78,7 @@ def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> Rewar
         if not os.path.isdir(source) and (source.startswith((".", "/")) or source.count("/") > 1):
             raise ConfigError(f"Reward model path {source!r} does not exist: check the path (or give a hub id such "
                               "as 'org/name').")
-        model, name = _reward_model(source, trust_remote_code), source
+        model, name = _reward_model(source, trust_remote_code, dtype), source
     else:
         model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
     try:
@@ -93,17 +93,19 @@ def _load_reward_model(source, trust_remote_code: bool, tokenizer=None) -> Rewar
     return RewardFunction(name=name.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
 
 
-def _reward_model(source: str, trust_remote_code: bool):
+def _reward_model(source: str, trust_remote_code: bool, dtype=None):
     """A sequence-classification model whose score head was trained (loading a causal LM this way would give it a
-    randomly initialised head that scores noise)."""
+    randomly initialised head that scores noise), in `dtype` (model_init_kwargs' dtype, as TRL loads reward models;
+    None: the checkpoint's own)."""
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.models.loading import ModelLoadError, hub_reachable_or_cached
+    from posttrain.models.loading import ModelLoadError, from_pretrained_kwargs, hub_reachable_or_cached
 
     hub_reachable_or_cached(source, "reward model")
+    kwargs = from_pretrained_kwargs({"trust_remote_code": trust_remote_code, "dtype": dtype})
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True)
+            source, num_labels=1, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
                              f"dotted path, nor a loadable reward model ({str(err).splitlines()[0]})."
@@ -139,13 +141,15 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
     specs = specs if isinstance(specs, (list, tuple)) else [specs]
     if not specs or specs == [None]:
         raise ConfigError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
+    init = getattr(config, "model_init_kwargs", None) or {}
+    dtype = init.get("dtype", init.get("torch_dtype"))  # TRL loads reward models with model_init_kwargs
     funcs = []
     for spec, tokenizer in zip(specs, _processing_classes(processing_classes, len(specs))):
         if isinstance(spec, str):
             fn = by_name(spec, config) or import_dotted(spec)
             # named as TRL names them: by the function's __name__ (a factory's class sets it)
             funcs.append(RewardFunction(name=getattr(fn, "__name__", spec.split(".")[-1]), fn=fn) if fn else
-                         _load_reward_model(spec, trust_remote_code, tokenizer))
+                         _load_reward_model(spec, trust_remote_code, tokenizer, dtype))
         elif isinstance(spec, torch.nn.Module):
             funcs.append(_load_reward_model(spec, trust_remote_code, tokenizer))
         elif callable(spec):

@@ -217,6 +217,7 @@ class Trainer:
         """
         from posttrain.configs import ConfigError
         from posttrain.models import load_causal_lm, load_tokenizer
+        from posttrain.models.loading import with_trl_default_dtype
         from posttrain.models.peft import is_peft_model
         from posttrain.models.preparation import prepare_policy
 
@@ -225,7 +226,8 @@ class Trainer:
                 os.path.expanduser(model)) == os.path.realpath(args.output_dir):
             raise ConfigError(f"output_dir {args.output_dir!r} is the model's own directory: the final save would "
                               "overwrite the model being trained; choose another output_dir.")
-        model = load_causal_lm(model, {"trust_remote_code": self._trust_remote_code, **(args.model_init_kwargs or {})})
+        model = load_causal_lm(model, with_trl_default_dtype(
+            {"trust_remote_code": self._trust_remote_code, **(args.model_init_kwargs or {})}))
         self.processing_class = (processing_class if processing_class is not None
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
