@@ -9,8 +9,15 @@ from posttrain._version import __version__
 
 _EXPORTS = {
     "GRPOConfig": "posttrain.configs",
-    "ScriptArguments": "posttrain.configs",
     "LoraArguments": "posttrain.configs",
+    "ScriptArguments": "posttrain.scripts",
+    "ModelConfig": "posttrain.scripts",
+    "DatasetMixtureConfig": "posttrain.scripts",
+    "TrlParser": "posttrain.scripts",
+    "get_dataset": "posttrain.scripts",
+    "get_peft_config": "posttrain.scripts",
+    "get_quantization_config": "posttrain.scripts",
+    "get_kbit_device_map": "posttrain.scripts",
     "GRPOTrainer": "posttrain.grpo.trainer",
     "SFTConfig": "posttrain.configs",
     "SFTTrainer": "posttrain.sft.trainer",

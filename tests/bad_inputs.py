@@ -154,10 +154,11 @@ def generation_batch_not_multiple(tmp):
     GRPOConfig(per_device_train_batch_size=4, generation_batch_size=10, num_generations=2)
 
 
-@case("Config", "both `steps_per_generation` and `generation_batch_size`", ConfigError,
-      r"steps_per_generation and generation_batch_size both set: .* keep one")
+@case("Config", "both `steps_per_generation` and `generation_batch_size`, disagreeing", ConfigError,
+      r"steps_per_generation=2 and generation_batch_size=24 both set, and they disagree \(per_device_train_batch_size "
+      r"x processes = 8\): they say the same thing, keep one\.")
 def both_generation_sizes(tmp):
-    GRPOConfig(steps_per_generation=2, generation_batch_size=16)
+    GRPOConfig(per_device_train_batch_size=8, steps_per_generation=2, generation_batch_size=24)
 
 
 @case("Config", "`num_generations: 1`", ConfigError, r"num_generations=1 .* needs num_generations >= 2")
@@ -519,15 +520,6 @@ def second_config(tmp):
       kind="crash")
 def invalid_yaml(tmp):
     _parse("--config", _write(tmp / "run.yaml", "beta: [0.1\n"))
-
-
-@case("Config", "`steps_per_generation` and `generation_batch_size` that disagree", ConfigError,
-      r"steps_per_generation=2 and generation_batch_size=24 both set, and they disagree \(per_device_train_batch_size "
-      r"x processes = 8\): they say the same thing, keep one\.")
-def disagreeing_generation_batch(tmp):
-    from posttrain.configs import GRPOConfig
-
-    GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8, steps_per_generation=2, generation_batch_size=24)
 
 
 @case("Config", "typo in `model_init_kwargs` (`dtyp`)", ConfigError,

@@ -24,7 +24,7 @@ def test_trl_defaults_and_derived_batches():
     (dict(num_generations=1), "num_generations >= 2"),
     (dict(per_device_train_batch_size=6, num_generations=4), "not a multiple of num_generations=4"),
     (dict(per_device_train_batch_size=4, generation_batch_size=10), "multiple of per_device_train_batch_size"),
-    (dict(steps_per_generation=2, generation_batch_size=16), "both set"),
+    (dict(steps_per_generation=2, generation_batch_size=24), "both set, and they disagree"),  # agreeing: one setting
     (dict(loss_type="ppo"), "loss_type='ppo' is not one of: grpo, bnpo, dr_grpo, dapo, cispo"),
     (dict(max_completion_length=0), "max_completion_length=0 must be a positive integer"),
     (dict(scale_rewards="std"), "scale_rewards='std'"),

@@ -55,16 +55,30 @@ FRACTION = Range(0, 1)
 SEED = Range(0, 2 ** 32 - 1)  # numpy's seeds
 
 
+class Help(str):
+    """A field's help text that also carries its numeric range. The range rides on the text, not as a key of its own,
+    because transformers' HfArgumentParser passes every metadata key to argparse's add_argument."""
+
+    def __new__(cls, text: str, range: Range | None = None):
+        help_text = super().__new__(cls, text)
+        help_text.range = range
+        return help_text
+
+
 def _help(text: str, range: Range | None = None, **kw) -> Any:
     """A dataclass field with its help text (shown by `--help` and in docs/config.md) and, for a number, its range."""
-    metadata = {"help": text} if range is None else {"help": text, "range": range}
-    return field(metadata=metadata, **kw)
+    return field(metadata={"help": Help(text, range)}, **kw)
+
+
+def field_range(f: dataclasses.Field) -> Range | None:
+    """The range a field declared with `_help` checks, or None."""
+    return getattr(f.metadata.get("help"), "range", None)
 
 
 def check_ranges(cfg) -> None:
     """Every numeric field inside its declared range (None, where a field allows it, means unset)."""
     for f in dataclasses.fields(cfg):
-        bounds = f.metadata.get("range")
+        bounds = field_range(f)
         value = getattr(cfg, f.name)
         if bounds is None or value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
             continue
@@ -114,8 +128,36 @@ def invalid(name: str, value, base) -> ConfigError:
     return ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}: use {hint}.")
 
 
+# mappings that may also come as a JSON string, as transformers' TrainingArguments takes them (their fields are typed
+# `dict | str | None`, so that HfArgumentParser passes `--model_init_kwargs '{"dtype": "bfloat16"}'` on as a string)
+JSON_MAPPINGS = frozenset({"model_init_kwargs", "ref_model_init_kwargs", "gradient_checkpointing_kwargs",
+                           "activation_checkpointing_kwargs", "lr_scheduler_kwargs", "generation_kwargs",
+                           "chat_template_kwargs", "dataset_kwargs", "accelerator_config", "fsdp_config",
+                           "transformers_continuous_batching_config"})
+
+
+def json_mappings_to_dicts(cfg) -> None:
+    """A JSON_MAPPINGS field given as a JSON string becomes its dict; any other string is refused in one sentence."""
+    import json
+
+    for name in JSON_MAPPINGS & {f.name for f in dataclasses.fields(cfg)}:
+        value = getattr(cfg, name)
+        if not isinstance(value, str):
+            continue
+        try:
+            loaded = json.loads(value)
+        except json.JSONDecodeError:
+            loaded = None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{name}={value!r} is not a mapping: give a dict, or a JSON object such as "
+                              f"'{{\"key\": \"value\"}}'.")
+        setattr(cfg, name, loaded)
+
+
 def check_types(cfg) -> None:
-    """Numbers and flags set from Python must have their field's type (YAML and flags are converted by `coerce`)."""
+    """Numbers and flags set from Python must have their field's type (YAML and flags are converted by `coerce`);
+    mappings given as JSON strings become dicts first."""
+    json_mappings_to_dicts(cfg)
     for name, tp in field_types(type(cfg)).items():
         value, members = getattr(cfg, name), union_args(tp)
         if value is None or len(members) > 1:

@@ -85,10 +85,10 @@ class DPOReferenceConfig:
 class DPOLossConfig:
     """The preference loss (docs/dpo.md has every formula)."""
 
-    loss_type: Union[str, list] = _help(
+    loss_type: Union[str, list[str]] = _help(
         f"Loss, or a list of losses summed with loss_weights: {', '.join(DPO_LOSSES)}. E.g. MPO is "
         "[sigmoid, bco_pair, sft] with weights [0.8, 0.2, 1.0].", default_factory=lambda: ["sigmoid"])
-    loss_weights: Optional[list] = _help("One weight per loss_type entry; default 1.0 each.", default=None)
+    loss_weights: Optional[list[float]] = _help("One weight per loss_type entry; default 1.0 each.", default=None)
     beta: float = _help(
         "Temperature of the log-ratios (the KL strength); for ipo the regularisation tau.", range=NON_NEGATIVE,
         default=0.1)
@@ -159,7 +159,7 @@ LEGACY = {
     "use_logits_to_keep": (bool, False, "accepted: posttrain always sends only the completion positions through "
                                         "the output layer"),
     "force_use_ref_model": (bool, False, "accepted: a ref_model passed to the trainer is always used"),
-    "ref_model_init_kwargs": (Optional[dict], None, "mapped: used to load a ref_model given as a path"),
+    "ref_model_init_kwargs": (Union[dict, str, None], None, "mapped: used to load a ref_model given as a path"),
     "max_prompt_length": (Optional[int], None,
                           "removed in TRL 0.29: each sequence (prompt + completion) is truncated to max_length; "
                           "drop max_prompt_length and set max_length"),
@@ -174,7 +174,7 @@ LEGACY = {
     "ref_adapter_name": (Optional[str], None,
                          "removed in TRL 0.29: the reference of a PeftModel is a frozen copy of its adapter (or the "
                          "base model when adapters are new); remove it"),
-    "tools": (Optional[list], None, "removed in TRL 0.29: put the tools in a 'tools' column of the dataset"),
+    "tools": (Optional[list[dict]], None, "removed in TRL 0.29: put the tools in a 'tools' column of the dataset"),
     "generate_during_eval": (bool, False, "removed in TRL 0.29: generate from a saved checkpoint instead; remove it"),
 }
 _LEGACY_ACCEPTED = {"rpo_alpha", "reference_free", "use_logits_to_keep", "force_use_ref_model",

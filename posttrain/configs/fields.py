@@ -59,7 +59,7 @@ class TrainingLoopConfig:
         default=None)
     lr_scheduler_type: str = _help(
         f"Learning-rate schedule, by transformers' name: {', '.join(SCHEDULERS)}.", default="linear")
-    lr_scheduler_kwargs: Optional[dict] = _help(
+    lr_scheduler_kwargs: Union[dict, str, None] = _help(
         "Extra arguments of the schedule, e.g. {\"num_cycles\": 2} for cosine_with_restarts or {\"min_lr_rate\": 0.1}.",
         default=None)
     warmup_steps: float = _help(
@@ -130,7 +130,7 @@ def plain_value(value):
 class ModelConfig:
     """How the policy is loaded and run."""
 
-    model_init_kwargs: Optional[dict] = _help(
+    model_init_kwargs: Union[dict, str, None] = _help(
         "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id "
         "(e.g. {\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}). Without `dtype` (or `torch_dtype`) the "
         "model loads in float32, as in TRL; `dtype: auto` keeps the checkpoint's own.", default=None)
@@ -143,12 +143,12 @@ class ModelConfig:
         "embedding, its output is cast back to the model's dtype).", default=False)
     gradient_checkpointing: bool = _help(
         "Recompute activations in the backward pass to save memory (slower; TRL's default).", default=True)
-    gradient_checkpointing_kwargs: Optional[dict] = _help(
+    gradient_checkpointing_kwargs: Union[dict, str, None] = _help(
         "Keyword arguments for `model.gradient_checkpointing_enable`; default {\"use_reentrant\": false}.",
         default=None)
     activation_checkpointing: Optional[bool] = _help(
         "transformers 5's name for gradient_checkpointing: when set, it wins, and the two always agree.", default=None)
-    activation_checkpointing_kwargs: Optional[dict] = _help(
+    activation_checkpointing_kwargs: Union[dict, str, None] = _help(
         "transformers 5's name for gradient_checkpointing_kwargs (wins when set).", default=None)
     activation_offloading: bool = _help(
         "Move the activations saved for the backward from the accelerator to (pinned) CPU memory during the training "
@@ -220,7 +220,7 @@ class LoggingConfig:
     logging_dir: Optional[str] = _help(
         "TensorBoard directory (transformers' older field); default $TENSORBOARD_LOGGING_DIR, else "
         "output_dir/runs/<date>_<host>.", default=None)
-    report_to: Union[str, list] = _help(
+    report_to: Union[str, list[str]] = _help(
         "Trackers to send metrics to besides `metrics.jsonl`: none, all (every one installed), wandb, trackio or "
         "tensorboard (install with `pip install 'posttrain[trackers]'`).", default="none")
     run_name: Optional[str] = _help("Name of the run in trackers; default: the output directory's name.", default=None)

@@ -42,11 +42,11 @@ class SamplingConfig:
     repetition_penalty: float = _help(
         "Penalise tokens already in the prompt or completion (> 1 discourages repeats).",
         range=Range(0, low_open=True, note="1.0 disables it"), default=1.0)
-    generation_kwargs: Optional[dict] = _help(
+    generation_kwargs: Union[dict, str, None] = _help(
         "Extra sampling options, as transformers' generate takes them (e.g. {\"min_new_tokens\": 8, "
         "\"suppress_tokens\": [13]}); docs/grpo.md lists the keys the sampler honours. Any other key is an error, "
         "never silently dropped.", default=None)
-    chat_template_kwargs: Optional[dict] = _help(
+    chat_template_kwargs: Union[dict, str, None] = _help(
         "Keyword arguments for `apply_chat_template` with conversational prompts (e.g. enable_thinking).",
         default=None)
     num_generations_eval: Optional[int] = _help(
@@ -147,7 +147,7 @@ class GRPOObjectiveConfig:
     multi_objective_aggregation: str = _help(
         "sum_then_normalize: weight and sum the rewards, then normalise. normalize_then_sum: normalise each "
         "reward within its group, then weight and sum (GDPO).", default="sum_then_normalize")
-    reward_weights: Optional[list] = _help(
+    reward_weights: Optional[list[float]] = _help(
         "One weight per reward function; default 1.0 each.", default=None)
     mask_truncated_completions: bool = _help(
         "Exclude completions that hit max_completion_length without EOS from the loss.", default=False)

@@ -84,9 +84,21 @@ def coerce(name: str, tp, value):
         raise invalid(name, value, base_type(tp))
     base = base_type(tp)
     try:
-        return _convert(base, value)
+        converted = _convert(base, value)
+        element = _list_element(tp)
+        return [_convert(element, v) for v in converted] if base is list and element is not None else converted
     except (ValueError, TypeError, json.JSONDecodeError):
         raise invalid(name, value, base) from None
+
+
+def _list_element(tp):
+    """A list field's element type where it is a number or a flag (`list[float]`: `--reward_weights 1.0 0.5` arrives as
+    strings), else None."""
+    for member in union_args(tp):
+        args = typing.get_args(member) if typing.get_origin(member) is list else ()
+        if args and args[0] in (int, float, bool):
+            return args[0]
+    return None
 
 
 def _edit_distance(a: str, b: str) -> int:

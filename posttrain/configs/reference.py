@@ -5,6 +5,7 @@
 
 import dataclasses
 
+from posttrain.configs.base import field_range
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
 from posttrain.configs.grpo import GRPOConfig, GRPOObjectiveConfig, PromptDataConfig, SamplingConfig
@@ -77,7 +78,7 @@ def _group_table(title: str, cls) -> list[str]:
     lines = [f"## {title}", "", "| field | default | range | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        bounds = f.metadata.get("range")
+        bounds = field_range(f)
         shown = "" if bounds is None else bounds.text() + (f" ({bounds.note})" if bounds.note else "")
         lines.append(f"| `{f.name}` | `{default!r}` | {shown} | {f.metadata.get('help', '')} |")
     return lines + [""]

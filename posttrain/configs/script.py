@@ -21,7 +21,7 @@ class BaseScriptArguments:
     dataset_test_split: str = _help("Split to evaluate on (read only when eval_strategy is not no).", default="test")
     dataset_streaming: bool = _help("Read the dataset as a stream (an IterableDataset: set max_steps).",
                                     default=False)
-    datasets: Optional[list] = _help(
+    datasets: Optional[list[dict]] = _help(
         "A mixture instead of dataset_name (YAML): a list of {path, name, data_dir, data_files, split, columns, "
         "fraction}. With fraction on every entry, the fractions are the shares of the mixture, whose size is the "
         "largest that takes no dataset's rows twice (each gives its first rows), as in TRL.", default=None)
@@ -46,7 +46,7 @@ class ScriptArguments(BaseScriptArguments):
     reward_model_name_or_path: Optional[str] = _help(
         "Path or hub id of a sequence-classification reward model, used before the reward_funcs (TRL's grpo script "
         "argument).", default=None)
-    reward_funcs: Optional[list] = _help(
+    reward_funcs: Optional[list[str]] = _help(
         "Reward functions: built-in names (accuracy, think_format, soft_overlong, length; and the names TRL's grpo "
         "script takes: accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment, "
         "plus get_cosine_scaled_reward and get_repetition_penalty_reward), dotted import paths "
@@ -57,10 +57,13 @@ MIXTURE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "f
 
 
 def check_mixture(script) -> None:
-    """The `datasets` mixture: entries with a path and known keys, fractions on all or none, not with streaming."""
-    entries = script.datasets
-    if entries is None:
-        return
+    """The `datasets` mixture of a script's arguments (see check_mixture_entries)."""
+    if script.datasets is not None:
+        check_mixture_entries(script.datasets, script.streaming)
+
+
+def check_mixture_entries(entries, streaming: bool) -> None:
+    """A `datasets` mixture: entries with a path and known keys, fractions on all or none, not with streaming."""
     if not isinstance(entries, list) or not entries:
         raise ConfigError("datasets must be a non-empty list of {path, name, split, columns, fraction} entries.")
     for i, entry in enumerate(entries):
@@ -78,7 +81,7 @@ def check_mixture(script) -> None:
     if any(given) and not all(given):
         raise ConfigError("fraction is set on some datasets entries and not others: set it on all of them, or on "
                           "none.")
-    if any(given) and script.streaming:
+    if any(given) and streaming:
         raise ConfigError("fraction needs the datasets' lengths, which streaming does not give: drop fraction or "
                           "streaming.")
 
@@ -92,10 +95,13 @@ class LoraArguments:
     lora_r: int = _help("LoRA rank.", default=16)
     lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32)
     lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
-    lora_target_modules: Optional[list] = _help(
+    lora_target_modules: Optional[list[str]] = _help(
         "Module names to adapt, or all-linear; default: peft's choice for the architecture.", default=None)
-    lora_modules_to_save: Optional[list] = _help(
+    lora_target_parameters: Optional[list[str]] = _help(
+        "Parameter names to adapt directly (peft's target_parameters, e.g. the experts of a MoE layer).", default=None)
+    lora_modules_to_save: Optional[list[str]] = _help(
         "Modules trained in full and saved beside the adapters (e.g. lm_head).", default=None)
+    lora_task_type: str = _help("peft's task type (CAUSAL_LM for these trainers).", default="CAUSAL_LM")
     use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
     use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
 
@@ -109,6 +115,9 @@ class LoraArguments:
         targets = self.lora_target_modules
         if targets == ["all-linear"]:
             targets = "all-linear"
+        # target_parameters only where asked: peft before 0.17 has no such argument
+        extra = {} if self.lora_target_parameters is None else {"target_parameters": self.lora_target_parameters}
         return peft.LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                               target_modules=targets, modules_to_save=self.lora_modules_to_save,
-                               use_rslora=self.use_rslora, use_dora=self.use_dora, task_type="CAUSAL_LM")
+                               target_modules=targets, modules_to_save=self.lora_modules_to_save, bias="none",
+                               use_rslora=self.use_rslora, use_dora=self.use_dora, task_type=self.lora_task_type,
+                               **extra)

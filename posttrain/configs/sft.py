@@ -25,7 +25,7 @@ class SFTDataConfig:
     """How dataset rows become token rows: formats, truncation, packing, padding and order."""
 
     dataset_text_field: str = _help("Column holding the text of a language-modelling dataset.", default="text")
-    dataset_kwargs: Optional[dict] = _help(
+    dataset_kwargs: Union[dict, str, None] = _help(
         "Options of dataset preparation. The one key is skip_prepare_dataset: true means the rows are already "
         "tokenized (input_ids, with labels or completion_mask / assistant_masks) and are used as they are: no EOS "
         "is added and nothing is truncated.", default=None)

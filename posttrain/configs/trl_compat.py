@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range
+from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
              for name in ("grpo", "sft", "dpo")}
@@ -117,7 +117,7 @@ TRAINING_ARGS: list[Compat] = [
     same("eval_do_concat_batches", bool, True, _NO_METRICS),
     same("eval_use_gather_object", bool, False, _NO_METRICS),
     same("eval_accumulation_steps", Optional[int], None, _NO_METRICS, range=AT_LEAST_ONE),
-    same("include_for_metrics", list, [], _NO_METRICS),
+    same("include_for_metrics", list[str], [], _NO_METRICS),
     same("batch_eval_metrics", bool, False, _NO_METRICS),
     unsupported("save_on_each_node", bool, False,
                 "checkpoints are written once, by the main process, to a filesystem every node shares; use a shared output_dir"),
@@ -132,7 +132,7 @@ TRAINING_ARGS: list[Compat] = [
                 "eval metrics in metrics.jsonl and remove this"),
     unsupported("restore_callback_states_from_checkpoint", bool, False,
                 "callback state is not saved in checkpoints; restore it in your callback's on_train_begin"),
-    unsupported("accelerator_config", Optional[dict], None,
+    unsupported("accelerator_config", Union[dict, str, None], None,
                 "configure accelerate with `accelerate config` or `accelerate launch` flags", accepts=_empty),
     unsupported("parallelism_config", Any, None, "tensor, context and sequence parallelism are not supported; remove it"),
     same("dataloader_drop_last", bool, False,
@@ -143,18 +143,18 @@ TRAINING_ARGS: list[Compat] = [
     same("dataloader_prefetch_factor", Optional[int], None, _NO_LOADER, range=AT_LEAST_ONE),
     same("dataloader_multiprocessing_context", Optional[str], None, _NO_LOADER),
     same("dataloader_in_order", bool, True, _NO_LOADER),
-    same("label_names", Optional[list], None, "GRPO has no labels"),
+    same("label_names", Optional[list[str]], None, "GRPO has no labels"),
     same("train_sampling_strategy", str, "random",
          "GRPO draws prompts in seeded, shuffled rounds of whole groups (shuffle_dataset), as TRL's own sampler "
          "does whatever this says"),
     same("length_column_name", str, "length", "only used by group_by_length sampling, which GRPO does not do"),
-    unsupported("fsdp", Union[str, list, None], None,
+    unsupported("fsdp", Union[None, str, list[str]], None,
                 "FSDP is set up by the launcher, not by a config field: launch with accelerate's FSDP2 config "
                 "(--accelerate_config fsdp2)", accepts=_empty),
-    unsupported("fsdp_config", Optional[dict], None,
+    unsupported("fsdp_config", Union[dict, str, None], None,
                 "FSDP is set up by the launcher (see fsdp): put FSDP settings in the accelerate config file",
                 accepts=_empty),
-    unsupported("debug", Union[str, list], "",
+    unsupported("debug", Union[str, list[str]], "",
                 "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not wired in; remove it",
                 accepts=_empty),
     same("skip_memory_metrics", bool, True,
@@ -163,7 +163,7 @@ TRAINING_ARGS: list[Compat] = [
     same("do_eval", bool, False, "read only by scripts; evaluation follows eval_strategy"),
     same("do_predict", bool, False, "read only by scripts; transformers' Trainer ignores it too"),
     same("local_rank", int, -1, "launchers set the process rank through the environment, which posttrain reads", range=Range(-1)),
-    unsupported("optim_target_modules", Union[str, list, None], None,
+    unsupported("optim_target_modules", Union[None, str, list[str]], None,
                 "GaLore and APOLLO optimizers are not supported; choose another optim"),
 ]
 
@@ -186,7 +186,7 @@ GRPO_ONLY: list[Compat] = [
     same("use_transformers_continuous_batching", bool, False,
          "generation already batches every completion of a round in posttrain's decoder; continuous batching would "
          "change speed, not the samples"),
-    same("transformers_continuous_batching_config", Optional[dict], None, "see use_transformers_continuous_batching"),
+    same("transformers_continuous_batching_config", Union[dict, str, None], None, "see use_transformers_continuous_batching"),
     same("use_transformers_paged", bool, False, "see use_transformers_continuous_batching"),
 ]
 
@@ -209,7 +209,7 @@ _SFT_CHANGES = {
     "include_num_input_tokens_seen": unsupported(
         "include_num_input_tokens_seen", str, "no", "posttrain logs num_tokens (tokens seen so far) instead; remove it",
         accepts=("no", False)),
-    "label_names": same("label_names", Optional[list], None, "SFT builds its labels from the data"),
+    "label_names": same("label_names", Optional[list[str]], None, "SFT builds its labels from the data"),
     "length_column_name": same("length_column_name", str, "length",
                                "group_by_length sampling measures the tokenized rows itself"),
 }
@@ -254,7 +254,7 @@ _DPO_CHANGES.update({
         "neftune_noise_alpha", Optional[float], None,
         "NEFTune noise is for supervised fine-tuning (SFTTrainer), not DPO (TRL's DPOTrainer ignores it); remove it",
         range=NON_NEGATIVE),
-    "label_names": same("label_names", Optional[list], None, "DPO builds its labels from the completion boundaries"),
+    "label_names": same("label_names", Optional[list[str]], None, "DPO builds its labels from the completion boundaries"),
     "length_column_name": same("length_column_name", str, "length",
                                "group_by_length sampling measures the tokenized pairs itself"),
 })
@@ -269,9 +269,7 @@ BY_NAME = {c.name: c for c in GRPO_COMPAT}
 def _field(c: Compat):
     status = f"TRL field, {c.status}: {c.why}."
     accepted = "" if c.accepts == ANY else f" Accepted: {c.accepted_text()}."
-    meta = {"help": status + accepted}
-    if c.range is not None:
-        meta["range"] = c.range
+    meta = {"help": Help(status + accepted, c.range)}
     if isinstance(c.default, (list, dict)):
         return field(default_factory=lambda d=c.default: type(d)(d), metadata=meta)
     return field(default=c.default, metadata=meta)

@@ -33,6 +33,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.trainer import take_quantization_config
 
 logger = logging.getLogger("posttrain")
 
@@ -87,11 +88,7 @@ class DPOTrainer(BatchedDataTrainer):
         for name, value in refused.items():
             if value is not None:
                 raise ConfigError(f"DPOTrainer({name}=...) is not supported: {_REFUSED[name]}.")
-        if quantization_config is not None:
-            if not isinstance(model, str):
-                raise ConfigError("quantization_config applies when the model is loaded from a path or hub id, and "
-                                  "this model is already loaded: pass its path, or load it quantized yourself.")
-            args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
+        take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)

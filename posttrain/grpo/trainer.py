@@ -35,7 +35,8 @@ from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError is part of this module's API
+from posttrain.training.trainer import Trainer, take_quantization_config
+from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
 from posttrain.weights import export_weights
 
 
@@ -54,6 +55,8 @@ class GRPOTrainer(Trainer):
             the reward model's own).
         callbacks: transformers TrainerCallbacks (instances or classes), see training/callbacks.py.
         optimizers: (optimizer, lr_scheduler); None entries are built from the config.
+        quantization_config: a transformers quantization config (TRL's get_quantization_config) for a model loaded
+            from a path or hub id.
         peft_config: a peft LoraConfig to train adapters instead of all weights (needs `posttrain[peft]`).
     """
 
@@ -68,10 +71,11 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
+        take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, reward_funcs, train_dataset, eval_dataset, processing_class,

@@ -24,6 +24,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.trainer import take_quantization_config
 
 logger = logging.getLogger("posttrain")
 
@@ -50,6 +51,8 @@ class SFTTrainer(BatchedDataTrainer):
         callbacks: transformers TrainerCallbacks (instances or classes).
         optimizers: (optimizer, lr_scheduler); None entries are built from the config.
         optimizer_cls_and_kwargs: (optimizer class, keyword arguments), instead of optim and optim_args.
+        quantization_config: a transformers quantization config (TRL's get_quantization_config) for a model loaded
+            from a path or hub id.
         peft_config: a peft LoraConfig to train adapters (needs `posttrain[peft]`).
         formatting_func: row -> str (trained on whole) or {"prompt", "completion"} (trained on the completion).
     """
@@ -64,7 +67,8 @@ class SFTTrainer(BatchedDataTrainer):
     def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
-                 preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None):
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None,
+                 formatting_func=None):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
@@ -73,6 +77,7 @@ class SFTTrainer(BatchedDataTrainer):
         for name, value in refused.items():
             if value is not None:
                 raise ConfigError(f"SFTTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         self.formatting_func = formatting_func
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective

@@ -30,7 +30,7 @@ from posttrain.training.checkpoint import resolve as resolve_checkpoint
 from posttrain.errors import UserError, storage_error
 from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
-from posttrain.training.hub import push_folder
+from posttrain.training.hub import push_folder, repo_id
 from posttrain.training.logging import MetricsLogger
 from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
@@ -674,11 +674,21 @@ class Trainer:
                 url = push_folder(self.args, self.args.output_dir, commit_message, token=token, revision=revision)
         return url
 
+    @property
+    def hub_model_id(self) -> str:
+        """The Hub repository push_to_hub uploads to: args.hub_model_id, else output_dir's name (under the token's
+        user), as transformers' Trainer names it."""
+        return repo_id(self.args)
+
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
 
     def is_local_process_zero(self) -> bool:
         return self.accelerator.is_local_main_process
+
+    def end(self) -> None:
+        """transformers' (5.18) name for the end of a run, which TRL's scripts call: the same as close()."""
+        self.close()
 
     def close(self, failed: bool = False) -> None:
         """Release the process group in a multi-process run (call once, at the end).
@@ -690,3 +700,19 @@ class Trainer:
         if not failed:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
+
+
+def take_quantization_config(model, args, quantization_config) -> None:
+    """A trainer's `quantization_config` argument (TRL's, from get_quantization_config) into model_init_kwargs, for a
+    model loaded from a path or hub id; refused, in one sentence, for a model already loaded."""
+    if quantization_config is None:
+        return
+    from posttrain.configs import ConfigError
+
+    if not isinstance(model, str):
+        raise ConfigError("quantization_config applies when the model is loaded from a path or hub id, and this model "
+                          "is already loaded: pass its path, or load it quantized yourself.")
+    init = args.model_init_kwargs or {}
+    if init.get("quantization_config") is not None:
+        raise ConfigError("quantization_config is given both to the trainer and in model_init_kwargs: keep one.")
+    args.model_init_kwargs = {**init, "quantization_config": quantization_config}
