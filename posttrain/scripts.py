@@ -24,7 +24,7 @@ from transformers import HfArgumentParser
 from posttrain.configs import ConfigError
 from posttrain.configs.base import _help
 from posttrain.configs.parsing import load_yaml, suggest
-from posttrain.configs.script import MIXTURE_KEYS, LoraArguments, check_mixture_entries
+from posttrain.configs.script import LoraArguments, check_mixture_entries
 
 logger = logging.getLogger("posttrain")
 
@@ -92,25 +92,16 @@ class DatasetMixtureConfig:
         "Split the mixture into train and test (this fraction, or this many rows when >= 1).", default=None)
 
     def __post_init__(self):
-        self.datasets = [DatasetConfig(**_entry(d, i)) if isinstance(d, dict) else d
-                         for i, d in enumerate(self.datasets or [])]
+        self.datasets = list(self.datasets or [])
         if self.datasets:
-            check_mixture_entries(self.entries, self.streaming)
+            check_mixture_entries(self.entries, self.streaming)  # keys and fractions, before they become objects
+        self.datasets = [DatasetConfig(**d) if isinstance(d, dict) else d for d in self.datasets]
 
     @property
     def entries(self) -> list[dict]:
         """The datasets as posttrain's mixture entries (mappings without the unset keys)."""
-        return [{k: v for k, v in vars(d).items() if v is not None} for d in self.datasets]
-
-
-def _entry(mapping: dict, i: int) -> dict:
-    unknown = [k for k in mapping if k not in MIXTURE_KEYS]
-    if unknown:
-        raise ConfigError(f"datasets entry {i} has {', '.join(map(repr, unknown))}: its keys are "
-                          f"{', '.join(MIXTURE_KEYS)}.{suggest(unknown[0], MIXTURE_KEYS)}")
-    if "path" not in mapping:
-        raise ConfigError(f"datasets entry {i} ({mapping!r}) needs a path: write it as {{path: ..., split: ...}}.")
-    return mapping
+        mappings = [vars(d) if isinstance(d, DatasetConfig) else d for d in self.datasets]
+        return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in mappings]
 
 
 def get_dataset(mixture_config: DatasetMixtureConfig):

@@ -105,3 +105,15 @@ def test_get_dataset_and_the_peft_and_quantization_configs(tmp_path):
     if pytest.importorskip("importlib.util").find_spec("peft") is not None:
         lora = get_peft_config(ModelConfig(use_peft=True, lora_r=4, lora_target_modules=["all-linear"]))
         assert (lora.r, lora.target_modules, lora.bias, lora.task_type) == (4, "all-linear", "none", "CAUSAL_LM")
+
+
+@pytest.mark.parametrize("entries,message", [
+    ([{"path": "json", "fraction": 1}, {"path": "json"}], r"^fraction is set on some datasets entries and not others"),
+    ([{"path": "json", "splt": "train"}], r"^datasets entry 0 has 'splt': its keys are .* Did you mean split\?"),
+    (["json"], r"^datasets entry 0 \('json'\) needs a path")])
+def test_a_mixture_that_cannot_load_is_refused_in_one_sentence(entries, message):
+    from posttrain import DatasetMixtureConfig
+    from posttrain.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        DatasetMixtureConfig(datasets=entries)
