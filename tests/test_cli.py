@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -53,11 +54,13 @@ def test_grpo_from_yaml_with_overrides(tmp_path, tiny_model_dir):
                    "reward_funcs: [accuracy, length]\nper_device_train_batch_size: 8\nnum_generations: 4\n"
                    "max_completion_length: 4\nmax_steps: 5\ngradient_checkpointing: false\nuse_cpu: true\n")
     out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", "--config", str(cfg), "--output_dir",
-                          str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1", "--save_steps", "1"],
+                          str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1", "--save_steps", "1",
+                          "--reward_weights", "1.0", "0.5"],  # numbers from flags (they once arrived as strings)
                          capture_output=True, text=True, env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and "rewards/accuracy/mean" in records[0]
+    assert yaml.safe_load((tmp_path / "out" / "posttrain_config.yaml").read_text())["reward_weights"] == [1.0, 0.5]
     assert (tmp_path / "out" / "checkpoint-1" / "model.safetensors").exists()
     assert (tmp_path / "out" / "model.safetensors").exists()
 
