@@ -86,8 +86,9 @@ def _grid(results: list[tuple[float, str]], title: str):
 
 
 def summarize(history: list[dict]) -> dict:
-    """Mean reward over the first and the last 10% of steps."""
-    rewards = [r["reward"] for r in history if "reward" in r]
+    """Mean reward over the first and the last 10% of steps (the end-of-training summary, which repeats the last
+    window's, is not a step)."""
+    rewards = [r["reward"] for r in history if "reward" in r and "train_runtime" not in r]
     k = max(1, len(rewards) // 10)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     return {"reward_first_10pct": round(first, 4), "reward_last_10pct": round(last, 4),

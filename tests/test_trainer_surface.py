@@ -132,6 +132,20 @@ def test_train_summary_and_the_transformers_helpers(tokenizer, addition_dataset,
     assert os.path.exists(out / "model.safetensors") and trainer.processing_class is tokenizer
 
 
+def test_the_summary_carries_the_last_logging_window(tokenizer, addition_dataset, tmp_path):
+    """As TRL merges its metrics into the record it logs at the end of training, where its users read them
+    (`state.log_history[-1]["reward"]`): 3 steps, logging every 2 (posttrain also logs the last step)."""
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, logging_steps=2)
+    trainer.train()
+    summary, last_step = trainer.state.log_history[-1], trainer.state.log_history[-2]
+    assert "train_runtime" in summary and summary["step"] == last_step["step"] == 3
+    for key in ("reward", "reward_std", "rewards/length_reward/mean", "completions/mean_length", "entropy"):
+        assert key in summary and summary[key] == last_step[key], key
+    assert "loss" not in summary and "loss" in last_step  # transformers' per-step loss: the summary has train_loss
+    lines = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [2, 3]  # the summary goes to train_results.json
+
+
 def test_push_to_hub_needs_a_token_and_uploads_output_dir(tokenizer, addition_dataset, tmp_path, monkeypatch):
     import huggingface_hub
 

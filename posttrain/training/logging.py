@@ -131,6 +131,7 @@ class MetricsLogger:
         self.cumulative = set(cumulative)  # running totals (e.g. num_tokens seen): a window reports its last value
         self.total_steps = total_steps
         self.window: dict[str, list[float]] = {}
+        self.last_window: dict = {}  # the last logged window's means (the end-of-training summary carries them)
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.trackers = []
         self.progress = None
@@ -191,9 +192,11 @@ class MetricsLogger:
         return f"{_clock(elapsed)} elapsed, {eta} left" if left > 0 else f"{_clock(elapsed)} elapsed"
 
     def flush(self) -> dict:
-        """The window's means (a new window starts)."""
+        """The window's means (a new window starts); the last non-empty one stays readable as `last_window`."""
         record = {k: v[-1] if k in self.cumulative else sum(v) / len(v) for k, v in sorted(self.window.items())}
         self.window = {}
+        if record:
+            self.last_window = record
         return record
 
     def emit(self, record: dict, to_file: bool = True) -> None:

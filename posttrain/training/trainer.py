@@ -129,6 +129,10 @@ def _set_log_level(args, is_main: bool) -> None:
     transformers.utils.logging.set_verbosity(getattr(logging, level.upper()))
 
 
+# what transformers logs at logging steps only: a summary record does not repeat them
+STEP_ONLY_KEYS = ("loss", "grad_norm", "learning_rate")
+
+
 class Trainer:
     """The shared loop. Subclasses set `self.model` (via `_prepare`), `self.processing_class` and `self.policy`.
 
@@ -513,6 +517,12 @@ class Trainer:
         metrics = speed_metrics("train", start_time, num_samples=steps * per_step, num_steps=steps)
         metrics.update(total_flos=float(self.state.total_flos), train_loss=self._loss_sum / max(steps, 1))
         self.log(metrics, to_file=False)
+        # TRL merges its metrics into every record it logs, this one too, and its users read them from
+        # state.log_history[-1]: there the summary carries the last logging window's (not transformers' own per-step
+        # keys, which it leaves to train_loss); trackers already have them at their step
+        summary = self.state.log_history[-1]
+        carried = {k: v for k, v in self.logger.last_window.items() if k not in STEP_ONLY_KEYS and k not in summary}
+        self.state.log_history[-1] = {**summary, **carried}
         self.save_metrics("train", metrics)
         return metrics
 
