@@ -81,8 +81,16 @@ def test_generation_kwargs_are_used_or_rejected():
     cfg = GRPOConfig(generation_kwargs={"min_new_tokens": 4, "top_k": 7})
     params = SamplingParams.from_config(cfg)
     assert params.min_new_tokens == 4 and params.top_k == 7
-    with pytest.raises(ValueError, match="num_beams"):
+    with pytest.raises(ValueError, match="num_beams=4 asks for beam search.*raise num_generations"):
         SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 4}))
+    # TRL's test_train_with_generation_kwargs: beams with a length penalty are refused for the same reason
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams.from_config(GRPOConfig(generation_kwargs={"do_sample": True, "num_beams": 2,
+                                                                 "length_penalty": -0.1}))
+    # at one beam these keys rank nothing, as in generate: accepted and the samples unchanged
+    one_beam = SamplingParams.from_config(GRPOConfig(generation_kwargs={"num_beams": 1, "length_penalty": -0.1,
+                                                                        "early_stopping": True}))
+    assert one_beam == SamplingParams.from_config(GRPOConfig())
     for kwargs, message in (({"do_sample": False}, "do_sample=False"), ({"temperature": -1}, "temperature=-1"),
                             ({"bad_words_ids": [[3, 4]]}, "several tokens"), ({"eos_token_id": "x"}, "token id")):
         with pytest.raises(ValueError, match=message):

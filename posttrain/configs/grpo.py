@@ -45,7 +45,8 @@ class SamplingConfig:
     generation_kwargs: Union[dict, str, None] = _help(
         "Extra sampling options, as transformers' generate takes them (e.g. {\"min_new_tokens\": 8, "
         "\"suppress_tokens\": [13]}); docs/grpo.md lists the keys the sampler honours. Any other key is an error, "
-        "never silently dropped.", default=None)
+        "never silently dropped; beam search (num_beams > 1) is refused, a beam not being a sample of the policy.",
+        default=None)
     chat_template_kwargs: Union[dict, str, None] = _help(
         "Keyword arguments for `apply_chat_template` with conversational prompts (e.g. enable_thinking).",
         default=None)

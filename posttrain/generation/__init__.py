@@ -67,6 +67,23 @@ class SamplingParams:
     NO_EFFECT = ("use_cache", "cache_implementation", "renormalize_logits", "pad_token_id", "bos_token_id",
                  "disable_compile")
 
+    # beam search's keys: accepted at their no-beam values (length_penalty only scores beams), else refused
+    BEAM_KEYS = ("num_beams", "length_penalty", "early_stopping", "num_beam_groups")
+
+    @staticmethod
+    def _check_beam_key(key: str, value, kwargs: dict) -> None:
+        beams = kwargs.get("num_beams", 1)
+        if key == "num_beams" and value in (None, 1):
+            return
+        if key in ("length_penalty", "early_stopping") and beams in (None, 1):
+            return  # as in transformers' generate: these only rank beams, and there is one
+        raise ConfigError(
+            f"generation_kwargs {key}={value!r} asks for beam search, which posttrain does not run: GRPO's gradient "
+            "and its importance weights treat each completion as a sample of the policy, and a beam is the "
+            "highest-scoring of several, not a sample (vLLM's SamplingParams has no beams either); remove "
+            f"{'num_beams' if key == 'num_beams' else 'num_beams and ' + key} and raise num_generations for more "
+            "completions per prompt.")
+
     @classmethod
     def from_config(cls, config) -> "SamplingParams":
         """Build from a GRPOConfig; `generation_kwargs` override the named fields, other keys raise."""
@@ -81,6 +98,9 @@ class SamplingParams:
                                       "same (greedy), leaving GRPO no advantage to learn from: remove it.")
                 continue
             if key in cls.NO_EFFECT:
+                continue
+            if key in cls.BEAM_KEYS:
+                cls._check_beam_key(key, value, config.generation_kwargs)
                 continue
             if key not in cls.KWARGS:
                 raise ConfigError(
