@@ -75,6 +75,27 @@ def tiny_model(tokenizer=None, seed: int = 0, model_class=None, **config_kwargs)
     return model
 
 
+def tiny_moe_model(tokenizer=None, seed: int = 0, hidden: int = 32, layers: int = 1, experts: int = 4,
+                   experts_per_token: int = 2, **config_kwargs):
+    """A randomly initialised tiny Qwen3-MoE causal LM (seeded), float32: a router over `experts` experts per layer,
+    with the config's own router_aux_loss_coef (0.001) unless `config_kwargs` says otherwise."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        num_experts=experts, num_experts_per_tok=experts_per_token, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, **config_kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 def save_tiny(path: str, tokenizer=None, seed: int = 0, **config_kwargs) -> str:
     """Build a tiny model and tokenizer and save both to `path` (safetensors). Returns `path`."""
     tokenizer = tokenizer or tiny_tokenizer()

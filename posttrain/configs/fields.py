@@ -150,6 +150,10 @@ class ModelConfig:
         "transformers 5's name for gradient_checkpointing: when set, it wins, and the two always agree.", default=None)
     activation_checkpointing_kwargs: Union[dict, str, None] = _help(
         "transformers 5's name for gradient_checkpointing_kwargs (wins when set).", default=None)
+    router_aux_loss_coef: Optional[float] = _help(
+        "Coefficient of a mixture-of-experts model's router load-balancing loss, added to the training loss (and "
+        "logged as aux_loss) as in TRL. None: the model config's own coefficient (0 where it has none); 0 turns it "
+        "off. A non-zero value for a model without a router is an error.", range=NON_NEGATIVE, default=None)
     activation_offloading: bool = _help(
         "Move the activations saved for the backward from the accelerator to (pinned) CPU memory during the training "
         "forward, and back as the backward uses them; parameters and tensors under 1 KiB stay. On a CPU they are in "

@@ -168,8 +168,6 @@ TRAINING_ARGS: list[Compat] = [
 ]
 
 GRPO_ONLY: list[Compat] = [
-    unsupported("router_aux_loss_coef", Optional[float], None,
-                "the router load-balancing loss of mixture-of-experts models is not added; remove it", range=NON_NEGATIVE),
     same("ds3_gather_for_generation", bool, True,
          "under DeepSpeed ZeRO-3 (and FSDP2) generation gathers the whole weights once for the whole decode, as "
          "True does; generating through the partitioned model (False) is not supported", accepts=(True,)),
@@ -232,9 +230,6 @@ _SFT_CHANGES.update(_reasons(_SFT_METRICS, _SFT_LOADER))
 SFT_ONLY: list[Compat] = [
     same("remove_unused_columns", bool, True,
          "posttrain keeps only the token columns it builds, so no other column ever reaches the model"),
-    unsupported("router_aux_loss_coef", Optional[float], None,
-                "the router load-balancing loss of mixture-of-experts models is not added; remove it",
-                range=NON_NEGATIVE),
     same("dataset_num_proc", Optional[int], None,
          "posttrain tokenizes in batches with the fast tokenizer in each process; the result is the same",
          range=AT_LEAST_ONE),
@@ -260,7 +255,7 @@ _DPO_CHANGES.update({
 })
 _DPO_CHANGES.update(_reasons(_DPO_METRICS, _DPO_LOADER))
 
-DPO_ONLY = SFT_ONLY  # the same three fields, the same behaviour
+DPO_ONLY = SFT_ONLY  # the same fields, the same behaviour
 DPO_COMPAT = [_DPO_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _DPO_CHANGES.get(c.name, c) is not None] + DPO_ONLY
 
 BY_NAME = {c.name: c for c in GRPO_COMPAT}

@@ -273,14 +273,19 @@ class DPOTrainer(BatchedDataTrainer):
             w = torch.exp(aligned / batch.targets.clamp(min=1))
             return w[0::2] * w[1::2]
 
-    def _micro_loss(self, batch: PairBatch, grad: bool):
+    def _micro_loss(self, batch: PairBatch, grad: bool, router_term: list | None = None):
         """(loss sum of the micro-batch: preference terms summed over pairs, sft term summed over chosen targets,
-        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)])."""
+        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)]). With `router_term`
+        (training), the policy forward's router loss, coef * aux_loss, is put in it (models/router.py)."""
         args = self.args
         with self.accelerator.autocast():
             model = self.model if grad else self._no_grad_model
-            logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
-                                                              with_top1=True, with_stats=True)
+            collect = self.router_loss.collecting(model, 1.0) if router_term is not None else contextlib.nullcontext()
+            with collect as term:
+                logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
+                                                                  with_top1=True, with_stats=True)
+            if router_term is not None:
+                router_term.extend(term)
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
         completion = batch.completion.view(-1, 2).float()
@@ -312,13 +317,15 @@ class DPOTrainer(BatchedDataTrainer):
                       entropy.sum(), top1[chosen].sum().float()]
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=per_pair.device) for v in values])
 
-    def _micro_step(self, batch: PairBatch, pairs_total: float, chosen_total: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch; its statistics (sft's share of the loss folded into 'loss')."""
+    def _micro_step(self, batch: PairBatch, pairs_total: float, chosen_total: float, share: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch (`share`: its part of the step, for a router loss); its statistics
+        (sft's share of the loss folded into 'loss')."""
         n = self.accelerator.num_processes
         with self._offloading():
-            pair_sum, sft_sum, stats = self._micro_loss(batch, grad=True)
+            router_term = []
+            pair_sum, sft_sum, stats = self._micro_loss(batch, grad=True, router_term=router_term)
             loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
-            self._backward(loss)
+            self._backward(loss + share * sum(router_term) if batch.pairs else loss)
         stats = stats.clone()
         stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
         return stats
@@ -335,9 +342,12 @@ class DPOTrainer(BatchedDataTrainer):
                               sum(b.sequences.tokens for b in batches)], dtype=torch.float64, device=acc.device)
         pairs_total, chosen_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
         stats = self._accumulate(batches, lambda b, sync: self._micro_step(b.to(acc.device), pairs_total,
-                                                                           chosen_total))
+                                                                           chosen_total, 1.0 / len(batches)))
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
         metrics = self._metrics_from(totals)
+        router = self._router_metrics()
+        metrics.update(router)
+        metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
         metrics["grad_norm"] = self._apply_update(metrics["loss"])
         metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
         self._tokens_seen += int(tokens)

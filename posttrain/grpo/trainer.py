@@ -105,10 +105,14 @@ class GRPOTrainer(Trainer):
         # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
         # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
         # covers every sequence.)
+        # A mixture-of-experts router loss covers every row too.
         self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
-                                         and not self.entropy_control.enabled and args.loss_type != "vespo")
+                                         and not self.entropy_control.enabled and args.loss_type != "vespo"
+                                         and not self.router_loss.enabled)
         self.pad_to_multiple_of = self._padding_multiple()
-        self.packing = self.pad_to_multiple_of is None  # padded widths are fixed for a reason: keep them
+        # padded widths are fixed for a reason: keep them; a router loss counts each real token of the padded rows
+        # once, under their attention mask, as in TRL (packed rows and shared prompts would count others)
+        self.packing = self.pad_to_multiple_of is None and not self.router_loss.enabled
         # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
         # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
@@ -407,7 +411,8 @@ class GRPOTrainer(Trainer):
 
         return gradient
 
-    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float) -> dict:
+    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float, share: float) -> dict:
+        """Forward and backward of one micro-batch (`share`: its part of the step, for the router loss)."""
         all_tokens = mb.loss_mask.sum()
         # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
         sequence_level = self.args.importance_sampling_level == "sequence"
@@ -417,7 +422,7 @@ class GRPOTrainer(Trainer):
         mb = mb.padded(self.pad_to_multiple_of)
         r = mb.rollouts
         with self.accelerator.autocast():
-            with self._offloading():
+            with self._offloading(), self.router_loss.collecting(self.model, share) as router_term:
                 logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                                 r.completion_mask, self.args.temperature, with_entropy=True,
                                                 loss_gradient=self._loss_gradient(mb, norm, bonus),
@@ -427,6 +432,7 @@ class GRPOTrainer(Trainer):
             out = self._loss(mb, logps, norm, kept)
             effective = mb.loss_mask if kept is None else kept
             loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
+            loss = loss + sum(router_term)  # TRL adds it last: coef * aux_loss / micro-batches of the step
             self._backward(loss)
         entropy = entropy.detach()
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
@@ -441,11 +447,12 @@ class GRPOTrainer(Trainer):
         micro = [self._next_micro_batch() for _ in range(args.gradient_accumulation_steps)]
         norm = self._normalizer(micro)
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        stats = self._accumulate(micro, lambda mb, sync: self._micro_step(mb, norm, bonus))
+        stats = self._accumulate(micro, lambda mb, sync: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
         loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
         grad_norm = self._apply_update(loss)
         metrics = loss_metrics(stats, self.accelerator, args.beta)
-        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0])
+        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0],
+                       **self._router_metrics())
         if self.entropy_control.enabled:
             metrics.update(self._entropy_step(stats))
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:

@@ -193,11 +193,13 @@ class SFTTrainer(BatchedDataTrainer):
                 predict_grad=self._predicted_gradient(scale) if scale is not None else None)
             return self._token_losses(logps), entropy, top1
 
-    def _micro_step(self, batch, scale: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch; [loss sum, entropy sum, correct, targets] (no gradient)."""
+    def _micro_step(self, batch, scale: float, share: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch (`share`: its part of the step, for a router loss); [loss sum,
+        entropy sum, correct, targets] (no gradient)."""
         with self._offloading():
-            losses, entropy, top1 = self._forward(batch, scale)
-            self._backward(losses.sum() * scale)
+            with self.router_loss.collecting(self.model, share if batch.tokens else 0.0) as router_term:
+                losses, entropy, top1 = self._forward(batch, scale)
+            self._backward(losses.sum() * scale + sum(router_term))
         return torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
                             torch.tensor(float(batch.num_targets), device=losses.device)])
 
@@ -210,16 +212,17 @@ class SFTTrainer(BatchedDataTrainer):
                              dtype=torch.float64, device=device)
         targets, tokens = (float(x) for x in self.accelerator.reduce(local, reduction="sum"))
         scale = self.accelerator.num_processes / max(targets, 1.0)
-        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b, scale))
+        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b, scale, 1.0 / len(batches)))
         totals = self.accelerator.reduce(torch.stack(stats).detach().sum(0), reduction="sum")
         loss_sum, entropy_sum, correct, _ = (float(x) for x in totals)
-        loss = loss_sum / max(targets, 1.0)
+        router = self._router_metrics()
+        loss = loss_sum / max(targets, 1.0) + self.router_loss.coef * router.get("aux_loss", 0.0)
         grad_norm = self._apply_update(loss)
         self._tokens_seen += int(tokens)
         self.state.total_flos += self._flops_per_token * tokens
         return {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0],
                 "entropy": entropy_sum / max(targets, 1.0), "mean_token_accuracy": correct / max(targets, 1.0),
-                "num_tokens": float(self._tokens_seen)}
+                "num_tokens": float(self._tokens_seen), **router}
 
     @property
     def train_dataset(self):

@@ -32,6 +32,7 @@ from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder, repo_id
 from posttrain.training.logging import MetricsLogger
+from posttrain.models.router import RouterLoss, router_coefficient
 from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
@@ -170,6 +171,7 @@ class Trainer:
         self._optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.logger = None
         self.eval_dataset = None
+        self.router_loss = RouterLoss(0.0)  # a mixture-of-experts model's load-balancing loss, set with the policy
         with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
             if self.accelerator.is_main_process:
                 check_writable(args.output_dir)
@@ -236,6 +238,7 @@ class Trainer:
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
+        self.router_loss = RouterLoss(router_coefficient(model, args.router_aux_loss_coef))
         return prepare_policy(model, args, peft_config, self.accelerator.device), came_with_adapter
 
     @property
@@ -415,6 +418,12 @@ class Trainer:
             if not sync:
                 self._call("on_substep_end")
         return results
+
+    def _router_metrics(self) -> dict:
+        """The step's router load-balancing loss, {"aux_loss": mean over micro-batches and processes}, or {} when a
+        mixture-of-experts model's router loss is off (or the model has none); the same on every process."""
+        device = self.accelerator.device
+        return self.router_loss.metrics(lambda t: self.accelerator.reduce(t.to(device), reduction="mean"))
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's loss (normalised for the whole step) through the run's sharding."""
