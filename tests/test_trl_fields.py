@@ -239,7 +239,7 @@ def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer,
     (dict(truncation_mode="middle"), "truncation_mode='middle' is not one of: keep_start, keep_end"),
     (dict(dataset_kwargs={"skip_prepare": True}), "dataset_kwargs has 'skip_prepare': the only key is"),
     (dict(train_sampling_strategy="length"), "train_sampling_strategy='length' is not one of"),
-    (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01 is not supported"),
+    (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef=-1.0 must be >= 0."),
 ])
 def test_sft_fields_are_validated_or_mapped(kwargs, message):
     from posttrain.configs import SFTConfig

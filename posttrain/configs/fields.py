@@ -295,13 +295,25 @@ class EvaluationConfig:
 class CheckpointConfig:
     """Checkpoints, the final model, resuming, and the Hub."""
 
-    save_strategy: str = _help("When to checkpoint: steps (every save_steps and at the end), epoch, or no (only the "
-                               "final model).", default="steps")
+    save_strategy: str = _help("When to checkpoint: steps (every save_steps and at the end), epoch, best (after an "
+                               "evaluation that reaches a new best metric_for_best_model), or no (only the final "
+                               "model).", default="steps")
     save_steps: float = _help(
         "Checkpoint every this many optimizer steps (a value in (0, 1) is a fraction of the total steps).",
         range=POSITIVE, default=500)
     save_total_limit: Optional[int] = _help(
-        "Keep at most this many checkpoints (the newest); None keeps all.", range=AT_LEAST_ONE, default=None)
+        "Keep at most this many checkpoints (the newest, and the best one when metric_for_best_model is set); None "
+        "keeps all.", range=AT_LEAST_ONE, default=None)
+    load_best_model_at_end: bool = _help(
+        "At the end of training, load the weights of the checkpoint with the best metric_for_best_model (default "
+        "loss), so the final model saved is the best one; needs save_strategy equal to eval_strategy (save_steps a "
+        "multiple of eval_steps) or save_strategy best.", default=False)
+    metric_for_best_model: Optional[str] = _help(
+        "Evaluation metric (with or without its eval_ prefix) that picks the best checkpoint: recorded in "
+        "state.best_metric, best_global_step and best_model_checkpoint, and never rotated away.", default=None)
+    greater_is_better: Optional[bool] = _help(
+        "Whether a larger metric_for_best_model is better; default: True unless its name ends with loss.",
+        default=None)
     save_only_model: bool = _help(
         "Checkpoints hold the model only (no optimizer, scheduler, RNG or buffered batches): smaller, but they cannot "
         "be resumed from.", default=False)
@@ -330,10 +342,34 @@ class CheckpointConfig:
     hub_revision: Optional[str] = _help("Branch of the repository to push to.", default=None)
 
     def _check(self):
-        check_choice(self, "save_strategy", ("steps", "epoch", "no"))
+        check_choice(self, "save_strategy", ("steps", "epoch", "best", "no"))
         check_steps(self, "save_steps")
+        self._check_best_model()
         if self.save_total_limit is not None:
             check_positive(self, "save_total_limit")
         if self.hub_strategy not in ("end", "every_save"):
             raise ConfigError(f"hub_strategy={self.hub_strategy!r} is not supported: posttrain pushes output_dir at the "
                               "end (end) or also at every checkpoint (every_save), not checkpoint folders themselves.")
+
+    def _check_best_model(self):
+        """transformers' defaults and rules for the best checkpoint (TrainingArguments and Trainer), plus one it
+        leaves silent: save_strategy best never saves without evaluations."""
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        evaluates = getattr(self, "eval_strategy", "no") != "no"
+        if self.save_strategy == "best" and (self.metric_for_best_model is None or not evaluates):
+            raise ConfigError("save_strategy='best' saves after an evaluation that improves metric_for_best_model: "
+                              "set metric_for_best_model and an eval_strategy other than 'no'.")
+        if not self.load_best_model_at_end or self.save_strategy == "best":
+            return
+        if self.eval_strategy != self.save_strategy:
+            raise ConfigError(f"load_best_model_at_end needs a checkpoint at every evaluation, but eval_strategy="
+                              f"{self.eval_strategy!r} and save_strategy={self.save_strategy!r}: make them equal, or "
+                              "use save_strategy='best'.")
+        eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        if self.save_strategy == "steps" and ((eval_steps < 1) != (self.save_steps < 1) or
+                                              round(self.save_steps * 1_000_000) % round(eval_steps * 1_000_000)):
+            raise ConfigError(f"load_best_model_at_end needs a checkpoint at every evaluation, but save_steps="
+                              f"{self.save_steps} is not a multiple of eval_steps={eval_steps}: make it one.")

@@ -123,13 +123,6 @@ TRAINING_ARGS: list[Compat] = [
                 "checkpoints are written once, by the main process, to a filesystem every node shares; use a shared output_dir"),
     unsupported("enable_jit_checkpoint", bool, False,
                 "posttrain checkpoints every save_steps and resumes bit-exactly from any of them; lower save_steps"),
-    unsupported("load_best_model_at_end", bool, False,
-                "posttrain keeps the final model (every checkpoint stays loadable); pick a checkpoint by its eval "
-                "metrics in metrics.jsonl"),
-    unsupported("metric_for_best_model", Optional[str], None, "there is no best-model tracking; pick a checkpoint by its "
-                "eval metrics in metrics.jsonl and remove this"),
-    unsupported("greater_is_better", Optional[bool], None, "there is no best-model tracking; pick a checkpoint by its "
-                "eval metrics in metrics.jsonl and remove this"),
     unsupported("restore_callback_states_from_checkpoint", bool, False,
                 "callback state is not saved in checkpoints; restore it in your callback's on_train_begin"),
     unsupported("accelerator_config", Union[dict, str, None], None,

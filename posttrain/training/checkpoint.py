@@ -223,8 +223,11 @@ def _load_weights(model, state: dict) -> None:
 
 def _write_state(trainer, tmp: str, model_only: bool) -> None:
     acc = trainer.accelerator
+    best = trainer.state
     state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
              "log_history": trainer.state.log_history, "total_flos": trainer.state.total_flos,
+             "best_metric": best.best_metric, "best_global_step": best.best_global_step,
+             "best_model_checkpoint": best.best_model_checkpoint,
              "num_processes": acc.num_processes, "identity": run_identity(trainer), "model_only": model_only,
              "model_path": getattr(trainer.policy.config, "_name_or_path", ""),
              **trainer._checkpoint_meta(), "files": _digests(tmp)}
@@ -271,10 +274,23 @@ def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, pr
             _write_state(trainer, tmp, model_only)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            if total_limit:
-                for _, old in checkpoints(output_dir)[:-total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
+            for old in rotated_away(checkpoints(output_dir), total_limit, trainer.state.best_model_checkpoint):
+                shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def rotated_away(found: list[tuple[int, str]], total_limit: int | None, best: str | None) -> list[str]:
+    """The checkpoints (of `found`, oldest first) that save_total_limit removes: the oldest beyond the limit, never
+    the best (it counts as the newest but one, as in transformers; with a limit of 1 the newest stays too)."""
+    if not total_limit:
+        return []
+    paths = [path for _, path in found]
+    if best in paths and paths.index(best) < len(paths) - 2:
+        paths.remove(best)
+        paths.insert(len(paths) - 1, best)
+    if total_limit == 1 and best in paths and paths[-1] != best:
+        total_limit = 2
+    return paths[:-total_limit]
 
 
 def _check_resumable(trainer, path: str, state: dict) -> None:
@@ -299,24 +315,42 @@ def _check_resumable(trainer, path: str, state: dict) -> None:
                               "Use the checkpoint's values, or start a new run.")
 
 
+def _load_policy(trainer, path: str) -> None:
+    from safetensors.torch import load_file
+
+    from posttrain.models.peft import is_peft_model
+
+    if is_peft_model(trainer.policy):
+        from peft import set_peft_model_state_dict
+
+        with trainer.sharding.writable_whole(trainer.model):  # sharded: every process, the adapter whole
+            set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
+    elif trainer.sharding.shards_parameters:
+        trainer.sharding.load_full_state_dict(trainer.model, load_file(os.path.join(path, "model.safetensors")))
+    else:
+        _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
+
+
+def load_policy_weights(trainer, path: str) -> None:
+    """The policy's weights (or adapter) from checkpoint `path`, checked against their checksums first; nothing
+    else (load_best_model_at_end). Every process calls it."""
+    verify(path)
+    try:
+        _load_policy(trainer, path)
+    except Exception as err:  # noqa: BLE001 - safetensors and torch each raise their own types
+        raise CheckpointError(f"Checkpoint {path} holds weights that do not load into the model "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}).") \
+            from err
+
+
 def load_checkpoint(trainer, path: str) -> dict:
     """Restore weights, optimizer, scheduler, RNG and the trainer's tensors from `path`; returns trainer_state.json."""
     from safetensors.torch import load_file, load_model
 
-    from posttrain.models.peft import is_peft_model
-
     state = verify(path)  # every file against its checksum, before anything is loaded
     _check_resumable(trainer, path, state)
     try:
-        if is_peft_model(trainer.policy):
-            from peft import set_peft_model_state_dict
-
-            with trainer.sharding.writable_whole(trainer.model):  # sharded: every process, the adapter whole
-                set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
-        elif trainer.sharding.shards_parameters:
-            trainer.sharding.load_full_state_dict(trainer.model, load_file(os.path.join(path, "model.safetensors")))
-        else:
-            _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
+        _load_policy(trainer, path)
         for name, module in trainer._checkpoint_models().items():
             if trainer.sharding.shards_parameters:
                 trainer.sharding.load_full_state_dict(module, load_file(os.path.join(path, f"{name}.safetensors")))

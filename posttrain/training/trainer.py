@@ -20,12 +20,14 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 
 import torch
 
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
-from posttrain.training.checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from posttrain.training.best_model import check_best_checkpoint, note_best_checkpoint, record_best
+from posttrain.training.checkpoint import checkpoints, load_checkpoint, load_policy_weights, save_checkpoint
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
 from posttrain.errors import UserError, storage_error
 from posttrain.training.distributed import guarded, mark_agreed
@@ -328,6 +330,7 @@ class Trainer:
                                   else args.resume_from_checkpoint, args.output_dir)
         if path is not None:
             self._resume(path)
+        check_best_checkpoint(self.state)
         self.logger = MetricsLogger(args, self.state.max_steps, enabled=self.accelerator.is_main_process,
                                     run_config=args.to_dict(), append=path is not None,
                                     start_step=self.state.global_step, title=self._title,
@@ -349,6 +352,8 @@ class Trainer:
             metrics = self._train_summary(start_time, self.state.global_step - start_step)
         finally:
             self.logger.close()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
         self.save_model(args.output_dir)
         self._on_main(self._write_plots)
         if getattr(args, "save_merged", False):
@@ -357,6 +362,16 @@ class Trainer:
         if args.push_to_hub:
             self.push_to_hub(commit_message="End of training")
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's weights into the policy (the final save writes them); with
+        save_total_limit=1 only that checkpoint stays, as in transformers."""
+        state = self.state
+        logger.info(f"Loading best model from {state.best_model_checkpoint} (score: {state.best_metric}).")
+        load_policy_weights(self, state.best_model_checkpoint)
+        if self.args.save_total_limit == 1:
+            self._on_main(lambda: [shutil.rmtree(path, ignore_errors=True) for _, path in checkpoints(self.args.output_dir)
+                                   if path != state.best_model_checkpoint])
 
     def _write_plots(self) -> None:
         """output_dir/plots.png from metrics.jsonl and output_dir/report.html (posttrain/report.py), as plot_on_end
@@ -507,7 +522,9 @@ class Trainer:
                 self.log(record)
         if control.should_evaluate:
             control.should_evaluate = False
-            self._evaluate_during_training()
+            new_best = record_best(self.args, self.state, self._evaluate_during_training())
+            if self.args.save_strategy == "best":
+                control.should_save = new_best
         if control.should_save:
             control.should_save = False
             self._save_checkpoint()
@@ -539,10 +556,13 @@ class Trainer:
         state = load_checkpoint(self, path)
         self.state.global_step, self.state.epoch = state["global_step"], state["epoch"]
         self.state.log_history = state["log_history"]
+        for key in ("best_metric", "best_global_step", "best_model_checkpoint"):
+            setattr(self.state, key, state.get(key))
         self.state.total_flos = state.get("total_flos", 0.0)
         self._restore_position(state)
 
     def _save_checkpoint(self) -> None:
+        note_best_checkpoint(self.args, self.state)
         save_checkpoint(self, self.args.output_dir, self.args.save_total_limit)
         self._call("on_save")
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
@@ -622,7 +642,7 @@ class Trainer:
 
             raise ConfigError(f"eval_strategy={self.args.eval_strategy!r} (or eval_on_start) needs an eval_dataset: "
                               "pass one to the trainer, or set eval_strategy='no'.")
-        self.evaluate()
+        return self.evaluate()
 
     # ------------------------------------------------------------------ saving and the Hub
 
