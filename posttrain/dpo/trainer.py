@@ -28,7 +28,7 @@ from posttrain.dpo.reference import cache_key, load_cached, make_reference, save
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
-from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable
+from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable, read_whole
 from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
@@ -380,11 +380,9 @@ class DPOTrainer(BatchedDataTrainer):
     def _prepared_eval(self, dataset, model=None) -> PairRows:
         key = id(dataset)
         if key not in self._eval_pairs:  # prepared once per dataset object, as TRL prepares it once
-            if is_iterable(dataset):
-                raise ConfigError("eval_dataset is an IterableDataset: evaluation needs every pair once; pass a "
-                                  "map-style Dataset (e.g. Dataset.from_list(list(dataset.take(n)))).")
             args = self.args
-            pairs = prepare_pairs(dataset, self._preparation(dataset, "eval_dataset"))
+            rows = read_whole(dataset)  # an IterableDataset once, to its end
+            pairs = prepare_pairs(rows, self._preparation(rows, "eval_dataset"))
             if args.precompute_ref_log_probs:
                 if model is None and self.ref_model is None and self.reference_adapter is None and \
                         not is_peft_model(self.policy) and self.state.global_step > 0:

@@ -37,6 +37,19 @@ def is_iterable(dataset) -> bool:
     return isinstance(dataset, datasets.IterableDataset)
 
 
+def read_whole(dataset):
+    """An IterableDataset read to its end into a map-style Dataset (evaluation takes every row once, in order, and
+    may run many times); any other dataset as it is. A stream that never ends never finishes, as in transformers."""
+    if not is_iterable(dataset):
+        return dataset
+    import datasets
+
+    rows = list(dataset)
+    if not rows:
+        raise DataError("The IterableDataset given for evaluation has no rows.")
+    return datasets.Dataset.from_list(rows)
+
+
 class Preparation:
     """Turns a dataset's rows into training rows with one config (its encoder, max_length, packing)."""
 

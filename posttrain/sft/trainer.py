@@ -18,7 +18,7 @@ from posttrain.data import DataError
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sft.collate import collate
 from posttrain.sft.data import (MapBatches, Preparation, StreamBatches, eval_batches, first_row, is_iterable,
-                                prepare_map_dataset)
+                                prepare_map_dataset, read_whole)
 from posttrain.sft.formats import RowEncoder
 from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
@@ -253,11 +253,9 @@ class SFTTrainer(BatchedDataTrainer):
         if key not in self._eval_rows:  # prepared once per dataset object, as TRL prepares it once
             packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
             name = "eval_dataset"
-            if is_iterable(dataset):
-                raise ConfigError("eval_dataset is an IterableDataset: evaluation needs every row once; pass a "
-                                  "map-style Dataset (e.g. dataset.take(n) materialised with Dataset.from_list).")
-            preparation = self._preparation(dataset, packing, name)
-            self._eval_rows[key] = (dataset, prepare_map_dataset(dataset, preparation, self._data_seed), packing)
+            rows = read_whole(dataset)  # an IterableDataset once, to its end
+            preparation = self._preparation(rows, packing, name)
+            self._eval_rows[key] = (dataset, prepare_map_dataset(rows, preparation, self._data_seed), packing)
         return self._eval_rows[key]
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
