@@ -3,6 +3,7 @@ the metrics of the same rows as a map-style Dataset, for SFT and DPO (GRPO: the 
 completions are sampled anew at each evaluation)."""
 
 import pytest
+import torch
 from conftest import tiny_config
 from datasets import Dataset, IterableDataset
 from test_dpo_trainer import PAIRS as PREFERENCES
@@ -73,3 +74,76 @@ def test_grpo_evaluates_an_iterable_dataset(tokenizer, addition_dataset, tmp_pat
     whole = trainer.evaluate(rows)  # sampled again (other completions): the same rows, batches and metrics' names
     assert sorted(streamed) == sorted(whole) and batches == len(steps) - batches > 0
     assert 0.0 <= streamed["eval_rewards/accuracy/mean"] <= 1.0
+
+
+def _labels_of(tokenizer, texts):
+    """The tokens of whole-text rows: the text and its EOS (TRL's labels, every token trained on)."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    return ids
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sft_compute_metrics_gets_trls_logits_and_labels(tokenizer, tmp_path, batched):
+    """compute_metrics receives what TRL's evaluation loop gives it: the model's own logits of every row and the
+    labels (the tokens trained on, -100 on padding), batches concatenated with -100 padding; its metrics are prefixed;
+    preprocess_logits_for_metrics runs per batch."""
+    from transformers import EvalPrediction
+
+    rows = Dataset.from_dict({"text": TEXTS[:6]})
+    seen, preprocessed = [], []
+
+    def compute_metrics(prediction: EvalPrediction, compute_result: bool = True):
+        seen.append(prediction)
+        return {"my_metric": 0.123, "eval_already": 1.0}
+
+    def preprocess(logits, labels):
+        preprocessed.append(logits.shape)
+        return logits.argmax(-1)
+
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    trainer = SFTTrainer(model, args=sft_config(tmp_path, per_device_eval_batch_size=4, batch_eval_metrics=batched,
+                                                include_for_metrics=["inputs"]),
+                         train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer,
+                         compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess)
+    metrics = trainer.evaluate(rows)
+    assert metrics["eval_my_metric"] == 0.123 and metrics["eval_already"] == 1.0
+    assert len(preprocessed) == 2 and len(seen) == (2 if batched else 1)
+    predictions = torch.cat([torch.as_tensor(p.predictions) for p in seen]) if not batched else None
+    if batched:
+        return
+    prediction = seen[0]
+    expected = _labels_of(tokenizer, TEXTS[:6])
+    width = max(map(len, expected))
+    assert prediction.label_ids.shape == predictions.shape == (6, width)
+    model.eval()
+    for row, ids in enumerate(expected):
+        n = len(ids)
+        labels = prediction.label_ids[row]
+        assert list(labels[:n]) == ids and (labels[n:] == -100).all()
+        assert list(prediction.inputs[row][:n]) == ids
+        with torch.no_grad():
+            own = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        assert torch.equal(predictions[row, :n], own)
+
+
+def test_dpo_compute_metrics_and_prediction_loss_only(tokenizer, tmp_path):
+    rows = Dataset.from_dict(PREFERENCES).select(range(4))
+    seen = []
+
+    def compute_metrics(prediction):
+        seen.append(prediction)
+        return {"my_metric": 0.5}
+
+    trainer = DPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), args=dpo_config(tmp_path),
+                         train_dataset=Dataset.from_dict(PREFERENCES), processing_class=tokenizer,
+                         compute_metrics=compute_metrics)
+    metrics = trainer.evaluate(rows)
+    assert metrics["eval_my_metric"] == 0.5
+    prediction = seen[0]
+    # chosen rows first, then rejected, as TRL concatenates them; labels are the input ids
+    assert prediction.predictions.shape[:2] == prediction.label_ids.shape and len(prediction.label_ids) == 8
+    first = PREFERENCES["prompt"][0] + PREFERENCES["chosen"][0]
+    ids = tokenizer(first, add_special_tokens=False)["input_ids"]
+    assert list(prediction.label_ids[0][:len(ids)]) == ids
+    trainer.args.prediction_loss_only = True
+    assert "eval_my_metric" not in trainer.evaluate(rows)

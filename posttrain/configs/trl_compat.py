@@ -185,7 +185,8 @@ GRPO_COMPAT = TRAINING_ARGS + GRPO_ONLY
 COMPAT = GRPO_COMPAT  # the GRPO table under its first name
 
 _SFT_LOADER = "posttrain batches the tokenized rows itself, with no DataLoader"
-_SFT_METRICS = "SFT evaluation reports eval_loss, eval_entropy and eval_mean_token_accuracy, with no compute_metrics"
+_SFT_METRICS = ("honoured as in transformers when compute_metrics is given (training/prediction.py); the eval loss "
+                "and metrics never depend on it")
 # TrainingArguments fields whose SFT entry differs from GRPO's (None: SFTConfig implements the field itself)
 _SFT_CHANGES = {
     "label_smoothing_factor": unsupported(
@@ -210,10 +211,18 @@ _LOADER_FIELDS = ("dataloader_num_workers", "dataloader_pin_memory", "dataloader
                   "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order")
 
 
+def _inputs_only(value) -> bool:
+    """[] or ["inputs"]"""
+    return set(value or []) <= {"inputs"}
+
+
 def _reasons(metrics_why: str, loader_why: str) -> dict:
     """The evaluation-metrics and DataLoader entries of TRAINING_ARGS with a trainer's own reasons."""
     by_name = {c.name: c for c in TRAINING_ARGS}
     changes = {name: dataclasses.replace(by_name[name], why=metrics_why) for name in _METRICS_FIELDS}
+    changes["include_for_metrics"] = unsupported(
+        "include_for_metrics", list[str], [], "compute_metrics receives the token ids as inputs on request, not the "
+        "per-batch losses (the eval loss is eval_loss); remove 'loss'", accepts=_inputs_only)
     changes.update({name: dataclasses.replace(by_name[name], why=loader_why) for name in _LOADER_FIELDS})
     return changes
 
@@ -230,8 +239,7 @@ SFT_ONLY: list[Compat] = [
 SFT_COMPAT = [_SFT_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _SFT_CHANGES.get(c.name, c) is not None] + SFT_ONLY
 
 _DPO_LOADER = "posttrain batches the tokenized pairs itself, with no DataLoader"
-_DPO_METRICS = ("DPO evaluation reports eval_loss and the eval_rewards/*, eval_logps/* and eval_logits/* metrics, with "
-                "no compute_metrics")
+_DPO_METRICS = _SFT_METRICS
 _DPO_CHANGES = dict(_SFT_CHANGES)
 _DPO_CHANGES.update({
     "label_smoothing_factor": unsupported(

@@ -25,7 +25,7 @@ from posttrain.dpo.batch import PairBatch, collate_pairs
 from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, prepare_pairs
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached
-from posttrain.models.logprobs import next_token_logprobs
+from posttrain.models.logprobs import next_token_logprobs, whole_logits
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
 from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable, read_whole
@@ -33,6 +33,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.prediction import UserMetrics
 from posttrain.training.trainer import take_quantization_config
 
 logger = logging.getLogger("posttrain")
@@ -41,9 +42,6 @@ _REFUSED = {
     "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
                      "the rows in the dataset instead (prompt_ids / chosen_ids / rejected_ids columns work as "
                      "they are)",
-    "compute_metrics": "evaluation reports eval_loss and the eval_rewards/*, eval_logps/* and eval_logits/* metrics, "
-                       "without logits",
-    "preprocess_logits_for_metrics": "evaluation never builds full logits",
 }
 # the step's sums every micro-batch adds to; metrics and the logged loss are read from them
 SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct_pairs", "chosen_logps", "rejected_logps",
@@ -83,13 +81,11 @@ class DPOTrainer(BatchedDataTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = DPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DPO")
-        refused = {"data_collator": data_collator, "compute_metrics": compute_metrics,
-                   "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
-        for name, value in refused.items():
-            if value is not None:
-                raise ConfigError(f"DPOTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        if data_collator is not None:
+            raise ConfigError(f"DPOTrainer(data_collator=...) is not supported: {_REFUSED['data_collator']}.")
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
         if args.precompute_ref_log_probs:  # collectives of its own: outside the guarded set-up
@@ -404,20 +400,35 @@ class DPOTrainer(BatchedDataTrainer):
         acc = self.accelerator
         chosen_total = float(pairs.rows.target_counts[0::2].sum())
         totals = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
+        user = UserMetrics.of(self)
+        shares = list(eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
         with torch.no_grad():
-            for share in eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes,
-                                      acc.process_index):
+            for i, share in enumerate(shares):
                 batch = self._collate(share).to(acc.device)
                 pair_sum, sft_sum, stats = self._micro_loss(batch, grad=False)
                 stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(chosen_total, 1.0)
                 totals += stats
+                if user is not None:
+                    user.add(*self._logits_and_inputs(batch), last=i == len(shares) - 1)
         totals = acc.reduce(totals, reduction="sum")
         runtime = time.time() - start
         metrics = self._metrics_from(totals, f"{prefix}_")
         metrics.update({f"{prefix}_runtime": round(runtime, 4),
                         f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
                         f"{prefix}_num_tokens": float(self._tokens_seen)})
-        return metrics
+        return {**metrics, **user.result(prefix)} if user is not None else metrics
+
+    def _logits_and_inputs(self, batch: PairBatch) -> tuple:
+        """compute_metrics' view of an eval batch, as TRL gives it: (logits [2P, T, V], labels = input_ids [2P, T],
+        input_ids) with the chosen rows first, then the rejected (padded rows; padding-free: the one packed row)."""
+        s = batch.sequences
+        with self.accelerator.autocast():
+            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids)
+        if not batch.pairs:
+            return logits[:0], s.input_ids[:0], s.input_ids[:0]
+        order = slice(None) if s.attention_mask is None else \
+            torch.cat([torch.arange(0, len(s.input_ids), 2), torch.arange(1, len(s.input_ids), 2)])
+        return logits[order], s.input_ids[order], s.input_ids[order]
 
     @property
     def train_dataset(self):

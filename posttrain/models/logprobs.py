@@ -93,6 +93,14 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return logits[:, -n_keep:]
 
 
+def whole_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, V] logits of every position of right-padded (or, with `position_ids` and no mask, packed) rows, as the
+    model computes them: only for a user's compute_metrics, the training and eval passes never build them."""
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 **_sequence_kwargs(model, position_ids, 0)).logits
+
+
 def output_layer(model) -> torch.nn.Linear | None:
     """The model's output projection if it is a plain Linear (not LoRA-wrapped or custom)."""
     get = getattr(unwrap(model), "get_output_embeddings", None)

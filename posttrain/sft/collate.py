@@ -24,6 +24,7 @@ class SequenceBatch:
     source_mask: torch.Tensor  # [B, T] bool: the next token is a target
     targets: torch.Tensor  # [M] target ids, row-major over source_mask
     tokens: int  # real (non-padding) tokens
+    label_mask: torch.Tensor | None = None  # [B, T] bool: the token is trained on (TRL's labels != -100)
 
     @property
     def num_targets(self) -> int:
@@ -32,7 +33,7 @@ class SequenceBatch:
     def to(self, device) -> "SequenceBatch":
         move = (lambda t: t.to(device, non_blocking=True) if t is not None else None)
         return SequenceBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
-                             move(self.source_mask), move(self.targets), self.tokens)
+                             move(self.source_mask), move(self.targets), self.tokens, move(self.label_mask))
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -52,7 +53,7 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
     if len(rows) == 0 or len(rows.tokens) == 0:
         ids = torch.full((1, 1), pad_id, dtype=torch.long)
         empty = torch.zeros((1, 1), dtype=torch.bool)
-        return SequenceBatch(ids, torch.ones_like(ids), None, empty, torch.zeros(0, dtype=torch.long), 0)
+        return SequenceBatch(ids, torch.ones_like(ids), None, empty, torch.zeros(0, dtype=torch.long), 0, empty)
     if padding_free:
         return _flat(rows, pad_id, pad_to_multiple_of)
     lengths = rows.lengths
@@ -65,7 +66,7 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
     source = _source_mask(labels, starts, valid)
     targets = ids[:, 1:][source[:, :-1]]
     return SequenceBatch(torch.from_numpy(ids), torch.from_numpy(valid.astype(np.int64)), None,
-                         torch.from_numpy(source), torch.from_numpy(targets), int(lengths.sum()))
+                         torch.from_numpy(source), torch.from_numpy(targets), int(lengths.sum()), torch.from_numpy(labels))
 
 
 def _flat(rows: TokenRows, pad_id: int, pad_to_multiple_of: int | None) -> SequenceBatch:
@@ -84,4 +85,4 @@ def _flat(rows: TokenRows, pad_id: int, pad_to_multiple_of: int | None) -> Seque
     source = _source_mask(labels[None], starts[None], np.ones((1, width), dtype=bool))
     targets = ids[1:][source[0, :-1]]
     return SequenceBatch(torch.from_numpy(ids[None]), None, torch.from_numpy(positions[None]),
-                         torch.from_numpy(source), torch.from_numpy(targets), total)
+                         torch.from_numpy(source), torch.from_numpy(targets), total, torch.from_numpy(labels[None]))

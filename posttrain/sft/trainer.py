@@ -15,7 +15,7 @@ import torch
 
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
-from posttrain.models.logprobs import next_token_logprobs
+from posttrain.models.logprobs import next_token_logprobs, whole_logits
 from posttrain.sft.collate import collate
 from posttrain.sft.data import (MapBatches, Preparation, StreamBatches, eval_batches, first_row, is_iterable,
                                 prepare_map_dataset, read_whole)
@@ -24,6 +24,7 @@ from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.prediction import UserMetrics
 from posttrain.training.trainer import take_quantization_config
 
 logger = logging.getLogger("posttrain")
@@ -34,8 +35,6 @@ _REFUSED = {
                      "dataset instead (pre-tokenized input_ids with labels work as they are)",
     "compute_loss_func": "the loss is computed from chunked log-probabilities, never full logits (TRL deprecates this "
                          "argument too); subclass SFTTrainer and override _token_losses instead",
-    "compute_metrics": "evaluation reports eval_loss, eval_entropy and eval_mean_token_accuracy, without logits",
-    "preprocess_logits_for_metrics": "evaluation never builds full logits",
 }
 
 
@@ -72,13 +71,13 @@ class SFTTrainer(BatchedDataTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
-        refused = {"data_collator": data_collator, "compute_loss_func": compute_loss_func,
-                   "compute_metrics": compute_metrics, "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
+        refused = {"data_collator": data_collator, "compute_loss_func": compute_loss_func}
         for name, value in refused.items():
             if value is not None:
                 raise ConfigError(f"SFTTrainer({name}=...) is not supported: {_REFUSED[name]}.")
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
         self.formatting_func = formatting_func
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
@@ -265,17 +264,32 @@ class SFTTrainer(BatchedDataTrainer):
         _, rows, packing = self._prepared_eval(dataset)
         args, acc = self.args, self.accelerator
         totals = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        user = UserMetrics.of(self)
+        shares = list(eval_batches(rows, args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
         with torch.no_grad():
-            for share in eval_batches(rows, args.per_device_eval_batch_size, acc.num_processes, acc.process_index):
+            for i, share in enumerate(shares):
                 batch = collate(share, self.tokenizer.pad_token_id, args.padding_free or packing,
                                 self.pad_to_multiple_of)
                 losses, entropy, top1 = self._forward(batch, None)
                 totals += torch.stack([losses.sum(), entropy.sum(), top1.sum().float(),
                                        torch.tensor(float(batch.num_targets), device=losses.device)]).double()
+                if user is not None:
+                    user.add(*self._logits_and_labels(batch), last=i == len(shares) - 1)
         loss, entropy, correct, targets = (float(x) for x in acc.reduce(totals, reduction="sum"))
         runtime = time.time() - start
         n = max(targets, 1.0)
-        return {f"{prefix}_loss": loss / n, f"{prefix}_entropy": entropy / n,
-                f"{prefix}_mean_token_accuracy": correct / n, f"{prefix}_runtime": round(runtime, 4),
-                f"{prefix}_samples_per_second": round(len(rows) / max(runtime, 1e-9), 3),
-                f"{prefix}_num_tokens": float(self._tokens_seen)}
+        metrics = {f"{prefix}_loss": loss / n, f"{prefix}_entropy": entropy / n,
+                   f"{prefix}_mean_token_accuracy": correct / n, f"{prefix}_runtime": round(runtime, 4),
+                   f"{prefix}_samples_per_second": round(len(rows) / max(runtime, 1e-9), 3),
+                   f"{prefix}_num_tokens": float(self._tokens_seen)}
+        return {**metrics, **user.result(prefix)} if user is not None else metrics
+
+    def _logits_and_labels(self, batch) -> tuple:
+        """compute_metrics' view of a collated eval batch, as TRL gives it: (logits [B, T, V], labels [B, T] (the token
+        ids, -100 where not trained on and on padding), input_ids [B, T]); no rows for a process's empty share."""
+        batch = batch.to(self.accelerator.device)
+        rows = slice(None) if batch.tokens else slice(0, 0)
+        with self.accelerator.autocast():
+            logits = whole_logits(self.model, batch.input_ids, batch.attention_mask, batch.position_ids)
+        labels = torch.where(batch.label_mask, batch.input_ids, -100)
+        return logits[rows], labels[rows], batch.input_ids[rows]

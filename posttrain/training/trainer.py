@@ -174,6 +174,7 @@ class Trainer:
         self.logger = None
         self.eval_dataset = None
         self.router_loss = RouterLoss(0.0)  # a mixture-of-experts model's load-balancing loss, set with the policy
+        self.compute_metrics = self.preprocess_logits_for_metrics = None  # SFT's and DPO's (training/prediction.py)
         with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
             if self.accelerator.is_main_process:
                 check_writable(args.output_dir)
