@@ -480,3 +480,39 @@ def test_an_eval_dataset_without_the_training_columns_is_refused(tokenizer, addi
         GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward, tiny_config(tmp_path),
                     train_dataset=addition_dataset, eval_dataset=Dataset.from_dict({"prompt": ["1+1="]}),
                     processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("trainer_name", ["sft", "dpo", "grpo"])
+def test_transformers_training_arguments_are_converted_as_trl_converts_them(tokenizer, tmp_path, trainer_name):
+    """TRL's trainers take a plain transformers TrainingArguments and convert it to their config (to_dict, the
+    trainer's own fields at their defaults); accelerator_config at transformers' defaults is accepted."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from posttrain.configs import ConfigError, DPOConfig, GRPOConfig, SFTConfig
+    from posttrain.dpo.trainer import DPOTrainer
+    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.sft.trainer import SFTTrainer
+    from posttrain.testing import tiny_model
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=3e-3, max_steps=1, report_to="none",
+                             per_device_train_batch_size=8, use_cpu=True, save_strategy="no")
+    model = tiny_model(tokenizer, hidden=32, layers=1, max_positions=1024)  # GRPO's default completions: 512 tokens
+    if trainer_name == "sft":
+        trainer = SFTTrainer(model, args=args, train_dataset=Dataset.from_dict({"text": ["ab"] * 8}),
+                             processing_class=tokenizer)
+        config = SFTConfig
+    elif trainer_name == "dpo":
+        trainer = DPOTrainer(model, args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_dict({"prompt": ["a"] * 8, "chosen": ["b"] * 8,
+                                                              "rejected": ["c"] * 8}))
+        config = DPOConfig
+    else:
+        trainer = GRPOTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
+                              processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
+        config = GRPOConfig
+    assert type(trainer.args) is config
+    assert (trainer.args.learning_rate, trainer.args.max_steps, trainer.args.output_dir) == (3e-3, 1, args.output_dir)
+    assert trainer.args.gradient_checkpointing is False  # TrainingArguments' default, as TRL's conversion keeps it
+    with pytest.raises(ConfigError, match="args is a dict: pass a"):
+        type(trainer)(model, args={"learning_rate": 1.0})

@@ -67,6 +67,23 @@ def _empty(value) -> bool:
     return value in (None, "", [], {}) or (isinstance(value, list) and all(v in ("", None) for v in value))
 
 
+_ACCELERATOR_CONFIG_KEYS = {"split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
+                            "non_blocking", "gradient_accumulation_kwargs", "use_configured_state"}
+
+
+def _plain_accelerator_config(value) -> bool:
+    """None, or transformers' AcceleratorConfig (a dict or the object) with split_batches, use_configured_state false
+    and no gradient_accumulation_kwargs"""
+    if value is None or value == {} or value == "":
+        return True
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict) or set(value) - _ACCELERATOR_CONFIG_KEYS:
+        return False
+    return (not value.get("split_batches") and not value.get("use_configured_state")
+            and not value.get("gradient_accumulation_kwargs"))
+
+
 def _only(default):
     return (default,)
 
@@ -126,7 +143,11 @@ TRAINING_ARGS: list[Compat] = [
     unsupported("restore_callback_states_from_checkpoint", bool, False,
                 "callback state is not saved in checkpoints; restore it in your callback's on_train_begin"),
     unsupported("accelerator_config", Union[dict, str, None], None,
-                "configure accelerate with `accelerate config` or `accelerate launch` flags", accepts=_empty),
+                "posttrain shares each step's rows among the processes itself (so split_batches must be false), "
+                "synchronises gradients once per optimizer step (no gradient_accumulation_kwargs) and builds its own "
+                "Accelerator (use_configured_state false); dispatch_batches, even_batches, use_seedable_sampler and "
+                "non_blocking configure a DataLoader posttrain does not have, and any value gives TRL's rows",
+                accepts=_plain_accelerator_config),
     unsupported("parallelism_config", Any, None, "tensor, context and sequence parallelism are not supported; remove it"),
     same("dataloader_drop_last", bool, False,
          f"{_NO_LOADER}; an incomplete last round of prompts is always dropped, as TRL's sampler does"),

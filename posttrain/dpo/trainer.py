@@ -34,7 +34,7 @@ from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics
-from posttrain.training.trainer import take_quantization_config
+from posttrain.training.trainer import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
 
@@ -78,9 +78,7 @@ class DPOTrainer(BatchedDataTrainer):
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = DPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DPO")
+        args = trainer_config(DPOConfig, args, model, "DPO")
         if data_collator is not None:
             raise ConfigError(f"DPOTrainer(data_collator=...) is not supported: {_REFUSED['data_collator']}.")
         take_quantization_config(model, args, quantization_config)

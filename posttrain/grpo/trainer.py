@@ -35,7 +35,7 @@ from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.training.trainer import Trainer, take_quantization_config
+from posttrain.training.trainer import Trainer, take_quantization_config, trainer_config
 from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
 from posttrain.weights import export_weights
 
@@ -72,9 +72,7 @@ class GRPOTrainer(Trainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
+        args = trainer_config(GRPOConfig, args, model, "GRPO")
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective

@@ -25,7 +25,7 @@ from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics
-from posttrain.training.trainer import take_quantization_config
+from posttrain.training.trainer import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
 
@@ -68,9 +68,7 @@ class SFTTrainer(BatchedDataTrainer):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None,
                  formatting_func=None):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
+        args = trainer_config(SFTConfig, args, model, "SFT")
         refused = {"data_collator": data_collator, "compute_loss_func": compute_loss_func}
         for name, value in refused.items():
             if value is not None:

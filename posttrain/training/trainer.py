@@ -15,6 +15,7 @@ train summary (train_runtime, train_loss, ...), saves the model, and pushes to t
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -740,6 +741,35 @@ class Trainer:
         if not failed:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
+
+
+def trainer_config(config_cls, args, model, title: str):
+    """A trainer's config, as TRL's trainers take `args`: the config itself; None: TRL's defaults with output_dir
+    `<model name>-<title>`; a transformers TrainingArguments: converted to `config_cls` with its values (the trainer's
+    own fields at their defaults). A TrainingArguments field the config does not know stops the run only when it is
+    set to something other than its default."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_cls(output_dir=f"{name.rstrip('/').split('/')[-1]}-{title}")
+    if isinstance(args, config_cls):
+        return args
+    from transformers import TrainingArguments
+
+    from posttrain.configs import ConfigError
+
+    if not isinstance(args, TrainingArguments):
+        raise ConfigError(f"args is a {type(args).__name__}: pass a {config_cls.__name__} (or transformers' "
+                          "TrainingArguments).")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict hides it
+    values.pop("push_to_hub_token", None)
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(k for k in values if k not in known and values[k] != defaults.get(k, dataclasses.MISSING))
+    if unknown:
+        raise ConfigError(f"args sets TrainingArguments field(s) {', '.join(unknown)}, which {config_cls.__name__} "
+                          "does not have: leave them at their defaults.")
+    return config_cls(**{k: v for k, v in values.items() if k in known})
 
 
 def take_quantization_config(model, args, quantization_config) -> None:
