@@ -37,8 +37,9 @@ class SFTDataConfig:
         "Padding token (default: the tokenizer's, else its EOS). TRL deprecates this field; it works here.",
         default=None)
     chat_template_path: Optional[str] = _help(
-        "A .jinja file, or a tokenizer directory / hub id, whose chat template replaces the tokenizer's. Special "
-        "tokens it uses must already be in the vocabulary.", default=None)
+        "A .jinja file (its special tokens must be in the vocabulary), or a tokenizer directory / hub id whose chat "
+        "template replaces the tokenizer's, its missing tokens added and the embeddings resized, as in TRL.",
+        default=None)
     max_length: Optional[int] = _help(
         "Longest token row: longer sequences are truncated (truncation_mode); with packing, the length of a packed "
         "row. None truncates nothing (not with packing).", range=AT_LEAST_ONE, default=1024)

@@ -24,6 +24,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import VALID_ROLES, DataError
+from posttrain.sft.templates import training_template
 
 logger = logging.getLogger("posttrain")
 
@@ -129,7 +130,12 @@ class RowEncoder:
                               "prompt-completion data.")
         if self.format.startswith("conversational"):
             self._check_chat_template()
-        self.template_masks = self.assistant_only and has_generation_markers(tokenizer.chat_template)
+        # without {% generation %} markers, TRL's training version of the template where it has one (sft/templates.py)
+        self.template = None
+        if self.assistant_only and not has_generation_markers(tokenizer.chat_template):
+            self.template = training_template(tokenizer)
+        self.template_masks = self.assistant_only and (self.template is not None
+                                                       or has_generation_markers(tokenizer.chat_template))
         self._warned_prefix = False
 
     # ------------------------------------------------------------------ format and options
@@ -246,7 +252,11 @@ class RowEncoder:
 
     def _render(self, messages: list, kwargs: dict, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **kwargs)
+                                                  **self._with_template(kwargs))
+
+    def _with_template(self, kwargs: dict) -> dict:
+        """A row's chat template keyword arguments, with the training template when one replaces the tokenizer's."""
+        return kwargs if self.template is None else {**kwargs, "chat_template": self.template}
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -287,7 +297,7 @@ class RowEncoder:
         """Token ids of a rendered conversation and its label mask (all tokens, or the assistant turns')."""
         if self.assistant_only and self.template_masks:
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                          return_assistant_tokens_mask=True, **kwargs)
+                                                          return_assistant_tokens_mask=True, **self._with_template(kwargs))
             ids, mask = list(rendered["input_ids"]), [bool(b) for b in rendered["assistant_masks"]]
         else:
             ids = self._ids(self._render(messages, kwargs))
@@ -312,7 +322,8 @@ class RowEncoder:
                     f"Row {index} of {self.name}: the chat template renders the conversation up to message {i} "
                     "differently from the start of the whole conversation (it rewrites earlier turns), so the "
                     "assistant's tokens cannot be found: use a template with {% generation %} markers "
-                    "(chat_template_path), or set assistant_only_loss=False.")
+                    "(chat_template_path; with trl installed, TRL's training version of a template it knows is used "
+                    "by itself), or set assistant_only_loss=False.")
             for t in range(common_prefix_length(before, through), len(through)):
                 mask[t] = True
         return mask

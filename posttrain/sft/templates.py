@@ -1,5 +1,20 @@
-"""chat_template_path: a chat template from a .jinja file or from another tokenizer, checked against this
-tokenizer's vocabulary (a template that emits a token the vocabulary lacks would train on its pieces instead)."""
+"""Chat templates for SFT: chat_template_path (a .jinja file, or another tokenizer's template with the tokens it needs),
+and the training template assistant_only_loss renders with.
+
+chat_template_path, as TRL takes it:
+- a .jinja (or .j2) file replaces the template's text; a special token it uses that the vocabulary lacks is refused
+  (TRL takes it silently, and the token then trains as its pieces);
+- a tokenizer directory or hub id is cloned as TRL's `clone_chat_template` does: its template, the added tokens the
+  vocabulary lacks, its EOS token (on the model's config and generation config too), the embeddings resized to the
+  new vocabulary rounded up to a multiple of 64, and `<extra_id_N>` tokens added until the vocabulary fills them.
+
+assistant_only_loss needs to know which tokens are the assistant's. A template with `{% generation %}` markers says
+so itself. For one without, TRL 1.16 swaps in its bundled training version of the template (`*_training.jinja`:
+Qwen2.5/3, Llama 3, Gemma, Phi-3, GPT-OSS, DeepSeek, ... about 25 families, matched by the template's exact text);
+when TRL is installed, posttrain renders with the same one, so the masks are TRL's. Otherwise (TRL absent, or a
+template it does not know) the assistant turns are found by rendering the conversation turn by turn
+(sft/formats.py), which works for any template that renders earlier turns unchanged.
+"""
 
 import os
 import re
@@ -7,35 +22,82 @@ import re
 from posttrain.configs import ConfigError
 
 _SPECIAL = re.compile(r"<\|[^|<>\s]+\|>|<(?:start|end)_of_turn>|\[/?INST\]")
+EMBEDDING_MULTIPLE = 64  # TRL's clone_chat_template rounds the resized vocabulary up to this
 
 
-def _missing_tokens(template: str, tokenizer, extra_known: set) -> list[str]:
+def _missing_tokens(template: str, tokenizer) -> list[str]:
     vocab = tokenizer.get_vocab()
-    found = set(_SPECIAL.findall(template))
-    return sorted(t for t in found if t not in vocab and t not in extra_known)
+    return sorted(t for t in set(_SPECIAL.findall(template)) if t not in vocab)
 
 
-def load_chat_template(path: str, tokenizer, trust_remote_code: bool = False) -> str:
-    """The template at `path` (a .jinja file, or a tokenizer directory / hub id that has one)."""
+def _is_template_file(path: str) -> bool:
     expanded = os.path.expanduser(path)
-    if expanded.endswith((".jinja", ".j2")) or os.path.isfile(expanded):
+    return expanded.endswith((".jinja", ".j2")) or os.path.isfile(expanded)
+
+
+def _template_of(source, path: str) -> str:
+    template = getattr(source, "chat_template", None)
+    if not template:
+        raise ConfigError(f"chat_template_path {path!r} names a tokenizer without a chat template: give one that "
+                          "has a template, or a .jinja file.")
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()))
+    return template
+
+
+def apply_chat_template_path(path: str, model, tokenizer, trust_remote_code: bool = False) -> list[str]:
+    """Set `tokenizer`'s chat template from `path` (module docstring), adapting `model` to new tokens. Call it before
+    adapters wrap the model. Returns the tokens added to the vocabulary."""
+    if _is_template_file(path):
+        expanded = os.path.expanduser(path)
         if not os.path.isfile(expanded):
             raise ConfigError(f"chat_template_path {path!r} does not exist: give a .jinja file or a tokenizer.")
         with open(expanded, encoding="utf-8") as f:
             template = f.read()
-    else:
-        from posttrain.models import load_tokenizer
+        missing = _missing_tokens(template, tokenizer)
+        if missing:
+            raise ConfigError(f"The chat template of chat_template_path {path!r} uses {', '.join(missing)}, which this "
+                              "tokenizer's vocabulary lacks: give the tokenizer directory the template comes from as "
+                              "chat_template_path (its tokens are then added and the embeddings resized), or add "
+                              "them to the tokenizer yourself.")
+        tokenizer.chat_template = template
+        return []
+    from posttrain.models import load_tokenizer
 
-        source = load_tokenizer(path, trust_remote_code)
-        template = getattr(source, "chat_template", None)
-        if not template:
-            raise ConfigError(f"chat_template_path {path!r} names a tokenizer without a chat template: give one that "
-                              "has a template, or a .jinja file.")
-        if isinstance(template, dict):
-            template = template.get("default") or next(iter(template.values()))
-    missing = _missing_tokens(template, tokenizer, set())
-    if missing:
-        raise ConfigError(f"The chat template of chat_template_path {path!r} uses {', '.join(missing)}, which this "
-                          "tokenizer's vocabulary lacks: add them (tokenizer.add_special_tokens, then "
-                          "model.resize_token_embeddings) and pass that tokenizer, or choose a template made for it.")
-    return template
+    source = load_tokenizer(path, trust_remote_code)
+    tokenizer.chat_template = _template_of(source, path)
+    vocab = tokenizer.get_vocab()
+    added = [token for token in source.added_tokens_decoder.values() if token.content not in vocab]
+    tokenizer.add_tokens(added)
+    tokenizer.eos_token = source.eos_token
+    _set_eos(model, tokenizer.eos_token_id)
+    model.resize_token_embeddings(len(tokenizer.get_vocab()), pad_to_multiple_of=EMBEDDING_MULTIPLE)
+    names = [token.content for token in added]
+    index = 0
+    while model.get_input_embeddings().num_embeddings > len(tokenizer.get_vocab()):
+        name = f"<extra_id_{index}>"
+        index += 1
+        if tokenizer.add_tokens(name) == 1:
+            names.append(name)
+    return names
+
+
+def _set_eos(model, eos_id: int) -> None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.eos_token_id = eos_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.eos_token_id = eos_id
+
+
+def training_template(tokenizer) -> str | None:
+    """TRL's bundled training version of the tokenizer's chat template (with {% generation %} markers, rendering
+    earlier turns unchanged), when TRL is installed and ships one for it; else None."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:  # a template TRL has no training version of
+        return None

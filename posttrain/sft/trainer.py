@@ -91,7 +91,7 @@ class SFTTrainer(BatchedDataTrainer):
         args = self.args
         if train_dataset is None:
             raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
-        model, _ = self._load_policy(model, processing_class, peft_config)
+        model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
@@ -123,13 +123,20 @@ class SFTTrainer(BatchedDataTrainer):
         encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name)
         return Preparation(encoder, self.args, packing, name)
 
-    def _configure_tokenizer(self, model) -> None:
-        """chat_template_path, eos_token and pad_token onto the tokenizer (and the model's configs), as in TRL."""
-        from posttrain.sft.templates import load_chat_template
+    def _apply_chat_template_path(self, model) -> None:
+        """chat_template_path onto the tokenizer, and new tokens into the model, before adapters (sft/templates.py)."""
+        from posttrain.sft.templates import apply_chat_template_path
 
+        if self.args.chat_template_path is not None:
+            added = apply_chat_template_path(self.args.chat_template_path, model, self.tokenizer,
+                                             self._trust_remote_code)
+            if added:
+                logger.info(f"chat_template_path added {len(added)} token(s) to the vocabulary and resized the "
+                            f"embeddings to {model.get_input_embeddings().num_embeddings}.")
+
+    def _configure_tokenizer(self, model) -> None:
+        """eos_token and pad_token onto the tokenizer (and the model's configs), as in TRL."""
         args, tok = self.args, self.tokenizer
-        if args.chat_template_path is not None:
-            tok.chat_template = load_chat_template(args.chat_template_path, tok, self._trust_remote_code)
         vocab = tok.get_vocab()
         for field, token in (("eos_token", args.eos_token), ("pad_token", args.pad_token)):
             if token is not None and token not in vocab:

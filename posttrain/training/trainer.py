@@ -218,9 +218,10 @@ class Trainer:
         """The block to run a training forward in: activation_offloading's offloader, or nothing."""
         return self._offloader if self._offloader is not None else contextlib.nullcontext()
 
-    def _load_policy(self, model, processing_class, peft_config):
+    def _load_policy(self, model, processing_class, peft_config, adapt=None):
         """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
-        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`.
+        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`. `adapt(model)` runs
+        between the two (SFT's chat_template_path resizes the embeddings there, before adapters wrap them).
 
         Returns:
             (the prepared policy on this process's device, whether the model came with a peft adapter).
@@ -242,6 +243,8 @@ class Trainer:
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
+        if adapt is not None:
+            adapt(model)
         self.router_loss = RouterLoss(router_coefficient(model, args.router_aux_loss_coef))
         return prepare_policy(model, args, peft_config, self.accelerator.device), came_with_adapter
 
