@@ -147,3 +147,26 @@ def test_dpo_compute_metrics_and_prediction_loss_only(tokenizer, tmp_path):
     assert list(prediction.label_ids[0][:len(ids)]) == ids
     trainer.args.prediction_loss_only = True
     assert "eval_my_metric" not in trainer.evaluate(rows)
+
+
+def test_eval_dataset_shows_the_prepared_rows_as_trl_does(tokenizer, tmp_path, addition_dataset):
+    """trainer.eval_dataset holds TRL's prepared columns (SFT: input_ids, labels; DPO: prompt_ids, chosen_ids,
+    rejected_ids) for a dataset, an IterableDataset or a dict of them; GRPO's is the dataset as given."""
+    from posttrain.rewards.builtin import accuracy
+
+    rows = Dataset.from_dict({"text": TEXTS})
+    sft = SFTTrainer(tiny_model(tokenizer, hidden=32, layers=1), args=sft_config(tmp_path), train_dataset=rows,
+                     eval_dataset={"a": rows, "b": rows.to_iterable_dataset()}, processing_class=tokenizer)
+    assert set(sft.eval_dataset) == {"a", "b"}
+    for view in sft.eval_dataset.values():
+        assert view["input_ids"] == sft.train_dataset["input_ids"] and view["labels"] == sft.train_dataset["labels"]
+    pairs = Dataset.from_dict(PREFERENCES)
+    dpo = DPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), args=dpo_config(tmp_path / "dpo"),
+                     train_dataset=pairs, eval_dataset=pairs.to_iterable_dataset(), processing_class=tokenizer)
+    assert dpo.eval_dataset.column_names[:3] == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    assert dpo.eval_dataset["chosen_ids"] == dpo.train_dataset["chosen_ids"]
+    grpo = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), accuracy, tiny_config(tmp_path / "grpo"),
+                       train_dataset=addition_dataset, eval_dataset=addition_dataset, processing_class=tokenizer)
+    assert grpo.eval_dataset is addition_dataset
+    sft.eval_dataset = None
+    assert sft.eval_dataset is None

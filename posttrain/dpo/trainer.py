@@ -137,8 +137,9 @@ class DPOTrainer(BatchedDataTrainer):
         rows = self.batches.rows
         rows.ref = self._precomputed_reference(model, rows, "train_dataset",
                                                args.precompute_ref_batch_size or args.per_device_train_batch_size)
-        if self.eval_dataset is not None:
-            datasets = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if self._eval_source is not None:
+            source = self._eval_source
+            datasets = source.values() if isinstance(source, dict) else [source]
             for dataset in datasets:
                 self._prepared_eval(dataset, model)
 
@@ -433,11 +434,17 @@ class DPOTrainer(BatchedDataTrainer):
         """The pairs as TRL shows its prepared dataset: prompt_ids, chosen_ids, rejected_ids (here already truncated
         to max_length, which TRL's collator does later) and, when precomputed, ref_chosen_logps / ref_rejected_logps.
         Built on access."""
-        from datasets import Dataset
-
         if not isinstance(self.batches, MapBatches):
             return self._train_source
-        pairs = self.batches.rows
+        return self._pairs_as_dataset(self.batches.rows)
+
+    def _prepared_view(self, dataset):
+        return self._pairs_as_dataset(self._prepared_eval(dataset))
+
+    @staticmethod
+    def _pairs_as_dataset(pairs: PairRows):
+        from datasets import Dataset
+
         rows = pairs.rows
         columns = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
         for p in range(len(pairs)):

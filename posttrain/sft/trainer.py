@@ -232,11 +232,18 @@ class SFTTrainer(BatchedDataTrainer):
     def train_dataset(self):
         """The training rows as TRL shows its prepared dataset: input_ids, labels (-100 where not trained) and, for
         packed rows, seq_lengths. Built on access (the trainer itself keeps the flat rows)."""
-        from datasets import Dataset
-
         if not isinstance(self.batches, MapBatches):
             return self._train_source
-        rows = self.batches.rows
+        return self._rows_as_dataset(self.batches.rows, self.args.packing)
+
+    def _prepared_view(self, dataset):
+        _, rows, packing = self._prepared_eval(dataset)
+        return self._rows_as_dataset(rows, packing)
+
+    @staticmethod
+    def _rows_as_dataset(rows, packing: bool):
+        from datasets import Dataset
+
         ids, labels, lengths = [], [], []
         for r in range(len(rows)):
             span = rows.row(r)
@@ -246,7 +253,7 @@ class SFTTrainer(BatchedDataTrainer):
             starts = [i for i, s in enumerate(rows.starts[span].tolist()) if s] + [len(tokens)]
             lengths.append([b - a for a, b in zip(starts, starts[1:])])
         columns = {"input_ids": ids, "labels": labels}
-        if self.args.packing:
+        if packing:
             columns["seq_lengths"] = lengths
         return Dataset.from_dict(columns)
 

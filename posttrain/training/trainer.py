@@ -621,7 +621,7 @@ class Trainer:
         Args:
             eval_dataset: a dataset, or a dict of them (each evaluated with the prefix eval_<name>).
         """
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dataset = eval_dataset if eval_dataset is not None else self._eval_source
         if dataset is None:
             from posttrain.configs import ConfigError
 
@@ -641,8 +641,27 @@ class Trainer:
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
+    @property
+    def eval_dataset(self):
+        """The eval dataset (or dict of them) as TRL shows it after preparation (SFT: input_ids and labels; DPO:
+        prompt_ids, chosen_ids, rejected_ids; GRPO: the rows as given). Set it to evaluate on other rows."""
+        source = self._eval_source
+        if source is None:
+            return None
+        if isinstance(source, dict):
+            return {name: self._prepared_view(part) for name, part in source.items()}
+        return self._prepared_view(source)
+
+    @eval_dataset.setter
+    def eval_dataset(self, dataset) -> None:
+        self._eval_source = dataset
+
+    def _prepared_view(self, dataset):
+        """A dataset as the trainer prepares it, for users to read (the trainer trains on its own rows)."""
+        return dataset
+
     def _evaluate_during_training(self) -> None:
-        if self.eval_dataset is None:
+        if self._eval_source is None:
             from posttrain.configs import ConfigError
 
             raise ConfigError(f"eval_strategy={self.args.eval_strategy!r} (or eval_on_start) needs an eval_dataset: "
