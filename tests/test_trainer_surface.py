@@ -516,3 +516,46 @@ def test_transformers_training_arguments_are_converted_as_trl_converts_them(toke
     assert trainer.args.gradient_checkpointing is False  # TrainingArguments' default, as TRL's conversion keeps it
     with pytest.raises(ConfigError, match="args is a dict: pass a"):
         type(trainer)(model, args={"learning_rate": 1.0})
+
+
+def test_training_step_is_the_override_point_for_each_micro_batch(tokenizer, tmp_path):
+    """transformers' training_step(model, inputs, num_items_in_batch): called once per micro-batch with the
+    trainer's micro-batch, it returns the loss it backpropagated (the micro-batch's share: they add up to the step's
+    loss); an override that does not call super() stops in one sentence; the DataLoader getters say why not."""
+    from datasets import Dataset
+
+    from posttrain.configs import SFTConfig
+    from posttrain.errors import UserError
+    from posttrain.sft.collate import SequenceBatch
+    from posttrain.sft.trainer import SFTTrainer
+
+    calls = []
+
+    class Counting(SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            calls.append((type(inputs), float(loss)))
+            return loss
+
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=3, logging_steps=1, save_strategy="no", use_cpu=True,
+                     gradient_checkpointing=False, report_to="none")
+    data = Dataset.from_dict({"text": ["ab " * (1 + i % 5) for i in range(12)]})
+    trainer = Counting(tiny_model(tokenizer, hidden=32, layers=1), args=args, train_dataset=data,
+                       processing_class=tokenizer)
+    trainer.train()
+    assert len(calls) == 6 and all(kind is SequenceBatch for kind, _ in calls)
+    records = [h for h in trainer.state.log_history if "loss" in h and "step" in h][:2]
+    for step, record in enumerate(records):
+        assert sum(loss for _, loss in calls[3 * step:3 * step + 3]) == pytest.approx(record["loss"], rel=1e-5)
+    with pytest.raises(UserError, match="get_train_dataloader\\(\\) is transformers' DataLoader.*training_step"):
+        trainer.get_train_dataloader()
+
+    class Forgetful(SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return torch.zeros(())
+
+    args.output_dir = str(tmp_path / "forgetful")
+    with pytest.raises(UserError, match="Forgetful.training_step returned without calling super"):
+        Forgetful(tiny_model(tokenizer, hidden=32, layers=1), args=args, train_dataset=data,
+                  processing_class=tokenizer).train()

@@ -336,8 +336,8 @@ class DPOTrainer(BatchedDataTrainer):
                               sum(int(b.targets[0::2].sum()) for b in batches),
                               sum(b.sequences.tokens for b in batches)], dtype=torch.float64, device=acc.device)
         pairs_total, chosen_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b.to(acc.device), pairs_total,
-                                                                           chosen_total, 1.0 / len(batches)))
+        stats = self._accumulate(batches, lambda b: self._micro_step(b.to(acc.device), pairs_total, chosen_total,
+                                                                     1.0 / len(batches)))
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
         metrics = self._metrics_from(totals)
         router = self._router_metrics()

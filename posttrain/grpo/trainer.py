@@ -445,7 +445,7 @@ class GRPOTrainer(Trainer):
         micro = [self._next_micro_batch() for _ in range(args.gradient_accumulation_steps)]
         norm = self._normalizer(micro)
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        stats = self._accumulate(micro, lambda mb, sync: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
+        stats = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
         loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
         grad_norm = self._apply_update(loss)
         metrics = loss_metrics(stats, self.accelerator, args.beta)

@@ -216,7 +216,7 @@ class SFTTrainer(BatchedDataTrainer):
                              dtype=torch.float64, device=device)
         targets, tokens = (float(x) for x in self.accelerator.reduce(local, reduction="sum"))
         scale = self.accelerator.num_processes / max(targets, 1.0)
-        stats = self._accumulate(batches, lambda b, sync: self._micro_step(b, scale, 1.0 / len(batches)))
+        stats = self._accumulate(batches, lambda b: self._micro_step(b, scale, 1.0 / len(batches)))
         totals = self.accelerator.reduce(torch.stack(stats).detach().sum(0), reduction="sum")
         loss_sum, entropy_sum, correct, _ = (float(x) for x in totals)
         router = self._router_metrics()

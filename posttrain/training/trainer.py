@@ -428,16 +428,55 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step, for subclasses
 
     def _accumulate(self, micro_batches: list, micro_step) -> list:
-        """Run `micro_step(micro_batch, sync)` over a step's micro-batches, gradients synchronised across processes
-        only on the last one; `on_substep_end` between them. Returns the micro-steps' results."""
+        """Run a step's micro-batches through `training_step`, which runs `micro_step(micro_batch)`, gradients
+        synchronised across processes only on the last one; `on_substep_end` between them. Returns the micro-steps'
+        results."""
+        from posttrain.errors import UserError
+
         results = []
+        self._run_micro_step = micro_step
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
             with self.sharding.accumulating(self.model, sync):
-                results.append(micro_step(mb, sync))
+                self._micro_result = None
+                self.training_step(self.model, mb)
+                if self._micro_result is None:
+                    raise UserError(f"{type(self).__name__}.training_step returned without calling "
+                                    "super().training_step(model, inputs), so the micro-batch was not trained: call it "
+                                    "in the override.")
+                results.append(self._micro_result)
             if not sync:
                 self._call("on_substep_end")
         return results
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """The forward and backward of one micro-batch: transformers' override point, called once per micro-batch.
+
+        Args:
+            model: the model being trained (self.model).
+            inputs: the trainer's micro-batch: GRPO a TrainingBatch (rollouts, advantages, log-probs), SFT a
+                SequenceBatch (input_ids, attention_mask or position_ids, targets), DPO a PairBatch.
+            num_items_in_batch: accepted for transformers' signature; the loss is normalised over the whole step
+                (its tokens, sequences or pairs across processes) whatever is passed.
+        Returns:
+            The loss it backpropagated, detached: the micro-batch's share of the step's loss. An override calls
+            `super().training_step(model, inputs, num_items_in_batch)` to train (and may act before and after).
+        """
+        self._micro_result = self._run_micro_step(inputs)
+        return self._micro_loss
+
+    def get_train_dataloader(self):
+        raise self._no_dataloader("get_train_dataloader")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        raise self._no_dataloader("get_eval_dataloader")
+
+    def _no_dataloader(self, name: str) -> Exception:
+        from posttrain.errors import UserError
+
+        return UserError(f"{type(self).__name__}.{name}() is transformers' DataLoader, which posttrain does not have: it "
+                         "batches the prepared rows itself (read them in trainer.train_dataset and trainer.eval_dataset), "
+                         "and training_step(model, inputs) is the override point that sees each micro-batch.")
 
     def _router_metrics(self) -> dict:
         """The step's router load-balancing loss, {"aux_loss": mean over micro-batches and processes}, or {} when a
@@ -447,6 +486,7 @@ class Trainer:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's loss (normalised for the whole step) through the run's sharding."""
+        self._micro_loss = loss.detach()
         self.sharding.backward(self.model, loss)
 
     def _apply_update(self, loss: float) -> float:
