@@ -99,6 +99,7 @@ def test_grpo_adds_it_over_every_row(tokenizer, addition_dataset, tmp_path):
     trainer = GRPOTrainer(model, constant, tiny_config(tmp_path, max_steps=1, router_aux_loss_coef=coef),
                           train_dataset=addition_dataset, processing_class=tokenizer)
     assert not trainer.skip_zero_advantage_rows and not trainer.packing and not trainer.share_prompts
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == coef  # TRL's attributes
     trainer.train()
     record = trainer.state.log_history[0]
     assert record["aux_loss"] > 0 and record["loss"] == pytest.approx(coef * record["aux_loss"], rel=1e-5)

@@ -478,6 +478,16 @@ class Trainer:
                          "batches the prepared rows itself (read them in trainer.train_dataset and trainer.eval_dataset), "
                          "and training_step(model, inputs) is the override point that sees each micro-batch.")
 
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The router load-balancing loss's coefficient in use (TRL's attribute): 0 when off."""
+        return self.router_loss.coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether a mixture-of-experts router loss is added (TRL's attribute)."""
+        return self.router_loss.enabled
+
     def _router_metrics(self) -> dict:
         """The step's router load-balancing loss, {"aux_loss": mean over micro-batches and processes}, or {} when a
         mixture-of-experts model's router loss is off (or the model has none); the same on every process."""
