@@ -13,7 +13,7 @@ import torch
 
 from posttrain.configs import GRPOConfig
 from posttrain.grpo.entropy import EntropyControl
-from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
+from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss, micro_batch_loss
 from posttrain.grpo.metrics import loss_metrics
 
 trl = pytest.importorskip("trl")
@@ -71,22 +71,12 @@ def _trl_loss(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
 
 
 def _ours(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
-    params = LossParams(cfg.epsilon, cfg.epsilon_high, cfg.delta, cfg.beta, cfg.importance_sampling_level,
-                        cfg.max_completion_length, cfg.use_bias_correction_kl, cfg.off_policy_mask_threshold,
-                        cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, cfg.vespo_k_pos, cfg.vespo_lambda_pos,
-                        cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+    """The trainer's own micro-batch loss (grpo/losses.py's micro_batch_loss, which training and evaluation call)."""
     norm = StepNormalizer(sequences=adv.size(0), tokens=float(mask.sum()), tokens_per_process=float(mask.sum()))
-    kept = None
-    if cfg.top_entropy_quantile < 1.0:
-        threshold = torch.quantile(entropy[mask].float(), 1.0 - cfg.top_entropy_quantile)
-        kept = (entropy >= threshold) & mask
-    out = get_loss(cfg.loss_type)(LossInputs(logps, old, ref, adv, mask, kept), params, norm)
-    loss = out.loss
     control = EntropyControl.from_config(cfg)
-    if control.enabled:
-        loss = loss - control.applied() * entropy_bonus(entropy, mask if kept is None else kept, norm)
-    stats = dict(out.stats, tokens=mask.sum(), entropy=(entropy * mask).sum(), entropy_tokens=mask.sum())
-    return loss, loss_metrics([stats], OneProcess(), cfg.beta)
+    out = micro_batch_loss(get_loss(cfg.loss_type), LossParams.from_config(cfg), LossInputs(logps, old, ref, adv, mask),
+                           entropy, norm, cfg.top_entropy_quantile, control.applied() if control.enabled else 0.0)
+    return out.loss, loss_metrics([dict(out.stats, tokens=mask.sum())], OneProcess(), cfg.beta)
 
 
 CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")] + [

@@ -14,7 +14,7 @@ import torch
 from posttrain.data import PromptSource
 from posttrain.grpo.advantages import Advantages, group_advantages
 from posttrain.grpo.completions import RewardLogs
-from posttrain.grpo.losses import LossInputs, StepNormalizer, entropy_bonus
+from posttrain.grpo.losses import LossInputs, StepNormalizer, micro_batch_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.models import token_logprobs
 from posttrain.rewards import reward_inputs, score
@@ -72,19 +72,16 @@ def _loss_metrics(trainer, rollouts, ref_logps, advantages: torch.Tensor, mask: 
     norm = StepNormalizer(sequences=max(int(mask.any(1).sum()), 1), tokens=tokens,
                           tokens_per_process=total / acc.num_processes)
     r = rollouts
+    bonus = trainer.entropy_control.applied() if trainer.entropy_control.enabled else 0.0
     with torch.no_grad(), acc.autocast():
         logps, entropy = token_logprobs(trainer.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                         r.completion_mask, args.temperature, with_entropy=True,
                                         packing=trainer.packing, share_prompts=trainer.share_prompts)
-        kept = trainer._entropy_mask(entropy, mask)
-        result = trainer.loss_fn(LossInputs(logps, None, ref_logps, advantages, mask, kept), trainer.loss_params, norm)
-        loss = result.loss
-        if trainer.entropy_control.enabled:
-            loss = loss - trainer.entropy_control.applied() * entropy_bonus(entropy, mask if kept is None else kept,
-                                                                            norm)
-    stats = dict(result.stats, tokens=mask.sum(), entropy=(entropy * mask).sum(), entropy_tokens=mask.sum())
-    out = loss_metrics([stats], acc, args.beta)
-    out["loss"] = float(acc.reduce(loss.detach(), reduction="mean"))
+        result = micro_batch_loss(trainer.loss_fn, trainer.loss_params,
+                                  LossInputs(logps, None, ref_logps, advantages, mask), entropy, norm,
+                                  args.top_entropy_quantile, bonus)
+    out = loss_metrics([dict(result.stats, tokens=mask.sum())], acc, args.beta)
+    out["loss"] = float(acc.reduce(result.loss.detach(), reduction="mean"))
     return out
 
 

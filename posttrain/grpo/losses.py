@@ -17,7 +17,7 @@ Shapes: b completions in the micro-batch, C completion tokens.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -41,6 +41,12 @@ class LossParams:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "LossParams":
+        """The GRPOConfig fields of the same names (epsilon is epsilon_low)."""
+        values = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.name != "epsilon_low"}
+        return cls(epsilon_low=cfg.epsilon, **values)
 
 
 @dataclass(frozen=True)
@@ -288,3 +294,49 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, norm: StepNormalize
     """The step's mean per-token entropy, this micro-batch's share: sum(entropy * mask) / (step tokens across
     processes / processes). Subtracted from the loss times entropy_coef; [b, C] entropy (with grad) -> scalar."""
     return _masked_sum(entropy, mask.float()) / max(norm.tokens_per_process, 1.0)
+
+
+def entropy_quantile_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor | None:
+    """top_entropy_quantile: the [b, C] loss tokens whose entropy is in the top `quantile` of the micro-batch's, or
+    None when every token counts (quantile 1)."""
+    if quantile >= 1.0:
+        return None
+    values = entropy[mask].float()
+    if values.numel() == 0:
+        return mask
+    return (entropy >= torch.quantile(values, 1.0 - quantile)) & mask
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """A micro-batch's loss and what the step's metrics need of it.
+
+    Attributes:
+        loss: what is backpropagated: the objective, minus the entropy bonus when there is one.
+        policy_loss: the objective alone.
+        stats: the objective's token sums, and the entropy's sums over the loss tokens and over the tokens the
+            objective kept (the entropy quantile's).
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    stats: dict
+
+
+def micro_batch_loss(loss_fn: Loss, params: LossParams, inputs: LossInputs, entropy: torch.Tensor,
+                     norm: StepNormalizer, top_entropy_quantile: float = 1.0, bonus: float = 0.0) -> MicroBatchLoss:
+    """The GRPO loss of one micro-batch, as training and evaluation compute it: the entropy quantile's tokens, the
+    loss table's objective over them, and the entropy bonus (coefficient `bonus`) subtracted.
+
+    Args:
+        inputs: the micro-batch (its entropy_mask is set here).
+        entropy: [b, C] per-token entropy (with its gradient when the bonus needs it).
+    """
+    kept = entropy_quantile_mask(entropy.detach(), inputs.mask, top_entropy_quantile)
+    out = loss_fn(replace(inputs, entropy_mask=kept), params, norm)
+    effective = inputs.mask if kept is None else kept
+    loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
+    seen = entropy.detach()
+    stats = dict(out.stats, entropy=(seen * inputs.mask).sum(), entropy_tokens=inputs.mask.sum(),
+                 bonus_entropy=(seen * effective).sum(), bonus_tokens=effective.sum())
+    return MicroBatchLoss(loss, out.loss, stats)

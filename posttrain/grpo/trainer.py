@@ -26,7 +26,7 @@ from posttrain.grpo.completions import CompletionLog, RewardLogs
 from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs, resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
-from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, entropy_bonus, get_loss
+from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss, micro_batch_loss
 from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
 from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
 from posttrain.models import token_logprobs
@@ -89,11 +89,7 @@ class GRPOTrainer(Trainer):
                                             num_processes=self.accelerator.num_processes,
                                             local_process_index=self.accelerator.local_process_index)
         self.loss_fn = get_loss(args.loss_type)
-        self.loss_params = LossParams(
-            args.epsilon, args.epsilon_high, args.delta, args.beta, args.importance_sampling_level,
-            args.max_completion_length, args.use_bias_correction_kl, args.off_policy_mask_threshold,
-            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
-            args.vespo_k_neg, args.vespo_lambda_neg)
+        self.loss_params = LossParams.from_config(args)
         self.entropy_control = EntropyControl.from_config(args)
         # Old log-probs are needed only when an optimizer step can land between sampling and training.
         # So are they when an engine's samples are corrected towards the trainer's distribution (as in TRL).
@@ -363,16 +359,6 @@ class GRPOTrainer(Trainer):
         return StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
                               tokens_per_process=float(totals[0]) / self.accelerator.num_processes)
 
-    def _entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        q = self.args.top_entropy_quantile
-        if q >= 1.0:
-            return None
-        values = entropy[mask].float()
-        if values.numel() == 0:
-            return mask
-        threshold = torch.quantile(values, 1.0 - q)
-        return (entropy >= threshold) & mask
-
     def _rows_with_gradient(self, mb: TrainingBatch) -> TrainingBatch:
         """Drop rows whose advantage is 0 (their gradient is exactly 0); keep at least one row, so every
         process still runs a backward and DDP's gradient synchronisation stays in step."""
@@ -381,11 +367,11 @@ class GRPOTrainer(Trainer):
             return mb
         return mb.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
 
-    def _loss(self, mb: TrainingBatch, logps: torch.Tensor, norm: StepNormalizer, entropy_mask=None):
-        """The configured loss of micro-batch `mb` given the policy's [b, C] log-probs."""
-        inputs = LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps, advantages=mb.advantages,
-                            mask=mb.loss_mask, entropy_mask=entropy_mask, sampling_ratio=mb.sampling_ratio)
-        return self.loss_fn(inputs, self.loss_params, norm)
+    @staticmethod
+    def _loss_inputs(mb: TrainingBatch, logps: torch.Tensor) -> LossInputs:
+        """Micro-batch `mb` as the loss takes it, given the policy's [b, C] log-probs."""
+        return LossInputs(logps=logps, old_logps=mb.old_logps, ref_logps=mb.ref_logps, advantages=mb.advantages,
+                          mask=mb.loss_mask, sampling_ratio=mb.sampling_ratio)
 
     def _loss_gradient(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float = 0.0):
         """[b, C] log-probs -> d loss / d log-probs, when each token's loss term depends on its own log-prob only.
@@ -405,7 +391,7 @@ class GRPOTrainer(Trainer):
         def gradient(logps: torch.Tensor) -> torch.Tensor:
             x = logps.detach().requires_grad_()
             with torch.enable_grad():
-                return torch.autograd.grad(self._loss(mb, x, norm).loss, x)[0]
+                return torch.autograd.grad(self.loss_fn(self._loss_inputs(mb, x), self.loss_params, norm).loss, x)[0]
 
         return gradient
 
@@ -426,19 +412,14 @@ class GRPOTrainer(Trainer):
                                                 loss_gradient=self._loss_gradient(mb, norm, bonus),
                                                 entropy_grad=self.entropy_control.enabled, packing=self.packing,
                                                 share_prompts=self.share_prompts)
-            kept = self._entropy_mask(entropy.detach(), mb.loss_mask)
-            out = self._loss(mb, logps, norm, kept)
-            effective = mb.loss_mask if kept is None else kept
-            loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
-            loss = loss + sum(router_term)  # TRL adds it last: coef * aux_loss / micro-batches of the step
+            out = micro_batch_loss(self.loss_fn, self.loss_params, self._loss_inputs(mb, logps), entropy, norm,
+                                   self.args.top_entropy_quantile, bonus)
+            loss = out.loss + sum(router_term)  # TRL adds it last: coef * aux_loss / micro-batches of the step
             self._backward(loss)
-        entropy = entropy.detach()
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
         stats = dict(out.stats, clip_units=clip_units) if "clip_units" in out.stats else out.stats
-        return dict(stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.loss.detach(),
-                    entropy=(entropy * mb.loss_mask).sum(), entropy_tokens=mb.loss_mask.sum(),
-                    bonus_entropy=(entropy * effective).sum(), bonus_tokens=effective.sum())
+        return dict(stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.policy_loss.detach())
 
     def _optimizer_step(self) -> dict:
         args = self.args
