@@ -49,7 +49,7 @@ def main():
     import torch
 
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("POSTTRAIN_CACHE", tempfile.mkdtemp(prefix="posttrain-bench-cache-"))  # no warm cache
+    os.environ["POSTTRAIN_CACHE"] = tempfile.mkdtemp(prefix="posttrain-bench-cache-")  # never a warm cache
     from datasets import Dataset
     from transformers import AutoTokenizer
 

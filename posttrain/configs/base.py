@@ -200,23 +200,6 @@ def check_padding_multiple(cfg) -> None:
         check_positive(cfg, "pad_to_multiple_of")
 
 
-def check_range(cfg, name: str, low=None, high=None, low_open=False, high_open=False, why: str = "") -> None:
-    """`name` within [low, high] (open ends where asked); None passes (the field is unset)."""
-    value = getattr(cfg, name)
-    if value is None:
-        return
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
-    if too_low or too_high:
-        if low is not None and high is not None:
-            bound = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        elif low is not None:
-            bound = f"{'>' if low_open else '>='} {low}"
-        else:
-            bound = f"{'<' if high_open else '<='} {high}"
-        raise ConfigError(f"{name}={value!r} must be {bound}{why}.")
-
-
 def check_steps(cfg, name: str) -> None:
     """A step interval: a whole number >= 1, or a ratio of the run's total steps in (0, 1) (TRL's convention)."""
     value = getattr(cfg, name)

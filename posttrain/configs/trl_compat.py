@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Help, Range
+from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
              for name in ("grpo", "sft", "dpo")}

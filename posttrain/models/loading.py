@@ -6,7 +6,7 @@ import logging
 import os
 
 from posttrain.errors import UserError
-from posttrain.models.keywords import dtype_keyword, unwrap
+from posttrain.models.keywords import dtype_keyword
 
 logger = logging.getLogger("posttrain")
 

@@ -65,7 +65,7 @@ def import_dotted(path: str):
 
 
 def _load_reward_model(source, trust_remote_code: bool, tokenizer=None, dtype=None) -> RewardFunction:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from posttrain.models.loading import ModelLoadError, load_tokenizer
 

@@ -10,7 +10,6 @@ and counts the tokens it trains on in self._tokens_seen.
 
 import math
 
-import torch
 
 from posttrain.configs import ConfigError
 from posttrain.training.checkpoint import CheckpointError

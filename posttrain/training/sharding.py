@@ -495,8 +495,3 @@ def fsdp1_wrappers_set_aside(model: torch.nn.Module):
     finally:
         for parent, name, child in reversed(swapped):
             setattr(parent, name, child)
-
-
-def gathered_for_generation(model: torch.nn.Module):
-    """Whole weights for a model sharded with `fully_shard` outside accelerate (kept for direct FSDP2 users)."""
-    return Sharding("none").whole_weights(model)
