@@ -167,6 +167,6 @@ def test_eval_dataset_shows_the_prepared_rows_as_trl_does(tokenizer, tmp_path, a
     assert dpo.eval_dataset["chosen_ids"] == dpo.train_dataset["chosen_ids"]
     grpo = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), accuracy, tiny_config(tmp_path / "grpo"),
                        train_dataset=addition_dataset, eval_dataset=addition_dataset, processing_class=tokenizer)
-    assert grpo.eval_dataset is addition_dataset
+    assert grpo.eval_dataset is addition_dataset and grpo.train_dataset is addition_dataset
     sft.eval_dataset = None
     assert sft.eval_dataset is None

@@ -94,3 +94,33 @@ def test_a_jinja_file_whose_tokens_are_missing_is_refused(tmp_path):
                                           r"the tokenizer directory the template "
                                           r"comes from as chat_template_path"):
         _ours(tmp_path, tiny_tokenizer(all_bytes=False), chat_template_path=str(template))
+
+
+@pytest.mark.peft
+@pytest.mark.parametrize("tied", [False, True])
+def test_with_adapters_the_added_tokens_train_as_in_trl(tmp_path, tied):
+    """TRL puts the tokens chat_template_path added into peft's trainable_token_indices and lm_head into
+    modules_to_save; so does posttrain (for tied embeddings the trainable tokens cover the output layer, where TRL's
+    lm_head entry makes peft stop), and training moves the new tokens' embeddings."""
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.testing import tiny_config
+
+    tokenizer = tiny_tokenizer(all_bytes=False)
+    model_config = tiny_config(tokenizer, hidden=32, layers=1)
+    model_config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = SFTTrainer(Qwen2ForCausalLM(model_config),
+                         args=sft_config(tmp_path, max_length=None, chat_template_path=_source_tokenizer(tmp_path),
+                                         max_steps=2, learning_rate=1e-2),
+                         train_dataset=Dataset.from_dict({"messages": TURNS}), processing_class=tokenizer,
+                         peft_config=config)
+    added = trainer.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert set(added) <= set(config.trainable_token_indices["embed_tokens"])
+    assert ("lm_head" in (config.modules_to_save or [])) is not tied
+    embeddings = trainer.policy.get_input_embeddings()
+    before = embeddings(torch.tensor(added)).detach().clone()
+    trainer.train()
+    assert not torch.equal(embeddings(torch.tensor(added)).detach(), before)

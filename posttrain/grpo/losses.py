@@ -216,15 +216,15 @@ def off_policy_keep(inp: LossInputs, p: LossParams) -> torch.Tensor:
     return keep.to(mask.dtype)
 
 
-def per_token_loss(objective, inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
-    """The objective with its masks, plus the KL term: [b, C] (or broadcastable) loss, and stats."""
+def per_token_loss(entry: "Loss", inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
+    """The loss entry's objective with its masks, plus the KL term: [b, C] (or broadcastable) loss, and stats."""
     ratio = importance_ratio(inp, p.importance_sampling_level)
-    loss, stats = objective(inp, p, ratio)
+    loss, stats = entry.objective(inp, p, ratio)
     if p.off_policy_mask_threshold is not None:
         loss = loss * off_policy_keep(inp, p)
     if inp.entropy_mask is not None:
         loss = loss * inp.entropy_mask
-    if inp.sampling_ratio is not None and objective is not vespo_objective:  # VESPO weighs it in its phi
+    if inp.sampling_ratio is not None and not entry.sequence_weight:  # a sequence weight carries it (VESPO's phi)
         loss = loss * inp.sampling_ratio
     if p.beta != 0.0:
         kl = k3_kl(inp)
@@ -261,14 +261,34 @@ def sequence_sum_mean(loss, mask, norm: StepNormalizer, p: LossParams) -> torch.
 
 @dataclass(frozen=True)
 class Loss:
-    """A loss type: its per-token objective and how the step aggregates it."""
+    """A loss type: its per-token objective, how the step aggregates it, and what the trainer may assume of it.
+
+    Attributes:
+        sequence_weight: the objective weighs each token by a (detached) function of its whole sequence, logged over
+            every sequence, which also carries the engine's sampling ratio (VESPO's phi).
+    """
 
     objective: Callable
     aggregate: Callable
+    sequence_weight: bool = False
 
     def __call__(self, inp: LossInputs, p: LossParams, norm: StepNormalizer) -> LossOutputs:
-        loss, stats = per_token_loss(self.objective, inp, p)
+        loss, stats = per_token_loss(self, inp, p)
         return LossOutputs(self.aggregate(loss, inp.mask.float(), norm, p), stats)
+
+    def token_local(self, p: LossParams, off_policy: bool) -> bool:
+        """Whether each token's loss term depends on its own log-prob only, so that its gradient can be predicted in
+        the forward (models/chunked.py). Not so on stored old log-probs (`off_policy`) with a sequence-level ratio, a
+        sequence weight or the off-policy mask, nor with a bias-corrected KL weighted by a sequence-level ratio."""
+        sequence_ratio = p.importance_sampling_level == "sequence"
+        if off_policy and (sequence_ratio or self.sequence_weight or p.off_policy_mask_threshold is not None):
+            return False
+        return not (p.beta != 0.0 and p.use_bias_correction_kl and sequence_ratio)
+
+    def needs_zero_advantage_rows(self, p: LossParams) -> bool:
+        """Whether a row whose advantage is 0 changes the loss or its metrics: through the KL term, or a sequence
+        weight logged over every sequence. Otherwise its gradient is exactly 0 and the row may be skipped."""
+        return p.beta != 0.0 or self.sequence_weight
 
 
 LOSSES = {
@@ -279,7 +299,7 @@ LOSSES = {
     "cispo": Loss(cispo_objective, global_token_mean),
     "sapo": Loss(sapo_objective, per_sequence_mean),
     "luspo": Loss(clipped_surrogate, sequence_sum_mean),
-    "vespo": Loss(vespo_objective, global_token_mean),
+    "vespo": Loss(vespo_objective, global_token_mean, sequence_weight=True),
 }
 
 

@@ -96,12 +96,11 @@ class GRPOTrainer(Trainer):
         self.needs_old_logps = (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
                                 or args.corrects_sampling)
         self.sampling_params = SamplingParams.from_config(args)
-        # A row with advantage 0 has zero gradient unless a KL term, an entropy quantile or bonus (which look at
-        # every row) involves it: such rows skip the forward and backward. (VESPO keeps them: its logged weight
-        # covers every sequence.)
-        # A mixture-of-experts router loss covers every row too.
-        self.skip_zero_advantage_rows = (args.beta == 0.0 and args.top_entropy_quantile >= 1.0
-                                         and not self.entropy_control.enabled and args.loss_type != "vespo"
+        # A row with advantage 0 has zero gradient unless the loss needs it (Loss.needs_zero_advantage_rows), an
+        # entropy quantile or bonus (which look at every row) or a mixture-of-experts router loss involves it: such
+        # rows skip the forward and backward.
+        self.skip_zero_advantage_rows = (not self.loss_fn.needs_zero_advantage_rows(self.loss_params)
+                                         and args.top_entropy_quantile >= 1.0 and not self.entropy_control.enabled
                                          and not self.router_loss.enabled)
         self.pad_to_multiple_of = self._padding_multiple()
         # padded widths are fixed for a reason: keep them; a router loss counts each real token of the padded rows
@@ -153,6 +152,7 @@ class GRPOTrainer(Trainer):
                                      args.max_completion_length)
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
                                     self._data_seed)
+        self.train_dataset = train_dataset  # as given, as TRL keeps it (GRPO prepares prompts round by round)
         # TRL's remove_unused_columns=True drops every column but the prompt before the reward functions see them
         self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
         check_required_columns(self.reward_funcs, self.reward_columns)
@@ -377,15 +377,11 @@ class GRPOTrainer(Trainer):
         """[b, C] log-probs -> d loss / d log-probs, when each token's loss term depends on its own log-prob only.
 
         It lets the output layer's gradient be computed in the forward (models/chunked.py). Not so with an entropy
-        quantile (it looks at every token) or bonus (its gradient is recomputed anyway), a sequence-level ratio or
-        weight on stored old log-probs, or a bias-corrected KL weighted by a sequence-level ratio.
+        quantile (it looks at every token) or bonus (its gradient is recomputed anyway), or a loss that is not
+        token-local here (Loss.token_local).
         """
-        args = self.args
-        sequence_level = args.importance_sampling_level == "sequence"
-        off_policy = mb.old_logps is not None and (sequence_level or args.loss_type == "vespo"
-                                                   or args.off_policy_mask_threshold is not None)
-        sequence_kl = args.beta != 0.0 and args.use_bias_correction_kl and sequence_level
-        if args.top_entropy_quantile < 1.0 or bonus != 0.0 or off_policy or sequence_kl:
+        token_local = self.loss_fn.token_local(self.loss_params, off_policy=mb.old_logps is not None)
+        if self.args.top_entropy_quantile < 1.0 or bonus != 0.0 or not token_local:
             return None
 
         def gradient(logps: torch.Tensor) -> torch.Tensor:

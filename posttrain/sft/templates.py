@@ -16,10 +16,13 @@ template it does not know) the assistant turns are found by rendering the conver
 (sft/formats.py), which works for any template that renders earlier turns unchanged.
 """
 
+import logging
 import os
 import re
 
 from posttrain.configs import ConfigError
+
+logger = logging.getLogger("posttrain")
 
 _SPECIAL = re.compile(r"<\|[^|<>\s]+\|>|<(?:start|end)_of_turn>|\[/?INST\]")
 EMBEDDING_MULTIPLE = 64  # TRL's clone_chat_template rounds the resized vocabulary up to this
@@ -45,9 +48,9 @@ def _template_of(source, path: str) -> str:
     return template
 
 
-def apply_chat_template_path(path: str, model, tokenizer, trust_remote_code: bool = False) -> list[str]:
+def apply_chat_template_path(path: str, model, tokenizer, trust_remote_code: bool = False) -> list[int]:
     """Set `tokenizer`'s chat template from `path` (module docstring), adapting `model` to new tokens. Call it before
-    adapters wrap the model. Returns the tokens added to the vocabulary."""
+    adapters wrap the model. Returns the ids of the tokens added to the vocabulary."""
     if _is_template_file(path):
         expanded = os.path.expanduser(path)
         if not os.path.isfile(expanded):
@@ -79,7 +82,27 @@ def apply_chat_template_path(path: str, model, tokenizer, trust_remote_code: boo
         index += 1
         if tokenizer.add_tokens(name) == 1:
             names.append(name)
-    return names
+    return tokenizer.convert_tokens_to_ids(names)
+
+
+def train_added_tokens(peft_config, token_ids: list[int], tied: bool) -> None:
+    """With adapters, the embeddings of tokens chat_template_path added train too (peft's trainable_token_indices),
+    and the output layer is saved whole (modules_to_save), as TRL sets them, with its warning. With `tied` output and
+    input embeddings the trainable tokens cover both, and lm_head stays out of modules_to_save (peft cannot wrap a
+    module twice; TRL adds it and peft stops)."""
+    if peft_config is None or not token_ids:
+        return
+    indices = peft_config.trainable_token_indices
+    if indices is None:
+        peft_config.trainable_token_indices = {"embed_tokens": list(token_ids)}
+    elif isinstance(indices, dict):
+        indices.setdefault("embed_tokens", []).extend(token_ids)
+    else:  # a plain list means the embedding layer's
+        peft_config.trainable_token_indices = list(indices) + list(token_ids)
+    if not tied and (peft_config.modules_to_save is None or "lm_head" not in peft_config.modules_to_save):
+        logger.warning("chat_template_path added tokens, so lm_head is added to the adapters' modules_to_save: "
+                       "without it the model could not learn to produce them. Put it there yourself to silence this.")
+        peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
 
 
 def _set_eos(model, eos_id: int) -> None:

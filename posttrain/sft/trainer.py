@@ -123,9 +123,10 @@ class SFTTrainer(BatchedDataTrainer):
         encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name)
         return Preparation(encoder, self.args, packing, name)
 
-    def _apply_chat_template_path(self, model) -> None:
-        """chat_template_path onto the tokenizer, and new tokens into the model, before adapters (sft/templates.py)."""
-        from posttrain.sft.templates import apply_chat_template_path
+    def _apply_chat_template_path(self, model, peft_config) -> None:
+        """chat_template_path onto the tokenizer, new tokens into the model and, with adapters, into what trains
+        (sft/templates.py); before the adapters wrap the model."""
+        from posttrain.sft.templates import apply_chat_template_path, train_added_tokens
 
         if self.args.chat_template_path is not None:
             added = apply_chat_template_path(self.args.chat_template_path, model, self.tokenizer,
@@ -133,6 +134,8 @@ class SFTTrainer(BatchedDataTrainer):
             if added:
                 logger.info(f"chat_template_path added {len(added)} token(s) to the vocabulary and resized the "
                             f"embeddings to {model.get_input_embeddings().num_embeddings}.")
+                tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+                train_added_tokens(peft_config, added, tied)
 
     def _configure_tokenizer(self, model) -> None:
         """eos_token and pad_token onto the tokenizer (and the model's configs), as in TRL."""

@@ -220,8 +220,9 @@ class Trainer:
 
     def _load_policy(self, model, processing_class, peft_config, adapt=None):
         """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
-        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`. `adapt(model)` runs
-        between the two (SFT's chat_template_path resizes the embeddings there, before adapters wrap them).
+        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`. `adapt(model,
+        peft_config)` runs between the two (SFT's chat_template_path resizes the embeddings there, before adapters
+        wrap them).
 
         Returns:
             (the prepared policy on this process's device, whether the model came with a peft adapter).
@@ -244,7 +245,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
         if adapt is not None:
-            adapt(model)
+            adapt(model, peft_config)
         self.router_loss = RouterLoss(router_coefficient(model, args.router_aux_loss_coef))
         return prepare_policy(model, args, peft_config, self.accelerator.device), came_with_adapter
 
