@@ -150,6 +150,11 @@ class ModelConfig:
         "transformers 5's name for gradient_checkpointing: when set, it wins, and the two always agree.", default=None)
     activation_checkpointing_kwargs: Union[dict, str, None] = _help(
         "transformers 5's name for gradient_checkpointing_kwargs (wins when set).", default=None)
+    fast_paths: bool = _help(
+        "posttrain's own fast paths, each checked once per model against the model's own results: the output layer "
+        "in chunks, packed rows, shared prompts, the lean decoder and oneDNN products on a CPU. false runs the "
+        "model's plain transformers forward with whole logits, padded rows and torch's products (for debugging, or a "
+        "model the checks do not know); the numbers agree within float rounding.", default=True)
     router_aux_loss_coef: Optional[float] = _help(
         "Coefficient of a mixture-of-experts model's router load-balancing loss, added to the training loss (and "
         "logged as aux_loss) as in TRL. None: the model config's own coefficient (0 where it has none); 0 turns it "

@@ -24,6 +24,7 @@ h query heads, k key/value heads, D head size.
 import torch
 import torch.nn.functional as F
 
+from posttrain.models import fast_paths
 from posttrain.models.keywords import unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, class_before_fully_shard
 from posttrain.models.onednn import linear_op
@@ -323,12 +324,8 @@ class LeanDecoder:
 
 def supports(model) -> bool:
     """Whether `LeanDecoder` reproduces this model's logits; decided once per model object and cached."""
-    plain = unwrap(model)
-    cached = getattr(plain, "_posttrain_lean_decoder", None)
-    if cached is None:
-        cached = _known_structure(plain) and _reproduces_logits(model)
-        plain._posttrain_lean_decoder = cached
-    return cached
+    return fast_paths.decided(model, "lean_decoder",
+                              lambda: _known_structure(unwrap(model)) and _reproduces_logits(model))
 
 
 def _reproduces_logits(model) -> bool:

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from posttrain.models import fast_paths
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.keywords import (cache_kwarg, forward_accepts, logits_to_keep_kwarg, missing_from_forward,
                                        returned_cache, unwrap)
@@ -119,23 +120,24 @@ def fast_path_available(model) -> bool:
     """Whether the chunked path reproduces this model's logits; decided once per model object and cached (on the
     first call, a forward of `model`: under sharding a collective, which every process reaches alike). Where it does
     not, a warning says why: the logits path holds [tokens, vocabulary] logits at once."""
+    return fast_paths.decided(model, "chunked_output_layer", lambda: _decide_fast_path(model))
+
+
+def _decide_fast_path(model) -> bool:
     plain = unwrap(model)
-    cached = getattr(plain, "_posttrain_fast_logprobs", None)
-    if cached is None:
-        layer = output_layer(plain)
-        try:
-            if layer is not None and _whole_in_model_forward(layer):  # FSDP1, FSDP2: gathered by the model's forward
-                cached = _check_in_forward_path(model, layer)
-            else:  # ZeRO-3's hooks gather the weights of the plain module's parts
-                cached = _check_fast_path(plain)
-            reason = None if cached else _why_not_chunked(plain)
-        except CHECK_ERRORS as err:  # no hidden states, or not the shapes we expect: the logits path
-            cached, reason = False, f"its one-time check raised {raised(err)}"
-        plain._posttrain_fast_logprobs = cached
-        if not cached:
-            fallback_said(plain, "log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
-                                 "TRL), not from its output layer in chunks", reason)
-    return cached
+    layer = output_layer(plain)
+    try:
+        if layer is not None and _whole_in_model_forward(layer):  # FSDP1, FSDP2: gathered by the model's forward
+            works = _check_in_forward_path(model, layer)
+        else:  # ZeRO-3's hooks gather the weights of the plain module's parts
+            works = _check_fast_path(plain)
+        reason = None if works else _why_not_chunked(plain)
+    except CHECK_ERRORS as err:  # no hidden states, or not the shapes we expect: the logits path
+        works, reason = False, f"its one-time check raised {raised(err)}"
+    if not works:
+        fallback_said(plain, "log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
+                             "TRL), not from its output layer in chunks", reason)
+    return works
 
 
 def _why_not_chunked(plain) -> str:
@@ -221,7 +223,7 @@ def _with_cpu_linears(fn: Callable) -> Callable:
     """`fn(model, ...)` with the model's float32 CPU products through oneDNN (models/onednn.py)."""
     @functools.wraps(fn)
     def run(model, *args, **kwargs):
-        with cpu_linears(unwrap(model)):
+        with cpu_linears(unwrap(model)) if fast_paths.enabled(model) else contextlib.nullcontext():
             return fn(model, *args, **kwargs)
 
     return run
@@ -362,17 +364,17 @@ def packing_works(model) -> bool:
     """Whether the model attends within each sequence of a packed row (position ids restarting at 0, no attention
     mask); decided once per model object and cached. The check (two forwards: a packed row of two sequences, and
     the same sequences as a padded batch) runs on every process alike, on the first call."""
+    return fast_paths.decided(model, "packed_rows", lambda: _decide_packing(model))
+
+
+def _decide_packing(model) -> bool:
     plain = unwrap(model)
-    cached = getattr(plain, "_posttrain_packing_works", None)
-    if cached is None:
-        layer = output_layer(plain)
-        # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
-        # model's, when it wraps one): the check goes through the model as given
-        runner = model if layer is not None and _whole_in_model_forward(layer) else plain
-        missing = missing_from_forward(plain, ("position_ids",))
-        cached = fallback_said(plain, PACKING_OFF, missing) if missing else _check_packing(runner, plain)
-        plain._posttrain_packing_works = cached
-    return cached
+    layer = output_layer(plain)
+    # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
+    # model's, when it wraps one): the check goes through the model as given
+    runner = model if layer is not None and _whole_in_model_forward(layer) else plain
+    missing = missing_from_forward(plain, ("position_ids",))
+    return fallback_said(plain, PACKING_OFF, missing) if missing else _check_packing(runner, plain)
 
 
 def _check_packing(runner, plain) -> bool:
@@ -437,13 +439,12 @@ def _on_every_process(model, group, local: bool) -> bool:
 def _body_parameters(plain) -> int:
     """Parameters of the model's body (all but the input embedding and the output layer), counted once per model: a
     position's forward through the body's products costs 2 FLOPs per parameter."""
-    count = getattr(plain, "_posttrain_body_parameters", None)
-    if count is None:
+    def count() -> int:
         edges = {id(p) for module in (plain.get_input_embeddings(), output_layer(plain)) if module is not None
                  for p in module.parameters()}
-        count = sum(p.numel() for p in plain.parameters() if id(p) not in edges)
-        plain._posttrain_body_parameters = count
-    return count
+        return sum(p.numel() for p in plain.parameters() if id(p) not in edges)
+
+    return fast_paths.remembered(plain, "body_parameters", count)
 
 
 def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completion_mask) -> torch.Tensor:
@@ -468,17 +469,15 @@ def prompt_sharing_works(model) -> bool:
     two completions of one prompt) needs an output layer whole outside the model's forward (not ZeRO-3's or
     FSDP1's) and a forward that takes position ids, a cache and logits_to_keep under any of their names; a forward
     that does not is said once, naming what it lacks."""
-    plain = unwrap(model)
-    cached = getattr(plain, "_posttrain_prompt_sharing_works", None)
-    if cached is None:
-        layer = output_layer(plain)
-        if layer is None or whole_only_in_forward(layer):
-            cached = False  # the whole-logits path (said where it is chosen), or sharded by design (docs/grpo.md)
-        else:
-            missing = missing_from_forward(plain, ("position_ids", "cache", "use_cache", "logits_to_keep"))
-            cached = fallback_said(plain, SHARING_OFF, missing) if missing else _check_prompt_sharing(plain)
-        plain._posttrain_prompt_sharing_works = cached
-    return cached
+    return fast_paths.decided(model, "shared_prompts", lambda: _decide_prompt_sharing(unwrap(model)))
+
+
+def _decide_prompt_sharing(plain) -> bool:
+    layer = output_layer(plain)
+    if layer is None or whole_only_in_forward(layer):
+        return False  # the whole-logits path (said where it is chosen), or sharded by design (docs/grpo.md)
+    missing = missing_from_forward(plain, ("position_ids", "cache", "use_cache", "logits_to_keep"))
+    return fallback_said(plain, SHARING_OFF, missing) if missing else _check_prompt_sharing(plain)
 
 
 def _check_prompt_sharing(plain) -> bool:

@@ -35,6 +35,7 @@ from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.interrupts import Interrupted, InterruptWatch
 from posttrain.training.hub import push_folder, repo_id
 from posttrain.training.logging import MetricsLogger
+from posttrain.models import fast_paths
 from posttrain.models.router import RouterLoss, router_coefficient
 from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
@@ -200,6 +201,8 @@ class Trainer:
         self.forward_policy = self.sharding.forward_module(self.model, self.policy)  # for forwards without gradient
         if getattr(self, "ref_model", None) is not None:  # a separate reference: sharded as the policy is
             self.ref_model = self.sharding.prepare_frozen(self.ref_model)
+            if not self.args.fast_paths:
+                fast_paths.turn_off(self.ref_model)
         self._offloader = None
         if getattr(self.args, "activation_offloading", False):
             if self.accelerator.device.type == "cpu":
@@ -244,6 +247,8 @@ class Trainer:
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
+        if not args.fast_paths:
+            fast_paths.turn_off(model)
         if adapt is not None:
             adapt(model, peft_config)
         self.router_loss = RouterLoss(router_coefficient(model, args.router_aux_loss_coef))
