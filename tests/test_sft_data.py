@@ -7,9 +7,9 @@ from datasets import Dataset
 
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
-from posttrain.sft.collate import collate
+from posttrain.sequences.collate import collate
 from posttrain.sft.formats import RowEncoder
-from posttrain.sft.rows import EpochPlan, TokenRows, best_fit_bins, pack, prepare, split_long, truncate
+from posttrain.sequences.rows import EpochPlan, TokenRows, best_fit_bins, pack, prepare, split_long, truncate
 
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"

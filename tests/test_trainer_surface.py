@@ -526,7 +526,7 @@ def test_training_step_is_the_override_point_for_each_micro_batch(tokenizer, tmp
 
     from posttrain.configs import SFTConfig
     from posttrain.errors import UserError
-    from posttrain.sft.collate import SequenceBatch
+    from posttrain.sequences.collate import SequenceBatch
     from posttrain.sft.trainer import SFTTrainer
 
     calls = []

@@ -1,6 +1,6 @@
 """A micro-batch of pairs -> the tensors of one forward pass, and where each target belongs.
 
-The pairs' 2P sequences (chosen 2i, rejected 2i + 1) are collated as SFT collates rows (sft/collate.py): padded, one
+The pairs' 2P sequences (chosen 2i, rejected 2i + 1) are collated as SFT collates rows (sequences/collate.py): padded, one
 sequence per row with an attention mask, or padding-free, all of them end to end in one row with position ids that
 restart per sequence. Either way the targets come out sequence after sequence, so each target's sequence and its
 position within that sequence's completion follow from the per-sequence counts:
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from posttrain.dpo.data import PairRows
-from posttrain.sft.collate import SequenceBatch, collate
+from posttrain.sequences.collate import SequenceBatch, collate
 
 
 @dataclass

@@ -15,7 +15,7 @@ A pair becomes two sequences, prompt + chosen and prompt + rejected, each labell
 its own to max_length (truncation_mode). With keep_start, a pair whose prompt alone fills max_length has no completion
 token left and is dropped (counted in the log).
 
-    PairRows    TokenRows (sft/rows.py) holding 2 rows per pair, chosen at 2i and rejected at 2i + 1, plus each
+    PairRows    TokenRows (sequences/rows.py) holding 2 rows per pair, chosen at 2i and rejected at 2i + 1, plus each
                 pair's dataset index and, once computed, its reference log-probs [P, 2].
 """
 
@@ -27,8 +27,8 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import VALID_ROLES, DataError
-from posttrain.sft.formats import common_prefix_length, template_kwargs
-from posttrain.sft.rows import TokenRows, truncate
+from posttrain.sequences.chat import common_prefix_length, template_kwargs
+from posttrain.sequences.rows import TokenRows, truncate
 
 logger = logging.getLogger("posttrain")
 
@@ -228,7 +228,7 @@ def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None, tr
 
 
 class PairPreparation:
-    """Turns a dataset's rows into PairRows with one config; the interface sft/data.py's batchers use."""
+    """Turns a dataset's rows into PairRows with one config; the interface sequences/batches.py's batchers use."""
 
     def __init__(self, encoder: PairEncoder, args, name: str):
         self.encoder = encoder

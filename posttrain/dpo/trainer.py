@@ -28,8 +28,8 @@ from posttrain.dpo.reference import cache_key, load_cached, make_reference, save
 from posttrain.models.logprobs import next_token_logprobs, whole_logits
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
-from posttrain.sft.data import MapBatches, StreamBatches, first_row, is_iterable, read_whole
-from posttrain.sft.rows import EpochPlan
+from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
@@ -392,8 +392,6 @@ class DPOTrainer(BatchedDataTrainer):
         return self._eval_pairs[key][1]
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        from posttrain.sft.data import eval_batches
-
         start = time.time()
         pairs = self._prepared_eval(dataset)
         acc = self.accelerator

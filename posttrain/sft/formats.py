@@ -24,6 +24,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import VALID_ROLES, DataError
+from posttrain.sequences.chat import common_prefix_length, template_kwargs
 from posttrain.sft.templates import training_template
 
 logger = logging.getLogger("posttrain")
@@ -44,15 +45,6 @@ def has_generation_markers(template) -> bool:
     return any(_GENERATION_TAG.search(t) for t in templates)
 
 
-def common_prefix_length(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def from_sharegpt(messages: list) -> list:
     """[{"from", "value"}] -> [{"role", "content"}], ShareGPT's human/gpt as user/assistant."""
     out = []
@@ -63,20 +55,6 @@ def from_sharegpt(messages: list) -> list:
         else:
             out.append(m)
     return out
-
-
-def template_kwargs(row: dict) -> dict:
-    """The chat template's keyword arguments of a row: its `chat_template_kwargs` and `tools` (a JSON string or a
-    list) columns."""
-    import json
-
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        tools = json.loads(tools)
-    kwargs = dict(row.get("chat_template_kwargs") or {})
-    if tools is not None:
-        kwargs["tools"] = tools
-    return kwargs
 
 
 def _is_messages(value) -> bool:

@@ -16,11 +16,11 @@ import torch
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
 from posttrain.models.logprobs import next_token_logprobs, whole_logits
-from posttrain.sft.collate import collate
-from posttrain.sft.data import (MapBatches, Preparation, StreamBatches, eval_batches, first_row, is_iterable,
-                                prepare_map_dataset, read_whole)
+from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.collate import collate
+from posttrain.sequences.rows import EpochPlan
+from posttrain.sft.data import Preparation, prepare_map_dataset
 from posttrain.sft.formats import RowEncoder
-from posttrain.sft.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded

@@ -1,5 +1,5 @@
 """The shared part of the trainers whose data are prepared token rows, taken step by step from a batcher
-(sft/data.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFTTrainer and DPOTrainer.
+(sequences/batches.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFTTrainer and DPOTrainer.
 
 A subclass sets, during its set-up:
     self.batches            the batcher: next_step(), epoch_progress(), skip_rest_of_epoch(), position(),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from posttrain.sft.rows import TokenRows
+from posttrain.sequences.rows import TokenRows
 
 
 @dataclass
