@@ -34,7 +34,7 @@ from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics
-from posttrain.training.trainer import take_quantization_config, trainer_config
+from posttrain.training.setup import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
 

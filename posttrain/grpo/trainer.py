@@ -35,7 +35,8 @@ from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.training.trainer import Trainer, take_quantization_config, trainer_config
+from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.training.trainer import Trainer
 from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
 from posttrain.weights import export_weights
 

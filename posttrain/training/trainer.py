@@ -15,8 +15,6 @@ train summary (train_runtime, train_loss, ...), saves the model, and pushes to t
 
 import atexit
 import contextlib
-import dataclasses
-import datetime
 import json
 import logging
 import math
@@ -41,6 +39,7 @@ from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.saving import save_merged, save_policy_atomically
+from posttrain.training.setup import make_accelerator, set_log_level, training_flops_per_token
 from posttrain.training.sharding import Sharding, check_launch, check_supported
 
 logger = logging.getLogger("posttrain")
@@ -57,81 +56,6 @@ def _let_collectives_finish() -> None:
     lets them finish while the interpreter is alive. Registered to run at exit by every multi-process trainer, so
     that scripts which never call `close()` (as TRL's users do not) are covered too."""
     time.sleep(0.05)
-
-
-def training_flops_per_token(model) -> int:
-    """6 x the parameters outside the input embeddings (transformers' count; a ZeRO-3 parameter counts whole)."""
-    from posttrain.training.zero import whole_numel
-
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return 6 * sum(whole_numel(p) for p in model.parameters() if id(p) not in embeddings)
-
-
-def make_accelerator(args, mixed_precision: str):
-    """An Accelerator for `args` (DDP and process-group options included); in a process that already made one with
-    another precision (a notebook, a test run), its process-wide state is reset first. The distributed state
-    (process group) is kept."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-    init = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
-    if args.ddp_backend is not None:
-        init["backend"] = args.ddp_backend
-    handlers = [InitProcessGroupKwargs(**init)]
-    ddp = {key: getattr(args, f"ddp_{key}") for key in ("find_unused_parameters", "bucket_cap_mb",
-                                                          "broadcast_buffers", "static_graph")}
-    ddp = {k: v for k, v in ddp.items() if v is not None}
-    if ddp:
-        handlers.append(DistributedDataParallelKwargs(**ddp))
-    if not torch.accelerator.is_available():  # DeepSpeed, imported by accelerate and transformers wherever it is
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # installed, would warn in every run that it found no GPU
-    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
-    # The schedule is built for optimizer steps: accelerate would otherwise step it once per process at every step
-    # (it assumes a schedule sized for one process's batches), and with 2 processes the learning rate decays twice
-    # as fast.
-    try:
-        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
-                           step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
-    except RuntimeError as err:
-        from posttrain.configs import ConfigError
-
-        if "no available devices found" in str(err) and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-            raise mark_agreed(ConfigError(  # every process raises it
-                "This run was launched with FSDP loading the weights on one process and sharing them "
-                "(fsdp_cpu_ram_efficient_loading or fsdp_sync_module_states), which accelerate sets up only on a "
-                "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
-            )) from err
-        raise
-
-
-def _deepspeed_plugin(args):
-    """accelerate's DeepSpeed plugin for the `deepspeed` field (a JSON path or a dict), or None."""
-    if not args.deepspeed:
-        return None
-    import copy
-
-    from accelerate.utils import DeepSpeedPlugin
-
-    from posttrain.configs import ConfigError
-
-    config = os.path.expanduser(args.deepspeed) if isinstance(args.deepspeed, str) else copy.deepcopy(args.deepspeed)
-    try:
-        return DeepSpeedPlugin(hf_ds_config=config)
-    except (ValueError, OSError, TypeError, KeyError) as err:
-        raise ConfigError(f"deepspeed={args.deepspeed!r} is not a DeepSpeed config accelerate can read "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}).") from err
-
-
-def _set_log_level(args, is_main: bool) -> None:
-    level = args.log_level if is_main else args.log_level_replica
-    if level == "passive":
-        return
-    import transformers
-
-    logger.setLevel(level.upper())
-    transformers.utils.logging.set_verbosity(getattr(logging, level.upper()))
 
 
 # what transformers logs at logging steps only: a summary record does not repeat them
@@ -164,7 +88,7 @@ class Trainer:
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         if args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-        _set_log_level(args, self.accelerator.is_main_process)
+        set_log_level(args, self.accelerator.is_main_process)
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
@@ -819,48 +743,3 @@ class Trainer:
         if not failed:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # destroys the process group: gloo aborts at exit otherwise
-
-
-def trainer_config(config_cls, args, model, title: str):
-    """A trainer's config, as TRL's trainers take `args`: the config itself; None: TRL's defaults with output_dir
-    `<model name>-<title>`; a transformers TrainingArguments: converted to `config_cls` with its values (the trainer's
-    own fields at their defaults). A TrainingArguments field the config does not know stops the run only when it is
-    set to something other than its default."""
-    if args is None:
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-        return config_cls(output_dir=f"{name.rstrip('/').split('/')[-1]}-{title}")
-    if isinstance(args, config_cls):
-        return args
-    from transformers import TrainingArguments
-
-    from posttrain.configs import ConfigError
-
-    if not isinstance(args, TrainingArguments):
-        raise ConfigError(f"args is a {type(args).__name__}: pass a {config_cls.__name__} (or transformers' "
-                          "TrainingArguments).")
-    values = args.to_dict()
-    values["hub_token"] = args.hub_token  # to_dict hides it
-    values.pop("push_to_hub_token", None)
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-    unknown = sorted(k for k in values if k not in known and values[k] != defaults.get(k, dataclasses.MISSING))
-    if unknown:
-        raise ConfigError(f"args sets TrainingArguments field(s) {', '.join(unknown)}, which {config_cls.__name__} "
-                          "does not have: leave them at their defaults.")
-    return config_cls(**{k: v for k, v in values.items() if k in known})
-
-
-def take_quantization_config(model, args, quantization_config) -> None:
-    """A trainer's `quantization_config` argument (TRL's, from get_quantization_config) into model_init_kwargs, for a
-    model loaded from a path or hub id; refused, in one sentence, for a model already loaded."""
-    if quantization_config is None:
-        return
-    from posttrain.configs import ConfigError
-
-    if not isinstance(model, str):
-        raise ConfigError("quantization_config applies when the model is loaded from a path or hub id, and this model "
-                          "is already loaded: pass its path, or load it quantized yourself.")
-    init = args.model_init_kwargs or {}
-    if init.get("quantization_config") is not None:
-        raise ConfigError("quantization_config is given both to the trainer and in model_init_kwargs: keep one.")
-    args.model_init_kwargs = {**init, "quantization_config": quantization_config}
