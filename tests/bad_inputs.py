@@ -366,14 +366,16 @@ def misspelled_reward(tmp):
       r"^Step 2: loss is nan; the update was not applied and the last good state is saved in "
       r"<dir>/out/emergency-checkpoint-1\. Lower the learning_rate")
 def nan_loss(tmp):
+    import dataclasses
+
     trainer = _trainer(tmp)
-    good_loss = trainer.loss_fn
+    good = trainer.loss_fn.aggregate
 
-    def poisoned(inputs, params, norm):
-        out = good_loss(inputs, params, norm)
-        return type(out)(out.loss * math.nan, out.stats) if trainer.state.global_step == 1 else out
+    def poisoned(loss, mask, norm, params):  # the loss table entry's aggregation, NaN at the second step
+        out = good(loss, mask, norm, params)
+        return out * math.nan if trainer.state.global_step == 1 else out
 
-    trainer.loss_fn = poisoned
+    trainer.loss_fn = dataclasses.replace(trainer.loss_fn, aggregate=poisoned)
     trainer.train()
 
 

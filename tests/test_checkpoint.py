@@ -1,5 +1,6 @@
 """Resume gives bit-identical results; partial or corrupt checkpoints are never loaded."""
 
+import dataclasses
 import os
 import shutil
 
@@ -187,15 +188,13 @@ def test_non_finite_loss_stops_before_the_update_and_saves_the_last_good_state(t
     from posttrain.grpo.trainer import TrainingError
 
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4)
-    good_loss = trainer.loss_fn
+    good = trainer.loss_fn.aggregate
 
-    def poisoned(inputs, params, norm):  # a loss that goes NaN at the third optimizer step
-        out = good_loss(inputs, params, norm)
-        if trainer.state.global_step == 2:
-            return type(out)(out.loss * float("nan"), out.stats)
-        return out
+    def poisoned(loss, mask, norm, params):  # the loss table entry's aggregation, NaN at the third optimizer step
+        out = good(loss, mask, norm, params)
+        return out * float("nan") if trainer.state.global_step == 2 else out
 
-    trainer.loss_fn = poisoned
+    trainer.loss_fn = dataclasses.replace(trainer.loss_fn, aggregate=poisoned)
     with pytest.raises(TrainingError, match=r"Step 3: loss is nan; the update was not applied and the last good "
                                             r"state is saved in .*emergency-checkpoint-2"):
         trainer.train()
