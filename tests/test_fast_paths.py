@@ -2,6 +2,7 @@
 forward with whole logits, padded rows, the model's own decode forward; the numbers agree with the fast paths'."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -19,10 +20,11 @@ def test_decisions_are_kept_beside_the_model_and_go_with_it(tokenizer):
     model = tiny_model(tokenizer, hidden=32, layers=1)
     assert fast_path_available(model) and packing_works(model) and lean_decoder.supports(model)
     assert not [name for name in vars(model) if name.startswith("_posttrain")]  # nothing written onto the model
-    before = len(fast_paths._DECISIONS)
+    assert model in fast_paths._DECISIONS
+    alive = weakref.ref(model)
     del model
     gc.collect()
-    assert len(fast_paths._DECISIONS) == before - 1
+    assert alive() is None  # the registry does not keep a model alive: its entry goes with it
 
 
 def test_turned_off_every_decision_is_no_and_the_log_probs_agree(tokenizer):

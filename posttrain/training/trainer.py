@@ -393,7 +393,7 @@ class Trainer:
             `super().training_step(model, inputs, num_items_in_batch)` to train (and may act before and after).
         """
         self._micro_result = self._run_micro_step(inputs)
-        return self._micro_loss
+        return self._backpropagated
 
     def get_train_dataloader(self):
         raise self._no_dataloader("get_train_dataloader")
@@ -426,7 +426,7 @@ class Trainer:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's loss (normalised for the whole step) through the run's sharding."""
-        self._micro_loss = loss.detach()
+        self._backpropagated = loss.detach()  # what training_step returns
         self.sharding.backward(self.model, loss)
 
     def _apply_update(self, loss: float) -> float:
