@@ -268,19 +268,18 @@ class DPOTrainer(BatchedDataTrainer):
             w = torch.exp(aligned / batch.targets.clamp(min=1))
             return w[0::2] * w[1::2]
 
-    def _micro_loss(self, batch: PairBatch, grad: bool, router_term: list | None = None):
+    def _micro_loss(self, batch: PairBatch, grad: bool, router_share: float | None = None):
         """(loss sum of the micro-batch: preference terms summed over pairs, sft term summed over chosen targets,
-        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)]). With `router_term`
-        (training), the policy forward's router loss, coef * aux_loss, is put in it (models/router.py)."""
+        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)]; the router loss term
+        to add, 0 unless `router_share` is given (training: models/router.py))."""
         args = self.args
         with self.accelerator.autocast():
             model = self.model if grad else self._no_grad_model
-            collect = self.router_loss.collecting(model, 1.0) if router_term is not None else contextlib.nullcontext()
-            with collect as term:
+            collect = (self.router_loss.collecting(model, router_share) if router_share is not None
+                       else contextlib.nullcontext([]))
+            with collect as router_term:
                 logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
                                                                   with_top1=True, with_stats=True)
-            if router_term is not None:
-                router_term.extend(term)
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
         completion = batch.completion.view(-1, 2).float()
@@ -299,7 +298,8 @@ class DPOTrainer(BatchedDataTrainer):
             if pair_weight is not None:
                 token_terms = token_terms * pair_weight[batch.target_seq[chosen] // 2]
             sft = weight * token_terms.sum()
-        return per_pair.sum(), sft, self._statistics(terms, per_pair, sft, entropy, top1, stats, chosen, batch)
+        statistics = self._statistics(terms, per_pair, sft, entropy, top1, stats, chosen, batch)
+        return per_pair.sum(), sft, statistics, sum(router_term)
 
     def _statistics(self, terms, per_pair, sft, entropy, top1, stats, chosen, batch) -> torch.Tensor:
         with torch.no_grad():
@@ -317,10 +317,10 @@ class DPOTrainer(BatchedDataTrainer):
         (sft's share of the loss folded into 'loss')."""
         n = self.accelerator.num_processes
         with self._offloading():
-            router_term = []
-            pair_sum, sft_sum, stats = self._micro_loss(batch, grad=True, router_term=router_term)
+            pair_sum, sft_sum, stats, router = self._micro_loss(batch, grad=True,
+                                                                router_share=share if batch.pairs else 0.0)
             loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
-            self._backward(loss + share * sum(router_term) if batch.pairs else loss)
+            self._backward(loss + router)
         stats = stats.clone()
         stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
         return stats
@@ -402,7 +402,7 @@ class DPOTrainer(BatchedDataTrainer):
         with torch.no_grad():
             for i, share in enumerate(shares):
                 batch = self._collate(share).to(acc.device)
-                pair_sum, sft_sum, stats = self._micro_loss(batch, grad=False)
+                pair_sum, sft_sum, stats, _ = self._micro_loss(batch, grad=False)
                 stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(chosen_total, 1.0)
                 totals += stats
                 if user is not None:

@@ -305,8 +305,12 @@ class Trainer:
         logger.info(f"Loading best model from {state.best_model_checkpoint} (score: {state.best_metric}).")
         load_policy_weights(self, state.best_model_checkpoint)
         if self.args.save_total_limit == 1:
-            self._on_main(lambda: [shutil.rmtree(path, ignore_errors=True) for _, path in checkpoints(self.args.output_dir)
-                                   if path != state.best_model_checkpoint])
+            self._on_main(self._remove_checkpoints_but, state.best_model_checkpoint)
+
+    def _remove_checkpoints_but(self, kept: str) -> None:
+        for _, path in checkpoints(self.args.output_dir):
+            if path != kept:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _write_plots(self) -> None:
         """output_dir/plots.png from metrics.jsonl and output_dir/report.html (posttrain/report.py), as plot_on_end
