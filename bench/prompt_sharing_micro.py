@@ -29,7 +29,8 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.logprobs import fast_path_available, packing_works, prompt_sharing_works, token_logprobs
+    from posttrain.models.chunked_check import fast_path_available
+    from posttrain.models.logprobs import packing_works, prompt_sharing_works, token_logprobs
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -30,7 +30,6 @@ TRAINERS = {
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
 }
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
-CONFIG_CLASSES = (ScriptArguments, LoraArguments, GRPOConfig)  # the grpo command's, as before
 
 
 def _hint(command: str) -> str:
@@ -236,16 +235,13 @@ def _model_init_kwargs(script, config) -> None:
     config.model_init_kwargs = init
 
 
-def _datasets(script, config, for_grpo: bool):
-    """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture."""
+def _datasets(script, config):
+    """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture (one of them is set)."""
     from posttrain.data import load_mixture, load_prompt_dataset
 
     wants_eval = config.eval_strategy != "no" or config.eval_on_start
     if script.datasets is not None:
         return load_mixture(script.datasets, script.streaming, script.test_split_size, config.seed, wants_eval)
-    if not script.dataset_name:
-        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
-                          "a datasets: mixture.")
     train = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split,
                                 streaming=script.dataset_streaming)
     evaluation = None
@@ -255,7 +251,9 @@ def _datasets(script, config, for_grpo: bool):
     return train, evaluation
 
 
-def _prepare_run(script, lora, config, command: str):
+def _prepare_run(script, lora, config):
+    """(peft config or None, train dataset, eval dataset or None), the model's init kwargs set in `config`; a missing
+    model or dataset stops first."""
     if not script.model_name_or_path:
         raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
     if not script.dataset_name and script.datasets is None:
@@ -263,7 +261,7 @@ def _prepare_run(script, lora, config, command: str):
                           "a datasets: mixture.")
     peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
     _model_init_kwargs(script, config)
-    train, evaluation = _datasets(script, config, command == "grpo")
+    train, evaluation = _datasets(script, config)
     return peft_config, train, evaluation
 
 
@@ -277,7 +275,7 @@ def _train_and_close(trainer) -> None:
 
 
 def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "grpo")
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     from posttrain.grpo.trainer import GRPOTrainer
 
     rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
@@ -287,7 +285,7 @@ def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -
 
 
 def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "sft")
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     from posttrain.sft.trainer import SFTTrainer
 
     _train_and_close(SFTTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
@@ -300,7 +298,7 @@ def parse_dpo(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, DPOC
 
 
 def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, "dpo")
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     from posttrain.dpo.trainer import DPOTrainer
 
     _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
@@ -349,68 +347,92 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv or ["--help"])
         return 2
     try:
-        if argv[0] in TRAINERS:
-            if any(a in ("-h", "--help") for a in argv[1:]):
-                parser.parse_args(argv)
-            return run_command(argv[0], argv[1:])
-        elif argv[0] == "serve":
-            args = parser.parse_args(argv)
-            from posttrain.serving.app import serve
-
-            serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
-                  args.trust_remote_code, args.log_level)
-        elif argv[0] == "vllm-serve":
-            args, extra = parser.parse_known_args(argv)
-            return run_vllm_serve(args, extra)
-        elif argv[0] == "demo":
-            args = parser.parse_args(argv)
-            from posttrain.demo import run_demo
-
-            run_demo(args.output_dir, args.max_steps, args.seed)
-        elif argv[0] == "plot":
-            args = parser.parse_args(argv)
-            from posttrain.plotting import plot_runs
-
-            out = args.out or os.path.join(args.output_dirs[0], "plots.png")
-            print(f"posttrain: wrote {plot_runs(args.output_dirs, out)}")
-        elif argv[0] == "report":
-            args = parser.parse_args(argv)
-            from posttrain.report import write_report
-
-            print(f"posttrain: wrote {write_report(args.output_dir, args.out, args.steps, args.rows)}")
-        else:
-            print_env()
+        return _run(parser, argv)
     except Exception as err:
-        from posttrain.training.distributed import PeerFailure, reported_elsewhere
-
-        code = getattr(err, "exit_code", 2)  # an interrupt exits 128 + its signal
-        if reported_elsewhere(err, int(os.environ.get("RANK", "0")) == 0):
-            time.sleep(0.5)  # let the main process print it before a launcher tears the job down
-            return code  # every process stopped on it, and the main one reports it: printed once
-        from posttrain.training.interrupts import Interrupted
-
-        if isinstance(err, Interrupted):
-            print(f"posttrain: {err}", file=sys.stderr)
-            return code
-        if isinstance(err, PeerFailure):  # another process failed: its user traceback, then its message
-            print(err.detail, file=sys.stderr, end="")
-            print(f"posttrain: error: {err}", file=sys.stderr)
-            return 2
-        if not _is_user_error(err):
+        code = _report_error(err)
+        if code is None:  # not the user's to fix: its traceback
             raise
-        cause = err.__cause__
-        if cause is not None and not _is_user_error(cause) and not isinstance(cause, (OSError, ImportError)):
-            # an exception from user code (e.g. inside a reward function): its traceback is the useful part
-            import traceback
-
-            traceback.print_exception(cause, file=sys.stderr)
-        print(f"posttrain: error: {err}", file=sys.stderr)
         return code
     except KeyboardInterrupt:  # a second SIGINT: stopped at once, mid-step
         print("posttrain: interrupted mid-step; resume from the newest checkpoint in output_dir "
               "(resume_from_checkpoint=true).", file=sys.stderr)
         return 130
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """Run the command argv[0] (one of COMMANDS) with its arguments; its exit code."""
+    command = argv[0]
+    if command in TRAINERS:
+        if any(a in ("-h", "--help") for a in argv[1:]):
+            parser.parse_args(argv)
+        return run_command(command, argv[1:])
+    if command == "vllm-serve":
+        args, extra = parser.parse_known_args(argv)
+        return run_vllm_serve(args, extra)
+    if command == "env":
+        print_env()
+        return 0
+    SIMPLE_COMMANDS[command](parser.parse_args(argv))
     return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from posttrain.serving.app import serve
+
+    serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
+          args.trust_remote_code, args.log_level)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from posttrain.demo import run_demo
+
+    run_demo(args.output_dir, args.max_steps, args.seed)
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from posttrain.plotting import plot_runs
+
+    out = args.out or os.path.join(args.output_dirs[0], "plots.png")
+    print(f"posttrain: wrote {plot_runs(args.output_dirs, out)}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from posttrain.report import write_report
+
+    print(f"posttrain: wrote {write_report(args.output_dir, args.out, args.steps, args.rows)}")
+
+
+SIMPLE_COMMANDS = {"serve": _serve, "demo": _demo, "plot": _plot, "report": _report}  # parsed whole, exit code 0
+
+
+def _report_error(err: Exception) -> int | None:
+    """Say what stopped the command (once across processes) and give its exit code; None for an error that is not
+    the user's to fix (main raises it, with its traceback)."""
+    from posttrain.training.distributed import PeerFailure, reported_elsewhere
+
+    code = getattr(err, "exit_code", 2)  # an interrupt exits 128 + its signal
+    if reported_elsewhere(err, int(os.environ.get("RANK", "0")) == 0):
+        time.sleep(0.5)  # let the main process print it before a launcher tears the job down
+        return code  # every process stopped on it, and the main one reports it: printed once
+    from posttrain.training.interrupts import Interrupted
+
+    if isinstance(err, Interrupted):
+        print(f"posttrain: {err}", file=sys.stderr)
+        return code
+    if isinstance(err, PeerFailure):  # another process failed: its user traceback, then its message
+        print(err.detail, file=sys.stderr, end="")
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 2
+    if not _is_user_error(err):
+        return None
+    cause = err.__cause__
+    if cause is not None and not _is_user_error(cause) and not isinstance(cause, (OSError, ImportError)):
+        # an exception from user code (e.g. inside a reward function): its traceback is the useful part
+        import traceback
+
+        traceback.print_exception(cause, file=sys.stderr)
+    print(f"posttrain: error: {err}", file=sys.stderr)
+    return code
 
 
 def _is_user_error(err: Exception) -> bool:

@@ -15,7 +15,7 @@ import html
 import json
 import os
 
-from posttrain.grpo.completions import as_text, extra_columns
+from posttrain.completion_rows import as_text, extra_columns
 from posttrain.plotting import PlotError, figure_svg, read_metrics
 
 REPORT = "report.html"

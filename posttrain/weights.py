@@ -22,7 +22,6 @@ import torch
 
 from posttrain.models.keywords import unwrap
 from posttrain.models.peft import is_peft_model
-from posttrain.training.sharding import full_tensor
 
 
 def export_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -37,6 +36,13 @@ def export_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         yield from _export_peft(model)
     else:
         yield from _export_plain(unwrap(model))
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every process calls it), any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models import token_logprobs
 from posttrain.testing import tiny_model, tiny_tokenizer
-from posttrain.training.sharding import Sharding, _mark_output_layer, full_tensor, is_sharded
+from posttrain.training.sharding import full_tensor, is_sharded, mark_output_layer, sharding_named
 from posttrain.training.zero import is_partitioned
 from posttrain.weights import export_weights
 
@@ -48,7 +48,7 @@ if strategy == "zero3":
     sharded, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                        config=config)
     assert all(is_partitioned(p) and p.numel() == 0 for p in model.parameters())  # every weight in shards
-    sharding = Sharding("zero", SimpleNamespace(), zero_stage=3)
+    sharding = sharding_named("zero", SimpleNamespace(), zero_stage=3)
 elif strategy == "fsdp1":
     import functools
 
@@ -59,9 +59,9 @@ elif strategy == "fsdp1":
     sharded = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                              transformer_layer_cls={layer_class}),
                    use_orig_params=True, device_id=torch.device("cpu"))
-    _mark_output_layer(sharded)  # as Sharding.prepare does
+    mark_output_layer(sharded)  # as Fsdp1Sharding.prepare does
     assert model.model.embed_tokens.weight.dim() == 1  # the root unit's weights in flat shards
-    sharding = Sharding("fsdp1")
+    sharding = sharding_named("fsdp1")
 else:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -71,7 +71,7 @@ else:
         fully_shard(layer, mesh=mesh)
     sharded = fully_shard(model, mesh=mesh)
     assert is_sharded(model) and not is_sharded(reference)
-    sharding = Sharding("none")  # a model sharded outside accelerate: whole_weights finds its units itself
+    sharding = sharding_named("none")  # a model sharded outside accelerate: whole_weights finds its units itself
 
 
 def work(m, sharded_run):

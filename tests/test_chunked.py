@@ -6,7 +6,7 @@ import transformers
 
 from posttrain.models import chunked, onednn
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.logprobs import fast_path_available
+from posttrain.models.chunked_check import fast_path_available
 
 
 @pytest.fixture(params=["mkl", "onednn"])

@@ -11,7 +11,8 @@ from test_sft_trainer import TEXTS, sft_config
 
 from posttrain.generation import lean_decoder
 from posttrain.models import fast_paths, token_logprobs
-from posttrain.models.logprobs import fast_path_available, packing_works
+from posttrain.models.chunked_check import fast_path_available
+from posttrain.models.logprobs import packing_works
 from posttrain.sft.trainer import SFTTrainer
 from posttrain.testing import tiny_model
 

@@ -170,7 +170,7 @@ def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make, mo
 def test_lean_decoder_builds_what_its_model_has():
     """The parts the shared prefill, the cos/sin table and the fused products rely on are in place."""
     from posttrain.generation import lean_decoder
-    from posttrain.models.logprobs import positions_from_mask
+    from posttrain.models.forwards import positions_from_mask
     from posttrain.testing import tiny_model
 
     model = tiny_model(hidden=32, layers=2)

@@ -95,7 +95,8 @@ def test_the_chunked_path_inside_the_output_layers_forward_gives_the_same_number
     forward: log-probs, entropy and gradients equal the ordinary chunked path's bit for bit, for GRPO's completions
     and for SFT/DPO's target tokens, and the layer's own forward is back afterwards."""
     from posttrain.models import logprobs
-    from posttrain.models.logprobs import next_token_logprobs, output_layer
+    from posttrain.models.forwards import output_layer
+    from posttrain.models.logprobs import next_token_logprobs
 
     calls = []
     real = logprobs._computing_in

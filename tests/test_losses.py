@@ -26,7 +26,7 @@ def test_clipping_hand_worked():
     # log-ratio log(1.5) for token 1 (A>0): clipped at 1.2 -> -1.2; log-ratio log(0.5) for token 2: -min(0.5, 0.8) = -0.5
     out = get_loss("bnpo")(_inputs([[math.log(1.5), math.log(0.5)]], old=[[0.0, 0.0]]), LossParams(), NORM)
     assert math.isclose(out.loss.item(), (-1.2 - 0.5) / 2, rel_tol=1e-5)
-    assert float(out.stats["clip_high"]) == 1.0
+    assert float(out.stats.clip_high) == 1.0
 
 
 def test_negative_advantage_and_delta_two_sided_clip():
@@ -124,10 +124,10 @@ def test_vespo_gamma_weight_hand_worked():
     assert math.isclose(out.loss.item(), -phi * 0.3 / 2, rel_tol=1e-5)
     out.loss.backward()  # phi is a detached weight: d/dlogp = -phi * A / tokens
     assert torch.allclose(inp.logps.grad, torch.full((1, 2), -phi / 2), rtol=1e-5)
-    assert math.isclose(float(out.stats["phi_sum"]), phi, rel_tol=1e-5)
+    assert math.isclose(float(out.stats.phi_sum), phi, rel_tol=1e-5)
     # A < 0 uses k=3, lambda=2
     neg = get_loss("vespo")(_inputs([[0.1, 0.2]], old=[[0.0, 0.0]], adv=(-1.0,)), p, NORM)
-    assert math.isclose(float(neg.stats["phi_sum"]), math.exp(2 + 3 * 0.3 - 2 * math.exp(0.3)), rel_tol=1e-5)
+    assert math.isclose(float(neg.stats.phi_sum), math.exp(2 + 3 * 0.3 - 2 * math.exp(0.3)), rel_tol=1e-5)
 
 
 def test_bias_corrected_kl_gradient():
@@ -158,8 +158,8 @@ def test_cispo_counts_clipped_tokens_as_trl():
     # ratio e^2 > eps_high = 5 is counted only where the advantage is positive (TRL's cispo_clip_ratio)
     p = LossParams(epsilon_high=5.0)
     one = StepNormalizer(1, 1.0, 1.0)
-    assert float(get_loss("cispo")(_inputs([[2.0]], old=[[0.0]], adv=(1.0,)), p, one).stats["cispo_clip"]) == 1.0
-    assert float(get_loss("cispo")(_inputs([[2.0]], old=[[0.0]], adv=(-1.0,)), p, one).stats["cispo_clip"]) == 0.0
+    assert float(get_loss("cispo")(_inputs([[2.0]], old=[[0.0]], adv=(1.0,)), p, one).stats.cispo_clip) == 1.0
+    assert float(get_loss("cispo")(_inputs([[2.0]], old=[[0.0]], adv=(-1.0,)), p, one).stats.cispo_clip) == 0.0
 
 
 def test_entropy_bonus_and_its_adaptive_coefficient():

@@ -1,6 +1,7 @@
 """The run report (posttrain/report.py): one self-contained HTML page that a real headless browser renders with its
 curves, its summary, its completions table and its config, from the output directory alone."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -9,7 +10,21 @@ import sys
 
 import pytest
 
-pytest.importorskip("matplotlib")
+# Where what a test needs is missing it is skipped, but in CI (CI=true), where .ci/run installs all of it, it fails.
+IN_CI = os.environ.get("CI") == "true"
+
+
+def _missing(message: str, module_level: bool = False):
+    """Skip for want of what `message` names, or under CI=true fail with that message."""
+    __tracebackhide__ = True  # reported at the caller's line
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message, allow_module_level=module_level)
+
+
+if importlib.util.find_spec("matplotlib") is None:
+    _missing("matplotlib is not installed (CI installs it with the dev extra: pip install -e '.[dev,peft]').",
+             module_level=True)
 pytestmark = pytest.mark.plots
 
 CHROMIUM = os.environ.get("POSTTRAIN_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -79,12 +94,21 @@ def test_the_report_command(tmp_path):
     assert "<h3>Step 1 " not in page
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's chromium)")
 def test_a_headless_browser_renders_the_curves_and_the_tables(tmp_path):
     """Opened from disk (file://, no server) in headless Chromium: the curves are drawn (an SVG with its panels'
     lines and titles, of real size), the completions tables show their rows (with the HTML in a completion shown
     as text), the summary is visible and the config opens on a click, and the page fetched nothing."""
-    playwright = pytest.importorskip("playwright.sync_api")
+    if CHROMIUM is None:
+        _missing("No Chromium found (POSTTRAIN_TEST_CHROMIUM, or `chromium` or `chromium-browser` on PATH): CI "
+                 "installs Debian's `chromium` with apt-get, or else Playwright's own (`python -m playwright install "
+                 "chromium`), in .ci/run.")
+    try:
+        import playwright.sync_api as playwright
+    except ImportError:
+        playwright = None
+    if playwright is None:
+        _missing("The playwright package is not installed (CI installs it with the dev extra: "
+                 "pip install -e '.[dev,peft]').")
     from posttrain.report import write_report
 
     path = write_report(str(_run_dir(tmp_path)))

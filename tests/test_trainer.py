@@ -256,9 +256,9 @@ def test_on_bad_reward_skip_zeroes_the_group_and_counts_it(tokenizer, addition_d
     trainer = GRPOTrainer(variable_length_model(tokenizer), sometimes_inf,
                           tiny_config(tmp_path, max_steps=2, on_bad_reward="skip"), train_dataset=addition_dataset,
                           processing_class=tokenizer)
-    batch = trainer._generate_and_score()
-    assert batch.advantages[:4].tolist() == [0.0] * 4 and batch.advantages[4:].abs().sum() > 0
-    assert trainer._pending_metrics["rewards/skipped_groups"] == 1
+    scored = trainer.rollout.scored_batch(trainer._next_round, step=1)
+    assert scored.batch.advantages[:4].tolist() == [0.0] * 4 and scored.batch.advantages[4:].abs().sum() > 0
+    assert scored.metrics["rewards/skipped_groups"] == 1
     with pytest.raises(RewardError, match="returned inf for completion 1 at step 1.*on_bad_reward=skip"):
         GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), sometimes_inf, tiny_config(tmp_path / "stop"),
                     train_dataset=addition_dataset, processing_class=tokenizer).train()
@@ -277,7 +277,7 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
     """The output layer's gradient computed in the forward from the predicted loss gradient (models/chunked.py)
     equals the plain recomputing backward, and where the loss is token-local nothing is recomputed."""
     from posttrain.models import chunked
-    from posttrain.models.logprobs import fast_path_available
+    from posttrain.models.chunked_check import fast_path_available
 
     recomputed = []
     original = chunked._recompute_into

@@ -295,16 +295,16 @@ def test_cast_lm_head_to_fp32(tokenizer, addition_dataset, tmp_path):
 
 
 def test_pad_to_multiple_of_changes_shapes_not_numbers(tokenizer, addition_dataset, tmp_path, monkeypatch):
-    from posttrain.grpo import trainer as grpo_trainer
+    from posttrain.grpo import rollout
 
     widths = []
-    original = grpo_trainer.token_logprobs
+    original = rollout.token_logprobs
 
     def recording(model, prompt_ids, prompt_mask, completion_ids, *args, **kwargs):
         widths.append((prompt_ids.size(1), completion_ids.size(1)))
         return original(model, prompt_ids, prompt_mask, completion_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo_trainer, "token_logprobs", recording)
+    monkeypatch.setattr(rollout, "token_logprobs", recording)  # every GRPO forward: training and no-gradient
     grads = []
     for multiple in (None, 16):
         trainer = _trainer(tokenizer, addition_dataset, tmp_path / str(multiple), model=variable_length_model(tokenizer),
@@ -559,3 +559,52 @@ def test_training_step_is_the_override_point_for_each_micro_batch(tokenizer, tmp
     with pytest.raises(UserError, match="Forgetful.training_step returned without calling super"):
         Forgetful(tiny_model(tokenizer, hidden=32, layers=1), args=args, train_dataset=data,
                   processing_class=tokenizer).train()
+
+
+def test_documented_override_points_run_in_a_grpo_subclass(tokenizer, addition_dataset, tmp_path):
+    """log, evaluate, save_model and training_step, overridden as a TRL user overrides them, are what the loop calls
+    (training/overrides.py lists them)."""
+    seen = {"log": 0, "evaluate": 0, "save_model": [], "training_step": 0}
+
+    class Custom(GRPOTrainer):
+        def log(self, logs, start_time=None):
+            seen["log"] += 1
+            super().log(logs, start_time)
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            seen["evaluate"] += 1
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            seen["save_model"].append(output_dir)
+            super().save_model(output_dir, _internal_call)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen["training_step"] += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    config = tiny_config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    trainer = Custom(variable_length_model(tokenizer), length_reward, config, train_dataset=addition_dataset,
+                     eval_dataset=addition_dataset.select(range(4)), processing_class=tokenizer)
+    trainer.train()
+    micro_per_step = config.gradient_accumulation_steps
+    assert seen["training_step"] == 2 * micro_per_step and seen["evaluate"] == 1
+    assert seen["log"] == len(trainer.state.log_history) >= 3  # steps, the evaluation, the summary
+    assert seen["save_model"] == [config.output_dir]
+    assert os.path.exists(os.path.join(config.output_dir, "model.safetensors"))
+
+
+@pytest.mark.parametrize("method,advice", [
+    ("compute_loss", "override training_step"), ("_generate_and_score_completions", "reward_funcs"),
+    ("create_optimizer", "optimizers=\\(optimizer, lr_scheduler\\)"), ("get_train_dataloader", "prepares and batches"),
+    ("prediction_step", "compute_metrics"),
+])
+def test_an_override_posttrain_never_calls_stops_at_construction(tokenizer, addition_dataset, tmp_path, method,
+                                                                advice):
+    from posttrain.errors import UserError
+
+    Custom = type("Custom", (GRPOTrainer,), {method: lambda self, *a, **k: None})
+    with pytest.raises(UserError, match=f"Custom.{method} overrides a transformers/TRL method that posttrain's "
+                                        f"GRPOTrainer never calls, so the override would be ignored: .*{advice}"):
+        Custom(tiny_model(tokenizer, hidden=32, layers=1), length_reward, tiny_config(tmp_path),
+               train_dataset=addition_dataset, processing_class=tokenizer)

@@ -6,6 +6,7 @@ same way); its log-prob pass is replaced by the tensors we feed ours. Skipped wh
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -76,7 +77,7 @@ def _ours(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
     control = EntropyControl.from_config(cfg)
     out = micro_batch_loss(get_loss(cfg.loss_type), LossParams.from_config(cfg), LossInputs(logps, old, ref, adv, mask),
                            entropy, norm, cfg.top_entropy_quantile, control.applied() if control.enabled else 0.0)
-    return out.loss, loss_metrics([dict(out.stats, tokens=mask.sum())], OneProcess(), cfg.beta)
+    return out.loss, loss_metrics([replace(out.stats, tokens=mask.sum())], OneProcess(), cfg.beta)
 
 
 CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")] + [

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import VALID_ROLES, DataError
-from posttrain.sequences.chat import common_prefix_length, template_kwargs
+from posttrain.data import DataError
+from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
 from posttrain.sequences.rows import TokenRows, truncate
 
 logger = logging.getLogger("posttrain")
@@ -151,7 +151,8 @@ class PairEncoder:
                                 f"first row has {'messages' if kind is list else 'text'}: every row must be in the "
                                 "same format.")
             if kind is list:
-                self._check_messages(value, index, column, allow_empty=column == "prompt")
+                # an empty chosen or rejected is named below, with why it may be empty
+                check_messages(value, f"Row {index} of {self.name}", column, allow_empty=True)
         for column, value in (("chosen", chosen), ("rejected", rejected)):
             if len(value) == 0:
                 where = (" once the prompt (their common start) is taken out: chosen and rejected are identical "
@@ -159,15 +160,6 @@ class PairEncoder:
                 raise DataError(f"Row {index} of {self.name} has an empty {column} completion{where}: a pair needs "
                                 "two answers to compare; drop the row (dataset.filter) or fix it.")
         return prompt, chosen, rejected
-
-    def _check_messages(self, messages, index: int, column: str, allow_empty: bool) -> None:
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise DataError(f"Row {index} of {self.name} has a message without 'role' and 'content' in {column!r} "
-                                f"({m!r}): write each message as {{'role': ..., 'content': ...}}.")
-            if m["role"] not in VALID_ROLES:
-                raise DataError(f"Row {index} of {self.name} has a message with role {m['role']!r}: use one of "
-                                f"{', '.join(sorted(VALID_ROLES))}.")
 
     def _tokenized(self, row: dict, index: int):
         ids = tuple(list(row[c]) for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
@@ -270,3 +262,24 @@ def prepare_pairs(dataset, preparation: PairPreparation, block: int = 1000) -> P
     logger.info("%s: %d pairs, %d tokens, %d of them completion targets.", name, len(pairs), len(pairs.rows.tokens),
                 int(pairs.rows.target_counts.sum()))
     return pairs
+
+
+def pairs_as_dataset(pairs: "PairRows"):
+    """Prepared pairs as TRL shows them: a Dataset of prompt_ids, chosen_ids, rejected_ids (and ref_chosen_logps,
+    ref_rejected_logps when precomputed)."""
+    from datasets import Dataset
+
+    rows = pairs.rows
+    columns = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+    for p in range(len(pairs)):
+        for column, r in (("chosen_ids", 2 * p), ("rejected_ids", 2 * p + 1)):
+            span = rows.row(r)
+            tokens, labels = rows.tokens[span].tolist(), rows.labels[span]
+            first = int(np.argmax(labels)) if labels.any() else len(tokens)
+            if column == "chosen_ids":
+                columns["prompt_ids"].append(tokens[:first])
+            columns[column].append(tokens[first:])
+    if pairs.ref is not None:
+        columns["ref_chosen_logps"] = pairs.ref[:, 0].tolist()
+        columns["ref_rejected_logps"] = pairs.ref[:, 1].tolist()
+    return Dataset.from_dict(columns)

@@ -22,16 +22,18 @@ import torch
 from posttrain.configs import ConfigError, DPOConfig
 from posttrain.data import DataError
 from posttrain.dpo.batch import PairBatch, collate_pairs
-from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, prepare_pairs
+from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, pairs_as_dataset, prepare_pairs
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
+from posttrain.dpo.metrics import SUMS, step_metrics
 from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached
-from posttrain.models.logprobs import next_token_logprobs, whole_logits
+from posttrain.models.forwards import whole_logits
+from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
 from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
-from posttrain.training.checkpoint import CheckpointError, model_fingerprint
+from posttrain.training.checkpoint import CheckpointError, CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics
 from posttrain.training.setup import take_quantization_config, trainer_config
@@ -43,9 +45,6 @@ _REFUSED = {
                      "the rows in the dataset instead (prompt_ids / chosen_ids / rejected_ids columns work as "
                      "they are)",
 }
-# the step's sums every micro-batch adds to; metrics and the logged loss are read from them
-SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct_pairs", "chosen_logps", "rejected_logps",
-        "chosen_logits", "chosen_tokens", "rejected_logits", "rejected_tokens", "entropy", "correct_tokens")
 
 
 class DPOTrainer(BatchedDataTrainer):
@@ -339,7 +338,7 @@ class DPOTrainer(BatchedDataTrainer):
         stats = self._accumulate(batches, lambda b: self._micro_step(b.to(acc.device), pairs_total, chosen_total,
                                                                      1.0 / len(batches)))
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
-        metrics = self._metrics_from(totals)
+        metrics = step_metrics(totals)
         router = self._router_metrics()
         metrics.update(router)
         metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
@@ -353,22 +352,6 @@ class DPOTrainer(BatchedDataTrainer):
             self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         return metrics
-
-    @staticmethod
-    def _metrics_from(totals: torch.Tensor, prefix: str = "") -> dict:
-        s = dict(zip(SUMS, (float(x) for x in totals)))
-        pairs = max(s["pairs"], 1.0)
-        targets = max(s["chosen_tokens"] + s["rejected_tokens"], 1.0)
-        out = {"loss": s["loss"],
-               "rewards/chosen": s["chosen_reward"] / pairs, "rewards/rejected": s["rejected_reward"] / pairs,
-               "rewards/accuracies": s["correct_pairs"] / pairs,
-               "rewards/margins": (s["chosen_reward"] - s["rejected_reward"]) / pairs,
-               "logps/chosen": s["chosen_logps"] / pairs, "logps/rejected": s["rejected_logps"] / pairs,
-               "logits/chosen": s["chosen_logits"] / max(s["chosen_tokens"], 1.0),
-               "logits/rejected": s["rejected_logits"] / max(s["rejected_tokens"], 1.0),
-               "entropy": s["entropy"] / targets,
-               "mean_token_accuracy": s["correct_tokens"] / max(s["chosen_tokens"], 1.0)}
-        return {prefix + k: v for k, v in out.items()}
 
     # ------------------------------------------------------------------ evaluation
 
@@ -409,7 +392,7 @@ class DPOTrainer(BatchedDataTrainer):
                     user.add(*self._logits_and_inputs(batch), last=i == len(shares) - 1)
         totals = acc.reduce(totals, reduction="sum")
         runtime = time.time() - start
-        metrics = self._metrics_from(totals, f"{prefix}_")
+        metrics = step_metrics(totals, f"{prefix}_")
         metrics.update({f"{prefix}_runtime": round(runtime, 4),
                         f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
                         f"{prefix}_num_tokens": float(self._tokens_seen)})
@@ -434,44 +417,28 @@ class DPOTrainer(BatchedDataTrainer):
         Built on access."""
         if not isinstance(self.batches, MapBatches):
             return self._train_source
-        return self._pairs_as_dataset(self.batches.rows)
+        return pairs_as_dataset(self.batches.rows)
 
     def _prepared_view(self, dataset):
-        return self._pairs_as_dataset(self._prepared_eval(dataset))
-
-    @staticmethod
-    def _pairs_as_dataset(pairs: PairRows):
-        from datasets import Dataset
-
-        rows = pairs.rows
-        columns = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
-        for p in range(len(pairs)):
-            for column, r in (("chosen_ids", 2 * p), ("rejected_ids", 2 * p + 1)):
-                span = rows.row(r)
-                tokens, labels = rows.tokens[span].tolist(), rows.labels[span]
-                first = int(np.argmax(labels)) if labels.any() else len(tokens)
-                if column == "chosen_ids":
-                    columns["prompt_ids"].append(tokens[:first])
-                columns[column].append(tokens[first:])
-        if pairs.ref is not None:
-            columns["ref_chosen_logps"] = pairs.ref[:, 0].tolist()
-            columns["ref_rejected_logps"] = pairs.ref[:, 1].tolist()
-        return Dataset.from_dict(columns)
+        return pairs_as_dataset(self._prepared_eval(dataset))
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
-    def _checkpoint_tensors(self) -> dict:
-        ref = getattr(self.batches, "rows", None)
-        ref = ref.ref if ref is not None else None
-        return {"ref_logps": torch.from_numpy(ref)} if ref is not None else {}
+    def _checkpoint_extras(self) -> CheckpointExtras:
+        """The batched trainers' data position; the precomputed reference log-probs of a map-style dataset (what the
+        run trains against), and a synced reference."""
+        extras = super()._checkpoint_extras()
+        if isinstance(self.batches, MapBatches) and self.batches.rows.ref is not None:
+            extras.tensors["ref_logps"] = torch.from_numpy(self.batches.rows.ref)
+        if self.args.sync_ref_model:
+            extras.models["ref_model"] = self.ref_model
+        return extras
 
-    def _load_checkpoint_tensors(self, tensors: dict, device) -> None:
+    def _restore_position(self, state: dict, tensors: dict) -> None:
+        super()._restore_position(state, tensors)
         if "ref_logps" in tensors and isinstance(self.batches, MapBatches):
             saved = tensors["ref_logps"].cpu().numpy()
             if saved.shape != (len(self.batches.rows), 2):
                 raise CheckpointError(f"Cannot resume: the checkpoint's reference log-probs are for {saved.shape[0]} "
                                       f"pairs and this run has {len(self.batches.rows)}; resume with the same data.")
             self.batches.rows.ref = saved  # what the interrupted run trained against
-
-    def _checkpoint_models(self) -> dict:
-        return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}

@@ -331,7 +331,7 @@ def supports(model) -> bool:
 def _reproduces_logits(model) -> bool:
     """Prefill two left-padded prompts of different lengths and decode three tokens; compare every step's logits
     with the model's own forward over the whole sequence."""
-    from posttrain.models.logprobs import positions_from_mask
+    from posttrain.models.forwards import positions_from_mask
 
     device = next(model.parameters()).device
     vocab = unwrap(model).lm_head.weight.size(0)

@@ -11,7 +11,7 @@ processes, or through a server, generates what the one-process run does.
 
 import torch
 
-from posttrain.generation import SamplingParams
+from posttrain.generation.protocol import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

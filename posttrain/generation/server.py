@@ -17,15 +17,10 @@ from typing import Iterable
 
 import torch
 
-from posttrain.errors import UserError
-from posttrain.generation import Rollouts, SamplingParams
+from posttrain import wire
+from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
 from posttrain.generation.sampling import mix64_int
 from posttrain.generation.transformers_backend import draw_seed
-from posttrain.serving import wire
-
-
-class GenerationError(UserError, RuntimeError):
-    """The generation server failed or could not be reached; the message says which call and what to do."""
 
 
 class ServerClient:

@@ -11,11 +11,12 @@ from typing import Iterable
 import torch
 
 from posttrain.errors import UserError
-from posttrain.generation import Rollouts, SamplingParams, lean_decoder
+from posttrain.generation import lean_decoder
+from posttrain.generation.protocol import Rollouts, SamplingParams, left_pad
 from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
                                            stream_uniforms)
 from posttrain.models.keywords import cache_kwarg, forward_accepts, logits_to_keep_kwarg, returned_cache, unwrap
-from posttrain.models.logprobs import positions_from_mask
+from posttrain.models.forwards import positions_from_mask
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -30,18 +31,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 def draw_seed(rng: torch.Generator) -> int:
     """The seed of one generation round, drawn from a generator's own (checkpointed) RNG."""
     return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=rng))
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ([N, P] ids, [N, P] bool mask)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = True
-    return ids.to(device), mask.to(device)
 
 
 # rows that have finished leave the decode batch once they are at least 1/COMPACT_FRACTION of it: with 16 rows at

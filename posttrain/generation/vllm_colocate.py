@@ -20,8 +20,9 @@ from typing import Iterable
 
 import torch
 
-from posttrain.generation import Rollouts, SamplingParams, vllm_compat
-from posttrain.generation.server import GenerationError, _runs, stream_seed
+from posttrain.generation import vllm_compat
+from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
+from posttrain.generation.server import _runs, stream_seed
 from posttrain.generation.transformers_backend import draw_seed
 
 

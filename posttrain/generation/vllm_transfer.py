@@ -23,15 +23,17 @@ from urllib.parse import urlparse
 import torch
 
 from posttrain.generation import vllm_compat
-from posttrain.generation.server import GenerationError, ServerClient
-from posttrain.rewards.timeouts import TimedOut, run_within
+from posttrain.generation.protocol import GenerationError
+from posttrain.timeouts import TimedOut, run_within
 
 
 class VLLMControlClient:
     """vLLM's weight-sync client protocol (VLLMWeightSyncClient) over posttrain's ServerClient: every call has the
-    sync timeout and none is retried; finish_weight_update carries the round's version."""
+    sync timeout and none is retried; finish_weight_update carries the round's version.
 
-    def __init__(self, client: ServerClient):
+    `client` is the ServerClient of generation/server.py (which imports this module, not the other way round)."""
+
+    def __init__(self, client):
         self.client = client
         self.version: str | None = None
 
@@ -80,7 +82,7 @@ def export_source(wire_dtype: torch.dtype | None):
 
 
 def _bounded(what: str, fn, timeout: float, base_url: str):
-    """fn() on a daemon thread (rewards/timeouts.run_within); its error as one sentence, or one if it is still running
+    """fn() on a daemon thread (posttrain/timeouts.run_within); its error as one sentence, or one if it is still running
     after `timeout` (the thread is abandoned: an NCCL call cannot be interrupted)."""
     try:
         return run_within(fn, timeout, name=f"posttrain-{what}")
@@ -103,9 +105,10 @@ def reachable_address(base_url: str) -> str:
 
 
 class NcclWeightPush:
-    """Pushes weights to a `vllm serve` started with --weight-transfer-config '{"backend": "nccl"}'."""
+    """Pushes weights to a `vllm serve` started with --weight-transfer-config '{"backend": "nccl"}', through `client`
+    (generation/server.py's ServerClient)."""
 
-    def __init__(self, client: ServerClient, server_world_size: int, group_port: int,
+    def __init__(self, client, server_world_size: int, group_port: int,
                  wire_dtype: torch.dtype | None = None):
         self.client = client
         self.control = VLLMControlClient(client)

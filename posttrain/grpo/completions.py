@@ -16,6 +16,7 @@ import math
 import os
 from collections import defaultdict
 
+from posttrain.completion_rows import as_text, extra_columns
 from posttrain.training.distributed import guarded
 
 
@@ -128,15 +129,3 @@ class CompletionLog:
             rewards = [f"{v:.3g}" if v is not None else "-" for v in row["rewards"].values()]
             table.add_row(str(row["prompt"]), row["completion"], *rewards, f"{row['advantage']:.3g}")
         Console(stderr=True).print(table)
-
-
-def extra_columns(row: dict) -> list[str]:
-    """A completions.jsonl row's log_extra columns: every key but the fixed ones."""
-    return [key for key in row if key not in ("step", "prompt", "completion", "rewards", "advantage")]
-
-
-def as_text(value) -> str:
-    """A prompt or completion as text: a conversation as one `role: content` line per message."""
-    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in value)
-    return value if isinstance(value, str) else json.dumps(value, default=str)

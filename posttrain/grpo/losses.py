@@ -89,11 +89,51 @@ class LossInputs:
 
 
 @dataclass(frozen=True)
+class LossStats:
+    """A micro-batch's sums that the step's metrics are made of (grpo/metrics.py loss_metrics); scalars, except the
+    per-sequence [b] fractions; None where the loss type has no such quantity.
+
+    Attributes:
+        tokens: loss tokens.
+        entropy, entropy_tokens: the entropy summed over the loss tokens, and their count.
+        bonus_entropy, bonus_tokens: the same over the tokens the objective kept (the entropy quantile's).
+        kl: the k3 KL summed over the loss tokens (beta != 0).
+        clip_low, clip_high, clip_region: tokens (or sequences, with one ratio per sequence) clipped below, above,
+            either; clip_units what they are divided by. clip_low_seq, clip_high_seq: [b] each sequence's fraction.
+        cispo_clip: CISPO's clipped tokens.
+        phi_sum, sequences: VESPO's weights summed over sequences, and their count.
+    """
+
+    tokens: torch.Tensor
+    entropy: torch.Tensor | None = None
+    entropy_tokens: torch.Tensor | None = None
+    bonus_entropy: torch.Tensor | None = None
+    bonus_tokens: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    clip_low: torch.Tensor | None = None
+    clip_high: torch.Tensor | None = None
+    clip_region: torch.Tensor | None = None
+    clip_units: torch.Tensor | None = None
+    clip_low_seq: torch.Tensor | None = None
+    clip_high_seq: torch.Tensor | None = None
+    cispo_clip: torch.Tensor | None = None
+    phi_sum: torch.Tensor | None = None
+    sequences: torch.Tensor | None = None
+
+    PER_SEQUENCE = ("clip_low_seq", "clip_high_seq")
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """The scalar sums that are set, by name (what processes and micro-batches add up)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self.PER_SEQUENCE and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
 class LossOutputs:
-    """The micro-batch's contribution to the step loss, and token sums for metrics."""
+    """The micro-batch's contribution to the step loss, and its sums for metrics."""
 
     loss: torch.Tensor
-    stats: dict
+    stats: LossStats
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -123,7 +163,7 @@ def k3_kl(inp: LossInputs) -> torch.Tensor:
 
 # ------------------------------------------------------------------ per-token objectives
 # Each takes the inputs, the params and the importance ratio ([b, C], or [b, 1] at sequence level), and returns the
-# per-token loss (broadcastable to [b, C]) and token sums for metrics.
+# per-token loss (broadcastable to [b, C]) and its sums for metrics, by LossStats field name.
 
 
 def clipped_surrogate(inp: LossInputs, p: LossParams, ratio: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -216,7 +256,7 @@ def off_policy_keep(inp: LossInputs, p: LossParams) -> torch.Tensor:
     return keep.to(mask.dtype)
 
 
-def per_token_loss(entry: "Loss", inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, dict]:
+def per_token_loss(entry: "Loss", inp: LossInputs, p: LossParams) -> tuple[torch.Tensor, LossStats]:
     """The loss entry's objective with its masks, plus the KL term: [b, C] (or broadcastable) loss, and stats."""
     ratio = importance_ratio(inp, p.importance_sampling_level)
     loss, stats = entry.objective(inp, p, ratio)
@@ -232,8 +272,7 @@ def per_token_loss(entry: "Loss", inp: LossInputs, p: LossParams) -> tuple[torch
             kl = kl * ratio  # the ratio's gradient makes the KL gradient the unbiased reverse-KL one
         loss = loss + p.beta * kl
         stats["kl"] = _masked_sum(kl.detach(), inp.mask.float())
-    stats["tokens"] = inp.mask.float().sum()
-    return loss, stats
+    return loss, LossStats(tokens=inp.mask.float().sum(), **stats)
 
 
 # ------------------------------------------------------------------ aggregations over the step
@@ -334,13 +373,16 @@ class MicroBatchLoss:
     Attributes:
         loss: what is backpropagated: the objective, minus the entropy bonus when there is one.
         policy_loss: the objective alone.
-        stats: the objective's token sums, and the entropy's sums over the loss tokens and over the tokens the
-            objective kept (the entropy quantile's).
+        stats: the objective's sums, with the entropy's over the loss tokens and over the tokens the objective kept
+            (the entropy quantile's).
     """
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
-    stats: dict
+    stats: LossStats
+
+    def detached(self) -> "MicroBatchLoss":
+        return MicroBatchLoss(self.loss.detach(), self.policy_loss.detach(), self.stats)
 
 
 def micro_batch_loss(loss_fn: Loss, params: LossParams, inputs: LossInputs, entropy: torch.Tensor,
@@ -357,6 +399,6 @@ def micro_batch_loss(loss_fn: Loss, params: LossParams, inputs: LossInputs, entr
     effective = inputs.mask if kept is None else kept
     loss = out.loss - bonus * entropy_bonus(entropy, effective, norm) if bonus else out.loss
     seen = entropy.detach()
-    stats = dict(out.stats, entropy=(seen * inputs.mask).sum(), entropy_tokens=inputs.mask.sum(),
-                 bonus_entropy=(seen * effective).sum(), bonus_tokens=effective.sum())
+    stats = replace(out.stats, entropy=(seen * inputs.mask).sum(), entropy_tokens=inputs.mask.sum(),
+                    bonus_entropy=(seen * effective).sum(), bonus_tokens=effective.sum())
     return MicroBatchLoss(loss, out.loss, stats)

@@ -5,6 +5,7 @@ import math
 import torch
 
 from posttrain.grpo.advantages import Advantages, nanmean, nanstd
+from posttrain.grpo.losses import LossStats
 
 
 def _f(x) -> float:
@@ -36,23 +37,23 @@ def completion_metrics(lengths: torch.Tensor, is_eos: torch.Tensor) -> dict:
     return out
 
 
-def loss_metrics(stats: list[dict], accelerator, beta: float) -> dict:
+def loss_metrics(stats: list[LossStats], accelerator, beta: float) -> dict:
     """Means over the step's micro-batches and all processes: entropy and kl per token, clip_ratio/* per token (per
     sequence with a sequence-level ratio), as TRL computes them."""
     device = accelerator.device
-    sums = {k: accelerator.reduce(torch.stack([s[k].detach().float() for s in stats]).sum().to(device),
+    sums = {k: accelerator.reduce(torch.stack([s.sums()[k].detach().float() for s in stats]).sum().to(device),
                                   reduction="sum")
-            for k in stats[0] if not k.endswith("_seq") and k not in ("loss", "policy_loss")}
-    tokens = max(float(sums.pop("tokens")), 1.0)
-    out = {"entropy": float(sums["entropy"]) / max(float(sums.pop("entropy_tokens")), 1.0)}
+            for k in stats[0].sums()}
+    tokens = max(float(sums["tokens"]), 1.0)
+    out = {"entropy": float(sums["entropy"]) / max(float(sums["entropy_tokens"]), 1.0)}
     if beta != 0.0:
         out["kl"] = float(sums["kl"]) / tokens
     units = max(float(sums["clip_units"]), 1.0) if "clip_units" in sums else tokens
     if "clip_low" in sums:
         # per-sequence extremes: reduced locally first, since processes may hold different numbers of rows
         # (zero-advantage rows are skipped), and gather needs the same shape everywhere
-        low = accelerator.gather(torch.cat([s["clip_low_seq"] for s in stats]).min().reshape(1).to(device))
-        high = accelerator.gather(torch.cat([s["clip_high_seq"] for s in stats]).max().reshape(1).to(device))
+        low = accelerator.gather(torch.cat([s.clip_low_seq for s in stats]).min().reshape(1).to(device))
+        high = accelerator.gather(torch.cat([s.clip_high_seq for s in stats]).max().reshape(1).to(device))
         out.update({"clip_ratio/low_mean": float(sums["clip_low"]) / units,
                     "clip_ratio/low_min": float(low.min()),
                     "clip_ratio/high_mean": float(sums["clip_high"]) / units,

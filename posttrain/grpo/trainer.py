@@ -13,32 +13,31 @@ Generation happens whenever the buffer is empty, so how often we generate (steps
 is independent of how many micro-batches make an optimizer step (gradient_accumulation_steps).
 """
 
+import functools
 import math
+from dataclasses import replace
 
 import torch
 
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
 from posttrain.generation import SamplingParams, make_generator
-from posttrain.grpo.advantages import group_advantages
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
-from posttrain.grpo.completions import CompletionLog, RewardLogs
-from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs, resolve_filter
+from posttrain.grpo.completions import CompletionLog
+from posttrain.grpo.dynamic_sampling import resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
-from posttrain.grpo.losses import LossInputs, LossParams, StepNormalizer, get_loss, micro_batch_loss
-from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
-from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
-from posttrain.models import token_logprobs
-from posttrain.models.peft import reference_mode, refuse_prefix_tuning_for_sampling
+from posttrain.grpo.losses import LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss, micro_batch_loss
+from posttrain.grpo.metrics import loss_metrics
+from posttrain.grpo.rollout import Rewards, Rollout
+from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
-from posttrain.rewards import check_required_columns, resolve_reward_funcs, reward_inputs, score
-from posttrain.training.checkpoint import model_fingerprint
-from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.rewards import check_required_columns, resolve_reward_funcs
+from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
+from posttrain.training.distributed import guarded
+from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
 from posttrain.training.trainer import Trainer
 from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
-from posttrain.weights import export_weights
 
 
 class GRPOTrainer(Trainer):
@@ -85,10 +84,9 @@ class GRPOTrainer(Trainer):
         with guarded(self.accelerator):  # a server one process cannot reach stops every process
             # one seed on every process: each row's key (its index in the round) tells the rows apart, so the
             # completions do not depend on the number of processes
-            self.generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed,
-                                            process_index=rank, run_id=run_id,
-                                            num_processes=self.accelerator.num_processes,
-                                            local_process_index=self.accelerator.local_process_index)
+            generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
+                                       run_id=run_id, num_processes=self.accelerator.num_processes,
+                                       local_process_index=self.accelerator.local_process_index)
         self.loss_fn = get_loss(args.loss_type)
         self.loss_params = LossParams.from_config(args)
         self.entropy_control = EntropyControl.from_config(args)
@@ -110,14 +108,27 @@ class GRPOTrainer(Trainer):
         # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
         # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
+        self.rollout = Rollout(args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy,
+                               self.ref_model, self.reference_adapter, generator, self.tokenizer,
+                               Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter),
+                               self.state, self.packing, self.share_prompts, self.pad_to_multiple_of,
+                               self.sampling_params, self.needs_old_logps)
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
         self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
         self._stream_epoch = 0.0
-        self._pending_metrics: dict = {}
         self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
         self._call("on_init_end")
+
+    @property
+    def generator(self):
+        """The generation backend (posttrain/generation) the round samples with."""
+        return self.rollout.generator
+
+    @generator.setter
+    def generator(self, value) -> None:
+        self.rollout.generator = value
 
     # ------------------------------------------------------------------ setup
 
@@ -176,23 +187,31 @@ class GRPOTrainer(Trainer):
             return args.max_steps
         rounds = self.prompts.rounds_per_epoch
         if rounds is None:
-            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+            raise run_length_unknown()
         micro = rounds * args.num_train_epochs * args.steps_per_generation * args.num_iterations
         return max(1, math.ceil(micro / args.gradient_accumulation_steps))
 
     # ------------------------------------------------------------------ generation and scoring
 
-    def _next_micro_batch(self) -> TrainingBatch:
-        if not self.buffer:
-            batch = self._generate_and_score()
-            micro = batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
-            self.buffer = micro * self.args.num_iterations
-        return self.buffer.pop(0)
+    def _step_micro_batches(self) -> tuple[list[TrainingBatch], dict]:
+        """The step's gradient_accumulation_steps micro-batches from the buffer, a new generation batch made (its
+        micro-batches, num_iterations times over) whenever it is empty; the metrics of the newest batch made ({} when
+        none was)."""
+        micro, round_metrics = [], {}
+        for _ in range(self.args.gradient_accumulation_steps):
+            if not self.buffer:
+                scored = self.rollout.scored_batch(self._next_round, self.state.global_step + 1)
+                self._log_completions(scored)
+                parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
+                self.buffer, round_metrics = parts * self.args.num_iterations, scored.metrics
+            micro.append(self.buffer.pop(0))
+        return micro, round_metrics
 
-    def _local_share(self, items: list) -> list:
-        n = len(items) // self.accelerator.num_processes
-        start = self.accelerator.process_index * n
-        return items[start:start + n]
+    def _log_completions(self, scored) -> None:
+        if self.args.log_completions:
+            rows = scored.scored
+            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in rows.rows], rows.texts,
+                                    rows.rewards, scored.advantages, rows.extra)
 
     def _next_round(self):
         prompt_round = next(self._rounds)
@@ -200,165 +219,23 @@ class GRPOTrainer(Trainer):
         self._stream_epoch = prompt_round.epoch
         return prompt_round
 
-    def _generate_and_score(self) -> TrainingBatch:
-        """The next generation batch: sampled and scored (with dynamic_sampling, from as many rounds as it takes to
-        fill it with groups whose rewards differ), then its old and reference log-probs and its advantages."""
-        args, G = self.args, self.args.num_generations
-        scored = self._generate_round()
-        sampling = {}
-        if args.dynamic_sampling:
-            scored, sampling = self._dynamically_sampled(scored)
-        rollouts = scored.rollouts
-        with guarded(self.accelerator):  # the log-prob passes can fail on one process only
-            weights = sampling_stats = None
-            if args.corrects_sampling:
-                old_logps, weights, sampling_stats = self._sampling_correction(rollouts)
-            else:
-                old_logps = self._logps_no_grad(self.forward_policy, rollouts) if self.needs_old_logps else None
-            ref_logps = self._reference_logps(rollouts)
-        rewards = scored.rewards
-        adv = group_advantages(rewards, self.reward_weights, G, args.scale_rewards, args.multi_objective_aggregation)
-        n = len(scored.rows)
-        local = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
-
-        loss_mask = rollouts.completion_mask
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
-        batch = TrainingBatch(rollouts, adv.advantages[local].to(self.accelerator.device), loss_mask,
-                              old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=weights)
-        self._pending_metrics = {**reward_metrics(rewards, adv, [f.name for f in self.reward_funcs]),
-                                 **(reduce_stats(self.accelerator.gather(sampling_stats.to(self.accelerator.device))
-                                                 .cpu()) if sampling_stats is not None else {}),
-                                 **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
-                                 **completion_metrics(self.accelerator.gather(rollouts.completion_mask.sum(1)).cpu(),
-                                                      self.accelerator.gather(rollouts.is_eos).cpu()),
-                                 **scored.logs.reduced_metrics(self.accelerator), **sampling}
-        if args.log_completions:
-            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in scored.rows], scored.texts,
-                                    rewards, adv.advantages, scored.extra)
-        return batch
-
-    def _generate_round(self) -> ScoredRound:
-        """The next round of prompts, G completions of each sampled (this process's share of the rows) and scored;
-        every process's rewards gathered."""
-        args, G = self.args, self.args.num_generations
-        bad_rows = [] if args.on_bad_reward == "skip" else None
-        logs = RewardLogs()
-        with guarded(self.accelerator):  # reading data, generation and rewards can fail on one process only
-            prompt_round = self._next_round()
-            rows = self._local_share([row for row in prompt_round.rows for _ in range(G)])
-            prompt_ids = self._local_share([ids for ids in prompt_round.prompt_ids for _ in range(G)])
-            prompt_indices = self._local_share([i for i in prompt_round.indices for _ in range(G)])
-            row_keys = self._local_share(list(range(len(prompt_round.prompt_ids) * G)))
-            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
-                self.generator.sync_weights(export_weights(self.model))
-                rollouts = self.generator.generate(prompt_ids, row_keys)
-            prompts = [row["prompt"] for row in rows]
-            completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
-            columns = {c: [row[c] for row in rows] for c in self.reward_columns}
-            local_rewards = score(self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
-                                  self.state.global_step + 1, bad_rows, prompt_indices, logs.loggers(),
-                                  args.reward_timeout)
-        rewards = self.accelerator.gather(local_rewards.to(self.accelerator.device)).cpu()  # [B*G, F]
-        skipped = self._skip_bad_groups(rewards, bad_rows, len(rows)) if bad_rows is not None else None
-        extra = logs.gathered_extra(self.accelerator, len(rows)) if args.log_completions else {}
-        return ScoredRound(rows, texts, rollouts, rewards, logs, extra, skipped)
-
-    def _dynamically_sampled(self, scored: ScoredRound) -> tuple[ScoredRound, dict]:
-        """DAPO's dynamic sampling (grpo/dynamic_sampling.py): rounds until the groups whose rewards differ fill the
-        batch; the batch of the first of them (this process's share) and the sampling/* metrics."""
-        from accelerate.utils import gather_object
-
-        args, G, acc = self.args, self.args.num_generations, self.accelerator
-        needed = scored.rewards.size(0)  # B*G rows, the batch's size
-        rows, logs, filtered, rounds = [], RewardLogs(), 0, 0
-        skipped = None if scored.skipped is None else 0
-        while True:
-            rounds += 1
-            with guarded(acc):  # a user's filter can fail
-                keep = groups_to_keep(scored.rewards, self.reward_weights, G, self._group_filter)
-            filtered += int((~keep).sum())
-            rows += kept_rows(scored, keep, acc.process_index * len(scored.rows), G, gather_object)
-            merge_logs(logs, scored.logs)
-            skipped = None if skipped is None else skipped + scored.skipped
-            if len(rows) >= needed:
-                break
-            if rounds >= args.dynamic_sampling_max_rounds:
-                raise mark_agreed(DataError(  # every process counts the same rows
-                    f"dynamic_sampling: {rounds} generation rounds gave {len(rows) // G} of the {needed // G} prompt "
-                    f"groups a batch needs whose rewards differ (dynamic_sampling_max_rounds="
-                    f"{args.dynamic_sampling_max_rounds}): raise dynamic_sampling_max_rounds, use prompts that are "
-                    "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
-            scored = self._generate_round()
-        batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
-                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device)
-        return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}
-
-    def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, n_local: int) -> int:
-        """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.
-
-        Args:
-            rewards: [B*G, F] gathered rewards.
-            bad_rows: local indices of completions with a non-finite reward.
-        Returns:
-            The number of groups skipped, across processes.
-        """
-        bad = torch.zeros(n_local, dtype=torch.bool, device=self.accelerator.device)
-        bad[bad_rows] = True
-        bad_groups = self.accelerator.gather(bad).cpu().view(-1, self.args.num_generations).any(1)  # [B]
-        rewards[bad_groups.repeat_interleave(self.args.num_generations)] = float("nan")
-        return int(bad_groups.sum())
-
-    def _sampling_correction(self, rollouts):
-        """With use_vllm: the old log-probs, the importance weight of every token for the engine's distribution
-        differing from the trainer's, and this process's mismatch statistics (grpo/sampler_correction.py), the
-        trainer's log-probs over the sampler's support coming from the same forward as the old ones."""
-        args = self.args
-        old_logps, support_logps = self._no_grad_per_micro_batch(
-            rollouts, lambda r: trainer_logps(self.forward_policy, r, self.sampling_params, args.temperature,
-                                              self.generator.eos_ids))
-        mask = rollouts.completion_mask.bool()
-        ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
-                                  args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-        sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
-        return old_logps, ratio, local_stats(support_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)
-
-    def _logps_no_grad(self, model, rollouts) -> torch.Tensor:
-        return self._no_grad_per_micro_batch(rollouts, lambda r: token_logprobs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature,
-            packing=self.packing, share_prompts=self.share_prompts)[:1])[0]
-
-    def _no_grad_per_micro_batch(self, rollouts, fn) -> tuple[torch.Tensor, ...]:
-        """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
-        padded as training pads them, without gradient; each result back at the rollouts' width [N, C]."""
-        parts = []
-        size, width = self.args.per_device_train_batch_size, rollouts.completion_ids.size(1)
-        with torch.no_grad(), self.accelerator.autocast():
-            for i in range(0, len(rollouts), size):
-                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts)))).padded(self.pad_to_multiple_of)
-                # select() trimmed the columns (and padding may have widened them): back to the rollouts' width
-                parts.append([torch.nn.functional.pad(x[:, :width], (0, width - min(x.size(1), width)))
-                              for x in fn(r)])
-        return tuple(torch.cat(column) for column in zip(*parts))
-
-    def _reference_logps(self, rollouts) -> torch.Tensor | None:
-        if self.args.beta == 0.0:
-            return None
-        if self.ref_model is not None:
-            return self._logps_no_grad(self.ref_model, rollouts)
-        with reference_mode(self.policy, self.reference_adapter):
-            return self._logps_no_grad(self.forward_policy, rollouts)
-
     # ------------------------------------------------------------------ optimisation
 
-    def _normalizer(self, micro: list[TrainingBatch]) -> StepNormalizer:
+    def _step_counts(self, micro: list[TrainingBatch]) -> tuple[StepNormalizer, float]:
+        """What the step's loss is normalised by, and the tokens every process's forwards see (prompts and
+        completions, for total_flos)."""
         tokens = sum(float(m.loss_mask.sum()) for m in micro)
         seen = sum(float(m.rollouts.prompt_mask.sum() + m.rollouts.completion_mask.sum()) for m in micro)
         totals = self.accelerator.reduce(torch.tensor([tokens, seen], device=self.accelerator.device),
                                          reduction="sum")
-        self.state.total_flos += self._flops_per_token * float(totals[1])
-        return StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
+        norm = StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
                               tokens_per_process=float(totals[0]) / self.accelerator.num_processes)
+        return norm, float(totals[1])
+
+    def _policy_loss(self, bonus: float):
+        """A micro-batch's loss (grpo/losses.py micro_batch_loss): (inputs, entropy, norm) -> MicroBatchLoss."""
+        return functools.partial(micro_batch_loss, self.loss_fn, self.loss_params,
+                                 top_entropy_quantile=self.args.top_entropy_quantile, bonus=bonus)
 
     def _rows_with_gradient(self, mb: TrainingBatch) -> TrainingBatch:
         """Drop rows whose advantage is 0 (their gradient is exactly 0); keep at least one row, so every
@@ -392,8 +269,9 @@ class GRPOTrainer(Trainer):
 
         return gradient
 
-    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float, share: float) -> dict:
-        """Forward and backward of one micro-batch (`share`: its part of the step, for the router loss)."""
+    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float, share: float) -> MicroBatchLoss:
+        """Forward and backward of one micro-batch (`share`: its part of the step, for the router loss); its loss
+        (with the router term), the objective's, and its sums, detached."""
         all_tokens = mb.loss_mask.sum()
         # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
         sequence_level = self.args.importance_sampling_level == "sequence"
@@ -401,51 +279,48 @@ class GRPOTrainer(Trainer):
         if self.skip_zero_advantage_rows:
             mb = self._rows_with_gradient(mb)
         mb = mb.padded(self.pad_to_multiple_of)
-        r = mb.rollouts
         with self.accelerator.autocast():
             with self._offloading(), self.router_loss.collecting(self.model, share) as router_term:
-                logps, entropy = token_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                                r.completion_mask, self.args.temperature, with_entropy=True,
-                                                loss_gradient=self._loss_gradient(mb, norm, bonus),
-                                                entropy_grad=self.entropy_control.enabled, packing=self.packing,
-                                                share_prompts=self.share_prompts)
-            out = micro_batch_loss(self.loss_fn, self.loss_params, self._loss_inputs(mb, logps), entropy, norm,
-                                   self.args.top_entropy_quantile, bonus)
+                logps, entropy = self.rollout.policy_logps(self.model, mb.rollouts, with_entropy=True,
+                                                           loss_gradient=self._loss_gradient(mb, norm, bonus),
+                                                           entropy_grad=self.entropy_control.enabled)
+            out = self._policy_loss(bonus)(self._loss_inputs(mb, logps), entropy, norm)
             loss = out.loss + sum(router_term)  # TRL adds it last: coef * aux_loss / micro-batches of the step
             self._backward(loss)
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
-        stats = dict(out.stats, clip_units=clip_units) if "clip_units" in out.stats else out.stats
-        return dict(stats, tokens=all_tokens, loss=loss.detach(), policy_loss=out.policy_loss.detach())
+        units = clip_units if out.stats.clip_units is not None else None
+        return MicroBatchLoss(loss.detach(), out.policy_loss.detach(),
+                              replace(out.stats, clip_units=units, tokens=all_tokens))
 
     def _optimizer_step(self) -> dict:
         args = self.args
-        micro = [self._next_micro_batch() for _ in range(args.gradient_accumulation_steps)]
-        norm = self._normalizer(micro)
+        micro, round_metrics = self._step_micro_batches()
+        norm, seen_tokens = self._step_counts(micro)
+        self.state.total_flos += self._flops_per_token * seen_tokens
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        stats = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
-        loss = float(self.accelerator.reduce(sum(s["loss"] for s in stats), reduction="mean"))
+        results = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
+        loss = float(self.accelerator.reduce(sum(r.loss for r in results), reduction="mean"))
         grad_norm = self._apply_update(loss)
-        metrics = loss_metrics(stats, self.accelerator, args.beta)
+        metrics = loss_metrics([r.stats for r in results], self.accelerator, args.beta)
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0],
                        **self._router_metrics())
         if self.entropy_control.enabled:
-            metrics.update(self._entropy_step(stats))
+            metrics.update(self._entropy_step(results))
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
             self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
-        metrics.update(self._pending_metrics)
-        self._pending_metrics = {}
+        metrics.update(round_metrics)
         return metrics
 
-    def _entropy_step(self, stats: list[dict]) -> dict:
+    def _entropy_step(self, results: list[MicroBatchLoss]) -> dict:
         """Update the entropy coefficient from the step's entropy across processes; its metrics."""
         device = self.accelerator.device
-        local = torch.stack([sum(s["bonus_entropy"] for s in stats).float(),
-                             sum(s["bonus_tokens"] for s in stats).float()]).to(device)
+        local = torch.stack([sum(r.stats.bonus_entropy for r in results).float(),
+                             sum(r.stats.bonus_tokens for r in results).float()]).to(device)
         total = self.accelerator.reduce(local, reduction="sum")
         self.entropy_control.update(float(total[0]) / max(float(total[1]), 1.0))
-        policy = float(self.accelerator.reduce(sum(s["policy_loss"] for s in stats), reduction="mean"))
+        policy = float(self.accelerator.reduce(sum(r.policy_loss for r in results), reduction="mean"))
         return {"policy_loss": policy, "entropy_coef": self.entropy_control.coef}
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
@@ -468,20 +343,28 @@ class GRPOTrainer(Trainer):
             self._next_round()
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        return evaluation_metrics(self, dataset, prefix)
+        bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
+        return evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
+                                  self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
 
-    def log(self, logs: dict, start_time=None, to_file: bool = True) -> None:
-        super().log(logs, start_time, to_file)
+    def log(self, logs: dict, start_time=None) -> None:
+        super().log(logs, start_time)
         if "loss" in logs:
             self.completion_log.show(self.state.global_step)
             if self.logger is not None:  # trainer.log called outside train() has no trackers
                 self.completion_log.to_trackers(self.logger, self.state.global_step)
 
-    def _checkpoint_meta(self) -> dict:
-        return {"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()}
+    def _checkpoint_extras(self) -> CheckpointExtras:
+        """The prompt stream's position, the entropy controller, the buffered micro-batches, the sampler's and
+        shuffler's generators, and a synced reference."""
+        return CheckpointExtras(
+            meta={"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()},
+            tensors=buffer_tensors(self.buffer), generators={"sampler": self.generator.rng, "shuffle": self.shuffle_rng},
+            models={"ref_model": self.ref_model} if self.args.sync_ref_model else {})
 
-    def _restore_position(self, state: dict) -> None:
-        """Move the prompt stream to where the checkpoint left it (or to the start, with ignore_data_skip)."""
+    def _restore_position(self, state: dict, tensors: dict) -> None:
+        """Move the prompt stream to where the checkpoint left it (or to the start, with ignore_data_skip), and take
+        back the buffered micro-batches."""
         self._rounds = self.prompts.rounds()
         self.rounds_consumed = state["rounds_consumed"]
         if not self.args.ignore_data_skip:
@@ -489,18 +372,7 @@ class GRPOTrainer(Trainer):
                 next(self._rounds)
         if "entropy_control" in state:
             self.entropy_control.load(state["entropy_control"])
-
-    def _checkpoint_tensors(self) -> dict:
-        return buffer_tensors(self.buffer)
-
-    def _load_checkpoint_tensors(self, tensors: dict, device) -> None:
-        self.buffer = buffer_from_tensors(tensors, device)
-
-    def _checkpoint_generators(self) -> dict:
-        return {"sampler": self.generator.rng, "shuffle": self.shuffle_rng}
-
-    def _checkpoint_models(self) -> dict:
-        return {"ref_model": self.ref_model} if self.args.sync_ref_model else {}
+        self.buffer = buffer_from_tensors(tensors, self.accelerator.device)
 
     def close(self, failed: bool = False) -> None:
         """Release the generator and, in a multi-process run, the process group (call once, at the end)."""

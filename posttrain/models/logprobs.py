@@ -1,22 +1,19 @@
-"""Per-token log-probabilities of completions under a causal LM.
+"""Per-token log-probabilities of completions (GRPO) and of sequences' own targets (SFT, DPO) under a causal LM.
 
 Fast path: the model runs with `output_hidden_states=True` and `logits_to_keep=1`, so it computes its
 body but (almost) no logits. The completion tokens that carry loss then go through the output layer
 in chunks (`models/chunked.py`), never as a [N, C, V] tensor. The forward is the (possibly
-DDP-wrapped) model's own, so gradient synchronisation is untouched. The path is used when the output
-layer is a plain `nn.Linear` and, checked once per model, when its output equals the model's own logits
-(which rules out models that post-process logits, e.g. soft-capping). Otherwise the logits path below
-is used.
+DDP-wrapped) model's own, so gradient synchronisation is untouched. The path is used where the model passes its
+one-time check (`models/chunked_check.py`); otherwise the model's whole logits are reduced a chunk of rows at a time
+(`models/logits_path.py`). How the model is called (its keywords, positions, logits) is `models/forwards.py`.
 
 Where the output layer's weight exists whole only inside the layer's own forward and backward (DeepSpeed ZeRO-3
 keeps it in shards and gathers it around them), the chunked computation runs as the output layer's forward for that
 one model call (`_computing_in`): it sees the whole weight, and its backward is gathered as the layer's own.
 
-The model is asked for logits at the completion positions only. Whether it can be asked depends
-on the transformers version and the model class: recent ones take `logits_to_keep`, older ones
-`num_logits_to_keep`, some neither. The keyword is chosen from the forward signature, and the
-returned logits are checked against what was asked (some models accept the keyword and ignore
-it, as Qwen2 did on transformers 4.48), slicing when more came back.
+On the fast path, GRPO's rollouts may run packed into fewer rows (models/packing.py) and each distinct prompt once
+(models/prompt_sharing.py), where the model passes those paths' one-time checks, which are kept here beside the
+forwards they check.
 """
 
 import contextlib
@@ -28,184 +25,23 @@ import torch
 
 from posttrain.models import fast_paths
 from posttrain.models.chunked import chunked_token_logprobs
-from posttrain.models.keywords import (cache_kwarg, forward_accepts, logits_to_keep_kwarg, missing_from_forward,
-                                       returned_cache, unwrap)
-from posttrain.models.loading import (CHECK_ERRORS, check_raised, checkpointing, fallback_said, is_fully_shard_unit,
-                                      is_plain_linear, raised)
+from posttrain.models.chunked_check import fast_path_available
+from posttrain.models.forwards import (completion_logits, final_hidden, in_eval_mode, mask_positions, output_layer,
+                                       positions_from_mask, sequence_kwargs, whole_in_model_forward,
+                                       whole_only_in_forward)
+from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
+from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
+from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
 
-CHUNK_ELEMENTS = 1 << 25  # logits turned into log-probs at a time (128 MiB of float32), bounding temporaries
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
 MIN_SHARED_SAVING_FLOP = 1e9
 # what a model loses when a fast path's one-time check fails or its forward cannot take what the path passes
 PACKING_OFF = "its log-prob passes run padded rows, not packed ones"
 SHARING_OFF = "its log-prob passes run each rollout's prompt, not each distinct prompt once"
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids for left-padded rows: 0 at each row's first real token. [N, L] -> [N, L]."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _sequence_kwargs(model, position_ids, n_keep: int) -> dict:
-    """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits (0: every
-    position), with these position ids (None: the model's own)."""
-    kwargs = {}
-    keep = logits_to_keep_kwarg(model)
-    if keep is not None:
-        kwargs[keep] = n_keep
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if forward_accepts(model, "use_cache"):
-        kwargs["use_cache"] = False  # a cache would also hide packed sequences' boundaries from sdpa and eager
-    return kwargs
-
-
-def _mask_positions(model, attention_mask) -> torch.Tensor | None:
-    """Position ids of left-padded rows, when the model's forward takes them."""
-    return positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
-
-
-def _forward_kwargs(model, attention_mask, n_keep: int) -> dict:
-    """_sequence_kwargs for left-padded rows: position ids from the mask."""
-    return _sequence_kwargs(model, _mask_positions(model, attention_mask), n_keep)
-
-
-def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Logits of the last `n_keep` positions.
-
-    Args:
-        model: a causal LM (possibly wrapped by DDP or PEFT).
-        input_ids: [N, L] token ids, left-padded prompt followed by the completion.
-        attention_mask: [N, L], 1 for real tokens.
-        n_keep: positions to return, counted from the end.
-    Returns:
-        [N, n_keep, V] logits.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   **_forward_kwargs(model, attention_mask, n_keep)).logits
-    if logits.size(1) < n_keep:
-        keep = logits_to_keep_kwarg(model)
-        raise RuntimeError(f"{type(unwrap(model)).__name__} returned logits for {logits.size(1)} positions when "
-                           f"{n_keep} were asked for with {keep}: its forward does not honour that keyword.")
-    return logits[:, -n_keep:]
-
-
-def whole_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None) -> torch.Tensor:
-    """[B, T, V] logits of every position of right-padded (or, with `position_ids` and no mask, packed) rows, as the
-    model computes them: only for a user's compute_metrics, the training and eval passes never build them."""
-    return model(input_ids=input_ids, attention_mask=attention_mask,
-                 **_sequence_kwargs(model, position_ids, 0)).logits
-
-
-def output_layer(model) -> torch.nn.Linear | None:
-    """The model's output projection if it is a plain Linear (not LoRA-wrapped or custom)."""
-    get = getattr(unwrap(model), "get_output_embeddings", None)
-    layer = get() if get is not None else None
-    return layer if is_plain_linear(layer) else None
-
-
-def final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
-    """[N, L, H] input of the output layer, from the model's own forward with one position of logits."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                **_forward_kwargs(model, attention_mask, 1))
-    return out.hidden_states[-1]
-
-
-def fast_path_available(model) -> bool:
-    """Whether the chunked path reproduces this model's logits; decided once per model object and cached (on the
-    first call, a forward of `model`: under sharding a collective, which every process reaches alike). Where it does
-    not, a warning says why: the logits path holds [tokens, vocabulary] logits at once."""
-    return fast_paths.decided(model, "chunked_output_layer", lambda: _decide_fast_path(model))
-
-
-def _decide_fast_path(model) -> bool:
-    plain = unwrap(model)
-    layer = output_layer(plain)
-    try:
-        if layer is not None and _whole_in_model_forward(layer):  # FSDP1, FSDP2: gathered by the model's forward
-            works = _check_in_forward_path(model, layer)
-        else:  # ZeRO-3's hooks gather the weights of the plain module's parts
-            works = _check_fast_path(plain)
-        reason = None if works else _why_not_chunked(plain)
-    except CHECK_ERRORS as err:  # no hidden states, or not the shapes we expect: the logits path
-        works, reason = False, f"its one-time check raised {raised(err)}"
-    if not works:
-        fallback_said(plain, "log-probs come from the model's whole logits ([tokens, vocabulary] at once, as in "
-                             "TRL), not from its output layer in chunks", reason)
-    return works
-
-
-def _why_not_chunked(plain) -> str:
-    head = plain.get_output_embeddings() if hasattr(plain, "get_output_embeddings") else None
-    if output_layer(plain) is None:
-        return (f"its output layer is {type(head).__name__}, not a plain Linear (a LoRA adapter on it, or a custom "
-                "head)")
-    missing = missing_from_forward(plain, ("logits_to_keep",))
-    return missing or "its logits are not its output layer's output (it changes them, as soft-capping does)"
-
-
-def _check_in_forward_path(model, layer) -> bool:
-    """Whether the model returns its output layer's output as its logits, unchanged (the chunked path computed as
-    that layer's forward then gives the model's log-probs). One forward through `model`, FSDP1's root wrapper,
-    which gathers the weights outside the decoder layers."""
-    plain = unwrap(model)
-    if logits_to_keep_kwarg(plain) is None:
-        return False
-    seen = []
-    hook = layer.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
-    ids = (torch.arange(1, 9) % layer.out_features).unsqueeze(0).to(next(plain.parameters()).device)
-    try:
-        with _in_eval_mode(plain), torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           **_forward_kwargs(plain, torch.ones_like(ids), 4)).logits
-        return len(seen) == 1 and seen[0].shape == logits.shape and bool(torch.equal(seen[0], logits))
-    finally:
-        hook.remove()
-
-
-def _check_fast_path(plain) -> bool:
-    layer = output_layer(plain)
-    if layer is None or logits_to_keep_kwarg(plain) is None:
-        return False
-    ids = (torch.arange(1, 9, device=layer.weight.device) % layer.out_features).unsqueeze(0)
-    mask = torch.ones_like(ids)
-    with _in_eval_mode(plain), torch.no_grad():
-        logits = plain(input_ids=ids, attention_mask=mask, **_forward_kwargs(plain, mask, 4)).logits[:, -4:]
-        hidden = final_hidden(plain, ids, mask)[:, -4:]
-        return bool(torch.allclose(layer(hidden).float(), logits.float(), atol=1e-5, rtol=1e-4))
-
-
-@contextlib.contextmanager
-def _in_eval_mode(plain):
-    """The model in eval mode for the block (dropout would make two forwards of a check differ), then as it was."""
-    was_training = plain.training
-    plain.eval()
-    try:
-        yield
-    finally:
-        plain.train(was_training)
-
-
-WHOLE_ONLY_IN_FORWARD = "_posttrain_whole_only_in_forward"  # set on an output layer by training/sharding.py
-
-
-def whole_only_in_forward(layer: torch.nn.Module) -> bool:
-    """Whether the layer's weight is whole only inside the model's forward and backward: DeepSpeed ZeRO-3
-    partitions it and gathers it around the layer's own; FSDP1 gathers it around its root wrapper's (marked so);
-    FSDP2, where the layer is a unit of its own (as accelerate makes it), around its group's."""
-    return hasattr(layer.weight, "ds_tensor") or _whole_in_model_forward(layer)
-
-
-def _whole_in_model_forward(layer: torch.nn.Module) -> bool:
-    """Whether the chunked output layer must run inside the model's forward, and its check through the model: FSDP1
-    gathers the layer's weight only around its root wrapper's forward (the layer is marked so); FSDP2 gathers a
-    unit's weights around its group's forward and, unless told otherwise, reshards them after it."""
-    return getattr(layer, WHOLE_ONLY_IN_FORWARD, False) or is_fully_shard_unit(layer)
 
 
 @contextlib.contextmanager
@@ -308,16 +144,16 @@ def _through_output_layer(model, input_ids, attention_mask, position_ids, n_keep
     if whole_only_in_forward(layer):
         with _computing_in(layer, compute):
             return model(input_ids=input_ids, attention_mask=attention_mask,
-                         **_sequence_kwargs(model, position_ids, n_keep)).logits
+                         **sequence_kwargs(model, position_ids, n_keep)).logits
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                   **_sequence_kwargs(model, position_ids, 1)).hidden_states[-1]
+                   **sequence_kwargs(model, position_ids, 1)).hidden_states[-1]
     return compute(hidden[:, -n_keep:])  # n_keep 0: every position
 
 
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
                       with_entropy, loss_gradient=None, entropy_grad=False):
     n = completion_ids.size(1)
-    position_ids = _mask_positions(model, attention_mask)
+    position_ids = mask_positions(model, attention_mask)
 
     def run(rows):  # the model may keep more positions than asked (>= C + 1): C of them predict the C tokens
         return _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1,
@@ -372,7 +208,7 @@ def _decide_packing(model) -> bool:
     layer = output_layer(plain)
     # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
     # model's, when it wraps one): the check goes through the model as given
-    runner = model if layer is not None and _whole_in_model_forward(layer) else plain
+    runner = model if layer is not None and whole_in_model_forward(layer) else plain
     missing = missing_from_forward(plain, ("position_ids",))
     return fallback_said(plain, PACKING_OFF, missing) if missing else _check_packing(runner, plain)
 
@@ -389,11 +225,11 @@ def _check_packing(runner, plain) -> bool:
     padded[0, :3], padded[1] = ids[:3], ids[3:]
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], device=device)
     try:  # in the model's own precision: the check is about attention, not about an autocast around the call
-        with _in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = runner(input_ids=ids[None], output_hidden_states=True,
-                              **_sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
+                              **sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
             apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
-                           **_sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
+                           **sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
                            ).hidden_states[-1].float()
         return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
     except CHECK_ERRORS as err:
@@ -490,7 +326,7 @@ def _check_prompt_sharing(plain) -> bool:
     completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
     shared = SharedPrompts(prompt, torch.ones_like(prompt), torch.zeros(2, dtype=torch.long, device=device))
     try:  # in the model's own precision, as the packing check
-        with _in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = _shared_prompt_hidden(plain, shared, completions, completion_mask)
             mask = torch.cat([torch.ones((2, 4), dtype=torch.long, device=device), completion_mask], dim=1)
             apart = final_hidden(plain, torch.cat([prompt.expand(2, 4), completions], dim=1), mask)[:, 3:-1]
@@ -509,25 +345,10 @@ def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:
 
 
 def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):
+    """token_logprobs' results [N, C] from the model's whole logits at the completion positions."""
     n = completion_ids.size(1)
     logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
-    # No full-size copy unless needed: float32 at temperature 1 is used as it comes back.
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    flat = logits.reshape(-1, logits.size(-1))  # [N*C, V]
-    ids = completion_ids.reshape(-1)
-    step = max(1, CHUNK_ELEMENTS // flat.size(1))
-    logps, entropies = [], []
-    for start in range(0, flat.size(0), step):
-        rows = flat[start:start + step]  # [k, V]
-        lse = rows.logsumexp(-1)
-        logps.append(rows.gather(-1, ids[start:start + step, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
-    shape = completion_ids.shape
-    return torch.cat(logps).view(shape), (torch.cat(entropies).view(shape) if with_entropy else None)
+    return completion_logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad)
 
 
 # ---------------------------------------------------------------------- sequences with their own targets (SFT, DPO)
@@ -569,22 +390,5 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return result + (out[3],) if with_stats else result
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   **_sequence_kwargs(model, position_ids, 0)).logits[source_mask].float()  # [M, V]
-    step = max(1, CHUNK_ELEMENTS // logits.size(1))
-    logps, entropies, tops, stats = [], [], [], []
-    for start in range(0, logits.size(0), step):
-        rows, ids = logits[start:start + step], targets[start:start + step]
-        lse = rows.logsumexp(-1)
-        chosen = rows.gather(-1, ids[:, None]).squeeze(-1)
-        logps.append(chosen - lse)
-        with torch.no_grad():
-            if with_entropy:
-                entropies.append(lse - (rows.softmax(-1) * rows).sum(-1))
-            tops.append(chosen >= rows.amax(-1))
-            if with_stats:
-                stats.append(torch.stack([rows.mean(-1), (2 * rows).logsumexp(-1) - 2 * lse], -1))
-    logps = torch.cat(logps)
-    result = (logps, torch.cat(entropies) if with_entropy else None, torch.cat(tops) if with_top1 else None)
-    if with_stats:
-        return result + ((torch.cat(stats) if stats else logps.new_zeros((0, 2))),)
-    return result
+                   **sequence_kwargs(model, position_ids, 0)).logits[source_mask].float()  # [M, V]
+    return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)

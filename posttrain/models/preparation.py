@@ -6,6 +6,7 @@ import torch
 
 from posttrain.configs import ConfigError
 from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
+from posttrain.models.partitioned import gathered, is_partitioned, local_shard, partitioned_copy
 from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model
 
 
@@ -51,28 +52,25 @@ def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
                               "reference is the policy with adapters off): set sync_ref_model=False, or train "
                               "all weights.")
         return None, (add_reference_adapter(model) if came_with_adapter else None)
-    from posttrain.training import zero
-
-    if any(zero.is_partitioned(p) for p in model.parameters()):  # DeepSpeed ZeRO-3 loaded it in shards
-        return zero.partitioned_copy(model).eval().requires_grad_(False), None
+    if any(is_partitioned(p) for p in model.parameters()):  # DeepSpeed ZeRO-3 loaded it in shards
+        return partitioned_copy(model).eval().requires_grad_(False), None
     return copy.deepcopy(model).eval().requires_grad_(False), None
 
 
 def mix_reference(ref_model, policy, alpha: float) -> None:
     """TR-DPO's reference update, parameter by parameter: ref = alpha * policy + (1 - alpha) * ref."""
-    from posttrain.training import zero
-    from posttrain.training.sharding import local_tensor
-
     with torch.no_grad():
         for ref, pol in zip(ref_model.parameters(), policy.parameters()):
-            if zero.is_partitioned(ref):
+            if is_partitioned(ref):
                 # whole, and written back to the shards: ZeRO-3 keeps a small parameter ("persistent", below
                 # stage3_param_persistence_threshold) whole between forwards, and a forward reads that copy, not
                 # the shard, so an update of the shard alone would not reach the reference's log-probs
-                with zero.gathered([pol]), zero.gathered([ref], keep_changes=True):
+                with gathered([pol]), gathered([ref], keep_changes=True):
                     ref.mul_(1 - alpha).add_(pol.detach().to(ref.dtype), alpha=alpha)
                 continue
-            ref, pol = local_tensor(ref), local_tensor(pol)  # sharded alike: shard into shard
+            # sharded alike: shard into shard (local_shard is training/sharding's local_tensor: a ZeRO-3 shard, or
+            # the parameter itself, an FSDP2 DTensor updating its own shard)
+            ref, pol = local_shard(ref), local_shard(pol)
             if ref.shape != pol.shape:  # never broadcast one into the other
                 raise RuntimeError(f"the reference's parameter {tuple(ref.shape)} and the policy's "
                                    f"{tuple(pol.shape)} differ: they are not sharded alike")

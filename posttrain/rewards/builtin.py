@@ -6,16 +6,11 @@ columns it needs as keyword arguments, and returns one float (or None: not appli
 
 import re
 
+from posttrain.rewards.text import completion_text
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
-
-
-def completion_text(completion) -> str:
-    """The text of a completion: the string itself, or the content of its last message."""
-    if isinstance(completion, str):
-        return completion
-    return completion[-1]["content"] if completion else ""
 
 
 def normalize_answer(text: str) -> str:

@@ -12,7 +12,7 @@ import math
 import threading
 
 from posttrain._optional import require
-from posttrain.rewards.builtin import completion_text
+from posttrain.rewards.text import completion_text
 
 PARSE_TIMEOUT, VERIFY_TIMEOUT = 10, 5  # seconds, as TRL; math_verify times out with signal.alarm (main thread only)
 

@@ -2,38 +2,15 @@
 on_bad_reward=skip, its batch is skipped) instead of stalling training forever.
 
 Python cannot stop a thread, so a call that times out keeps running in a daemon thread (it never keeps the process
-alive at exit); the trainer goes on without its result.
+alive at exit); the trainer goes on without its result. The bounded call itself (`run_within`, `TimedOut`) is
+posttrain/timeouts.py's, shared with the weight transfer; it is importable from here too.
 """
 
-import threading
 import time
 
+from posttrain.timeouts import TimedOut, run_within
 
-class TimedOut(Exception):
-    """A call did not return within its limit."""
-
-
-def run_within(call, timeout: float | None, name: str = "posttrain-reward"):
-    """call() in a daemon thread named `name`, waiting at most `timeout` seconds (None: call it here, without a
-    limit); raises TimedOut, or what call() raised."""
-    if timeout is None:
-        return call()
-    box = {}
-
-    def target():
-        try:
-            box["result"] = call()
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimedOut()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+__all__ = ["TimedOut", "hanging_row", "run_within"]
 
 
 def hanging_row(call_row, n: int, timeout: float) -> int | None:

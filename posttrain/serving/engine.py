@@ -14,8 +14,8 @@ and lean decoder as in-process generation), and weight updates that end with a d
 
 import torch
 
-from posttrain.generation import Rollouts, SamplingParams
-from posttrain.serving import wire
+from posttrain import wire
+from posttrain.generation.protocol import Rollouts, SamplingParams
 
 
 class EngineError(ValueError):

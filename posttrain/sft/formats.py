@@ -23,8 +23,8 @@ import re
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import VALID_ROLES, DataError
-from posttrain.sequences.chat import common_prefix_length, template_kwargs
+from posttrain.data import DataError
+from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
 from posttrain.sft.templates import training_template
 
 logger = logging.getLogger("posttrain")
@@ -239,29 +239,17 @@ class RowEncoder:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _check_messages(self, messages, index: int, column: str) -> None:
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"Row {index} of {self.name} has {type(messages).__name__} in {column!r}: it must be a "
-                            "non-empty list of {'role', 'content'} messages.")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise DataError(f"Row {index} of {self.name} has a message without 'role' and 'content' in {column!r} "
-                                f"({m!r}): write each message as {{'role': ..., 'content': ...}}.")
-            if m["role"] not in VALID_ROLES:
-                raise DataError(f"Row {index} of {self.name} has a message with role {m['role']!r}: use one of "
-                                f"{', '.join(sorted(VALID_ROLES))}.")
-
     def _conversations(self, rows, first_index):
         out = []
         for i, row in enumerate(rows):
             index = first_index + i
             kwargs = template_kwargs(row)
             if self.format == "conversational":
-                self._check_messages(row["messages"], index, "messages")
+                check_messages(row["messages"], f"Row {index} of {self.name}", "messages")
                 messages, prompt = row["messages"], None
             else:
-                self._check_messages(row["prompt"], index, "prompt")
-                self._check_messages(row["completion"], index, "completion")
+                check_messages(row["prompt"], f"Row {index} of {self.name}", "prompt")
+                check_messages(row["completion"], f"Row {index} of {self.name}", "completion")
                 messages, prompt = row["prompt"] + row["completion"], row["prompt"]
             ids, mask = self._conversation(messages, kwargs, index)
             if prompt is not None:

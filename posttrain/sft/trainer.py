@@ -15,7 +15,8 @@ import torch
 
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
-from posttrain.models.logprobs import next_token_logprobs, whole_logits
+from posttrain.models.forwards import whole_logits
+from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.collate import collate
 from posttrain.sequences.rows import EpochPlan

@@ -10,9 +10,8 @@ and counts the tokens it trains on in self._tokens_seen.
 
 import math
 
-
-from posttrain.configs import ConfigError
-from posttrain.training.checkpoint import CheckpointError
+from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
+from posttrain.training.setup import run_length_unknown
 from posttrain.training.trainer import Trainer
 
 
@@ -35,7 +34,7 @@ class BatchedDataTrainer(Trainer):
         if args.max_steps > 0:
             return args.max_steps
         if not hasattr(self.batches, "steps_per_epoch"):
-            raise ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+            raise run_length_unknown()
         return max(1, math.ceil(args.num_train_epochs * self.batches.steps_per_epoch))
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
@@ -46,11 +45,11 @@ class BatchedDataTrainer(Trainer):
     def _skip_rest_of_epoch(self) -> None:
         self.batches.skip_rest_of_epoch()
 
-    def _checkpoint_meta(self) -> dict:
-        return {"data_position": self.batches.position(), "data_fingerprint": self.data_fingerprint,
-                "tokens_seen": self._tokens_seen}
+    def _checkpoint_extras(self) -> CheckpointExtras:
+        return CheckpointExtras(meta={"data_position": self.batches.position(),
+                                      "data_fingerprint": self.data_fingerprint, "tokens_seen": self._tokens_seen})
 
-    def _restore_position(self, state: dict) -> None:
+    def _restore_position(self, state: dict, tensors: dict) -> None:
         """Move the data to where the checkpoint left it (or to the start, with ignore_data_skip), after checking that
         the prepared data are the ones the checkpoint was trained on."""
         saved = state.get("data_fingerprint")

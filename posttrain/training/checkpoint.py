@@ -15,13 +15,15 @@ saving leaves the previous checkpoint as it was. trainer_state.json is written l
 without it is not a checkpoint. With `save_only_model`, only the policy and trainer_state.json are written, and the
 checkpoint cannot be resumed from.
 
-What a trainer adds to its checkpoints it says through these methods:
-    _checkpoint_meta() -> dict, _restore_position(meta)     JSON state (data position, controllers)
-    _checkpoint_tensors() -> dict, _load_checkpoint_tensors(tensors, device)   per-process tensors
-    _checkpoint_generators() -> dict[str, torch.Generator]  random generators besides the global ones
-    _checkpoint_models() -> dict[str, nn.Module]            extra models whose weights training changes
-    _meaning_fields                                          config fields whose change makes the state mean
-                                                             something else (resume refuses such a change)
+save_checkpoint and load_checkpoint take the run's state as one explicit object, `RunState`, and the sharding
+strategy: nothing here reads a trainer. A trainer declares what it adds to the common state (the policy, optimizer,
+schedule and TrainerState) in a `CheckpointExtras`:
+    meta        JSON values (data position, controllers), back in trainer_state.json
+    tensors     this process's tensors, returned by load_checkpoint for the trainer to take back
+    generators  random generators besides the global ones, restored in place
+    models      extra models whose weights training changes (e.g. a synced ref_model), restored in place
+and `RunState.identity` holds what must not change between a checkpoint and the run resuming from it (the model's
+fingerprint, the config fields that give the state its meaning).
 """
 
 import json
@@ -30,6 +32,8 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -204,12 +208,62 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def run_identity(trainer) -> dict:
-    """What must match between a checkpoint and the run resuming from it: the model and the batch layout."""
-    identity = {k: getattr(trainer.args, k) for k in trainer._meaning_fields}
-    identity.update(model=trainer._model_fingerprint,
-                    peft=type(trainer.policy).__name__ if hasattr(trainer.policy, "peft_config") else None)
+@dataclass
+class CheckpointExtras:
+    """What a trainer adds to its checkpoints (see the module's docstring)."""
+
+    meta: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
+    generators: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds of a run, as the trainer declares it (training/trainer.py `_run_state`).
+
+    Attributes:
+        accelerator: the run's accelerate Accelerator.
+        model: the policy as prepared for training (possibly wrapped); `policy` the module itself.
+        processing_class: the tokenizer or processor saved beside the policy.
+        optimizer, lr_scheduler: as prepared.
+        progress: transformers' TrainerState (step, epoch, log history, best checkpoint).
+        config: the trainer's config (saved as posttrain_config.yaml; save_only_model).
+        identity: what a resuming run must match (run_identity).
+        extras: the trainer's own additions.
+    """
+
+    accelerator: Any
+    model: Any
+    policy: Any
+    processing_class: Any
+    optimizer: Any
+    lr_scheduler: Any
+    progress: Any
+    config: Any
+    identity: dict
+    extras: CheckpointExtras
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What load_checkpoint hands back to the trainer: trainer_state.json's values (the trainer's meta among them)
+    and this process's tensors."""
+
+    state: dict
+    tensors: dict
+
+
+def run_identity(config, meaning_fields: tuple, fingerprint: str, policy) -> dict:
+    """What must match between a checkpoint and the run resuming from it: the model (its `fingerprint` and whether it
+    trains a peft adapter) and the config's `meaning_fields`."""
+    identity = {k: getattr(config, k) for k in meaning_fields}
+    identity.update(model=fingerprint, peft=type(policy).__name__ if hasattr(policy, "peft_config") else None)
     return identity
+
+
+def _model_path(policy) -> str:
+    return getattr(policy.config, "_name_or_path", "")
 
 
 def _load_weights(model, state: dict) -> None:
@@ -221,62 +275,74 @@ def _load_weights(model, state: dict) -> None:
         raise KeyError(f"weights do not match the model (missing {untied}, unexpected {unexpected})")
 
 
-def _write_state(trainer, tmp: str, model_only: bool) -> None:
-    acc = trainer.accelerator
-    best = trainer.state
-    state = {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
-             "log_history": trainer.state.log_history, "total_flos": trainer.state.total_flos,
-             "best_metric": best.best_metric, "best_global_step": best.best_global_step,
-             "best_model_checkpoint": best.best_model_checkpoint,
-             "num_processes": acc.num_processes, "identity": run_identity(trainer), "model_only": model_only,
-             "model_path": getattr(trainer.policy.config, "_name_or_path", ""),
-             **trainer._checkpoint_meta(), "files": _digests(tmp)}
+def _write_state(run: RunState, tmp: str, model_only: bool) -> None:
+    progress = run.progress
+    state = {"global_step": progress.global_step, "epoch": progress.epoch, "log_history": progress.log_history,
+             "total_flos": progress.total_flos, "best_metric": progress.best_metric,
+             "best_global_step": progress.best_global_step, "best_model_checkpoint": progress.best_model_checkpoint,
+             "num_processes": run.accelerator.num_processes, "identity": run.identity, "model_only": model_only,
+             "model_path": _model_path(run.policy), **run.extras.meta, "files": _digests(tmp)}
     with open(os.path.join(tmp, STATE_FILE), "w") as f:
         json.dump(state, f)
 
 
-def save_checkpoint(trainer, output_dir: str, total_limit: int | None = None, prefix: str = "checkpoint") -> str:
-    """Write the trainer's full state to output_dir/<prefix>-<step>, atomically. Returns its path.
+def save_checkpoint(run: RunState, sharding, output_dir: str, total_limit: int | None = None,
+                    prefix: str = "checkpoint") -> str:
+    """Write the run's full state to output_dir/<prefix>-<step>, atomically; every process calls it (`sharding`
+    gathers sharded weights and writes the optimizer). Returns its path.
 
     prefix="emergency-checkpoint" writes one that `resume_from_checkpoint=True` does not pick by itself.
     """
+    model_only = bool(run.config.save_only_model)
+    final = os.path.join(output_dir, f"{prefix}-{run.progress.global_step}")
+    tmp = final + ".tmp"
+    whole = sharding.full_state_dict(run.model)  # sharded weights: gathered by every process (a collective)
+    models = {} if model_only else run.extras.models
+    extra = {name: sharding.full_state_dict(module) for name, module in models.items()}
+    acc = run.accelerator
+    with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
+        if acc.is_main_process:
+            _write_main_files(run, tmp, whole, models, extra, model_only)
+    with guarded(acc, writing=tmp):
+        if not model_only:
+            _write_process_files(run, sharding, tmp)
+    with guarded(acc, writing=final):
+        if acc.is_main_process:
+            _write_state(run, tmp, model_only)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in rotated_away(checkpoints(output_dir), total_limit, run.progress.best_model_checkpoint):
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_main_files(run: RunState, tmp: str, whole, models: dict, gathered: dict, model_only: bool) -> None:
+    """The main process's files: the policy, the schedule and the extra models (`gathered`: their whole state
+    dicts when sharded, else None)."""
     from safetensors.torch import save_file, save_model
 
     from posttrain.training.saving import save_policy
 
-    acc = trainer.accelerator
-    model_only = bool(getattr(trainer.args, "save_only_model", False))
-    final = os.path.join(output_dir, f"{prefix}-{trainer.state.global_step}")
-    tmp = final + ".tmp"
-    sharding = trainer.sharding
-    whole = sharding.full_state_dict(trainer.model)  # sharded weights: gathered by every process (a collective)
-    extra = {} if model_only else {name: sharding.full_state_dict(module)
-                                   for name, module in trainer._checkpoint_models().items()}
-    with guarded(acc, writing=tmp):  # a failed write on one process stops every process (training/distributed.py)
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_policy(trainer.policy, trainer.processing_class, trainer.args.to_dict(), tmp, whole)
-            if not model_only:
-                torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-                for name, module in trainer._checkpoint_models().items():
-                    if extra[name] is None:
-                        save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
-                    else:  # sharded: the gathered whole state dict
-                        save_file(extra[name], os.path.join(tmp, f"{name}.safetensors"))
-    with guarded(acc, writing=tmp):
-        if not model_only:
-            sharding.save_optimizer(trainer.model, trainer.optimizer, tmp)  # every process (a collective when sharded)
-            rank = acc.process_index
-            torch.save(rng_state(trainer._checkpoint_generators()), os.path.join(tmp, f"rng_state_{rank}.pt"))
-            save_file(trainer._checkpoint_tensors(), os.path.join(tmp, f"buffer_{rank}.safetensors"))
-    with guarded(acc, writing=final):
-        if acc.is_main_process:
-            _write_state(trainer, tmp, model_only)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in rotated_away(checkpoints(output_dir), total_limit, trainer.state.best_model_checkpoint):
-                shutil.rmtree(old, ignore_errors=True)
-    return final
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(run.policy, run.processing_class, run.config.to_dict(), tmp, whole)
+    if model_only:
+        return
+    torch.save(run.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    for name, module in models.items():
+        if gathered[name] is None:
+            save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # tied weights stored once
+        else:  # sharded: the gathered whole state dict
+            save_file(gathered[name], os.path.join(tmp, f"{name}.safetensors"))
+
+
+def _write_process_files(run: RunState, sharding, tmp: str) -> None:
+    """Every process's files: the optimizer (a collective when sharded), its random state and its tensors."""
+    from safetensors.torch import save_file
+
+    sharding.save_optimizer(run.model, run.optimizer, tmp)
+    rank = run.accelerator.process_index
+    torch.save(rng_state(run.extras.generators), os.path.join(tmp, f"rng_state_{rank}.pt"))
+    save_file(run.extras.tensors, os.path.join(tmp, f"buffer_{rank}.safetensors"))
 
 
 def rotated_away(found: list[tuple[int, str]], total_limit: int | None, best: str | None) -> list[str]:
@@ -293,21 +359,20 @@ def rotated_away(found: list[tuple[int, str]], total_limit: int | None, best: st
     return paths[:-total_limit]
 
 
-def _check_resumable(trainer, path: str, state: dict) -> None:
+def _check_resumable(run: RunState, path: str, state: dict) -> None:
     if state.get("model_only"):
         raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model but no optimizer or "
                               "data position, so it cannot be resumed from; load it as a model instead.")
-    if state["num_processes"] != trainer.accelerator.num_processes:  # first: it explains batch-size differences too
+    processes = run.accelerator.num_processes
+    if state["num_processes"] != processes:  # first: it explains batch-size differences too
         raise CheckpointError(f"{path} was written by {state['num_processes']} process(es); this run has "
-                              f"{trainer.accelerator.num_processes}: resume with the same number of processes (and the "
+                              f"{processes}: resume with the same number of processes (and the "
                               "same per-device batch sizes).")
-    now = run_identity(trainer)
-    then = state.get("identity", {})
+    now, then = run.identity, state.get("identity", {})
     if "model" in then and then["model"] != now["model"] and len(str(then["model"])) == 16:
         raise CheckpointError(f"Cannot resume from {path}: it was written for another model (its config or weights "
                               f"differ from this run's; that run loaded {state.get('model_path')!r}, this one "
-                              f"{getattr(trainer.policy.config, '_name_or_path', '')!r}). Load the same model, or start "
-                              "a new run.")
+                              f"{_model_path(run.policy)!r}). Load the same model, or start a new run.")
     changed = {k: (v, now.get(k)) for k, v in then.items() if k != "model" and now.get(k) != v}
     if changed:
         listing = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
@@ -315,56 +380,60 @@ def _check_resumable(trainer, path: str, state: dict) -> None:
                               "Use the checkpoint's values, or start a new run.")
 
 
-def _load_policy(trainer, path: str) -> None:
+def _load_policy(run: RunState, sharding, path: str) -> None:
     from safetensors.torch import load_file
 
     from posttrain.models.peft import is_peft_model
 
-    if is_peft_model(trainer.policy):
+    if is_peft_model(run.policy):
         from peft import set_peft_model_state_dict
 
-        with trainer.sharding.writable_whole(trainer.model):  # sharded: every process, the adapter whole
-            set_peft_model_state_dict(trainer.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
-    elif trainer.sharding.shards_parameters:
-        trainer.sharding.load_full_state_dict(trainer.model, load_file(os.path.join(path, "model.safetensors")))
+        with sharding.writable_whole(run.model):  # sharded: every process, the adapter whole
+            set_peft_model_state_dict(run.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
+    elif sharding.shards_parameters:
+        sharding.load_full_state_dict(run.model, load_file(os.path.join(path, "model.safetensors")))
     else:
-        _load_weights(trainer.policy, load_file(os.path.join(path, "model.safetensors")))
+        _load_weights(run.policy, load_file(os.path.join(path, "model.safetensors")))
 
 
-def load_policy_weights(trainer, path: str) -> None:
+def _load_error(path: str, err: Exception, what: str, fix: str) -> CheckpointError:
+    detail = str(err).splitlines()[0] if str(err) else "no detail"
+    return CheckpointError(f"Checkpoint {path} {what} ({type(err).__name__}: {detail}){fix}.")
+
+
+def load_policy_weights(run: RunState, sharding, path: str) -> None:
     """The policy's weights (or adapter) from checkpoint `path`, checked against their checksums first; nothing
     else (load_best_model_at_end). Every process calls it."""
     verify(path)
     try:
-        _load_policy(trainer, path)
+        _load_policy(run, sharding, path)
     except Exception as err:  # noqa: BLE001 - safetensors and torch each raise their own types
-        raise CheckpointError(f"Checkpoint {path} holds weights that do not load into the model "
-                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}).") \
-            from err
+        raise _load_error(path, err, "holds weights that do not load into the model", "") from err
 
 
-def load_checkpoint(trainer, path: str) -> dict:
-    """Restore weights, optimizer, scheduler, RNG and the trainer's tensors from `path`; returns trainer_state.json."""
+def load_checkpoint(run: RunState, sharding, path: str) -> Restored:
+    """Restore the weights, optimizer, scheduler, random state and the extra models and generators from `path`;
+    every process calls it. Returns trainer_state.json and this process's tensors."""
+    state = verify(path)  # every file against its checksum, before anything is loaded
+    _check_resumable(run, path, state)
+    try:
+        _load_policy(run, sharding, path)
+        return Restored(state, _load_the_rest(run, sharding, path))
+    except Exception as err:  # noqa: BLE001 - safetensors, torch and json each raise their own types
+        raise _load_error(path, err, "is incomplete or corrupt", "; resume from an earlier one") from err
+
+
+def _load_the_rest(run: RunState, sharding, path: str) -> dict:
+    """Everything but the policy, in place; returns this process's tensors (on its device)."""
     from safetensors.torch import load_file, load_model
 
-    state = verify(path)  # every file against its checksum, before anything is loaded
-    _check_resumable(trainer, path, state)
-    try:
-        _load_policy(trainer, path)
-        for name, module in trainer._checkpoint_models().items():
-            if trainer.sharding.shards_parameters:
-                trainer.sharding.load_full_state_dict(module, load_file(os.path.join(path, f"{name}.safetensors")))
-            else:
-                load_model(module, os.path.join(path, f"{name}.safetensors"))
-        device = trainer.accelerator.device
-        rank = trainer.accelerator.process_index
-        trainer.sharding.load_optimizer(trainer.model, trainer.optimizer, path)
-        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
-        set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True),
-                      trainer._checkpoint_generators())
-        trainer._load_checkpoint_tensors(load_file(os.path.join(path, f"buffer_{rank}.safetensors")), device)
-    except Exception as err:  # noqa: BLE001 - safetensors, torch and json each raise their own types
-        raise CheckpointError(f"Checkpoint {path} is incomplete or corrupt ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else 'no detail'}); resume from an earlier "
-                              "one.") from err
-    return state
+    for name, module in run.extras.models.items():
+        if sharding.shards_parameters:
+            sharding.load_full_state_dict(module, load_file(os.path.join(path, f"{name}.safetensors")))
+        else:
+            load_model(module, os.path.join(path, f"{name}.safetensors"))
+    rank = run.accelerator.process_index
+    sharding.load_optimizer(run.model, run.optimizer, path)
+    run.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+    set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True), run.extras.generators)
+    return load_file(os.path.join(path, f"buffer_{rank}.safetensors"), device=str(run.accelerator.device))

@@ -21,6 +21,13 @@ def training_flops_per_token(model) -> int:
     return 6 * sum(whole_numel(p) for p in model.parameters() if id(p) not in embeddings)
 
 
+def run_length_unknown() -> Exception:
+    """The error of a run over an IterableDataset without max_steps (every trainer's)."""
+    from posttrain.configs import ConfigError
+
+    return ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
+
+
 def make_accelerator(args, mixed_precision: str):
     """An Accelerator for `args` (DDP and process-group options included); in a process that already made one with
     another precision (a notebook, a test run), its process-wide state is reset first. The distributed state

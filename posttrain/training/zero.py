@@ -2,7 +2,9 @@
 
 Under DeepSpeed the engine owns what the loop otherwise does itself: the backward of each micro-batch (reducing
 gradients at the last one), clipping (the config's `gradient_clipping`), the gradient norm and the optimizer step,
-which it skips when that norm is not finite. training/sharding.py calls these; nothing else names DeepSpeed.
+which it skips when that norm is not finite. training/sharding/ calls these; nothing else names DeepSpeed but
+models/partitioned.py, whose parameter-level ZeRO-3 helpers (is_partitioned, whole_numel, partitioned_copy,
+local_shard, gathered) are re-exported here.
 
 ZeRO-1 and ZeRO-2 partition the optimizer state (and the gradients); every process holds the whole weights. ZeRO-3
 also partitions the weights: a parameter is an empty tensor whose shard is `param.ds_tensor`, gathered by the
@@ -14,7 +16,11 @@ import contextlib
 import torch
 
 from posttrain.configs import ConfigError
+from posttrain.models.partitioned import gathered, is_partitioned, local_shard, partitioned_copy, whole_numel
 from posttrain.training.distributed import mark_agreed
+
+__all__ = ["CHECKPOINT_TAG", "fill_config", "frozen_engine", "gathered", "global_grad_norm", "is_partitioned",
+           "local_shard", "partitioned_copy", "whole_for_generation", "whole_numel"]
 
 CHECKPOINT_TAG = "deepspeed"  # the engine's files inside a posttrain checkpoint: checkpoint-N/deepspeed/
 
@@ -49,51 +55,6 @@ def fill_config(config: dict, args, num_processes: int) -> None:
     if isinstance(bf16, dict) and bf16.get("enabled") in (True, "auto"):
         # DeepSpeed's ZeRO-1/2 apply a non-finite bf16 update unless asked to check: posttrain stops on one instead
         bf16.setdefault("check_grad_overflow", True)
-
-
-def is_partitioned(param: torch.Tensor) -> bool:
-    """Whether `param` is a ZeRO-3 parameter (its values live in shards, `param.ds_tensor`). Under ZeRO-3 through
-    accelerate, transformers builds every model it loads this way (zero.Init), whatever zero3_init_flag says."""
-    return hasattr(param, "ds_tensor")
-
-
-def whole_numel(param: torch.Tensor) -> int:
-    """The number of elements of the whole parameter (a ZeRO-3 parameter is empty between its uses)."""
-    return param.ds_numel if is_partitioned(param) else param.numel()
-
-
-def partitioned_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a model whose weights ZeRO-3 partitioned as it loaded: a new model of the same class built
-    partitioned (transformers applies zero.Init under ZeRO-3), each process copying its own shards (`deepcopy` would
-    copy empty tensors)."""
-    copy = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        for (name, mine), theirs in zip(copy.named_parameters(), model.parameters(), strict=True):
-            if local_shard(mine).shape != local_shard(theirs).shape:
-                raise RuntimeError(f"the copy's {name} is not partitioned as the original's")
-            local_shard(mine).copy_(local_shard(theirs))
-        for mine, theirs in zip(copy.buffers(), model.buffers(), strict=True):
-            mine.copy_(theirs)
-    return copy
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """This process's part of a ZeRO-3 parameter (a flat tensor), or the parameter itself."""
-    return param.ds_tensor if is_partitioned(param) else param
-
-
-@contextlib.contextmanager
-def gathered(params, keep_changes: bool = False):
-    """ZeRO-3 parameters whole on every process for the block (a collective). With `keep_changes`, what the
-    processes write (the same values on each) is kept in the shards; otherwise the block only reads."""
-    params = [p for p in params if is_partitioned(p)]
-    if not params:  # nothing partitioned (DeepSpeed may not even be installed)
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if keep_changes else None):
-        yield
 
 
 @contextlib.contextmanager

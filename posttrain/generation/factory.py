@@ -1,0 +1,38 @@
+"""`make_generator`: the generation backend a config asks for. The backends are imported inside it, when chosen, so
+importing the protocol (posttrain.generation) loads no engine."""
+
+from posttrain.generation.protocol import Generator, SamplingParams
+
+
+def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run",
+                   num_processes: int = 1, local_process_index: int = 0) -> Generator:
+    """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
+    (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
+    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself."""
+    from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
+
+    params = SamplingParams.from_config(config)
+    if getattr(config, "use_vllm", False) and config.vllm_mode == "colocate":
+        from posttrain.generation.vllm_colocate import ColocateGenerator
+
+        max_num_seqs = (config.per_device_train_batch_size * config.vllm_tensor_parallel_size
+                        * config.steps_per_generation)
+        return ColocateGenerator(config, policy, tokenizer, params, eos_token_ids(policy, tokenizer), seed,
+                                 process_index, local_process_index, num_processes, max_num_seqs)
+    if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
+        import os
+
+        from posttrain.generation.server import ServerClient, ServerGenerator
+        from posttrain.weights import export_weights
+        from posttrain.wire import fingerprint
+
+        client = ServerClient(config.server_url, api_key=os.environ.get("VLLM_API_KEY"),
+                              connect_timeout=config.vllm_server_timeout, request_timeout=config.request_timeout,
+                              sync_timeout=config.weight_sync_timeout)
+        max_length = (config.max_prompt_length + params.max_new_tokens) if config.max_prompt_length else None
+        return ServerGenerator(client, params, tokenizer.pad_token_id, eos_token_ids(policy, tokenizer), seed=seed,
+                               model_fingerprint=fingerprint(export_weights(policy)),
+                               pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device,
+                               max_length=max_length, needs_processed_logprobs=config.corrects_sampling,
+                               group_port=config.vllm_group_port)
+    return TransformersGenerator(policy, tokenizer, params, seed=seed)

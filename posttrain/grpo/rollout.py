@@ -1,0 +1,332 @@
+"""GRPO's round as one stage: a round of prompts in, a scored batch out, for training and evaluation alike.
+
+    share   = rollout.share(round, G)              this process's rows of the round, G per prompt
+    scored  = rollout.sample(round, G, step)       generated and scored here; every process's rewards gathered
+    logps   = rollout.log_probs(rollouts)          old (or sampler-corrected) and reference log-probs, no gradient
+    batch   = rollout.scored_batch(draw, step)     the next training batch (dynamic sampling draws more rounds)
+
+The policy loss of a micro-batch is grpo/losses.py's `micro_batch_loss`; training (grpo/trainer.py) and evaluation
+(grpo/evaluation.py) call it on what this stage produced. Nothing here reads the trainer.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from posttrain.data import DataError, PromptRound
+from posttrain.generation import Rollouts
+from posttrain.grpo.advantages import Advantages, group_advantages
+from posttrain.grpo.batch import TrainingBatch
+from posttrain.grpo.completions import RewardLogs
+from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs
+from posttrain.grpo.metrics import completion_metrics, reward_metrics
+from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
+from posttrain.models import token_logprobs
+from posttrain.models.peft import reference_mode
+from posttrain.rewards import reward_inputs, score
+from posttrain.training.distributed import guarded, mark_agreed
+from posttrain.weights import export_weights
+
+
+@dataclass(frozen=True)
+class RoundShare:
+    """This process's rows of a round, each prompt repeated G times.
+
+    Attributes:
+        rows: the dataset rows, one per completion.
+        prompt_ids: their token ids.
+        indices: each row's position in the dataset.
+        row_keys: each row's index in the (padded) round: what its completion's randomness depends on.
+        real: False for the repeats that fill the last processes' shares when the prompts do not split evenly.
+    """
+
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    indices: list[int]
+    row_keys: list[int]
+    real: list[bool]
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """A batch's log-probs without gradient, each [N, C] or None.
+
+    Attributes:
+        old: the sampling policy's, when an update can land between sampling and training (or with a sampler
+            correction), else None.
+        ref: the reference model's, or None when beta = 0.
+        sampling_ratio: each token's importance weight for the engine's distribution, with a sampler correction.
+        sampling_stats: this process's sampler-mismatch sums (grpo/sampler_correction.py), with a sampler correction.
+    """
+
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    sampling_ratio: torch.Tensor | None = None
+    sampling_stats: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """A training batch and what was learnt while making it.
+
+    Attributes:
+        batch: this process's rows, ready for the loss.
+        scored: the round(s) it came from (rows, texts, gathered rewards, extra columns), for the completion log.
+        advantages: every process's rows' advantages [B*G].
+        metrics: the round's metrics (rewards, completions, sampler mismatch, dynamic sampling), with TRL's names.
+    """
+
+    batch: TrainingBatch
+    scored: ScoredRound
+    advantages: torch.Tensor
+    metrics: dict
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """The reward functions as the round applies them.
+
+    Attributes:
+        funcs: the RewardFunctions (posttrain/rewards).
+        weights: [F] their weights.
+        columns: the dataset columns they receive.
+        group_filter: dynamic sampling's filter of a group's [G, F] rewards, or None for "rewards differ".
+    """
+
+    funcs: list
+    weights: torch.Tensor
+    columns: list[str]
+    group_filter: Callable | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.funcs]
+
+
+class Rollout:
+    """Turns rounds of prompts into scored batches.
+
+    Args:
+        args: the GRPOConfig.
+        accelerator, sharding: the run's (training/).
+        model: the model being trained (as prepared: its weights go to the generator), `policy` unwrapped, and
+            `forward_policy` for forwards without gradient.
+        ref_model: a separate reference, or None (then the policy with its adapters off, `reference_adapter`).
+        generator: the generation backend (posttrain/generation).
+        tokenizer: decodes completions for the reward functions.
+        rewards: the reward functions, weights and columns.
+        trainer_state: transformers' TrainerState, which reward functions receive.
+        packing, share_prompts, pad_to_multiple_of: how the log-prob forwards lay rows out (models/logprobs.py).
+        sampling_params: the generator's, for the sampler correction's support.
+        needs_old_logps: whether old log-probs are kept.
+    """
+
+    def __init__(self, args, accelerator, sharding, model, policy, forward_policy, ref_model, reference_adapter,
+                 generator, tokenizer, rewards: Rewards, trainer_state: Any, packing: bool, share_prompts: bool,
+                 pad_to_multiple_of: int | None, sampling_params, needs_old_logps: bool):
+        self.args, self.accelerator, self.sharding = args, accelerator, sharding
+        self.model, self.policy, self.forward_policy = model, policy, forward_policy
+        self.ref_model, self.reference_adapter = ref_model, reference_adapter
+        self.generator, self.tokenizer, self.rewards, self.trainer_state = generator, tokenizer, rewards, trainer_state
+        self.packing, self.share_prompts, self.pad_to_multiple_of = packing, share_prompts, pad_to_multiple_of
+        self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
+
+    # ------------------------------------------------------------------ sampling and scoring
+
+    def share(self, prompt_round: PromptRound, G: int, pad_prompts: bool = False) -> RoundShare:
+        """This process's contiguous share of the round's B*G rows (B*G splits evenly over the processes in
+        training). With `pad_prompts` (evaluation, whose last round may hold any number of prompts), the first prompts
+        are repeated until B splits over the processes, the repeats marked not real."""
+        acc = self.accelerator
+        real = len(prompt_round.rows)
+        padded = real + (-real % acc.num_processes) if pad_prompts else real
+        order = [i % real for i in range(padded)]
+        n = padded * G // acc.num_processes
+        mine = slice(acc.process_index * n, (acc.process_index + 1) * n)
+
+        def spread(values: list) -> list:
+            return [values[i] for i in order for _ in range(G)][mine]
+
+        return RoundShare(spread(prompt_round.rows), spread(prompt_round.prompt_ids), spread(prompt_round.indices),
+                          list(range(padded * G))[mine], [k < real * G for k in range(padded * G)][mine])
+
+    def sample(self, prompt_round: PromptRound, G: int, step: int, skip_bad: bool = False,
+               gather_extra: bool = False, pad_prompts: bool = False) -> tuple[ScoredRound, RoundShare]:
+        """G completions of each prompt of the round (this process's share), scored; every process's rewards gathered
+        [rows of every process, F].
+
+        Args:
+            step: the step the reward functions are told.
+            skip_bad: a non-finite reward blanks its group (on_bad_reward=skip) instead of stopping the run.
+            gather_extra: gather the reward functions' log_extra columns (for the completion log).
+            pad_prompts: see `share`.
+        """
+        acc = self.accelerator
+        bad_rows = [] if skip_bad else None
+        logs = RewardLogs()
+        share = self.share(prompt_round, G, pad_prompts)
+        with guarded(acc):  # generation and reward functions can fail on one process only
+            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
+                self.generator.sync_weights(export_weights(self.model))
+                rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+            prompts = [row["prompt"] for row in share.rows]
+            completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
+            columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
+            local = score(self.rewards.funcs, prompts, completions, completion_ids, columns, self.trainer_state, step,
+                          bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
+        rewards = acc.gather(local.to(acc.device)).cpu()  # [rows of every process, F]
+        skipped = self._skip_bad_groups(rewards, bad_rows, G) if skip_bad else None
+        extra = logs.gathered_extra(acc, len(share.rows)) if gather_extra else {}
+        return ScoredRound(share.rows, texts, rollouts, rewards, logs, extra, skipped), share
+
+    def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, G: int) -> int:
+        """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.
+
+        Args:
+            rewards: [B*G, F] gathered rewards.
+            bad_rows: local indices of completions with a non-finite reward.
+        Returns:
+            The number of groups skipped, across processes.
+        """
+        acc = self.accelerator
+        bad = torch.zeros(rewards.size(0) // acc.num_processes, dtype=torch.bool, device=acc.device)
+        bad[bad_rows] = True
+        bad_groups = acc.gather(bad).cpu().view(-1, G).any(1)  # [B]
+        rewards[bad_groups.repeat_interleave(G)] = float("nan")
+        return int(bad_groups.sum())
+
+    def advantages(self, rewards: torch.Tensor, G: int) -> Advantages:
+        """Group-relative advantages of the gathered [B*G, F] rewards (grpo/advantages.py)."""
+        args = self.args
+        return group_advantages(rewards, self.rewards.weights, G, args.scale_rewards, args.multi_objective_aggregation)
+
+    # ------------------------------------------------------------------ log-probs without gradient
+
+    def policy_logps(self, model, rollouts: Rollouts, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`model`'s [N, C] log-probs of the completions (and entropies, with_entropy=True), laid out as training
+        lays them out; keyword arguments go to models.token_logprobs."""
+        r = rollouts
+        return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                              self.args.temperature, packing=self.packing, share_prompts=self.share_prompts, **kwargs)
+
+    def log_probs(self, rollouts: Rollouts, old: bool = True) -> LogProbs:
+        """The old (when kept, and `old`), sampler-corrected and reference log-probs of this process's rollouts."""
+        args = self.args
+        with guarded(self.accelerator):  # the log-prob passes can fail on one process only
+            if old and args.corrects_sampling:
+                corrected = self._sampling_correction(rollouts)
+                return replace(corrected, ref=self._reference_logps(rollouts))
+            old_logps = self._no_grad(self.forward_policy, rollouts) if old and self.needs_old_logps else None
+            return LogProbs(old=old_logps, ref=self._reference_logps(rollouts))
+
+    def _reference_logps(self, rollouts: Rollouts) -> torch.Tensor | None:
+        if self.args.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return self._no_grad(self.ref_model, rollouts)
+        with reference_mode(self.policy, self.reference_adapter):
+            return self._no_grad(self.forward_policy, rollouts)
+
+    def _sampling_correction(self, rollouts: Rollouts) -> LogProbs:
+        """With use_vllm: the old log-probs, the importance weight of every token for the engine's distribution
+        differing from the trainer's, and this process's mismatch statistics (grpo/sampler_correction.py), the
+        trainer's log-probs over the sampler's support coming from the same forward as the old ones."""
+        args = self.args
+        old_logps, support_logps = self._per_micro_batch(
+            rollouts, lambda r: trainer_logps(self.forward_policy, r, self.sampling_params, args.temperature,
+                                              self.generator.eos_ids))
+        mask = rollouts.completion_mask.bool()
+        ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
+                               args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+        sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
+        stats = local_stats(support_logps, rollouts.sampler_logprobs, mask, ratio, sequence_level)
+        return LogProbs(old=old_logps, sampling_ratio=ratio, sampling_stats=stats)
+
+    def _no_grad(self, model, rollouts: Rollouts) -> torch.Tensor:
+        return self._per_micro_batch(rollouts, lambda r: self.policy_logps(model, r)[:1])[0]
+
+    def _per_micro_batch(self, rollouts: Rollouts, fn) -> tuple[torch.Tensor, ...]:
+        """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
+        padded as training pads them, without gradient; each result back at the rollouts' width [N, C]."""
+        parts = []
+        size, width = self.args.per_device_train_batch_size, rollouts.completion_ids.size(1)
+        with torch.no_grad(), self.accelerator.autocast():
+            for i in range(0, len(rollouts), size):
+                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts)))).padded(self.pad_to_multiple_of)
+                # select() trimmed the columns (and padding may have widened them): back to the rollouts' width
+                parts.append([torch.nn.functional.pad(x[:, :width], (0, width - min(x.size(1), width)))
+                              for x in fn(r)])
+        return tuple(torch.cat(column) for column in zip(*parts))
+
+    # ------------------------------------------------------------------ the training batch
+
+    def scored_batch(self, draw_round: Callable[[], PromptRound], step: int) -> ScoredBatch:
+        """The next generation batch: sampled and scored (with dynamic_sampling, from as many rounds as it takes to
+        fill it with groups whose rewards differ), then its log-probs and its advantages.
+
+        Args:
+            draw_round: the next round of the prompt stream.
+            step: the optimizer step the batch is for (what reward functions are told).
+        """
+        args, G, acc = self.args, self.args.num_generations, self.accelerator
+        scored, sampling = self._sample_next(draw_round, step), {}
+        if args.dynamic_sampling:
+            scored, sampling = self._dynamically_sampled(scored, draw_round, step)
+        rollouts = scored.rollouts
+        logps = self.log_probs(rollouts)
+        adv = self.advantages(scored.rewards, G)
+        n = len(scored.rows)
+        local = slice(acc.process_index * n, (acc.process_index + 1) * n)
+        loss_mask = rollouts.completion_mask
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
+        batch = TrainingBatch(rollouts, adv.advantages[local].to(acc.device), loss_mask, old_logps=logps.old,
+                              ref_logps=logps.ref, sampling_ratio=logps.sampling_ratio)
+        metrics = {**reward_metrics(scored.rewards, adv, self.rewards.names),
+                   **(reduce_stats(acc.gather(logps.sampling_stats.to(acc.device)).cpu())
+                      if logps.sampling_stats is not None else {}),
+                   **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
+                   **completion_metrics(acc.gather(rollouts.completion_mask.sum(1)).cpu(),
+                                        acc.gather(rollouts.is_eos).cpu()),
+                   **scored.logs.reduced_metrics(acc), **sampling}
+        return ScoredBatch(batch, scored, adv.advantages, metrics)
+
+    def _sample_next(self, draw_round: Callable[[], PromptRound], step: int) -> ScoredRound:
+        """The next round of the stream, sampled and scored as training samples it."""
+        args = self.args
+        with guarded(self.accelerator):  # reading the data can fail on one process only
+            prompt_round = draw_round()
+        scored, _ = self.sample(prompt_round, args.num_generations, step, skip_bad=args.on_bad_reward == "skip",
+                                gather_extra=args.log_completions)
+        return scored
+
+    def _dynamically_sampled(self, scored: ScoredRound, draw_round, step: int) -> tuple[ScoredRound, dict]:
+        """DAPO's dynamic sampling (grpo/dynamic_sampling.py): rounds until the groups whose rewards differ fill the
+        batch; the batch of the first of them (this process's share) and the sampling/* metrics."""
+        from accelerate.utils import gather_object
+
+        args, G, acc = self.args, self.args.num_generations, self.accelerator
+        needed = scored.rewards.size(0)  # B*G rows, the batch's size
+        rows, logs, filtered, rounds = [], RewardLogs(), 0, 0
+        skipped = None if scored.skipped is None else 0
+        while True:
+            rounds += 1
+            with guarded(acc):  # a user's filter can fail
+                keep = groups_to_keep(scored.rewards, self.rewards.weights, G, self.rewards.group_filter)
+            filtered += int((~keep).sum())
+            rows += kept_rows(scored, keep, acc.process_index * len(scored.rows), G, gather_object)
+            merge_logs(logs, scored.logs)
+            skipped = None if skipped is None else skipped + scored.skipped
+            if len(rows) >= needed:
+                break
+            if rounds >= args.dynamic_sampling_max_rounds:
+                raise mark_agreed(DataError(  # every process counts the same rows
+                    f"dynamic_sampling: {rounds} generation rounds gave {len(rows) // G} of the {needed // G} prompt "
+                    f"groups a batch needs whose rewards differ (dynamic_sampling_max_rounds="
+                    f"{args.dynamic_sampling_max_rounds}): raise dynamic_sampling_max_rounds, use prompts that are "
+                    "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
+            scored = self._sample_next(draw_round, step)
+        batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
+                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device)
+        return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}

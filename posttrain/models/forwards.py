@@ -1,0 +1,115 @@
+"""How the log-prob passes call a causal LM: the keywords of a forward, its logits or final hidden states, and where
+its output layer's weight is whole.
+
+The model is asked for logits at the completion positions only. Whether it can be asked depends
+on the transformers version and the model class: recent ones take `logits_to_keep`, older ones
+`num_logits_to_keep`, some neither. The keyword is chosen from the forward signature, and the
+returned logits are checked against what was asked (some models accept the keyword and ignore
+it, as Qwen2 did on transformers 4.48), slicing when more came back.
+"""
+
+import contextlib
+
+import torch
+
+from posttrain.models.keywords import forward_accepts, logits_to_keep_kwarg, unwrap
+from posttrain.models.loading import is_fully_shard_unit, is_plain_linear
+
+WHOLE_ONLY_IN_FORWARD = "_posttrain_whole_only_in_forward"  # set on an output layer by training/sharding.py
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for left-padded rows: 0 at each row's first real token. [N, L] -> [N, L]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_kwargs(model, position_ids: torch.Tensor | None, n_keep: int) -> dict:
+    """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits (0: every
+    position), with these [B, T] position ids (None: the model's own)."""
+    kwargs = {}
+    keep = logits_to_keep_kwarg(model)
+    if keep is not None:
+        kwargs[keep] = n_keep
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if forward_accepts(model, "use_cache"):
+        kwargs["use_cache"] = False  # a cache would also hide packed sequences' boundaries from sdpa and eager
+    return kwargs
+
+
+def mask_positions(model, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """[N, L] position ids of left-padded rows (from their [N, L] mask), when the model's forward takes them."""
+    return positions_from_mask(attention_mask) if forward_accepts(model, "position_ids") else None
+
+
+def forward_kwargs(model, attention_mask: torch.Tensor, n_keep: int) -> dict:
+    """sequence_kwargs for left-padded rows: position ids from their [N, L] mask."""
+    return sequence_kwargs(model, mask_positions(model, attention_mask), n_keep)
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Logits of the last `n_keep` positions.
+
+    Args:
+        model: a causal LM (possibly wrapped by DDP or PEFT).
+        input_ids: [N, L] token ids, left-padded prompt followed by the completion.
+        attention_mask: [N, L], 1 for real tokens.
+        n_keep: positions to return, counted from the end.
+    Returns:
+        [N, n_keep, V] logits.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   **forward_kwargs(model, attention_mask, n_keep)).logits
+    if logits.size(1) < n_keep:
+        keep = logits_to_keep_kwarg(model)
+        raise RuntimeError(f"{type(unwrap(model)).__name__} returned logits for {logits.size(1)} positions when "
+                           f"{n_keep} were asked for with {keep}: its forward does not honour that keyword.")
+    return logits[:, -n_keep:]
+
+
+def whole_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, V] logits of every position of right-padded (or, with `position_ids` and no mask, packed) rows, as the
+    model computes them: only for a user's compute_metrics, the training and eval passes never build them."""
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 **sequence_kwargs(model, position_ids, 0)).logits
+
+
+def output_layer(model) -> torch.nn.Linear | None:
+    """The model's output projection if it is a plain Linear (not LoRA-wrapped or custom)."""
+    get = getattr(unwrap(model), "get_output_embeddings", None)
+    layer = get() if get is not None else None
+    return layer if is_plain_linear(layer) else None
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N, L, H] input of the output layer for [N, L] left-padded rows, from the model's own forward with one
+    position of logits."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                **forward_kwargs(model, attention_mask, 1))
+    return out.hidden_states[-1]
+
+
+def whole_only_in_forward(layer: torch.nn.Module) -> bool:
+    """Whether the layer's weight is whole only inside the model's forward and backward: DeepSpeed ZeRO-3
+    partitions it and gathers it around the layer's own; FSDP1 gathers it around its root wrapper's (marked so);
+    FSDP2, where the layer is a unit of its own (as accelerate makes it), around its group's."""
+    return hasattr(layer.weight, "ds_tensor") or whole_in_model_forward(layer)
+
+
+def whole_in_model_forward(layer: torch.nn.Module) -> bool:
+    """Whether the chunked output layer must run inside the model's forward, and its check through the model: FSDP1
+    gathers the layer's weight only around its root wrapper's forward (the layer is marked so); FSDP2 gathers a
+    unit's weights around its group's forward and, unless told otherwise, reshards them after it."""
+    return getattr(layer, WHOLE_ONLY_IN_FORWARD, False) or is_fully_shard_unit(layer)
+
+
+@contextlib.contextmanager
+def in_eval_mode(plain: torch.nn.Module):
+    """The model in eval mode for the block (dropout would make two forwards of a check differ), then as it was."""
+    was_training = plain.training
+    plain.eval()
+    try:
+        yield
+    finally:
+        plain.train(was_training)

@@ -1,0 +1,176 @@
+"""What a run writes and shows, with transformers' Trainer's names (a mixin of training/trainer.py's Trainer, on its
+`args`, `accelerator`, `state`, `sharding`, `model`, `policy`, `processing_class`, `logger` and callbacks):
+log records, the model and adapters, metrics files, trainer_state.json, the plots and report, and the Hub.
+"""
+
+import json
+import logging
+import os
+import shutil
+
+from posttrain.errors import storage_error
+from posttrain.training.checkpoint import checkpoints
+from posttrain.training.distributed import guarded
+from posttrain.training.hub import push_folder, repo_id
+from posttrain.training.saving import save_merged, save_policy_atomically
+
+logger = logging.getLogger("posttrain")
+
+# what transformers logs at logging steps only: a summary record does not repeat them
+STEP_ONLY_KEYS = ("loss", "grad_norm", "learning_rate")
+
+
+class OutputsMixin:
+    """Logging, saving and pushing."""
+
+    _logging_summary = False  # set while the end-of-training summary is logged (it goes to train_results.json)
+
+    def log(self, logs: dict, start_time=None) -> None:
+        """Record `logs` at the current step: log_history, metrics.jsonl (not the end-of-training summary), trackers,
+        and the on_log callbacks. transformers' signature: a subclass's override is what the loop calls."""
+        record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
+        self.state.log_history.append(record)
+        # trackers' network errors are not disk writes
+        self._on_main(self._emit, record, not self._logging_summary, writing=None)
+        self._call("on_log", logs=record)
+
+    def _log_summary(self, metrics: dict) -> None:
+        """The end-of-training record, through `log` (which an override sees) but not into metrics.jsonl."""
+        self._logging_summary = True
+        try:
+            self.log(metrics)
+        finally:
+            self._logging_summary = False
+
+    def _emit(self, record: dict, to_file: bool) -> None:
+        if self.logger is not None:
+            self.logger.emit(record, to_file=to_file)
+        elif to_file:
+            path = os.path.join(self.args.output_dir, "metrics.jsonl")
+            try:
+                os.makedirs(self.args.output_dir, exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as err:
+                raise storage_error(err, "write", path) from err
+
+
+    def _on_main(self, fn, *args, writing: str | None = "output_dir"):
+        """`fn(*args)` on the main process; every process waits for it and learns whether it failed (a failed disk
+        write under `writing`, default output_dir, as one sentence; None for work that is not a write)."""
+        path = self.args.output_dir if writing == "output_dir" else writing
+        with guarded(self.accelerator, writing=path):
+            if self.accelerator.is_main_process:
+                fn(*args)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model (or adapter), tokenizer and config to `output_dir` (default args.output_dir)."""
+        whole = self.sharding.full_state_dict(self.model)  # sharded: gathered by every process, written by the main
+        self._on_main(save_policy_atomically, self.policy, self.processing_class, self.args.to_dict(),
+                      output_dir or self.args.output_dir, whole)
+
+    def save_merged(self, output_dir: str) -> None:
+        """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""
+        with self.sharding.whole_weights(self.model):  # every process: the export reads whole weights
+            self._on_main(save_merged, self.policy, self.processing_class, output_dir)
+
+    def save_state(self) -> None:
+        """Write the TrainerState to output_dir/trainer_state.json, as transformers does."""
+        self._on_main(self._write_state_json)
+
+    def _write_state_json(self) -> None:
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` of `split` (train, eval, ...) as transformers' Trainer does, on the main process."""
+        if not self.accelerator.is_main_process:
+            return
+        print(f"***** {split} metrics *****")
+        width = max((len(k) for k in metrics), default=0)
+        for key in sorted(metrics):
+            value = metrics[key]
+            print(f"  {key:<{width}} = {value:>9.4g}" if isinstance(value, float) else f"  {key:<{width}} = {value}")
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """Write `metrics` to output_dir/<split>_results.json (and merge them into all_results.json)."""
+        self._on_main(self._write_metrics, split, metrics, combined)
+
+    def _write_metrics(self, split: str, metrics: dict, combined: bool) -> None:
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            merged = json.load(open(path)) if os.path.exists(path) else {}
+            merged.update(metrics)
+            with open(path, "w") as f:
+                json.dump(merged, f, indent=4, sort_keys=True)
+
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs) -> str | None:
+        """Save the model to output_dir and upload output_dir to the Hub (args.hub_model_id, else its name).
+
+        It needs network access and a token (`hf auth login`, HF_TOKEN or hub_token); without them it stops with one
+        sentence saying so. Uploads are synchronous. Returns the commit URL on the main process.
+        """
+        self.save_model(self.args.output_dir)
+        self._call("on_push_begin")
+        url = None
+        with guarded(self.accelerator):  # the main process pushes; every process learns whether it failed
+            if self.accelerator.is_main_process:
+                url = push_folder(self.args, self.args.output_dir, commit_message, token=token, revision=revision)
+        return url
+
+    @property
+    def hub_model_id(self) -> str:
+        """The Hub repository push_to_hub uploads to: args.hub_model_id, else output_dir's name (under the token's
+        user), as transformers' Trainer names it."""
+        return repo_id(self.args)
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def _remove_checkpoints_but(self, kept: str) -> None:
+        for _, path in checkpoints(self.args.output_dir):
+            if path != kept:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _write_plots(self) -> None:
+        """output_dir/plots.png from metrics.jsonl and output_dir/report.html (posttrain/report.py), as plot_on_end
+        says (None: when matplotlib is installed)."""
+        import importlib.util
+
+        from posttrain.plotting import PlotError, plot_runs
+        from posttrain.report import write_report
+
+        if self.args.plot_on_end is False or (self.args.plot_on_end is None and
+                                              importlib.util.find_spec("matplotlib") is None):
+            return
+        try:
+            plot_runs([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
+        except PlotError as err:  # nothing logged (logging_strategy=no): the run itself is fine
+            logger.warning("No plots.png: %s", err)
+        write_report(self.args.output_dir)  # without logged steps, it says so in place of the curves
+
+    def _train_summary(self, start_time: float, steps: int) -> dict:
+        """transformers' end-of-training record, logged to log_history, trackers and callbacks, and written to
+        output_dir/train_results.json."""
+        from transformers.trainer_utils import speed_metrics
+
+        args = self.args
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        metrics = speed_metrics("train", start_time, num_samples=steps * per_step, num_steps=steps)
+        metrics.update(total_flos=float(self.state.total_flos), train_loss=self._loss_sum / max(steps, 1))
+        self._log_summary(metrics)
+        # TRL merges its metrics into every record it logs, this one too, and its users read them from
+        # state.log_history[-1]: there the summary carries the last logging window's (not transformers' own per-step
+        # keys, which it leaves to train_loss); trackers already have them at their step
+        summary = self.state.log_history[-1]
+        carried = {k: v for k, v in self.logger.last_window.items() if k not in STEP_ONLY_KEYS and k not in summary}
+        self.state.log_history[-1] = {**summary, **carried}
+        self.save_metrics("train", metrics)
+        return metrics
