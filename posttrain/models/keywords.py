@@ -7,7 +7,9 @@ warning, then removes it. posttrain never picks a name by guessing:
     a forward's KV cache         cache              past_key_values,      5.24 (old names warn; removal announced
                                                     cache_params (Mamba)  for 5.40); also the output's field
     logits of the last positions logits_to_keep     num_logits_to_keep    4.49 (the old name warned until 4.50)
-    from_pretrained's dtype      dtype              torch_dtype           4.56 (the old name warned in 4.56-4.57)
+    from_pretrained's dtype      dtype              torch_dtype           4.56: below the declared minimum (5.23),
+                                                                          so `dtype` always (a user's torch_dtype
+                                                                          is read as dtype, models/loading.py)
     save_pretrained's format     (safetensors only) safe_serialization    removed in 5.0 (peft's keeps it)
     checkpointing's method       activation_        gradient_             5.23 (old name warns; chosen by
                                  checkpointing_     checkpointing_        presence in models/loading.py's
@@ -15,8 +17,8 @@ warning, then removes it. posttrain never picks a name by guessing:
 
 A forward keyword is chosen from the model class's own forward signature, since a model's code (a remote-code
 model, a subclass) may use any of the names on any transformers version. A model whose forward names none takes the
-name transformers' own models take now, through its **kwargs. A `from_pretrained` keyword, which always goes
-through **kwargs, is chosen from the installed transformers version.
+name transformers' own models take now, through its **kwargs. A name whose rename is older than the declared minimum
+transformers (pyproject.toml) is written in its new form only.
 """
 
 import dataclasses
@@ -85,15 +87,6 @@ def returned_cache(output):
         if name in fields:
             return getattr(output, name)
     return getattr(output, transformers_cache_name(), None)
-
-
-@functools.cache
-def dtype_keyword() -> str:
-    """`from_pretrained`'s dtype keyword in the installed transformers: `dtype` from 4.56, `torch_dtype` before."""
-    import transformers
-    from packaging.version import Version
-
-    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
 def safetensors_kwargs(model) -> dict:

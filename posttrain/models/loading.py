@@ -6,7 +6,6 @@ import logging
 import os
 
 from posttrain.errors import UserError
-from posttrain.models.keywords import dtype_keyword
 
 logger = logging.getLogger("posttrain")
 
@@ -74,7 +73,7 @@ def from_pretrained_kwargs(kwargs: dict | None) -> dict:
             raise ModelLoadError(f"dtype={dtype!r} is not one of: auto, {', '.join(sorted(set(_DTYPES)))}.")
         dtype = getattr(torch, _DTYPES[dtype])
     if dtype is not None:
-        kwargs[dtype_keyword()] = dtype
+        kwargs["dtype"] = dtype  # `torch_dtype` is older than every transformers posttrain supports
     return kwargs
 
 

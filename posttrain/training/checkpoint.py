@@ -424,7 +424,7 @@ def load_checkpoint(run: RunState, sharding, path: str) -> Restored:
 
 
 def _load_the_rest(run: RunState, sharding, path: str) -> dict:
-    """Everything but the policy, in place; returns this process's tensors (on its device)."""
+    """Everything but the policy, in place; returns this process's tensors."""
     from safetensors.torch import load_file, load_model
 
     for name, module in run.extras.models.items():
@@ -436,4 +436,4 @@ def _load_the_rest(run: RunState, sharding, path: str) -> dict:
     sharding.load_optimizer(run.model, run.optimizer, path)
     run.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
     set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), weights_only=True), run.extras.generators)
-    return load_file(os.path.join(path, f"buffer_{rank}.safetensors"), device=str(run.accelerator.device))
+    return load_file(os.path.join(path, f"buffer_{rank}.safetensors"))  # on the CPU: the trainer places them
