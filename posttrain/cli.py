@@ -6,20 +6,22 @@
     posttrain vllm-serve --model Qwen/Qwen3-0.6B [--print_command] [any `vllm serve` flag ...]
 
 Arguments are parsed before torch is imported, so `--help` answers at once. Every field of the trainer's config and
-every script field (model, dataset or mixture, rewards for grpo, LoRA) is a flag; values given on the command line
-override the YAML file. accelerate's launch flags, `--accelerate_config NAME|PATH` and YAML `env:` are taken as in
+every script field (model, dataset or mixture, rewards for grpo, LoRA) is a flag (posttrain/cli_help.py, which shows
+them a page at a time: `--help`, `--help GROUP|FIELD`, `--help-all`); values given on the command line override the
+YAML file. accelerate's launch flags, `--accelerate_config NAME|PATH` and YAML `env:` are taken as in
 TRL's CLI (posttrain/launch.py).
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 
 from posttrain._version import __version__
+from posttrain.cli_help import USAGE, add_fields, add_launch_flags, add_run_options, field_classes, help_topic, \
+    trainer_help
 from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build,
-                               field_help, field_types, load_yaml, split_values, suggest)
+                               field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
 
@@ -33,36 +35,7 @@ COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
 
 def _hint(command: str) -> str:
-    return f" `posttrain {command} --help` and docs/config.md list every field."
-
-
-def _add_fields(parser: argparse.ArgumentParser, cls, seen: set) -> None:
-    """One flag per field of `cls` not already in `seen` (a field shared by two classes is one flag)."""
-    group = parser.add_argument_group(cls.__name__, " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()))
-    types, helps = field_types(cls), field_help(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, tp in types.items():
-        if name in seen:
-            continue
-        seen.add(name)
-        is_list = "list" in str(tp).lower()
-        is_bool = tp is bool or str(tp).endswith("bool]")
-        kwargs = {"nargs": "+"} if is_list else {"nargs": "?", "const": "true"} if is_bool else {}
-        group.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar=name.upper() if not is_bool
-                           else None, help=f"{helps.get(name, '')} (default: {defaults.get(name)!r})".replace("%", "%%"),
-                           **kwargs)
-
-
-def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    from posttrain.launch import LAUNCH_FLAGS, SHIPPED
-
-    group = parser.add_argument_group("accelerate", "Launch settings: given any of them, posttrain relaunches itself "
-                                                    "with `accelerate launch` (also as YAML keys).")
-    group.add_argument("--accelerate_config", metavar="NAME|PATH", default=argparse.SUPPRESS,
-                       help=f"An accelerate config file, or one of the shipped ones: {', '.join(SHIPPED)}.")
-    for name, takes_value in LAUNCH_FLAGS.items():
-        group.add_argument(f"--{name}", default=argparse.SUPPRESS, help=f"accelerate launch's --{name}.",
-                           **({"metavar": name.upper()} if takes_value else {"action": "store_true"}))
+    return f" `posttrain {command} --help-all` and docs/config.md list every field."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,19 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for command, (script_cls, config_cls, line) in TRAINERS.items():
-        trainer = sub.add_parser(command, help=line, allow_abbrev=False,
+        trainer = sub.add_parser(command, help=line, allow_abbrev=False, usage=USAGE.format(command=command),
                                  description=f"{line} Flags override the values in --config.")
-        trainer.add_argument("--config", help="YAML file of field: value pairs (any field below).")
-        trainer.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                             help="Nothing per step, only errors (log_level error, no progress bar).")
-        trainer.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                             help="posttrain's and transformers' info messages and their progress bars (log_level "
-                                  "info).")
+        add_run_options(trainer)
         seen: set = set()
-        # --help shows the config group by group, the TRL fields accepted at posttrain's behaviour last
-        for cls in (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT):
-            _add_fields(trainer, cls, seen)
-        _add_launch_flags(trainer)
+        for cls in field_classes(script_cls, config_cls):  # --help shows them a page at a time (cli_help.py)
+            add_fields(trainer, cls, seen)
+        add_launch_flags(trainer)
     serve = sub.add_parser("serve", help="Serve a model for generation over HTTP (a subset of vLLM's API), CPU "
                                          "included; the trainer pushes its weights to it.", allow_abbrev=False)
     serve.add_argument("--model", required=True, help="Local path or hub id of the model to serve.")
@@ -95,13 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Longest prompt + completion served (default: the model's position limit).")
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N].")
-    serve.add_argument("--trust_remote_code", action="store_true")
+    serve.add_argument("--trust_remote_code", action="store_true", help="Allow models with custom code from their "
+                       "repository.")
     serve.add_argument("--log_level", default="warning", help="uvicorn's log level.")
     _add_vllm_serve(sub)
-    demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.")
-    demo.add_argument("--output_dir", default="posttrain-demo")
-    demo.add_argument("--max_steps", type=int, default=1200)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.",
+                          description="GRPO teaches a tiny random model single-digit addition on the CPU (about a "
+                          "minute), then prints the share of right answers before and after.")
+    demo.add_argument("--output_dir", default="posttrain-demo", metavar="DIR",
+                      help="Where the run writes its metrics, plots and model (default posttrain-demo).")
+    demo.add_argument("--max_steps", type=int, default=1200, metavar="N",
+                      help="Optimizer steps (default 1200).")
+    demo.add_argument("--seed", type=int, default=0, help="Random seed of the run (default 0).")
     plot = sub.add_parser("plot", help="Draw the curves of one or more runs from their metrics.jsonl.",
                           allow_abbrev=False)
     plot.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="A run's output_dir (several: overlaid).")
@@ -115,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--steps", type=int, nargs="+", default=None, metavar="STEP",
                         help="The steps whose completions are shown (default: the first, middle and last logged).")
     report.add_argument("--rows", type=int, default=8, help="Completions shown per step (default 8).")
-    sub.add_parser("env", help="Print versions and devices for bug reports.")
+    sub.add_parser("env", help="Print versions and devices for bug reports.",
+                   description="Print posttrain's, Python's and the libraries' versions and the devices, for bug "
+                   "reports.")
     return parser
 
 
@@ -138,18 +112,21 @@ def _add_vllm_serve(sub) -> None:
 
     add("model", required=True, help="Local path or hub id of the model to serve.")
     add("revision", default=None, help="Model revision (branch, tag or commit).")
-    add("tensor_parallel_size", type=int, default=1)
+    add("tensor_parallel_size", type=int, default=1, help="GPUs one model is split over.")
     add("data_parallel_size", type=int, default=1, help="Keep 1 for dense models (vllm#30739).")
     add("host", default="127.0.0.1", help="Address to bind (default loopback; TRL's is 0.0.0.0, but vLLM's "
         "weight-transfer routes are unauthenticated).")
-    add("port", type=int, default=8000)
-    add("gpu_memory_utilization", type=float, default=0.9)
-    add("dtype", default="auto")
-    add("max_model_len", type=int, default=None)
-    add("enable_prefix_caching", type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
-    add("enforce_eager", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
-    add("kv_cache_dtype", default="auto")
-    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    add("port", type=int, default=8000, help="Port.")
+    add("gpu_memory_utilization", type=float, default=0.9, help="Share of each GPU's memory vLLM may take.")
+    add("dtype", default="auto", help="auto, float32, bfloat16 or float16.")
+    add("max_model_len", type=int, default=None, help="Longest prompt + completion (default: the model's).")
+    add("enable_prefix_caching", type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
+        help="vLLM's prefix caching (default: vLLM's choice).")
+    add("enforce_eager", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+        help="No CUDA graphs (slower, starts faster).")
+    add("kv_cache_dtype", default="auto", help="The KV cache's dtype (auto: the model's).")
+    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+        help="Allow models with custom code from their repository.")
     add("log_level", default="info", help="uvicorn's log level.")
     add("vllm_model_impl", default="vllm", help="vllm or transformers.")
     add("distributed_executor_backend", default=None, help="ray to spread tensor parallelism over nodes.")
@@ -310,11 +287,12 @@ RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo}
 
 def run_command(command: str, argv: list[str]) -> int:
     """Parse, then train here, or (given launch settings, outside a launched process) relaunch with accelerate."""
-    from posttrain.launch import in_launched_process, relaunch, split_launch_args
+    from posttrain.launch import in_launched_process, launcher_asks_cpu, relaunch, split_launch_args
 
     script, lora, config, launch = parse_command(command, argv)
     if launch and not in_launched_process():
-        return relaunch(command, launch, split_launch_args(argv)[1])
+        return relaunch(command, launch, split_launch_args(argv)[1], config.use_cpu)
+    config.use_cpu = config.use_cpu or launcher_asks_cpu()  # accelerate's --cpu: the run's use_cpu, and its config's
     RUNS[command](script, lora, config)
     return 0
 
@@ -363,13 +341,16 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """Run the command argv[0] (one of COMMANDS) with its arguments; its exit code."""
     command = argv[0]
     if command in TRAINERS:
-        if any(a in ("-h", "--help") for a in argv[1:]):
-            parser.parse_args(argv)
+        topic = help_topic(argv[1:])
+        if topic is not None:  # a page at a time: the first one short (cli_help.py)
+            print(trainer_help(command, *TRAINERS[command], topic), end="")
+            return 0
         return run_command(command, argv[1:])
     if command == "vllm-serve":
         args, extra = parser.parse_known_args(argv)
         return run_vllm_serve(args, extra)
     if command == "env":
+        parser.parse_args(argv)  # --help answers, anything else is refused
         print_env()
         return 0
     SIMPLE_COMMANDS[command](parser.parse_args(argv))

@@ -22,12 +22,15 @@ def cache_dir() -> str:
 
 def demo_model_path() -> str:
     """Build (once) and return the directory of the demo's tiny model and tokenizer."""
+    from posttrain.models.loading import without_progress_bars
     from posttrain.testing import save_tiny, tiny_tokenizer
 
     path = cache_dir()
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         tmp = f"{path}.tmp-{os.getpid()}"
-        save_tiny(tmp, tiny_tokenizer(DEMO_CHARS, all_bytes=False), seed=0, hidden=64, layers=2, max_positions=64)
+        with without_progress_bars():  # no "Writing model shards" bar
+            save_tiny(tmp, tiny_tokenizer(DEMO_CHARS, all_bytes=False), seed=0, hidden=64, layers=2,
+                      max_positions=64)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.replace(tmp, path)  # atomic: a concurrent or killed build never leaves half a model
     return path
@@ -72,10 +75,10 @@ def sampled_accuracy(trainer, prompts: list[str], samples: int = 16) -> list[tup
     return out
 
 
-def _grid(results: list[tuple[float, str]], title: str):
+def _grid(results: list[tuple[float, str]]):
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table()
     table.add_column("a \\ b")
     for y in range(MAX_DIGIT + 1):
         table.add_column(str(y), justify="right")
@@ -98,14 +101,27 @@ def summarize(history: list[dict]) -> dict:
 def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: int = 0) -> dict:
     """Train the demo and print a before/after summary; returns the summary (also in metrics.jsonl)."""
     import torch
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:  # a thread count the user chose is kept
+        torch.set_num_threads(min(os.cpu_count() or 1, 4))
+    try:
+        return _train_and_show(output_dir, max_steps, seed)
+    finally:
+        torch.set_num_threads(threads)  # the caller's setting, as it was
+
+
+def _train_and_show(output_dir: str, max_steps: int, seed: int) -> dict:
     from rich.console import Console
 
     from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.training.logging import hide_deepspeed_cpu_notice
 
-    torch.set_num_threads(min(os.cpu_count() or 1, 4))
     console = Console()
+    hide_deepspeed_cpu_notice()  # building the model (first run) imports DeepSpeed too, when installed
     path = demo_model_path()
-    console.print(f"[bold]posttrain demo[/]: GRPO on '{MAX_DIGIT}+{MAX_DIGIT}'-style addition, tiny model at {path}")
+    console.print(f"[bold]posttrain demo[/]: GRPO on '{MAX_DIGIT}+{MAX_DIGIT}'-style addition", highlight=False)
+    console.print(f"tiny model: {path}", highlight=False)
     trainer = GRPOTrainer(path, "accuracy", demo_config(output_dir, max_steps, seed), train_dataset=demo_dataset())
     prompts = [f"{x}+{y}=" for x in range(MAX_DIGIT + 1) for y in range(MAX_DIGIT + 1)]
     before = sampled_accuracy(trainer, prompts)
@@ -118,13 +134,14 @@ def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: in
     summary["sampled_accuracy_after"] = round(sum(share for share, _ in after) / len(after), 4)
     if trainer.accelerator.is_main_process:
         trainer.logger.write({"summary": summary})
-        console.print(_grid(after, "Share of 16 sampled answers that are correct after GRPO (rows a, columns b of a+b)"))
+        console.print("After GRPO, the share of 16 sampled answers that are right (row a + column b):",
+                      highlight=False)
+        console.print(_grid(after))
         console.print(f"sampled accuracy over all 25 prompts: before {summary['sampled_accuracy_before']:.0%}, "
-                      f"after {summary['sampled_accuracy_after']:.0%}")
-        console.print(f"mean reward, first 10% of steps: {summary['reward_first_10pct']:.3f}   "
-                      f"last 10%: {summary['reward_last_10pct']:.3f}   gain: {summary['reward_gain']:+.3f}   "
-                      f"({summary['train_seconds']} s)")
-        console.print(f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}   model: {output_dir}")
+                      f"after {summary['sampled_accuracy_after']:.0%}", highlight=False)
+        console.print(f"mean reward: first 10% of steps {summary['reward_first_10pct']:.3f}, last 10% "
+                      f"{summary['reward_last_10pct']:.3f} ({summary['reward_gain']:+.3f}) in "
+                      f"{summary['train_seconds']:.0f} s", highlight=False)
     return summary
 
 

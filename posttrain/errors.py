@@ -33,3 +33,57 @@ def storage_error(err: BaseException, doing: str, path: str,
     """One sentence for a failed disk operation: what, where, why, and what to do."""
     where = getattr(err, "filename", None) or path
     return StorageError(f"Could not {doing} {where}: {_cause(err)}. Free some space, fix the permissions, or {fix}.")
+
+
+class UserFunctionError(UserError, RuntimeError):
+    """A function the user passed (formatting_func, compute_metrics, preprocess_logits_for_metrics,
+    dynamic_sampling_filter) raised, or returned something posttrain cannot use; the message names the function, what
+    it was given and the fix. When it raised, its own exception is the cause, whose traceback the command line prints
+    above the message."""
+
+
+def function_name(fn) -> str:
+    """A user's function as messages name it: its qualified name (a method's class included, the functions it is
+    defined in left out), a functools.partial's function's, or the class of a callable object."""
+    import functools
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        return type(fn).__name__
+    return name.rpartition("<locals>.")[2]  # a function defined in a function: its own name and class
+
+
+def described(fn) -> str:
+    """`name(parameters)`: the function and its signature, or its name alone when it has none to show."""
+    import inspect
+
+    try:
+        return f"{function_name(fn)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return function_name(fn)
+
+
+def signature_mismatch(fn, *args, **kwargs) -> str | None:
+    """Why calling `fn(*args, **kwargs)` would raise TypeError for its signature (Python's reason, e.g. "missing a
+    required argument: 'labels'"), or None when the arguments fit, or when `fn` has no signature to check (some
+    builtins): a call that cannot be checked before it is made."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def detail_of(err: BaseException) -> str:
+    """`: the first line of its message` for an exception a user's function raised (empty when it has none), to end
+    the clause that names the function, the exception's type and where it was called."""
+    text = str(err).strip()
+    return f": {text.splitlines()[0].rstrip('.')}" if text else ""

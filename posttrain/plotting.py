@@ -4,8 +4,12 @@ Each panel holds one kind of metric (reward, KL, entropy, lengths, clip ratios, 
 and SFT's and DPO's own); several runs are overlaid, one colour per run, with a legend. A series with more than
 `SMOOTH_FROM` points is drawn faint as logged, with its smoothed line over it (an exponential moving average,
 debiased at the start, as TensorBoard's). Panels without data in any run are left out, so the same call plots GRPO,
-SFT and DPO runs. Works on a finished run, a running one (a half-written last line is skipped) and a resumed one
-(steps logged again after resuming replace the first record of those steps).
+SFT and DPO runs. A metric that holds one value over every logged step (a constant learning rate, a loss of exactly
+0) gets no line and, alone in its panel, no panel: `constant_series` names them with their value (the report lists
+them). A reward function whose mean is the reward itself (the only one, or the only one not 0) is drawn once, as the
+reward, named after the function; other functions are drawn beside the total, which is bold. Works on a finished
+run, a running one (a half-written last line is skipped) and a resumed one (steps logged again after resuming replace
+the first record of those steps).
 
     plot_runs(["out/a", "out/b"], "curves.png")      # .png, .svg or .html (one self-contained file, the SVG inline)
 
@@ -22,6 +26,9 @@ from posttrain.errors import UserError
 
 SMOOTH_FROM = 12  # points: below this a series is drawn as logged only
 SMOOTHING = 0.9  # the moving average's weight on the past
+CONSTANT = {"rel_tol": 1e-9, "abs_tol": 1e-12}  # a series whose values all agree this closely is constant
+SAME = {"rel_tol": 1e-6, "abs_tol": 1e-9}  # the reward and its one function's mean agree this closely: one series
+FUNCTION_MEAN = "rewards/*/mean"  # a reward function's mean (GRPO), not DPO's rewards/chosen etc.
 FORMATS = (".png", ".svg", ".html")
 
 
@@ -37,7 +44,7 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", ("reward", "rewards/*/mean")),
+    Panel("reward", ("reward", FUNCTION_MEAN)),
     Panel("loss", ("loss",)),
     Panel("KL to the reference", ("kl",)),
     Panel("entropy", ("entropy",)),
@@ -82,7 +89,7 @@ def series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for step, record in steps.items():
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if _is_number(value):
             xs.append(step)
             ys.append(float(value))
     return xs, ys
@@ -97,18 +104,79 @@ def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
+def _present(runs: list[dict[int, dict]]) -> set[str]:
+    return set().union(*(record.keys() for steps in runs for record in steps.values()))
+
+
 def _keys(panel: Panel, runs: list[dict[int, dict]]) -> list[str]:
     """The panel's metrics present in any run, in the panel's order."""
-    present = set().union(*(record.keys() for steps in runs for record in steps.values()))
+    present = _present(runs)
     keys = []
     for pattern in panel.keys:
         keys += sorted(k for k in present if fnmatch.fnmatchcase(k, pattern) and k not in keys)
     return keys
 
 
+def function_name(key: str) -> str:
+    """`rewards/<name>/mean` -> name."""
+    return key[len("rewards/"):-len("/mean")]
+
+
+def reward_twins(runs: list[dict[int, dict]]) -> list[str]:
+    """The reward functions whose mean is the reward itself at every logged step (a sole function of weight 1, or
+    the one that is not 0 throughout): drawn once, as the reward."""
+    means = [k for k in sorted(_present(runs)) if fnmatch.fnmatchcase(k, FUNCTION_MEAN)]
+    twins = []
+    for key in means:
+        pairs = [(record["reward"], record[key]) for steps in runs for record in steps.values()
+                 if _is_number(record.get("reward")) and _is_number(record.get(key))]
+        if pairs and all(math.isclose(total, mean, **SAME) for total, mean in pairs):
+            twins.append(function_name(key))
+    return twins
+
+
+def sole_reward_function(runs: list[dict[int, dict]]) -> str | None:
+    """The name of the runs' one reward function where its mean is the reward itself; None where there are several,
+    none, or they differ."""
+    means = [k for k in _present(runs) if fnmatch.fnmatchcase(k, FUNCTION_MEAN)]
+    twins = reward_twins(runs)
+    return twins[0] if len(means) == 1 and twins else None
+
+
+def constant_series(runs: list[dict[int, dict]]) -> dict[str, float]:
+    """{metric: its value} for the panels' metrics that hold one value over every run's logged steps (two or more):
+    they are not drawn."""
+    constant = {}
+    for panel in PANELS:
+        for key in _keys(panel, runs):
+            values = [v for steps in runs for v in series(steps, key)[1]]
+            if len(values) >= 2 and all(math.isclose(v, values[0], **CONSTANT) for v in values):
+                constant[key] = values[0]
+    return constant
+
+
 def panels_with_data(runs: list[dict[int, dict]]) -> list[tuple[Panel, list[str]]]:
-    """The panels some run has a metric of, each with the metrics it draws."""
-    return [(panel, keys) for panel in PANELS if (keys := _keys(panel, runs))]
+    """The panels some run has a changing metric of, each with the metrics it draws (a reward function that is the
+    reward itself drawn once, as `reward`)."""
+    skipped = set(constant_series(runs)) | {f"rewards/{name}/mean" for name in reward_twins(runs)}
+    return [(panel, keys) for panel in PANELS if (keys := [k for k in _keys(panel, runs) if k not in skipped])]
+
+
+def line_names(runs: list[dict[int, dict]], keys: list[str]) -> dict[str, str]:
+    """What the legend calls the metrics it renames: a reward function by its name; the reward by its one function's
+    name, or as the total (and the function it equals) beside others."""
+    names = {k: function_name(k) for k in keys if fnmatch.fnmatchcase(k, FUNCTION_MEAN)}
+    if "reward" in keys:
+        sole, twins = sole_reward_function(runs), reward_twins(runs)
+        if sole is not None:
+            names["reward"] = sole
+        elif twins or names:
+            names["reward"] = "reward (total)" + "".join(f" = {name}" for name in twins)
+    return names
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _labels(output_dirs: list[str]) -> list[str]:
@@ -159,6 +227,9 @@ def _figure(output_dirs: list[str]):
     if not any(runs):
         raise PlotError(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging step.")
     panels = panels_with_data(runs)
+    if not panels:
+        raise PlotError(f"Every metric logged in {', '.join(output_dirs)} holds one value over its steps: there is no "
+                        "curve to draw (`posttrain report` lists the values).")
     require("matplotlib", "posttrain plot")
     import matplotlib
 
@@ -170,30 +241,36 @@ def _figure(output_dirs: list[str]):
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.4 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", ":", "-."]
     for ax, (panel, keys) in zip(axes.flat, panels):
-        _draw(ax, panel, keys, runs, _labels(output_dirs), colours, styles)
+        _draw(ax, panel, keys, runs, _labels(output_dirs), colours)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     figure.tight_layout()
     return figure
 
 
-def _draw(ax, panel: Panel, keys: list[str], runs: list, labels: list[str], colours: list, styles: list) -> None:
+STYLES = ["-", "--", ":", "-."]  # one per metric of a panel (the colour is the run's)
+
+
+def _draw(ax, panel: Panel, keys: list[str], runs: list, labels: list[str], colours: list) -> None:
+    names = line_names(runs, keys)
     for r, (steps, label) in enumerate(zip(runs, labels)):
         colour = colours[r % len(colours)]
         for k, key in enumerate(keys):
             xs, ys = series(steps, key)
             if not xs:
                 continue
-            name = label if len(keys) == 1 else f"{label}: {key}" if len(runs) > 1 else key
-            style = styles[k % len(styles)]
+            shown = names.get(key, key)
+            alone = len(panel.keys) == 1 and key not in names  # the panel's title names it
+            name = label if alone else f"{label}: {shown}" if len(runs) > 1 else shown
+            style = STYLES[k % len(STYLES)]
+            bold = 1.6 if names.get(key, "").startswith("reward (total)") else 1.0  # the total over its functions
             if len(xs) >= SMOOTH_FROM:
                 ax.plot(xs, ys, style, color=colour, alpha=0.25, linewidth=1)
-                ax.plot(xs, smooth(ys), style, color=colour, linewidth=1.8, label=name)
+                ax.plot(xs, smooth(ys), style, color=colour, linewidth=1.8 * bold, label=name)
             else:
-                ax.plot(xs, ys, style, color=colour, marker="o", markersize=3, linewidth=1.5, label=name)
-    ax.ticklabel_format(axis="y", useOffset=False)  # a constant learning rate reads 0.001, not 1e-15 + 1e-3
+                ax.plot(xs, ys, style, color=colour, marker="o", markersize=3, linewidth=1.5 * bold, label=name)
+    ax.ticklabel_format(axis="y", useOffset=False)  # a learning rate reads 0.001, not 1e-15 + 1e-3
     ax.set_title(panel.title)
     ax.set_xlabel("step")
     if panel.log_scale and all(v > 0 for steps in runs for key in keys for v in series(steps, key)[1]):

@@ -1,8 +1,14 @@
 import os
+import re
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per process, set before torch is imported: the README runs the suite with a worker per core
+# (pytest-xdist), and the tests' launches start two processes each; with torch's default of a thread per core, their
+# OpenMP threads spin against each other and the in-process tests run about 4x slower. The tests' tiny models gain
+# nothing from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +134,25 @@ def last_train_record(trainer) -> dict:
     return [r for r in trainer.state.log_history if "loss" in r][-1]
 
 
+def run_posttrain(argv: list[str], capfd):
+    """`posttrain ARGV` run in this process (cli.main, as the console script calls it), its environment restored
+    after (a YAML's `env:` sets variables): .returncode, .stdout, .stderr. For what a run prints and leaves behind; a
+    new process pays seconds of imports, so only the tests about processes, launching and signals start one."""
+    from types import SimpleNamespace
+
+    from posttrain import cli
+
+    environment = dict(os.environ)
+    capfd.readouterr()
+    try:
+        code = cli.main(list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
 def two_gloo_processes(script: str, *args: str):
     """`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/<script> ARGS...` (1 thread each, the
     tests directory importable), asserted to exit 0."""
@@ -139,3 +164,45 @@ def two_gloo_processes(script: str, *args: str):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           os.path.join(tests, script), *args], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def run_together(nodeid: str) -> str:
+    """The tests that run on one pytest-xdist worker: each test file's, with its module's fixtures, except the
+    sharded matrix (tests/test_sharded.py), whose runs share a launch per configuration: there a group is a launch
+    configuration's name up to its first '-' or '.' (`fsdp1-cpu` and `fsdp1.yaml` are fsdp1, `zero3-all` and
+    `zero3.yaml` zero3), so that the workers share the matrix."""
+    file, _, test = nodeid.partition("::")
+    if file.endswith("test_sharded.py") and test.endswith("]"):
+        return file + "::" + re.split(r"[-.]", test[test.index("[") + 1:-1])[0]
+    return file
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The README runs the suite on every core (`-n auto`): tests are sent to the workers in groups (run_together),
+    in the order collected (pytest_collection_modifyitems: the longest first), not xdist's by number of tests."""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+
+    class TogetherScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return run_together(nodeid)
+
+    return TogetherScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with multi-process tests first (the sharded matrix before the rest), so that under pytest-xdist the
+    longest groups do not start last; within a file the order is as written."""
+    rank = {}
+    for item in items:
+        kind = 0 if item.get_closest_marker("sharded") else 1 if item.get_closest_marker("multiproc") else 2
+        rank[_file(item.nodeid)] = min(rank.get(_file(item.nodeid), 2), kind)
+    items.sort(key=lambda item: rank[_file(item.nodeid)])  # stable: each file's own order is kept

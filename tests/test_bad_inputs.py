@@ -75,3 +75,49 @@ def test_reward_error_in_training_names_the_prompt_and_keeps_the_last_checkpoint
 def _sum(prompt: str) -> int:
     """The sum asked by a prompt "a+b="."""
     return sum(int(x) for x in prompt.rstrip("=").split("+"))
+
+
+@pytest.mark.parametrize("name, function, raised", [("formatting_func_raises", "question_answer", KeyError),
+                                                    ("compute_metrics_raises", "exact_match", ValueError),
+                                                    ("dynamic_sampling_filter_raises", "by_column", IndexError)])
+def test_a_user_function_that_raised_is_reported_after_its_own_traceback(name, function, raised, tmp_path, capsys):
+    """As a reward function that raises: one sentence naming the function, after the traceback of what it raised."""
+    from posttrain.cli import _report_error
+    from posttrain.errors import UserFunctionError
+
+    case = next(c for c in CASES if c.name == name)
+    with pytest.raises(UserFunctionError) as info:
+        case.trigger(tmp_path)
+    assert type(info.value.__cause__) is raised
+    assert _report_error(info.value) == 2
+    printed = capsys.readouterr().err
+    assert printed.startswith("Traceback") and f", in {function}\n" in printed
+    assert printed.endswith(f"posttrain: error: {info.value}\n")
+
+
+def test_signatures_are_checked_for_every_kind_of_callable():
+    """A partial counts its bound arguments, a callable object its __call__ (a class its __init__), a bound method
+    leaves out self; a builtin without a signature (math.log, max) is taken as it is, to be called."""
+    import functools
+    import math
+
+    from posttrain.errors import described, function_name, signature_mismatch
+
+    def keep(rewards, num_generations):
+        return True
+
+    class Filter:
+        def __call__(self, rewards):
+            return True
+
+        def method(self, rewards):
+            return True
+
+    assert signature_mismatch(keep, "r") == "missing a required argument: 'num_generations'"
+    assert signature_mismatch(functools.partial(keep, num_generations=4), "r") is None
+    assert signature_mismatch(Filter(), "r") is None and signature_mismatch(Filter().method, "r") is None
+    assert signature_mismatch(Filter, "r") == "too many positional arguments"
+    assert signature_mismatch(math.log, "r") is None and signature_mismatch(max, "r") is None
+    assert function_name(functools.partial(keep, num_generations=4)) == "keep"
+    assert function_name(Filter()) == "Filter" and function_name(Filter().method) == "Filter.method"
+    assert described(keep) == "keep(rewards, num_generations)" and described(max) == "max"

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_posttrain
 from test_cli import _env
 
 from posttrain.cli import parse_dpo
@@ -22,6 +23,11 @@ def _pairs(path, n=16, offset=0):
     return str(path)
 
 
+def _in_process(capfd, *argv):
+    """`posttrain dpo ARGV` in this process (conftest.run_posttrain): .returncode, .stderr."""
+    return run_posttrain(["dpo", *argv], capfd)
+
+
 def _run_cli(*argv, **env):
     return subprocess.run([sys.executable, "-m", "posttrain.cli", "dpo", *argv], capture_output=True, text=True,
                           env=_env(**env), timeout=600)
@@ -31,20 +37,20 @@ COMMON = ("--max_steps", "2", "--logging_steps", "1", "--use_cpu", "--gradient_c
           "--save_strategy", "no")
 
 
-def test_dpo_from_yaml_with_a_mixture(tmp_path, tiny_model_dir):
+def test_dpo_from_yaml_with_a_mixture(tmp_path, tiny_model_dir, capfd):
     cfg = tmp_path / "dpo.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndatasets:\n  - path: {_pairs(tmp_path / 'a.jsonl')}\n"
                    f"    fraction: 0.5\n  - path: {_pairs(tmp_path / 'b.jsonl', offset=16)}\n    fraction: 0.5\n"
                    "per_device_train_batch_size: 4\nlearning_rate: 1.0e-3\nloss_type: [sigmoid, sft]\n"
                    "loss_weights: [1.0, 0.5]\nld_alpha: 0.5\npadding_free: true\n")
-    out = _run_cli("--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
+    out = _in_process(capfd, "--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and "rewards/margins" in records[0]
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_dpo_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir):
+def test_dpo_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir, capfd):
     script, lora, cfg = parse_dpo(["--model_name_or_path", "m", "--dataset_name", "d", "--use_peft", "--beta", "0.2",
                                    "--loss_type", "ipo", "--precompute_ref_log_probs"])
     assert cfg.loss_type == ["ipo"] and cfg.beta == 0.2 and cfg.precompute_ref_log_probs and lora.use_peft
@@ -54,8 +60,8 @@ def test_dpo_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir):
         parse_dpo(["--ld_alpha", "2"])
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "chosen": "2"}) + "\n")
-    out = _run_cli("--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--output_dir",
-                   str(tmp_path / "o"), *COMMON)
+    out = _in_process(capfd, "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--output_dir",
+                      str(tmp_path / "o"), *COMMON)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "is in no preference format: its columns are prompt, chosen" in out.stderr
 

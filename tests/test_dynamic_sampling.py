@@ -147,8 +147,9 @@ def test_two_processes_train_on_the_batch_one_process_would(tmp_path, tiny_model
     one = subprocess.run([sys.executable, "-m", "posttrain.cli", *common, "--per_device_train_batch_size", "8",
                           "--output_dir", str(tmp_path / "one")], capture_output=True, text=True, env=env, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0",
+                          "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                          "--dynamo_backend", "no", "-m",
                           "posttrain.cli", *common, "--per_device_train_batch_size", "4", "--output_dir",
                           str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -31,7 +31,7 @@ def _run_with_fault(fault: str, launch: list[str], tmp_path, model_dir: str, tim
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch,
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", *launch,
            os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--",
            "--model_name_or_path", model_dir, "--dataset_name", str(data),
            "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",

@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
-from posttrain.plotting import PlotError, panels_with_data, plot_runs, read_metrics, smooth
+from posttrain.plotting import (PlotError, constant_series, line_names, panels_with_data, plot_runs, read_metrics,
+                                smooth)
 
-GRPO = {"reward": 0.5, "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": 0.1, "loss": 0.0, "kl": 0.01,
+# _run_dir scales each float by (1 + step / steps): none of these is constant (a 0.0 would be, and is not drawn)
+GRPO = {"reward": 0.5, "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": 0.1, "loss": 0.001, "kl": 0.01,
         "entropy": 2.0, "completions/mean_length": 7.0, "completions/min_length": 2.0, "completions/max_length": 9.0,
-        "completions/clipped_ratio": 0.1, "clip_ratio/region_mean": 0.0, "grad_norm": 0.3, "learning_rate": 1e-3,
+        "completions/clipped_ratio": 0.1, "clip_ratio/region_mean": 0.02, "grad_norm": 0.3, "learning_rate": 1e-3,
         "step_time": 0.02}
 SFT = {"loss": 2.0, "mean_token_accuracy": 0.4, "entropy": 3.0, "num_tokens": 100, "grad_norm": 1.0,
        "learning_rate": 2e-5, "step_time": 0.01}
@@ -52,7 +54,69 @@ def test_each_trainers_panels_are_drawn_and_no_empty_one(tmp_path):
     assert titles["dpo"] == ["loss", "DPO rewards", "DPO accuracy", "DPO log-probs", "grad norm", "learning rate",
                              "step time (s)"]
     keys = dict((panel.title, keys) for panel, keys in panels_with_data([read_metrics(str(tmp_path / "grpo"))]))
-    assert keys["reward"] == ["reward", "rewards/accuracy/mean"]  # the per-function means, not their std
+    assert keys["reward"] == ["reward"]  # its one function's mean is the reward itself: one series (not the std)
+    two = {**GRPO, "reward": 0.8, "rewards/accuracy/mean": 0.5, "rewards/format/mean": 0.3, "rewards/format/std": 0.1}
+    keys = dict((panel.title, keys) for panel, keys in panels_with_data([read_metrics(str(_run_dir(tmp_path / "two",
+                                                                                                    two)))]))
+    assert keys["reward"] == ["reward", "rewards/accuracy/mean", "rewards/format/mean"]  # the means, not their std
+
+
+def _reward_panel(run) -> tuple[list[str], list[float], int]:
+    """The reward panel as drawn: its legend's labels, their lines' widths, and how many lines it holds."""
+    pytest.importorskip("matplotlib")
+    from posttrain.plotting import _close, _figure
+
+    figure = _figure([str(run)])
+    try:
+        ax = next(ax for ax in figure.axes if ax.get_title() == "reward")
+        handles, labels = ax.get_legend_handles_labels()
+        return labels, [h.get_linewidth() for h in handles], len(ax.lines)
+    finally:
+        _close(figure)
+
+
+def test_one_reward_function_is_drawn_once_under_its_name(tmp_path):
+    run = _run_dir(tmp_path / "one", {"reward": 0.5, "rewards/accuracy/mean": 0.5})  # the same at every step
+    assert line_names([read_metrics(str(run))], ["reward"]) == {"reward": "accuracy"}
+    labels, _, lines = _reward_panel(run)
+    assert labels == ["accuracy"] and lines == 2  # one series: as logged (faint) and smoothed (20 points)
+
+
+def test_several_reward_functions_are_drawn_beside_the_total_in_bold(tmp_path):
+    two = {"reward": 0.8, "rewards/accuracy/mean": 0.5, "rewards/format/mean": 0.3}
+    labels, widths, lines = _reward_panel(_run_dir(tmp_path / "two", two))
+    assert labels == ["reward (total)", "accuracy", "format"] and lines == 6
+    assert widths[0] > widths[1] == widths[2]
+    # a function at 0 throughout leaves the other equal to the total: drawn once, as the total (the 0 not at all)
+    zero = {"reward": 0.8, "rewards/accuracy/mean": 0.0, "rewards/format/mean": 0.8}
+    run = _run_dir(tmp_path / "zero", zero)
+    labels, _, lines = _reward_panel(run)
+    assert labels == ["reward (total) = format"] and lines == 2
+    assert constant_series([read_metrics(str(run))])["rewards/accuracy/mean"] == 0.0
+
+
+def test_a_constant_series_gets_no_line_and_alone_no_panel(tmp_path):
+    run = tmp_path / "constant-lr"
+    run.mkdir()
+    records = [{"step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0 + s, "learning_rate": 1e-3, "step_time": 0.5,
+                "mean_token_accuracy": 0.25} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = read_metrics(str(run))
+    assert [panel.title for panel, _ in panels_with_data([steps])] == ["loss", "grad norm"]
+    assert constant_series([steps]) == {"mean_token_accuracy": 0.25, "learning_rate": 1e-3, "step_time": 0.5}
+    pytest.importorskip("matplotlib")
+    text = open(plot_runs([str(run)], str(tmp_path / "c.svg")), encoding="utf-8").read()
+    assert text.count("<g id=\"axes_") == 2 and "learning rate" not in text
+    # one logged step is no constant (each panel shows its point); two runs at two constant rates are compared
+    assert len(panels_with_data([{1: records[0]}])) == 5
+    other = {s: {**r, "learning_rate": 2e-3} for s, r in steps.items()}
+    assert "learning rate" in [panel.title for panel, _ in panels_with_data([steps, other])]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2)))
+    with pytest.raises(PlotError, match=r"Every metric logged in .*flat holds one value over its steps: there is no "
+                                        r"curve to draw \(`posttrain report` lists the values\)\.$"):
+        plot_runs([str(flat)], str(tmp_path / "f.png"))
 
 
 def test_the_smoothed_line_starts_at_the_data_and_follows_it():
@@ -74,7 +138,8 @@ def test_several_runs_are_drawn_into_each_format(tmp_path, extension):
     else:
         text = data.decode()
         assert "<svg" in text and text.count("<g id=\"axes_") == 10  # the ten GRPO panels
-        assert "a: reward" in text and "b: reward" in text  # each run in the legend (SVG text is kept as text)
+        # each run in the legend (SVG text is kept as text), the one reward function under its name
+        assert "a: accuracy" in text and "b: accuracy" in text and "a: completions/mean_length" in text
     if extension == ".html":  # one self-contained page: nothing fetched from elsewhere
         assert text.startswith("<!DOCTYPE html>") and "<?xml" not in text
         assert "src=" not in text and "<link" not in text

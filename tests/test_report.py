@@ -4,6 +4,7 @@ curves, its summary, its completions table and its config, from the output direc
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,10 +32,15 @@ CHROMIUM = os.environ.get("POSTTRAIN_TEST_CHROMIUM") or shutil.which("chromium")
 
 
 def _run_dir(tmp_path):
-    """An output_dir as a GRPO run with log_completions leaves it: 6 logged steps, completions at each, a config and
-    the end-of-training summary; one completion holds HTML and a conversation."""
+    """An output_dir as a GRPO run with log_completions leaves it: 6 logged steps (one reward function, a constant
+    learning rate), completions at each, a config, the end-of-training summary, the model and a checkpoint; one
+    completion holds HTML and a conversation."""
     out = tmp_path / "my-run"
-    out.mkdir()
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3" / "trainer_state.json").write_text(json.dumps({"global_step": 3, "model_path": "org/tiny"}))
+    (out / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]}}).encode()
+    (out / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(48))
     with open(out / "metrics.jsonl", "w") as f:
         for step in range(1, 7):
             f.write(json.dumps({"step": step, "epoch": step / 6, "loss": 0.1 / step, "reward": 0.1 * step,
@@ -139,6 +145,79 @@ def test_a_headless_browser_renders_the_curves_and_the_tables(tmp_path):
         assert page.locator("table.config").is_visible()
         assert page.locator("table.config tbody tr").count() == 3
         page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        _the_summary_first_on_a_styled_self_contained_page(page, tmp_path / "my-run")
         browser.close()
     assert requests == [f"file://{path}"]  # the page itself only
     assert os.path.getsize(tmp_path / "report.png") > 20_000
+
+
+def _the_summary_first_on_a_styled_self_contained_page(page, out):
+    """The page's own stylesheet and nothing to fetch; the summary first (how the reward moved, where the outputs
+    are) and in view; a centred column narrower than a wide window; numbers right-aligned; dark when asked."""
+    assert page.locator("head > style").count() == 1  # (the SVG has its own)
+    targets = page.eval_on_selector_all("[src], [href]", "els => els.map(e => e.getAttribute('src') ?? "
+                                                         "e.getAttribute('href'))")
+    assert targets and not [t for t in targets if re.match(r"(https?:)?//|[a-z]+:", t)]  # local, relative links
+    first = page.locator("main > section").first
+    assert first.get_attribute("id") == "summary"
+    text = first.inner_text()
+    assert "reward (accuracy) 0.1 → 0.6 (+0.5)" in text  # the first 10% of the steps (one) against the last
+    for path in (out, out / "model.safetensors", out / "checkpoint-3", out / "metrics.jsonl", out / "completions.jsonl"):
+        assert str(path) in text
+    page.set_viewport_size({"width": 1600, "height": 900})
+    column = page.locator("main").bounding_box()
+    assert column is not None and 700 < column["width"] < 1300
+    assert abs(column["x"] - (1600 - column["x"] - column["width"])) <= 2  # centred
+    headline = page.locator("p.headline").bounding_box()
+    assert headline is not None and headline["y"] + headline["height"] < 900  # in the first screen
+    cell = page.locator("table.movement tbody td.num").first
+    assert cell.evaluate("e => getComputedStyle(e).textAlign") == "right"
+    assert page.evaluate("getComputedStyle(document.body).fontFamily").startswith("system-ui")
+    page.emulate_media(color_scheme="dark")
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(13, 17, 23)"
+
+
+def test_the_summary_comes_first_with_how_the_run_moved_how_long_and_where_its_outputs_are(tmp_path):
+    from posttrain.report import write_report
+
+    out = _run_dir(tmp_path)
+    page = open(write_report(str(out)), encoding="utf-8").read()
+    assert re.findall(r"<section id=\"(\w+)\">", page) == ["summary", "curves", "completions", "details"]
+    header = page[page.index("<header>"):page.index("</header>")]
+    assert "<h1>my-run</h1>" in header and "<dt>trainer</dt><dd>GRPO</dd>" in header
+    assert "<dd>org/tiny (Qwen2ForCausalLM, 12 parameters)</dd>" in header  # the checkpoint's source, the weights
+    summary = page[page.index("<section id=\"summary\">"):page.index("</section>")]
+    assert "reward (accuracy) <strong>0.1 → 0.6</strong>" in summary
+    assert "rewards/accuracy/mean" not in summary  # the one function is the reward: one row
+    assert ('<td>kl</td><td class="num">0.01</td><td class="num">0.06</td><td class="num">+0.05</td>'
+            '<td class="num">1 → 6</td>') in summary
+    assert "the first record of the 6 logged training records (step 1); last: of the last record (step 6)" in summary
+    assert "6 steps · 1 epoch · 1.5 s wall time" in summary
+    assert 'href="checkpoint-3"' in summary and 'href="model.safetensors"' in summary  # relative: nothing fetched
+    assert "train_runtime" not in summary and "train_runtime" in page  # the summary record in the details
+    curves = page[page.index("<section id=\"curves\">"):]
+    assert "<code>learning_rate</code> = 0.001" in curves[:curves.index("</section>")]  # constant: said, not drawn
+
+
+def test_first_and_last_are_a_tenth_of_the_logged_records_at_each_end():
+    from posttrain.report.run import trainer_of
+    from posttrain.report.summary import movements
+
+    steps = {s: {"step": s, "loss": float(s), "mean_token_accuracy": s / 20} for s in range(1, 21)}
+    steps[10]["eval_loss"], steps[20]["eval_loss"] = 5.0, 4.0
+    rows, note = movements(steps, "SFT")
+    assert [row[:4] for row in rows] == [("loss", 1.5, 19.5, "1-2 → 19-20"),
+                                         ("mean_token_accuracy", pytest.approx(0.075), pytest.approx(0.975),
+                                          "1-2 → 19-20"), ("eval_loss", 5.0, 4.0, "10 → 20")]
+    assert note == ("First: the mean of the first 2 records of the 20 logged training records (step 1-2); last: of "
+                    "the last 2 records (step 19-20); 10% at each end, at least one; evaluation: the first "
+                    "evaluation against the last.")
+    dpo = {s: {"step": s, "loss": 0.7 - s / 10, "rewards/accuracies": s / 4, "rewards/margins": s / 2,
+               "rewards/chosen": 0.1} for s in (1, 2, 3)}
+    assert trainer_of(None, set(dpo[1])) == "DPO" and trainer_of({"num_generations": 8}, set(dpo[1])) == "GRPO"
+    rows, _ = movements(dpo, "DPO")
+    assert [row[:3] for row in rows] == [("loss", pytest.approx(0.6), pytest.approx(0.4)),
+                                         ("rewards/accuracies", 0.25, 0.75), ("rewards/margins", 0.5, 1.5)]
+    rows, note = movements({7: {"step": 7, "loss": 2.0}}, "SFT")
+    assert rows == [("loss", 2.0, 2.0, "7", "loss")]
+    assert note == "One training record is logged (step 7): nothing has moved yet."

@@ -192,3 +192,136 @@ def test_numpy_and_torch_scalars_count_as_numbers():
     m = _score([lambda completions, **kw: [np.bool_(True), np.float32(0.5), torch.tensor(2.0), False]],
                ["a", "b", "c", "d"])
     assert m[:, 0].tolist() == [1.0, 0.5, 2.0, 0.0]
+
+
+def _console_script_path(monkeypatch):
+    """sys.path as the `posttrain` console script has it: the current directory not on it (restored afterwards)."""
+    import os
+    import sys
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or os.curdir) != os.getcwd()])
+
+
+def test_a_dotted_path_resolves_from_the_current_directory(tmp_path, monkeypatch):
+    """`--reward_funcs my_rewards.fn` with my_rewards.py where the command runs, as TRL's script finds it."""
+    import sys
+
+    (tmp_path / "cwd_rewards_ok.py").write_text("def fn(completions, **kw):\n    return [7.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    _console_script_path(monkeypatch)
+    try:
+        funcs = resolve_reward_funcs(["cwd_rewards_ok.fn"], GRPOConfig())
+        assert funcs[0].name == "fn" and funcs[0].fn(["a"]) == [7.0]
+        assert funcs[0].fn.__module__ == "cwd_rewards_ok" and sys.modules["cwd_rewards_ok"].__file__ == str(
+            tmp_path / "cwd_rewards_ok.py")
+    finally:
+        sys.modules.pop("cwd_rewards_ok", None)
+
+
+@pytest.mark.parametrize("source, said", [
+    ("def fn(completions, **kw)\n    return [0.0]\n", r"raised SyntaxError on import: expected ':' \(.*line 1\); fix "
+                                                     r"the module\.$"),
+    ("import no_such_package_xyz\n", r"raised ModuleNotFoundError on import: No module named 'no_such_package_xyz'; "
+                                     r"install the package it imports, or fix the import\.$"),
+    ("raise RuntimeError('no API key')\n", r"raised RuntimeError on import: no API key; fix the module\.$"),
+])
+def test_a_reward_module_that_raises_on_import_says_so(tmp_path, monkeypatch, source, said):
+    import sys
+
+    from posttrain.configs import ConfigError
+
+    (tmp_path / "cwd_rewards_bad.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    _console_script_path(monkeypatch)
+    try:
+        with pytest.raises(ConfigError, match=r"^Reward function 'cwd_rewards_bad\.fn' could not be imported: its "
+                                              r"module cwd_rewards_bad " + said):
+            resolve_reward_funcs(["cwd_rewards_bad.fn"], GRPOConfig())
+    finally:
+        sys.modules.pop("cwd_rewards_bad", None)
+
+
+def test_a_dotted_path_to_no_module_or_a_missing_name_says_which(tmp_path, monkeypatch):
+    import re
+    import sys
+
+    from posttrain.configs import ConfigError
+
+    (tmp_path / "cwd_rewards_named.py").write_text("def fn(completions, **kw):\n    return [0.0]\n")
+    monkeypatch.chdir(tmp_path)
+    _console_script_path(monkeypatch)
+    try:
+        with pytest.raises(ConfigError, match=r"the module cwd_rewards_named \(.*cwd_rewards_named\.py\) has no 'fnn': "
+                                              r"check the name\. Did you mean fn\?$"):
+            resolve_reward_funcs(["cwd_rewards_named.fnn"], GRPOConfig())
+    finally:
+        sys.modules.pop("cwd_rewards_named", None)
+    here = re.escape(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^Reward function 'cwd_rewards_absent\.fn' could not be imported: there "
+                                          rf"is no module cwd_rewards_absent in the current directory \({here}\) or "
+                                          r"the installed packages; check the name, or run from the folder that holds "
+                                          r"cwd_rewards_absent\.py\.$"):
+        resolve_reward_funcs(["cwd_rewards_absent.fn"], GRPOConfig())
+
+
+def test_dynamic_sampling_filter_resolves_from_the_current_directory(tmp_path, monkeypatch):
+    import sys
+
+    from posttrain.configs import ConfigError
+    from posttrain.grpo.dynamic_sampling import resolve_filter
+
+    (tmp_path / "cwd_filters.py").write_text("def keep(group):\n    return True\n\nbroken = 1\n")
+    monkeypatch.chdir(tmp_path)
+    _console_script_path(monkeypatch)
+    try:
+        assert resolve_filter("cwd_filters.keep").__module__ == "cwd_filters"
+        with pytest.raises(ConfigError, match=r"^dynamic_sampling_filter 'cwd_filters\.broken' is not a function "
+                                              r"\(int in .*cwd_filters\.py\): name a function\.$"):
+            resolve_filter("cwd_filters.broken")
+    finally:
+        sys.modules.pop("cwd_filters", None)
+
+
+def test_a_misnamed_argument_gets_the_closest_name():
+    from posttrain.data import DataError
+    from posttrain.rewards import check_required_columns
+
+    def singular(completion, **kwargs):
+        return [0.0] * len(completion)
+
+    def typo(completions, answr, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(DataError, match=r"'singular' requires the argument 'completion', but the dataset has no "
+                                        r"'completion' column \(columns: answer\): rename it, add the column, or give "
+                                        r"it a default\. Did you mean completions\?$"):
+        check_required_columns(resolve_reward_funcs([singular], GRPOConfig()), ["answer"])
+    with pytest.raises(DataError, match=r"Did you mean answer\?$"):
+        check_required_columns(resolve_reward_funcs([typo], GRPOConfig()), ["answer"])
+
+
+def test_a_reward_function_without_kwargs_is_told_to_add_them():
+    """Before training (check_required_columns) and when called (score, sync and async): the fix, not 'return
+    None'."""
+    from posttrain.configs import ConfigError
+    from posttrain.rewards import RewardError, check_required_columns
+
+    def exact(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    async def exact_async(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def takes_everything(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer):
+        return [0.0] * len(completions)
+
+    fix = (r"^Add \*\*kwargs to the signature of reward function '{}': every reward function is passed completion_ids, "
+           r"completions, log_extra, log_metric, prompts, trainer_state and the dataset's columns as keyword arguments "
+           r"\(as in TRL\), and it does not take completion_ids, log_extra, log_metric, prompts, trainer_state\.$")
+    with pytest.raises(ConfigError, match=fix.format("exact")):
+        check_required_columns(resolve_reward_funcs([exact], GRPOConfig()), ["answer"])
+    for fn in (exact, exact_async):
+        with pytest.raises(RewardError, match=fix.format(fn.__name__)):
+            _score([fn], ["a", "b"], answer=["a", "c"])
+    check_required_columns(resolve_reward_funcs([takes_everything], GRPOConfig()), ["answer"])  # names them all
+    assert _score([takes_everything], ["a"], answer=["a"]).tolist() == [[0.0]]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_posttrain
 from test_cli import _env
 
 from posttrain.cli import parse_command, parse_sft
@@ -22,6 +23,11 @@ def _pairs(path, n=16, offset=0):
     return str(path)
 
 
+def _in_process(capfd, *argv):
+    """`posttrain sft ARGV` in this process (conftest.run_posttrain): .returncode, .stderr."""
+    return run_posttrain(["sft", *argv], capfd)
+
+
 def _run_cli(*argv, **env):
     return subprocess.run([sys.executable, "-m", "posttrain.cli", "sft", *argv], capture_output=True, text=True,
                           env=_env(**env), timeout=600)
@@ -31,19 +37,19 @@ COMMON = ("--max_steps", "2", "--logging_steps", "1", "--use_cpu", "--gradient_c
           "--save_strategy", "no")
 
 
-def test_sft_from_yaml_with_trl_script_names(tmp_path, tiny_model_dir):
+def test_sft_from_yaml_with_trl_script_names(tmp_path, tiny_model_dir, capfd):
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {_pairs(tmp_path / 'd.jsonl')}\n"
                    "dataset_train_split: train\nper_device_train_batch_size: 4\nlearning_rate: 1.0e-3\n"
                    "packing: true\nmax_length: 32\nenv:\n  POSTTRAIN_TEST_MARK: '1'\n")
-    out = _run_cli("--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
+    out = _in_process(capfd, "--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and "mean_token_accuracy" in records[0]
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_sft_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir):
+def test_sft_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir, capfd):
     script, lora, cfg = parse_sft(["--model_name_or_path", "m", "--dataset_name", "d", "--use_peft", "--lora_r", "4",
                                    "--completion_only_loss", "false", "--packing_strategy", "bfd_split"])
     assert cfg.completion_only_loss is False and cfg.packing_strategy == "bfd_split" and lora.lora_r == 4
@@ -53,8 +59,8 @@ def test_sft_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir):
         parse_sft(["--packing_strategy", "bfdd"])
     with pytest.raises(ConfigError, match=r"Unknown argument '--num_processess'.*Did you mean num_processes\?"):
         parse_sft(["--num_processess", "2"])
-    out = _run_cli("--model_name_or_path", tiny_model_dir, "--dataset_name", _pairs(tmp_path / "d.jsonl"),
-                   "--max_length", "2", "--output_dir", str(tmp_path / "o"), *COMMON)
+    out = _in_process(capfd, "--model_name_or_path", tiny_model_dir, "--dataset_name", _pairs(tmp_path / "d.jsonl"),
+                      "--max_length", "2", "--output_dir", str(tmp_path / "o"), *COMMON)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "no token left to train on after truncation to max_length=2" in out.stderr
 
@@ -74,12 +80,12 @@ def test_dataset_mixture_with_fractions_and_a_test_split(tmp_path):
         parse_sft(["--datasets", json.dumps({"path": a, "fraction": 1}), json.dumps({"path": b})])
 
 
-def test_mixture_from_yaml_trains(tmp_path, tiny_model_dir):
+def test_mixture_from_yaml_trains(tmp_path, tiny_model_dir, capfd):
     cfg = tmp_path / "mix.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndatasets:\n  - path: {_pairs(tmp_path / 'a.jsonl')}\n"
                    f"    fraction: 0.5\n  - path: {_pairs(tmp_path / 'b.jsonl', offset=16)}\n    fraction: 0.5\n"
                    "per_device_train_batch_size: 8\n")
-    out = _run_cli("--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
+    out = _in_process(capfd, "--config", str(cfg), "--output_dir", str(tmp_path / "out"), *COMMON)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

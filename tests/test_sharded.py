@@ -12,8 +12,9 @@ decode ends long before the other's); GRPO (beta > 0) and DPO have a reference m
 toward the policy every step, sync_ref_model, and restored from the checkpoint). `grpo-lora` trains a LoRA adapter
 (no dropout, so that the runs compare), its weights sharded with the rest: the saved adapter holds all 8 LoRA
 weights whole, and resuming loads it back into the shards.
-Against one process with the same global batch (SGD with momentum, so the comparison is not amplified by Adam's
-normalisation):
+Every run a strategy's tests need runs in one launch of two processes (and the resumes in a second, fresh one): on the
+tiny model a launch's time is mostly imports. Against one process with the same global batch (SGD with momentum, so the
+comparison is not amplified by Adam's normalisation):
   - every step's loss and metrics are equal, and the weights after 2 steps equal to float rounding;
   - the saved model loads with `from_pretrained` (plain names, tied weights once) and gives the same logits;
   - resuming from the step-1 checkpoint (optimizer state included) gives the uninterrupted run's weights bit for
@@ -32,6 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(ROOT, "posttrain", "accelerate_configs")
 pytestmark = [pytest.mark.multiproc, pytest.mark.sharded]
+# the logs tests/multiproc_sharded.py writes while these are set: each log-prob pass's path, each shared pass
+PATH_LOG, SHARED_LOG = "POSTTRAIN_TEST_PATH_LOG", "POSTTRAIN_TEST_SHARED_LOG"
 
 
 def _env():
@@ -39,7 +42,7 @@ def _env():
                 TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workload(tmp_path_factory, tokenizer):
     """A tiny model whose EOS embedding is long (GRPO's completions end at 1 to 16 tokens) and each command's data:
     16 prompts, 16 prompt-completion pairs, 16 preference pairs."""
@@ -127,26 +130,116 @@ def _config_file(config: str, directory) -> str:
     return str(path)
 
 
-def _sharded(config: str, args: list[str], patched: bool = True, directory=None, **env) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file <config>` of posttrain on 2 processes, through the CPU patch or not."""
+def _launch(config: str, args: list[str], patched: bool = True, directory=None, **env) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <config>` on 2 processes of `posttrain <args>`, through the CPU patch or not
+    (with the patch, `args` may be `--runs RUNS.json`: several runs in the same two processes)."""
     target = [os.path.join(TESTS, "multiproc_sharded.py")] if patched else ["-m", "posttrain.cli"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _config_file(config, directory),
-           "--num_processes", "2", "--mixed_precision", "no", *target, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(_env(), **env), timeout=600)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file",
+           _config_file(config, directory), "--num_processes", "2", "--mixed_precision", "no", *target, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(_env(), **env), timeout=900)
 
 
-@pytest.fixture(scope="module")
-def one_process(workload):
-    """The same run on one process with the global batch (16 rows), once per command: command -> output dir."""
-    runs = {}
+def _runs_file(path, runs: list[dict]) -> str:
+    path.write_text(json.dumps([{"argv": run["argv"], "env": run.get("env", {})} for run in runs]))
+    return str(path)
+
+
+def _selected(session) -> dict:
+    """launch -> the runs this session's selected tests of this module need, in order: a launch is a shipped or test
+    config (`deepspeed-field`: multi_gpu.yaml with the `deepspeed` field), its runs `grpo`, `sft`, ..., and the
+    prompt-sharing test's `grpo-shared` and `grpo-unshared`."""
+    wanted = {}
+    for item in session.items:
+        if item.module.__name__ != __name__ or not hasattr(item, "callspec"):
+            continue
+        config = item.callspec.params["config"]
+        if item.originalname == "test_sharded_training_saves_and_resumes_like_one_process":
+            wanted.setdefault(config, []).append(item.callspec.params["command"])
+        elif item.originalname == "test_processes_with_whole_weights_share_their_prompts_and_train_like_one_process":
+            wanted.setdefault(config, []).extend(["grpo-shared", "grpo-unshared"])
+    return wanted
+
+
+class Launches:
+    """Every run a strategy's selected tests need, in one launch of two processes, and their resumes in a second:
+    most of a launch's time on the tiny model is importing torch, transformers and peft. Each run keeps its own
+    output directory and logs; the resume launch starts fresh processes, as a user's resume does."""
+
+    def __init__(self, workload, wanted: dict):
+        self.workload, self.wanted, self.trained, self.resumed = workload, wanted, {}, {}
+
+    def _config_and_extra(self, launch: str) -> tuple[str, list[str]]:
+        if launch == "deepspeed-field":
+            return "multi_gpu.yaml", ["--deepspeed", _zero3_all(self.workload)]
+        return launch, []
+
+    def out(self, launch: str, run: str, suffix: str = "") -> object:
+        return self.workload / f"{launch.split('.')[0]}-{run}{suffix}"
+
+    def _run(self, launch: str, run: str, extra: list[str]) -> dict:
+        """A run's argv and environment: grpo-shared logs its shared passes, grpo-unshared is the same run without."""
+        command = "grpo-shared" if run == "grpo-unshared" else run
+        out, env = self.out(launch, run), {}
+        if run != "grpo-unshared":
+            env[PATH_LOG] = str(self.out(launch, run, "-paths"))
+        if run == "grpo-shared":
+            env[SHARED_LOG] = str(self.out(launch, run, "-shared"))
+        for directory in env.values():
+            os.makedirs(directory)
+        return {"argv": _args(self.workload, command, out, 8, *extra), "env": env}
+
+    def train(self, launch: str) -> subprocess.CompletedProcess:
+        if launch not in self.trained:
+            config, extra = self._config_and_extra(launch)
+            runs = [self._run(launch, run, extra) for run in self.wanted[launch]]
+            self.trained[launch] = _launch(config, ["--runs", _runs_file(self.out(launch, "runs.json"), runs)],
+                                           directory=self.workload)
+        return self.trained[launch]
+
+    def resume(self, launch: str) -> tuple[subprocess.CompletedProcess, dict]:
+        """Each saves-and-resumes run's step-1 checkpoint moved to a fresh output directory and resumed there, every
+        run in one launch; also the files each checkpoint's `deepspeed` folder held before the resume."""
+        if launch not in self.resumed:
+            config, extra = self._config_and_extra(launch)
+            runs, engine_files = [], {}
+            for run in self.wanted[launch]:
+                if run in ("grpo-shared", "grpo-unshared"):  # the sharing test resumes nothing
+                    continue
+                resumed = self.out(launch, run, "-resumed")
+                resumed.mkdir()
+                os.rename(self.out(launch, run) / "checkpoint-1", resumed / "checkpoint-1")
+                engine = resumed / "checkpoint-1" / "deepspeed"
+                engine_files[run] = set(os.listdir(engine)) if engine.is_dir() else set()
+                runs.append({"argv": _args(self.workload, run, resumed, 8, "--resume_from_checkpoint", "true",
+                                           *extra)})
+            run = _launch(config, ["--runs", _runs_file(self.out(launch, "resume.json"), runs)],
+                          directory=self.workload)
+            self.resumed[launch] = (run, engine_files)
+        return self.resumed[launch]
+
+
+@pytest.fixture(scope="session")
+def launches(request, workload):
+    return Launches(workload, _selected(request.session))
+
+
+@pytest.fixture(scope="session")
+def one_process(request, workload):
+    """The same runs on one process with the global batch (16 rows), every command the selected tests compare with
+    run one after another in one process at the first request: command -> output dir."""
+    needed = sorted({"grpo-shared" if run == "grpo-unshared" else run
+                     for runs in _selected(request.session).values() for run in runs})
+    runs = {command: workload / f"one-{command}" for command in needed}
+    done = []
 
     def run(command: str):
-        if command not in runs:
-            out = workload / f"one-{command}"
-            done = subprocess.run([sys.executable, "-m", "posttrain.cli", *_args(workload, command, out, 16)],
-                                  capture_output=True, text=True, env=_env(), timeout=600)
-            assert done.returncode == 0, done.stderr[-3000:]
-            runs[command] = out
+        if not done:
+            argv = [{"argv": _args(workload, name, out, 16)} for name, out in runs.items()]
+            finished = subprocess.run([sys.executable, os.path.join(TESTS, "run_commands.py"),
+                                       _runs_file(workload / "one-process-runs.json", argv)],
+                                      capture_output=True, text=True, env=_env(), timeout=900)
+            done.append(finished)
+        assert done[0].returncode == 0, done[0].stderr[-3000:]
         return runs[command]
 
     return run
@@ -169,26 +262,22 @@ CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
                                                      ("deepspeed-field", "grpo")])
-def test_sharded_training_saves_and_resumes_like_one_process(config, command, workload, one_process, tokenizer,
-                                                            tmp_path):
+def test_sharded_training_saves_and_resumes_like_one_process(config, command, launches, one_process, tokenizer,
+                                                            workload):
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
     transformers' users write `--deepspeed ds_config.json`. Every log-prob pass runs the output layer in chunks, as on
     one process (never the model's whole logits: under FSDP2 accelerate retypes the output layer, a unit of its own),
     and GRPO decodes with the lean decoder and packs its rollouts where that pays, as on one process."""
     from transformers import AutoModelForCausalLM
 
-    extra = []
     if config.startswith("zero") or config == "deepspeed-field":
         pytest.importorskip("deepspeed")  # in the dev extra; absent only where someone installed without it
-    if config == "deepspeed-field":
-        config, extra = "multi_gpu.yaml", ["--deepspeed", _zero3_all(workload)]
     one_process = one_process(command)
-    out = workload / f"{config.split('.')[0]}-{command}{'-field' if extra else ''}"
-    run = _sharded(config, _args(workload, command, out, 8, *extra), directory=workload,
-                   POSTTRAIN_TEST_PATH_LOG=str(tmp_path))
+    run = launches.train(config)
     assert run.returncode == 0, run.stderr[-3000:]
+    out = launches.out(config, command)
     for rank in (0, 1):
-        paths = (tmp_path / f"rank{rank}.txt").read_text().split()
+        paths = (launches.out(config, command, "-paths") / f"rank{rank}.txt").read_text().split()
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
         if command.startswith("grpo"):  # completions of 1 to 16 tokens: some passes run packed rows
             assert "packed" in paths and "lean-decoder" in paths and "model-forward-decode" not in paths, (
@@ -225,16 +314,12 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
         logits = [load(path)(input_ids=ids).logits for path in (one_process, out)]
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
-    resumed = workload / f"{out.name}-resumed"
-    resumed.mkdir()
-    os.rename(out / "checkpoint-1", resumed / "checkpoint-1")
-    if config.startswith("zero") or extra:  # the engine's own state, one optimizer partition per process
-        engine_files = os.listdir(resumed / "checkpoint-1" / "deepspeed")
-        assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(
-            engine_files), engine_files
-    run = _sharded(config, _args(workload, command, resumed, 8, "--resume_from_checkpoint", "true", *extra),
-                   directory=workload)
+    run, engine_files = launches.resume(config)
     assert run.returncode == 0, run.stderr[-3000:]
+    if config.startswith("zero") or config == "deepspeed-field":  # the engine's own state, a partition per process
+        assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= \
+            engine_files[command], engine_files[command]
+    resumed = launches.out(config, command, "-resumed")
     last = _records(resumed)[-1]
     assert (last["step"], last["loss"]) == (two[-1]["step"], two[-1]["loss"])
     again = _weights(resumed, lora)
@@ -242,8 +327,8 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, wo
 
 
 @pytest.mark.parametrize("config", ["multi_gpu.yaml", "zero1.yaml", "zero2.yaml"])
-def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_process(config, workload, one_process,
-                                                                                     tmp_path):
+def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_process(config, launches, one_process,
+                                                                                     workload):
     """DDP and DeepSpeed ZeRO-1/2 (the shipped configs: every process holds the whole weights), completions at full
     length: each process runs its 2 prompts once in its reference and policy passes (the FLOP floor off for the tiny
     model), every pass through the chunked output layer, every decode through the lean decoder. The two steps'
@@ -251,18 +336,13 @@ def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_pro
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
     reference = one_process("grpo-shared")
-    launch = config.split(".")[0]
-    shared, unshared = workload / f"{launch}-grpo-shared", workload / f"{launch}-grpo-unshared"
-    log, paths_log = tmp_path / "shared", tmp_path / "paths"
-    log.mkdir()
-    paths_log.mkdir()
-    run = _sharded(config, _args(workload, "grpo-shared", shared, 8), directory=workload,
-                   POSTTRAIN_TEST_SHARED_LOG=str(log), POSTTRAIN_TEST_PATH_LOG=str(paths_log))
+    run = launches.train(config)
     assert run.returncode == 0, run.stderr[-3000:]
+    shared, unshared = launches.out(config, "grpo-shared"), launches.out(config, "grpo-unshared")
     for rank in (0, 1):
-        paths = set((paths_log / f"rank{rank}.txt").read_text().split())
+        paths = set((launches.out(config, "grpo-shared", "-paths") / f"rank{rank}.txt").read_text().split())
         assert paths == {"chunked", "lean-decoder"}, paths  # full-length completions: nothing to pack
-        passes = (log / f"rank{rank}.txt").read_text().splitlines()
+        passes = (launches.out(config, "grpo-shared", "-shared") / f"rank{rank}.txt").read_text().splitlines()
         # per step, the reference pass (8 rollouts, no gradient) and the policy pass (with); besides, each model's
         # one-time check (2 rollouts)
         assert passes.count("8 0") == 2 and passes.count("8 1") == 2, passes
@@ -272,8 +352,6 @@ def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_pro
     for a, b in zip(one, two):
         for key in COMMANDS["grpo-shared"][1]:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    run = _sharded(config, _args(workload, "grpo-shared", unshared, 8), directory=workload)
-    assert run.returncode == 0, run.stderr[-3000:]
     expected, trained = _weights(unshared), _weights(shared)
     assert max(float((expected[k] - _weights(workload / "model")[k]).abs().max()) for k in expected) > 1e-4
     for key in expected:
@@ -286,7 +364,7 @@ def test_a_sharded_config_without_a_gpu_stops_in_one_sentence(config, name, work
     before loading, once."""
     if name == "DeepSpeed":
         pytest.importorskip("deepspeed")
-    run = _sharded(config, _args(workload, "grpo", workload / f"refused-{config}", 8), patched=False)
+    run = _launch(config, _args(workload, "grpo", workload / f"refused-{config}", 8), patched=False)
     lines = [line for line in run.stderr.splitlines() if line.startswith("posttrain:")]
     if config == "fsdp1.yaml":  # the shipped fsdp1 loads the weights on one process: accelerate stops before choosing
         assert run.returncode != 0 and lines == [

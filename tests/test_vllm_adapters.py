@@ -274,8 +274,8 @@ def test_tensor_parallel_colocate_shares_one_engine_per_group(tmp_path, tokenize
     from test_cli import _env
 
     here = os.path.dirname(__file__)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            os.path.join(here, "multiproc_colocate.py"), str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from posttrain.configs.base import ConfigError, base_type, field_types, invalid, union_args
 
-UNKNOWN_HINT = " `posttrain grpo --help` and docs/config.md list every field."
+UNKNOWN_HINT = " `posttrain grpo --help-all` and docs/config.md list every field."
 
 
 def _convert(base, value):

@@ -35,7 +35,7 @@ from posttrain.sequences.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.prediction import UserMetrics
+from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
@@ -83,6 +83,7 @@ class DPOTrainer(BatchedDataTrainer):
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
+        check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args)  # before any slow work
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
         if args.precompute_ref_log_probs:  # collectives of its own: outside the guarded set-up

@@ -6,7 +6,8 @@ with the step's metrics; extra columns are gathered across processes and join th
 
 With `log_completions`, every generation round's completions (all processes) are appended to
 output_dir/completions.jsonl, one line each: {"step", "prompt", "completion", "rewards": {function: value},
-"advantage", ...extra columns}; at each logging step a sample is printed (`num_completions_to_print`) and the latest
+"advantage", ...extra columns}; at each logging step a sample is printed (`num_completions_to_print`: one line per
+completion, above the progress line, model text escaped; completions.jsonl keeps it as generated) and the latest
 round goes to the trackers in `report_to` as a table named "completions" (TRL's columns: step, prompt, completion,
 each reward function, advantage, then the extra columns; with `log_unique_prompts`, each prompt's first row only).
 """
@@ -14,10 +15,12 @@ each reward function, advantage, then the extra columns; with `log_unique_prompt
 import json
 import math
 import os
+import random
 from collections import defaultdict
 
 from posttrain.completion_rows import as_text, extra_columns
 from posttrain.training.distributed import guarded
+from posttrain.training.logging import QUIET_LEVELS, terminal_text
 
 
 class RewardLogs:
@@ -69,6 +72,7 @@ class CompletionLog:
         self.to_print = args.num_completions_to_print
         self.enabled = args.log_completions
         self.unique_prompts = args.log_unique_prompts
+        self.quiet = args.log_level in QUIET_LEVELS
         self.last: list[dict] = []
 
     def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
@@ -114,18 +118,58 @@ class CompletionLog:
         if self.enabled and self.last and self.accelerator.is_main_process:
             metrics_logger.log_table("completions", *self.table(), step)
 
-    def show(self, step: int) -> None:
-        """Print the latest round's completions (the first num_completions_to_print of them) as a table."""
-        if not (self.enabled and self.last and self.accelerator.is_main_process):
+    def show(self, step: int, metrics_logger=None) -> None:
+        """Print the latest round's completions as a table, one line each, above the progress line of `metrics_logger`
+        (the trainer's, during train()): num_completions_to_print of them, as in TRL (None: all; 0: none; else a
+        random sample, drawn by a generator of its own seeded with the step). Nothing with log_level error or
+        critical."""
+        if not (self.enabled and self.last and self.accelerator.is_main_process) or self.quiet:
             return
-        from rich.console import Console
-        from rich.table import Table
+        rows = self.last
+        if self.to_print is not None and self.to_print < len(rows):
+            rows = [rows[i] for i in sorted(random.Random(step).sample(range(len(rows)), self.to_print))]
+        if not rows:
+            return
+        if metrics_logger is None:  # trainer.log called outside train()
+            from rich.console import Console
 
-        table = Table(title=f"Completions at step {step}", show_lines=True)
-        for column in ("prompt", "completion", *self.names, "advantage"):
-            table.add_column(column)
-        rows = self.last if self.to_print is None else self.last[:self.to_print]
-        for row in rows:
-            rewards = [f"{v:.3g}" if v is not None else "-" for v in row["rewards"].values()]
-            table.add_row(str(row["prompt"]), row["completion"], *rewards, f"{row['advantage']:.3g}")
-        Console(stderr=True).print(table)
+            Console(stderr=True).print(completions_table(step, rows, self.names, self.path))
+        else:
+            room = metrics_logger.room_above()
+            metrics_logger.print_above(completions_table(step, rows, self.names, self.path, room))
+
+
+def completions_table(step: int, rows: list[dict], names: list[str], path: str, room: int | None = None):
+    """completions.jsonl rows as a rich Table of one line per row, TRL's columns (prompt, completion, each reward,
+    advantage, the log_extra columns; numbers to 2 decimals): long text cut with an ellipsis to the terminal's width,
+    line breaks shown as ↵, control characters escaped and rich markup printed as written (terminal_text). Within
+    `room` lines: the rows that fit, and a line saying how many more are in `path`."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    extra = extra_columns(rows[0])
+    shown = rows if room is None or len(rows) + 3 <= room else rows[:max(1, room - 4)]
+    table = Table(title=f"Completions at step {step}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  expand=True)
+    table.add_column("prompt", ratio=1, no_wrap=True, overflow="ellipsis", style="bright_yellow")
+    table.add_column("completion", ratio=2, no_wrap=True, overflow="ellipsis", style="bright_green")
+    for name in [*names, "advantage"]:
+        table.add_column(name, justify="right", no_wrap=True, style="bold cyan")
+    for column in extra:
+        table.add_column(column, ratio=1, no_wrap=True, overflow="ellipsis")
+    for row in shown:
+        numbers = [*row["rewards"].values(), row["advantage"]]
+        table.add_row(Text(_one_line(as_text(row["prompt"]))), Text(_one_line(as_text(row["completion"]))),
+                      *("-" if v is None else f"{v:.2f}" for v in numbers),
+                      *(Text(_one_line(as_text(row[c]) if row[c] is not None else "-")) for c in extra))
+    if len(shown) < len(rows):
+        table.caption = Text(f"{len(rows) - len(shown)} more of this step in {path}", no_wrap=True,
+                             overflow="ellipsis")
+        table.caption_justify = "left"
+    return table
+
+
+def _one_line(text: str) -> str:
+    """Model text for a table cell: control characters escaped, line breaks as ↵, tabs as a space."""
+    return terminal_text(text.replace("\r\n", "\n")).replace("\n", "↵").replace("\t", " ")

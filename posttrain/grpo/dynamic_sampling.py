@@ -7,6 +7,11 @@ groups fill the configured batch (B prompts x G completions) before any optimize
 loss normaliser never change. The surplus of the last round is dropped. A batch takes at most
 `dynamic_sampling_max_rounds` rounds; past it the run stops with one sentence.
 
+A user's filter is called on one group at a time, `dynamic_sampling_filter(rewards)` with the group's [G, F] rewards,
+and returns whether to keep it: a bool (Python's or numpy's, or a one-element bool tensor such as `rewards.std() > 0`).
+Its signature is checked when the trainer is built; a filter that raises or returns anything else stops the run with
+one sentence naming it and the group (its own traceback kept as the cause).
+
 Which groups are kept is decided on the gathered rewards (the same on every process), and the kept rows are gathered
 and shared out again in order: several processes train on exactly the batch one process would.
 
@@ -15,12 +20,15 @@ and shared out again in order: several processes train on exactly the batch one 
     assemble(rows, n_needed, process, processes, ...)           this process's share of the first n_needed rows
 """
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from posttrain.configs import ConfigError
+from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.grpo.advantages import nanstd, weighted_sum
 from posttrain.grpo.completions import RewardLogs
 
@@ -65,16 +73,27 @@ class KeptRow:
 
 def resolve_filter(spec) -> Callable | None:
     """The user's group filter: a callable, a dotted path `module.function`, or None (keep groups whose rewards
-    differ)."""
+    differ); its signature checked (check_filter)."""
     if spec is None or callable(spec):
-        return spec
+        return check_filter(spec)
     from posttrain.rewards import import_dotted
 
-    fn = import_dotted(spec) if isinstance(spec, str) else None
+    fn = import_dotted(spec, "dynamic_sampling_filter") if isinstance(spec, str) else None
     if not callable(fn):
         raise ConfigError(f"dynamic_sampling_filter={spec!r} is not an importable function: give a dotted path "
                           "module.function (importable from where you launch), taking a group's [G, F] rewards and "
                           "returning whether to keep it.")
+    return check_filter(fn)
+
+
+def check_filter(fn: Callable | None) -> Callable | None:
+    """`fn`, once its signature is known to take one group's rewards: `fn(rewards)` (a signature that cannot be read,
+    as some builtins', is taken as it is)."""
+    problem = None if fn is None else signature_mismatch(fn, torch.zeros(0))
+    if problem is not None:
+        raise ConfigError(f"dynamic_sampling_filter {described(fn)} cannot be called as dynamic sampling calls it, "
+                          f"with one group's [num_generations, reward functions] rewards tensor ({problem}): make it "
+                          "take that tensor alone and return whether to keep the group.")
     return fn
 
 
@@ -85,10 +104,40 @@ def groups_to_keep(rewards: torch.Tensor, weights: torch.Tensor, G: int, user_fi
     `user_filter`, whatever it returns for the group's [G, F] rewards."""
     groups = rewards.view(-1, G, rewards.size(1))
     if user_filter is not None:
-        return torch.tensor([bool(user_filter(group.clone())) for group in groups], dtype=torch.bool)
+        return torch.tensor([_kept(user_filter, group, i) for i, group in enumerate(groups)], dtype=torch.bool)
     total = weighted_sum(rewards, weights).view(-1, G)
     std = nanstd(total, dim=1)
     return ~torch.isnan(total).any(1) & torch.isfinite(std) & ~torch.isclose(std, torch.zeros_like(std))
+
+
+def _as_bool(value) -> bool | None:
+    """A filter's answer as a bool: Python's or numpy's bool, or a one-element bool tensor or array; else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
+        return bool(value)
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype == np.bool_:
+        return bool(value)
+    return None
+
+
+def _kept(user_filter: Callable, group: torch.Tensor, index: int) -> bool:
+    """Whether `user_filter` keeps the round's group `index`, whose [G, F] rewards are `group`."""
+    name = repr(function_name(user_filter))
+    try:
+        out = user_filter(group.clone())
+    except Exception as err:  # noqa: BLE001 - the user's own exception: its traceback is kept as the cause
+        rewards = reprlib.repr(group.tolist())
+        raise UserFunctionError(f"dynamic_sampling_filter {name} raised {type(err).__name__} on group {index} of the "
+                                f"round (rewards {rewards}){detail_of(err)}; fix the function.") from err
+    keep = _as_bool(out)
+    if keep is None:
+        what = (f"a {out.dtype} tensor {list(out.shape)}" if isinstance(out, torch.Tensor) else
+                "None" if out is None else f"{reprlib.repr(out)} ({type(out).__name__})")
+        raise UserFunctionError(f"dynamic_sampling_filter {name} returned {what} for group {index} of the round: "
+                                "return True to keep the group or False to drop it (a bool, or a one-element bool "
+                                "tensor such as rewards.std() > 0).")
+    return keep
 
 
 def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, gather_object) -> list[KeptRow]:

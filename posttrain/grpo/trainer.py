@@ -350,7 +350,7 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict, start_time=None) -> None:
         super().log(logs, start_time)
         if "loss" in logs:
-            self.completion_log.show(self.state.global_step)
+            self.completion_log.show(self.state.global_step, self.logger)  # above the progress line
             if self.logger is not None:  # trainer.log called outside train() has no trackers
                 self.completion_log.to_trackers(self.logger, self.state.global_step)
 

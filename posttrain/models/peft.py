@@ -25,6 +25,8 @@ def apply_peft(model, peft_config):
     peft = require("peft", "Training LoRA adapters (peft_config / --use_peft)")
     if is_peft_model(model):
         raise ConfigError("The model already is a PeftModel and peft_config was given too: pass one or the other.")
+    if not isinstance(peft_config, peft.PeftConfig):
+        raise _not_a_peft_config(peft_config)
     _refuse_virtual_tokens(peft_config)
     targets = getattr(peft_config, "target_modules", None)
     if isinstance(targets, (list, set, tuple)):  # peft ignores a misspelled name as long as another one matches
@@ -41,6 +43,15 @@ def apply_peft(model, peft_config):
         if "not found in the base model" not in str(err):
             raise
         raise _unknown_targets(model, peft_config) from err
+
+
+def _not_a_peft_config(peft_config) -> ConfigError:
+    if isinstance(peft_config, type):
+        return ConfigError(f"peft_config is the class {peft_config.__name__}, not a config: pass an instance, e.g. "
+                           f"{peft_config.__name__}(r=16, lora_alpha=32).")
+    hint = " (LoraConfig(**it) turns this dict into one)" if isinstance(peft_config, dict) else ""
+    return ConfigError(f"peft_config is a {type(peft_config).__name__}, not a peft config: pass one such as "
+                       f"peft.LoraConfig(r=16, lora_alpha=32){hint}.")
 
 
 def _refuse_virtual_tokens(peft_config) -> None:

@@ -1,4 +1,4 @@
-"""Reward functions: resolving what the user named, calling them, and checking what they return.
+"""Reward functions: calling them and checking what they return (resolving.py resolves what the user named).
 
 The calling convention is TRL's: `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`,
 where kwargs hold every other dataset column (one value per completion), `trainer_state` (a
@@ -14,178 +14,24 @@ get_cosine_scaled_reward, think_format_reward, get_repetition_penalty_reward, ge
 
 import asyncio
 import concurrent.futures
-import importlib
-import inspect
 import logging
 import math
 import numbers
-import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from posttrain.configs import ConfigError, suggest
-from posttrain.data import DataError
 from posttrain.errors import UserError
-from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
+from posttrain.rewards.resolving import (CONVENTION_ARGS, PASSED_WHOLE, RewardFunction,  # noqa: F401 - the API
+                                         check_required_columns, import_dotted, resolve_reward_funcs,
+                                         unaccepted_keywords, without_kwargs_message)
 from posttrain.rewards.timeouts import TimedOut, hanging_row, run_within
 
 logger = logging.getLogger("posttrain")
-CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
-PASSED_WHOLE = {"trainer_state", "log_extra", "log_metric"}  # keyword arguments that are not one value per completion
 
 
 class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the step."""
-
-
-@dataclass
-class RewardFunction:
-    """One reward source. `model` and `tokenizer` are set for sequence-classification reward models."""
-
-    name: str
-    fn: Callable | None = None
-    model: Any = None
-    tokenizer: Any = None
-
-    @property
-    def is_async(self) -> bool:
-        return self.fn is not None and inspect.iscoroutinefunction(self.fn)
-
-
-def import_dotted(path: str):
-    module, _, attr = path.rpartition(".")
-    if not module:
-        return None
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        return None
-
-
-def _load_reward_model(source, trust_remote_code: bool, tokenizer=None, dtype=None) -> RewardFunction:
-    from transformers import AutoTokenizer
-
-    from posttrain.models.loading import ModelLoadError, load_tokenizer
-
-    if isinstance(source, str):
-        source = os.path.expanduser(source)
-        if "/" not in source and not os.path.isdir(source):  # neither a local directory nor an org/name hub id
-            raise ConfigError(
-                f"Reward {source!r} is not a built-in ({', '.join(BUILTIN_NAMES)}), an importable dotted path, a "
-                f"local reward-model directory or a hub id (org/name).{suggest(source, BUILTIN_NAMES)}")
-        if not os.path.isdir(source) and (source.startswith((".", "/")) or source.count("/") > 1):
-            raise ConfigError(f"Reward model path {source!r} does not exist: check the path (or give a hub id such "
-                              "as 'org/name').")
-        model, name = _reward_model(source, trust_remote_code, dtype), source
-    else:
-        model, name = source, getattr(source.config, "_name_or_path", "") or type(source).__name__
-    try:
-        tokenizer = load_tokenizer(tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
-            model.config._name_or_path, trust_remote_code=trust_remote_code))
-    except (OSError, ModelLoadError) as err:
-        raise ModelLoadError(f"Could not load the tokenizer of reward model {name!r}: {err} Pass it in "
-                             "reward_processing_classes.") from err
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    model.eval().requires_grad_(False)
-    return RewardFunction(name=name.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
-
-
-def _reward_model(source: str, trust_remote_code: bool, dtype=None):
-    """A sequence-classification model whose score head was trained (loading a causal LM this way would give it a
-    randomly initialised head that scores noise), in `dtype` (model_init_kwargs' dtype, as TRL loads reward models;
-    None: the checkpoint's own)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from posttrain.models.loading import ModelLoadError, from_pretrained_kwargs, hub_reachable_or_cached
-
-    hub_reachable_or_cached(source, "reward model")
-    kwargs = from_pretrained_kwargs({"trust_remote_code": trust_remote_code, "dtype": dtype})
-    try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=1, output_loading_info=True, **kwargs)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
-                             f"dotted path, nor a loadable reward model ({str(err).splitlines()[0]})."
-                             f"{suggest(source, BUILTIN_NAMES)}") from err
-    head = getattr(model, "base_model_prefix", "model")
-    untrained = [k for k in info.get("missing_keys", []) if not k.startswith(head + ".")]
-    if untrained:
-        raise ModelLoadError(f"{source!r} has no trained classification head ({', '.join(sorted(untrained)[:2])} "
-                             "missing): it is not a reward model, and as one it would score noise. Give a "
-                             "sequence-classification reward model, or write a reward function.")
-    return model
-
-
-def _processing_classes(classes, n: int) -> list:
-    """TRL's reward_processing_classes: None, one tokenizer (for a single reward), or one entry per reward."""
-    if classes is None:
-        return [None] * n
-    classes = classes if isinstance(classes, (list, tuple)) else [classes]
-    if len(classes) != n:
-        raise ConfigError(f"reward_processing_classes has {len(classes)} entries for {n} reward functions: give one "
-                          "per reward function (None where it is not a reward model).")
-    return list(classes)
-
-
-def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
-                         processing_classes=None) -> list[RewardFunction]:
-    """Turn callables, built-in names, dotted paths, model paths or loaded models into RewardFunctions.
-
-    Args:
-        processing_classes: TRL's reward_processing_classes: the tokenizer of each reward model (None entries, and
-            entries for plain functions, mean: load the model's own).
-    """
-    specs = specs if isinstance(specs, (list, tuple)) else [specs]
-    if not specs or specs == [None]:
-        raise ConfigError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
-    init = getattr(config, "model_init_kwargs", None) or {}
-    dtype = init.get("dtype", init.get("torch_dtype"))  # TRL loads reward models with model_init_kwargs
-    funcs = []
-    for spec, tokenizer in zip(specs, _processing_classes(processing_classes, len(specs))):
-        if isinstance(spec, str):
-            fn = by_name(spec, config) or import_dotted(spec)
-            # named as TRL names them: by the function's __name__ (a factory's class sets it)
-            funcs.append(RewardFunction(name=getattr(fn, "__name__", spec.split(".")[-1]), fn=fn) if fn else
-                         _load_reward_model(spec, trust_remote_code, tokenizer, dtype))
-        elif isinstance(spec, torch.nn.Module):
-            funcs.append(_load_reward_model(spec, trust_remote_code, tokenizer))
-        elif callable(spec):
-            funcs.append(RewardFunction(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
-        else:
-            raise ConfigError(f"Reward function {spec!r} is not a callable, a name, or a model.")
-    _dedupe_names(funcs)
-    return funcs
-
-
-def _dedupe_names(funcs):
-    seen = {}
-    for f in funcs:
-        count = seen.get(f.name, 0)
-        seen[f.name] = count + 1
-        if count:
-            f.name = f"{f.name}_{count}"
-
-
-def check_required_columns(funcs: list[RewardFunction], columns) -> None:
-    """Stop before training when a reward function requires a keyword the dataset has no column for, or a column
-    is named like an argument reward functions already receive (the two would collide)."""
-    clashing = sorted(set(columns) & CONVENTION_ARGS)
-    if clashing:
-        raise DataError(f"The dataset's column {clashing[0]!r} has the name of an argument reward functions already "
-                        f"receive ({', '.join(sorted(CONVENTION_ARGS))}): rename the column.")
-    for f in funcs:
-        if f.fn is None:
-            continue
-        for name, param in inspect.signature(f.fn).parameters.items():
-            required = param.default is inspect.Parameter.empty and param.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            if required and name not in CONVENTION_ARGS and name not in columns:
-                raise DataError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
-                                f"no {name!r} column (columns: {', '.join(sorted(columns)) or 'none'}): add the "
-                                "column, or give the argument a default.")
 
 
 _NO_LOGGERS = {"log_extra": lambda column, values: None, "log_metric": lambda name, value: None}
@@ -299,6 +145,10 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
     n = len(completions)
     kwargs = dict(columns, trainer_state=trainer_state, **(loggers or _NO_LOGGERS))
     call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    for f in funcs:  # one that cannot take what it is passed would raise TypeError (async: before awaiting)
+        unaccepted = unaccepted_keywords(f.fn, call) if f.fn is not None else []
+        if unaccepted:
+            raise RewardError(without_kwargs_message(f.name, unaccepted))
     results: dict[int, Any] = {}
     pending = []
     for k, f in enumerate(funcs):

@@ -7,8 +7,10 @@
     conversational prompt-completion  {"prompt": [messages], "completion": [messages]}
     tokenized                         {"input_ids": [...], "labels" | "completion_mask" | "assistant_masks": [...]}
 
-A `formatting_func(row)` may return a string (the row becomes text) or {"prompt", "completion"} (the row becomes
-prompt-completion, keeping completion-only loss). Per-row `tools` and `chat_template_kwargs` columns reach the chat
+A `formatting_func(row)` is called on one row at a time (a dict of the dataset's columns), as TRL 1.16 calls it, and may
+return a string (the row becomes text) or {"prompt", "completion"} (the row becomes prompt-completion, keeping
+completion-only loss). Its signature is checked when the trainer is built; a function that raises, or returns anything
+else, stops with one sentence naming it and the row (its own traceback kept). Per-row `tools` and `chat_template_kwargs` columns reach the chat
 template.
 
 What trains (the label mask): every token, or with completion-only loss the completion's tokens (the completion
@@ -24,6 +26,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
+from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
 from posttrain.sft.templates import training_template
 
@@ -82,6 +85,18 @@ def detect_format(row: dict, text_field: str) -> str:
     raise DataError(f"The dataset is in no SFT format: its columns are {found}; SFT needs {ACCEPTED}{hint}.")
 
 
+def check_formatting_func(fn) -> None:
+    """Stop, when the trainer is built, a formatting_func that cannot be called as TRL calls it: with one row."""
+    if not callable(fn):
+        raise ConfigError(f"formatting_func is a {type(fn).__name__}, not a function: pass a function that takes one "
+                          "row (a dict of the dataset's columns) and returns its text.")
+    problem = signature_mismatch(fn, {})
+    if problem is not None:
+        raise ConfigError(f"formatting_func {described(fn)} cannot be called with one row, as TRL and posttrain "
+                          f"call it ({problem}): make it take the row alone (a dict of the dataset's columns) and "
+                          "return its text, or a {'prompt', 'completion'} dict.")
+
+
 class RowEncoder:
     """Tokenizes rows of one dataset in its format, with the label mask of each.
 
@@ -99,6 +114,8 @@ class RowEncoder:
         self.formatting_func = formatting_func
         self.name = name
         self.stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        if formatting_func is not None:
+            check_formatting_func(formatting_func)
         self.format = detect_format(self._formatted(first_row, 0), args.dataset_text_field)
         self.completion_only = self._completion_only(first_row)
         self.assistant_only = args.assistant_only_loss
@@ -124,26 +141,41 @@ class RowEncoder:
             if "input_ids" in row:
                 raise ConfigError(f"formatting_func is given, but {self.name} is already tokenized (input_ids), so "
                                   "there is nothing to format: remove formatting_func, or pass the untokenized rows.")
-            out = self.formatting_func(row)
+            out = self._call_formatting_func(row, index)
             if isinstance(out, str):
                 row = {TEXT: out, **{k: row[k] for k in ("tools", "chat_template_kwargs") if k in row}}
-            elif isinstance(out, dict) and "prompt" in out and "completion" in out:
+            else:
                 row = {**{k: v for k, v in row.items() if k not in ("text", "messages", "conversations")},
                        "prompt": out["prompt"], "completion": out["completion"]}
-            elif isinstance(out, (list, tuple)):
-                raise DataError(f"formatting_func returned a {type(out).__name__} for row {index} of {self.name}: it is "
-                                "called on one row at a time (as in TRL >= 0.13) and must return one string, or a "
-                                "{'prompt', 'completion'} dict.")
-            else:
-                raise DataError(f"formatting_func returned {type(out).__name__} for row {index} of {self.name}: return "
-                                "a string (trained on whole) or a {'prompt': ..., 'completion': ...} dict (trained on "
-                                "the completion).")
         if "conversations" in row and "messages" not in row:
             row = {**row, "messages": row["conversations"]}
         for key in ("messages", "prompt", "completion"):
             if isinstance(row.get(key), list):
                 row[key] = from_sharegpt(row[key])
         return row
+
+    def _call_formatting_func(self, row: dict, index: int):
+        """formatting_func(row): a string, or a dict with "prompt" and "completion"; a UserFunctionError (with the
+        function's own exception as its cause) when it raises, a DataError when it returns anything else."""
+        fn = self.formatting_func
+        try:
+            out = fn(row)
+        except Exception as err:  # noqa: BLE001 - the user's own exception: its traceback is kept as the cause
+            raise UserFunctionError(
+                f"formatting_func {function_name(fn)!r} raised {type(err).__name__} on row {index} of {self.name} "
+                f"(columns: {', '.join(map(str, row)) or 'none'}){detail_of(err)}; fix the function.") from err
+        if isinstance(out, str) or (isinstance(out, dict) and "prompt" in out and "completion" in out):
+            return out
+        name = repr(function_name(fn))
+        if isinstance(out, (list, tuple)):
+            raise DataError(f"formatting_func returned a {type(out).__name__} for row {index} of {self.name}: it is "
+                            f"called on one row at a time (as in TRL >= 0.13), so {name} must return one string, or "
+                            "a {'prompt', 'completion'} dict.")
+        what = ("None" if out is None else f"a dict with keys {', '.join(map(repr, out))}" if isinstance(out, dict)
+                else type(out).__name__)
+        raise DataError(f"formatting_func returned {what} for row {index} of {self.name}: make {name} return a string "
+                        "(trained on whole) or a {'prompt': ..., 'completion': ...} dict (trained on the "
+                        "completion).")
 
     def _completion_only(self, first_row: dict) -> bool:
         """completion_only_loss resolved for this dataset: None means "where the data says where completions are"."""

@@ -21,11 +21,11 @@ from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches,
 from posttrain.sequences.collate import collate
 from posttrain.sequences.rows import EpochPlan
 from posttrain.sft.data import Preparation, prepare_map_dataset
-from posttrain.sft.formats import RowEncoder
+from posttrain.sft.formats import RowEncoder, check_formatting_func
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.prediction import UserMetrics
+from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
@@ -77,7 +77,10 @@ class SFTTrainer(BatchedDataTrainer):
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
+        check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args)  # before any slow work
         self.formatting_func = formatting_func
+        if formatting_func is not None:
+            check_formatting_func(formatting_func)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
         self._model_fingerprint = model_fingerprint(model)

@@ -8,22 +8,50 @@ TensorBoard's text tab).
 The terminal shows each trainer's metrics to watch (`shown`; its first, the headline, with its moving average
 beside the window's value: GRPO's reward, SFT's and DPO's loss), the elapsed time and an ETA from this run's own
 pace (steps done since it started, not a short recent window): on a progress bar on a terminal, else one line per
-logging step (about 50 in a run). With log_level error or critical, nothing per step.
+logging step (about 50 in a run). With log_level error or critical, nothing per step. The bar is one line at any
+width: what does not fit is left out (ProgressLine), and tables (GRPO's completions) are printed above it.
+Model text reaches the terminal through `terminal_text`, its control characters escaped; files keep it as it is.
 """
 
 import datetime
 import importlib.util
 import json
+import logging
 import math
 import os
 import socket
 import sys
 import time
+import unicodedata
 
 from posttrain._optional import require
 from posttrain.errors import storage_error
 
 KNOWN_TRACKERS = ("wandb", "trackio", "tensorboard")
+QUIET_LEVELS = ("error", "critical")  # log levels at which nothing is printed per step
+
+
+def terminal_text(text: str) -> str:
+    """`text` safe to print on a terminal: its control characters (Unicode category Cc: ESC, carriage return, the C1
+    controls, ...) but newline and tab written as escapes (\\x1b), so that model output cannot move the cursor, clear
+    the screen or restyle the terminal. Rich markup is left to the caller: print the result as a rich Text."""
+    if text.isprintable():
+        return text
+    return "".join(f"\\x{ord(ch):02x}" if unicodedata.category(ch) == "Cc" and ch not in "\n\t" else ch
+                   for ch in text)
+
+
+def hide_deepspeed_cpu_notice() -> None:
+    """accelerate imports DeepSpeed whenever it is installed (unwrap_model checks for its engine), and DeepSpeed's
+    import warns "Setting accelerator to CPU" on any machine without a GPU, in runs that do not use it: that one
+    line is dropped (a filter on DeepSpeed's logger, which its own setup keeps); its other messages pass."""
+    ds_logger = logging.getLogger("DeepSpeed")
+    if _drop_cpu_notice not in ds_logger.filters:
+        ds_logger.addFilter(_drop_cpu_notice)
+
+
+def _drop_cpu_notice(record) -> bool:
+    return not str(record.msg).startswith("Setting accelerator to CPU")
 
 
 class ModuleTracker:
@@ -96,6 +124,60 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+class ProgressLine:
+    """The progress line, as rich draws it at each refresh: title, bar, steps done, time, the shown metrics. It never
+    wraps: at the terminal's width what does not fit is left out, in this order: the metrics after the headline
+    (from the last), the elapsed time, the bar, the headline's moving average, the title; the steps, the time left
+    and the headline's value stay (cut with an ellipsis only on a terminal too narrow even for them)."""
+
+    BAR_WIDTHS = (10, 40)  # the bar's narrowest and widest
+
+    def __init__(self, metrics_logger):
+        self.logger = metrics_logger
+
+    def __rich_console__(self, console, options):
+        yield self.render(options.max_width)
+
+    def render(self, width: int):
+        """The line at `width` columns: a rich Text, one line."""
+        from rich.text import Text
+
+        log = self.logger
+        counts = f"{log.step:>{len(str(log.total_steps))}}/{log.total_steps}"
+        timing = log.timing()
+        time_left = timing.split(", ")[-1]  # "0:01 left", or once done "8:25 elapsed"
+        headline, rest = log.parts[:1], log.parts[1:]
+        bare = [part.split(" (avg ")[0] for part in headline]
+        layouts = [(log.title, True, timing, headline + rest[:n]) for n in range(len(rest), -1, -1)]
+        layouts += [(log.title, True, time_left, headline), (log.title, False, time_left, headline),
+                    (log.title, False, time_left, bare), ("", False, time_left, bare)]
+        for title, with_bar, clock, parts in layouts:
+            words = [w for w in (title, counts, clock, "  ".join(parts)) if w]
+            length = sum(len(w) for w in words) + len(words) - 1
+            if length + (self.BAR_WIDTHS[0] + 1 if with_bar else 0) <= width:
+                break
+        bar = self._bar(min(self.BAR_WIDTHS[1], width - length - 1)) if with_bar else None
+        pieces = [(title, "bold"), bar, (counts, "progress.download"), (clock, "progress.remaining"),
+                  "  ".join(parts)]
+        line = Text(no_wrap=True, overflow="ellipsis")
+        for piece in pieces:
+            text, style = piece if isinstance(piece, tuple) else (piece, None)
+            if text:
+                line.append(" " if line else "")
+                line.append(text, style=style)
+        line.truncate(width, overflow="ellipsis")
+        return line
+
+    def _bar(self, width: int):
+        from rich.text import Text
+
+        log = self.logger
+        if log.step >= log.total_steps:
+            return Text("━" * width, style="bar.finished")
+        done = width * log.step // max(log.total_steps, 1)
+        return Text.assemble(("━" * done, "bar.complete"), ("━" * (width - done), "bar.back"))
+
+
 def make_trackers(args, run_config: dict) -> list:
     names = list(args.report_to)
     if names == ["all"]:
@@ -114,6 +196,7 @@ class MetricsLogger:
         enabled: False on non-main processes.
         run_config: the config dict sent to trackers.
         append: resuming: keep metrics.jsonl up to `start_step` instead of starting it afresh.
+        console: a rich Console to draw the progress line on (default: stderr, when it is a terminal).
     """
 
     LABELS = {"completions/mean_length": "length", "mean_token_accuracy": "accuracy",
@@ -122,19 +205,21 @@ class MetricsLogger:
 
     def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
                  append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = (),
-                 shown: tuple = ("loss",)):
+                 shown: tuple = ("loss",), console=None):
         self.enabled = enabled
         self.shown = shown
         self.average, self.averaged = 0.0, 0  # the headline's moving average, and how many values it holds
         self.start_time, self.start_step, self.step = time.time(), start_step, start_step
-        self.quiet = getattr(args, "log_level", "passive") in ("error", "critical")
+        self.quiet = getattr(args, "log_level", "passive") in QUIET_LEVELS
         self.cumulative = set(cumulative)  # running totals (e.g. num_tokens seen): a window reports its last value
         self.total_steps = total_steps
         self.window: dict[str, list[float]] = {}
         self.last_window: dict = {}  # the last logged window's means (the end-of-training summary carries them)
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.trackers = []
-        self.progress = None
+        self.title = title
+        self.parts: list[str] = []  # the shown metrics of the latest record, as the progress line shows them
+        self.live = None  # the progress line (rich's Live) on a terminal
         # Without a terminal, a plain line per logging step, at most about 50 lines in a run.
         self.print_every = max(1, -(-total_steps // 50))
         if not enabled:
@@ -146,24 +231,18 @@ class MetricsLogger:
             open(self.path, "w").close()
         self.trackers = make_trackers(args, run_config or {})
         show_bar = sys.stderr.isatty() if args.disable_tqdm is None else not args.disable_tqdm
-        if show_bar and not self.quiet:
-            self._start_progress(title)
-            self.progress.update(self.task, completed=start_step)
+        if (show_bar or console is not None) and not self.quiet:
+            self._start_live(console)
 
-    def _start_progress(self, title: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
-        from rich.text import Text
+    def _start_live(self, console=None) -> None:
+        """The progress line on stderr (as transformers' and TRL's bars), redrawn four times a second; what is printed
+        meanwhile (print_above, logging, and print() when stdout is the terminal too) goes above it."""
+        from rich.console import Console
+        from rich.live import Live
 
-        logger = self
-
-        class Timing(ProgressColumn):
-            def render(self, task):
-                return Text(logger.timing(), style="progress.remaining")
-
-        self.progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), Timing(),
-                                 TextColumn("{task.description}"), transient=False)
-        self.progress.start()
-        self.task = self.progress.add_task("", total=self.total_steps)
+        self.live = Live(ProgressLine(self), console=console or Console(stderr=True), refresh_per_second=4,
+                         transient=False, redirect_stdout=sys.stdout.isatty())
+        self.live.start()
 
     def _truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):
@@ -181,8 +260,6 @@ class MetricsLogger:
 
     def advance(self) -> None:
         self.step += 1
-        if self.progress is not None:
-            self.progress.advance(self.task)
 
     def timing(self) -> str:
         """Elapsed time, and the time left at this run's average pace so far."""
@@ -224,17 +301,37 @@ class MetricsLogger:
             except OSError as err:
                 raise storage_error(err, "write", self.path) from err
 
-    def _show(self, record: dict):
-        text = self.describe(record)
-        if not text or self.quiet:
+    def print_above(self, renderable) -> None:
+        """Print `renderable` (a rich Table, a Text) above the progress line, which stays at the bottom; without a
+        progress line, on stderr. Nothing with log_level error or critical."""
+        if self.quiet:
             return
-        if self.progress is not None:
-            self.progress.update(self.task, description=text)
-        elif record["step"] % self.print_every == 0 or record["step"] == self.total_steps:
-            print(f"step {record['step']}/{self.total_steps}  {text}  {self.timing()}", file=sys.stderr, flush=True)
+        if self.live is not None:
+            self.live.console.print(renderable)
+        else:
+            from rich.console import Console
+
+            Console(stderr=True).print(renderable)
+
+    def room_above(self) -> int | None:
+        """How many lines a table printed above the progress line may take and leave the line and the table's
+        start on one screen; None without a progress line (nothing to keep in view)."""
+        return None if self.live is None else max(4, self.live.console.height - 2)
+
+    def _show(self, record: dict):
+        parts = self._shown_parts(record)
+        if not parts or self.quiet:
+            return
+        self.parts = parts
+        if self.live is None and (record["step"] % self.print_every == 0 or record["step"] == self.total_steps):
+            print(f"step {record['step']}/{self.total_steps}  {'  '.join(parts)}  {self.timing()}", file=sys.stderr,
+                  flush=True)
 
     def describe(self, record: dict) -> str:
         """The shown metrics of a training record; the headline with its moving average over the records so far."""
+        return "  ".join(self._shown_parts(record))
+
+    def _shown_parts(self, record: dict) -> list[str]:
         parts = []
         for i, key in enumerate(self.shown):
             value = record.get(key)
@@ -246,12 +343,12 @@ class MetricsLogger:
                 self.average = self.AVERAGING * self.average + (1 - self.AVERAGING) * value
                 part += f" (avg {self.average / (1 - self.AVERAGING ** self.averaged):.4g})"
             parts.append(part)
-        return "  ".join(parts)
+        return parts
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []

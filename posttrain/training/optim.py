@@ -43,6 +43,8 @@ def make_optimizer(model: torch.nn.Module, config, cls_and_kwargs=None) -> torch
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cls_and_kwargs is not None:
+        check_optimizers((None, None), cls_and_kwargs)
     cls, kwargs = _optimizer_class(config, model) if cls_and_kwargs is None else (cls_and_kwargs[0],
                                                                                   dict(cls_and_kwargs[1]))
     if kwargs.get("fused") and not all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
@@ -50,7 +52,40 @@ def make_optimizer(model: torch.nn.Module, config, cls_and_kwargs=None) -> torch
     try:
         return cls([g for g in groups if g["params"]], **kwargs)
     except TypeError as err:
+        if cls_and_kwargs is not None:
+            raise ConfigError(f"optimizer_cls_and_kwargs's {getattr(cls, '__name__', cls)} cannot be built with the "
+                              f"keyword arguments {sorted(kwargs)} ({err}): pass those it takes.") from err
         raise ConfigError(f"optim_args={config.optim_args!r} does not fit optim={config.optim!r}: {err}.") from err
+
+
+def check_optimizers(optimizers, cls_and_kwargs=None) -> None:
+    """The trainer's `optimizers` (a pair (optimizer, lr_scheduler), either None) and `optimizer_cls_and_kwargs` (a
+    pair (optimizer class, dict of its keyword arguments)) as transformers takes them, each mistake one sentence."""
+    from collections.abc import Mapping
+
+    if not (isinstance(optimizers, (tuple, list)) and len(optimizers) == 2):
+        raise ConfigError(f"optimizers is {_shown(optimizers)}: pass a pair (optimizer, lr_scheduler), either None "
+                          "to build it from the config, e.g. optimizers=(optimizer, None).")
+    optimizer = optimizers[0]
+    if isinstance(optimizer, type) or (optimizer is not None and not callable(getattr(optimizer, "step", None))):
+        raise ConfigError(f"optimizers' first item is {_shown(optimizer)}, not an optimizer: pass one built over the "
+                          "model's parameters, or None (optimizer_cls_and_kwargs=(class, kwargs) takes a class).")
+    if cls_and_kwargs is None:
+        return
+    if optimizers[0] is not None:
+        raise ConfigError("optimizers and optimizer_cls_and_kwargs are both given, and either one makes the "
+                          "optimizer: pass one of them (as in transformers).")
+    if not (isinstance(cls_and_kwargs, (tuple, list)) and len(cls_and_kwargs) == 2 and callable(cls_and_kwargs[0])
+            and isinstance(cls_and_kwargs[1], Mapping)):
+        raise ConfigError(f"optimizer_cls_and_kwargs is {_shown(cls_and_kwargs)}: pass a pair (optimizer class, "
+                          "dict of its keyword arguments), e.g. (torch.optim.SGD, {'lr': 0.1}).")
+
+
+def _shown(value) -> str:
+    import reprlib
+
+    return f"the class {value.__name__}" if isinstance(value, type) else (
+        f"{reprlib.repr(value)} ({type(value).__name__})")
 
 
 def warmup_steps(config, total_steps: int) -> int:

@@ -12,12 +12,37 @@ from posttrain.errors import storage_error
 from posttrain.training.checkpoint import checkpoints
 from posttrain.training.distributed import guarded
 from posttrain.training.hub import push_folder, repo_id
+from posttrain.training.logging import QUIET_LEVELS
 from posttrain.training.saving import save_merged, save_policy_atomically
 
 logger = logging.getLogger("posttrain")
 
 # what transformers logs at logging steps only: a summary record does not repeat them
 STEP_ONLY_KEYS = ("loss", "grad_norm", "learning_rate")
+# what the end of train() names, when it was written: (file or folder in output_dir, what it is); the first of each
+# group that exists
+WRITTEN = (
+    (("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"),
+     "the trained model (load the folder with from_pretrained)"),
+    (("adapter_model.safetensors", "adapter_model.bin"), "the trained adapter (load the folder with peft)"),
+    (("merged",), "full weights, LoRA merged (save_merged)"),
+    (("metrics.jsonl",), "the logged metrics, one record a line"),
+    (("completions.jsonl",), "the logged completions (log_completions)"),
+    (("plots.png",), "the curves (posttrain plot)"),
+    (("report.html",), "the run's report: open it in a browser"),
+)
+
+
+def outputs_summary(output_dir: str) -> str:
+    """The lines the end of train() prints: the output directory, then each file of WRITTEN that exists in it."""
+    found = []
+    for names, what in WRITTEN:
+        name = next((n for n in names if os.path.exists(os.path.join(output_dir, n))), None)
+        if name is not None:
+            found.append((name + "/" if os.path.isdir(os.path.join(output_dir, name)) else name, what))
+    width = max((len(name) for name, _ in found), default=0)
+    lines = [f"posttrain: training done; the run's files are in {os.path.abspath(output_dir)}"]
+    return "\n".join(lines + [f"  {name:<{width}}  {what}" for name, what in found])
 
 
 class OutputsMixin:
@@ -138,6 +163,12 @@ class OutputsMixin:
         for _, path in checkpoints(self.args.output_dir):
             if path != kept:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _print_outputs(self) -> None:
+        """Say where the run's files are (outputs_summary), on stdout of the main process, at the end of train();
+        not with log_level error or critical (posttrain's --quiet)."""
+        if self.accelerator.is_main_process and self.args.log_level not in QUIET_LEVELS:
+            print(outputs_summary(self.args.output_dir), flush=True)
 
     def _write_plots(self) -> None:
         """output_dir/plots.png from metrics.jsonl and output_dir/report.html (posttrain/report.py), as plot_on_end

@@ -37,9 +37,9 @@ from posttrain.training.checkpoint import resolve as resolve_checkpoint
 from posttrain.training.distributed import guarded, mark_agreed
 from posttrain.training.evaluation import EvaluationMixin
 from posttrain.training.interrupts import Interrupted, InterruptWatch
-from posttrain.training.logging import MetricsLogger
+from posttrain.training.logging import MetricsLogger, hide_deepspeed_cpu_notice
 from posttrain.training.offloading import ActivationOffloader
-from posttrain.training.optim import make_optimizer, make_scheduler
+from posttrain.training.optim import check_optimizers, make_optimizer, make_scheduler
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.outputs import OutputsMixin
 from posttrain.training.overrides import refuse_uncalled_overrides
@@ -75,6 +75,8 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
         refuse_uncalled_overrides(type(self))  # a subclass's override that would never run: before any work
+        check_optimizers(optimizers, optimizer_cls_and_kwargs)
+        hide_deepspeed_cpu_notice()  # accelerate imports DeepSpeed when installed, which warns on a CPU-only machine
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
         if self.accelerator.num_processes > 1:  # once per process, however many trainers it builds
@@ -296,6 +298,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         self._call("on_train_end")
         if args.push_to_hub:
             self.push_to_hub(commit_message="End of training")
+        self._print_outputs()  # where the model, metrics, plots and report are
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _load_best_model(self) -> None:

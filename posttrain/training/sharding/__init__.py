@@ -90,8 +90,9 @@ def sharding_of(accelerator) -> Sharding:
 
 
 def check_launch(accelerator) -> None:
-    """One sentence when the launcher asked for FSDP or DeepSpeed and accelerate set up something else: on a machine
-    without a GPU it drops both and trains with DDP, or starts one independent single-process run per rank."""
+    """One sentence when the launcher asked for FSDP or DeepSpeed and accelerate set up something else (on a machine
+    without a GPU it drops both and trains with DDP), or when it started several processes and accelerate set up no
+    process group for them (without a GPU and without use_cpu: one independent single-process run per rank)."""
     from accelerate.utils import DistributedType
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -111,6 +112,13 @@ def check_launch(accelerator) -> None:
             f"This run was launched with {name}, but accelerate set up {what} instead, as it does on a machine "
             "without a GPU or with use_cpu=True, so nothing would be sharded: run it on GPUs without use_cpu, or "
             "launch with DDP (accelerate_config multi_gpu)."))
+    if world > 1 and accelerator.num_processes != world:  # no process group: each process would train alone
+        alone = "a single process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"
+        raise mark_agreed(ConfigError(  # every process raises it
+            f"This process is one of {world} that the launcher started (WORLD_SIZE), but accelerate set up {alone} "
+            "instead, as it does on a machine without a GPU unless told to use the CPU, "
+            f"so {world} separate runs would share output_dir: set use_cpu=True (--use_cpu true) to train the {world} "
+            "processes together on the CPU over gloo, or run them on GPUs."))
 
 
 def check_supported(accelerator) -> None:

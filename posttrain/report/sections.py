@@ -1,0 +1,105 @@
+"""The report's sections after the summary: the curves (and the metrics that held one value, not drawn), sampled
+completions, and the detailed numbers (the final summary record, the last logged step, the config)."""
+
+import json
+import os
+
+from posttrain.completion_rows import as_text, extra_columns
+from posttrain.plotting import PlotError, constant_series, figure_svg, reward_twins, sole_reward_function
+from posttrain.report.tables import escape, number, table
+
+DEFAULT_ROWS = 8  # completions shown per chosen step
+
+
+def curves(output_dir: str, steps: dict[int, dict]) -> str:
+    """The curves as inline SVG, and a line naming what is not drawn: metrics constant over the run (with their
+    value) and the reward function that is the reward itself."""
+    try:
+        figure = f"<div class=\"curves\">{figure_svg([output_dir])}</div>"
+    except PlotError as err:
+        figure = f"<p class=\"note\">{escape(err)}</p>"
+    notes = []
+    constant = constant_series([steps]) if steps else {}
+    if constant:
+        values = ", ".join(f"<code>{escape(k)}</code> = {escape(number(v))}" for k, v in constant.items())
+        notes.append(f"Constant over the run, so not drawn: {values}.")
+    sole = sole_reward_function([steps]) if steps else None
+    if sole is not None:
+        notes.append(f"The one reward function, <code>{escape(sole)}</code>, is the reward itself: drawn once, "
+                     "under its name.")
+    elif twins := (reward_twins([steps]) if steps else []):
+        names = ", ".join(f"<code>{escape(name)}</code>" for name in twins)
+        notes.append(f"The mean of {names} equals the reward at every logged step: drawn once, as the total.")
+    return "\n".join([figure, *(f"<p class=\"note\">{n}</p>" for n in notes)])
+
+
+def _completion_rows(output_dir: str) -> dict[int, list[dict]]:
+    path = os.path.join(output_dir, "completions.jsonl")
+    by_step: dict[int, list[dict]] = {}
+    if not os.path.exists(path):
+        return by_step
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a running run's half-written last line
+                continue
+            by_step.setdefault(int(row.get("step", 0)), []).append(row)
+    return by_step
+
+
+def chosen_steps(available: list[int], wanted: list[int] | None) -> list[int]:
+    """The steps whose completions are shown: `wanted` where logged, else the first, middle and last."""
+    if wanted:
+        return [s for s in wanted if s in available]
+    if not available:
+        return []
+    ordered = sorted(available)
+    return sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
+
+
+def completions(output_dir: str, steps: list[int] | None, rows: int) -> str:
+    by_step = _completion_rows(output_dir)
+    if not by_step:
+        return ("<p class=\"note\">No completions.jsonl: set log_completions=True to log each step's prompts, "
+                "completions, rewards and advantages.</p>")
+    chosen = chosen_steps(list(by_step), steps)
+    if not chosen:
+        return f"<p class=\"note\">None of the steps {steps} has logged completions (logged: {sorted(by_step)}).</p>"
+    parts = []
+    for step in chosen:
+        logged = by_step[step]
+        functions = list(logged[0].get("rewards", {}))
+        extra = extra_columns(logged[0])
+        body = [[as_text(r.get("prompt")), as_text(r.get("completion")),
+                 *(r.get("rewards", {}).get(n) for n in functions), r.get("advantage"), *(r.get(k) for k in extra)]
+                for r in logged[:rows]]
+        parts.append(f"<h3>Step {step} ({min(rows, len(logged))} of {len(logged)} completions)</h3>")
+        parts.append(table(["prompt", "completion", *functions, "advantage", *extra], body, "completions"))
+    return "\n".join(parts)
+
+
+def details(output_dir: str, steps: dict[int, dict], run: dict) -> str:
+    """The final summary record (all_results.json: runtime, FLOPs, train_loss ...), the last logged step's metrics
+    and the config, folded."""
+    parts = ["<h3>Final summary</h3>"]
+    if run["summary"]:
+        parts += [f"<p class=\"note\">{escape(run['summary_file'])}, written at the end of training.</p>",
+                  table(["", "value"], list(run["summary"].items()), "summary", numeric=(1,))]
+    else:
+        parts.append("<p class=\"note\">No all_results.json: the run has not finished.</p>")
+    if steps:
+        last = max(steps)
+        parts.append(f"<h3>Step {last} (the last logged)</h3>")
+        parts.append(table(["metric", "value"], [[k, v] for k, v in sorted(steps[last].items()) if k != "step"],
+                           "last-step", numeric=(1,)))
+    parts.append("<h3>Config</h3>")
+    config = run["config"]
+    if config is None:
+        parts.append("<p class=\"note\">No posttrain_config.yaml (written when the model or a checkpoint is "
+                     "saved).</p>")
+    else:
+        where = os.path.relpath(run["config_path"], output_dir)
+        parts.append(f"<details><summary>{len(config)} fields of {escape(where)} (click to show)</summary>\n"
+                     + table(["field", "value"], [[k, v] for k, v in config.items()], "config") + "\n</details>")
+    return "\n".join(parts)
