@@ -13,15 +13,15 @@ import os
 import sys
 
 
-def run_each(runs: list[dict], before=None, after=None) -> int:
-    """Run every {"argv", "env"} in order through posttrain's CLI; `before(env)` / `after(env)` wrap each run."""
+def run_each(runs: list[dict], before=None) -> int:
+    """Run every {"argv", "env"} in order through posttrain's CLI; `before(env)` is called before each run."""
     from posttrain import cli
 
     with _ProcessGroupKept():
-        return _run_in_order(cli, runs, before, after)
+        return _run_in_order(cli, runs, before)
 
 
-def _run_in_order(cli, runs: list[dict], before, after) -> int:
+def _run_in_order(cli, runs: list[dict], before) -> int:
     for run in runs:
         saved = {name: os.environ.get(name) for name in run.get("env", {})}
         os.environ.update(run.get("env", {}))
@@ -30,8 +30,6 @@ def _run_in_order(cli, runs: list[dict], before, after) -> int:
                 before(run.get("env", {}))
             code = cli.main(run["argv"])
         finally:
-            if after is not None:
-                after(run.get("env", {}))
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)

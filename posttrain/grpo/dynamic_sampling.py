@@ -123,15 +123,15 @@ def _as_bool(value) -> bool | None:
 
 def _kept(user_filter: Callable, group: torch.Tensor, index: int) -> bool:
     """Whether `user_filter` keeps the round's group `index`, whose [G, F] rewards are `group`."""
-    name = repr(function_name(user_filter))
     try:
         out = user_filter(group.clone())
     except Exception as err:  # noqa: BLE001 - the user's own exception: its traceback is kept as the cause
-        rewards = reprlib.repr(group.tolist())
+        name, rewards = repr(function_name(user_filter)), reprlib.repr(group.tolist())
         raise UserFunctionError(f"dynamic_sampling_filter {name} raised {type(err).__name__} on group {index} of the "
                                 f"round (rewards {rewards}){detail_of(err)}; fix the function.") from err
     keep = _as_bool(out)
     if keep is None:
+        name = repr(function_name(user_filter))
         what = (f"a {out.dtype} tensor {list(out.shape)}" if isinstance(out, torch.Tensor) else
                 "None" if out is None else f"{reprlib.repr(out)} ({type(out).__name__})")
         raise UserFunctionError(f"dynamic_sampling_filter {name} returned {what} for group {index} of the round: "

@@ -43,8 +43,6 @@ def make_optimizer(model: torch.nn.Module, config, cls_and_kwargs=None) -> torch
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cls_and_kwargs is not None:
-        check_optimizers((None, None), cls_and_kwargs)
     cls, kwargs = _optimizer_class(config, model) if cls_and_kwargs is None else (cls_and_kwargs[0],
                                                                                   dict(cls_and_kwargs[1]))
     if kwargs.get("fused") and not all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
