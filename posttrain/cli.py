@@ -51,20 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         for cls in field_classes(script_cls, config_cls):  # --help shows them a page at a time (cli_help.py)
             add_fields(trainer, cls, seen)
         add_launch_flags(trainer)
-    serve = sub.add_parser("serve", help="Serve a model for generation over HTTP (a subset of vLLM's API), CPU "
-                                         "included; the trainer pushes its weights to it.", allow_abbrev=False)
-    serve.add_argument("--model", required=True, help="Local path or hub id of the model to serve.")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="Address to bind (default loopback; any other needs --api_key).")
-    serve.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one, printed at start).")
-    serve.add_argument("--api_key", default=None, help="Bearer token every route then requires.")
-    serve.add_argument("--max_model_len", type=int, default=None,
-                       help="Longest prompt + completion served (default: the model's position limit).")
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
-    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N].")
-    serve.add_argument("--trust_remote_code", action="store_true", help="Allow models with custom code from their "
-                       "repository.")
-    serve.add_argument("--log_level", default="warning", help="uvicorn's log level.")
+    _add_serve(sub)
     _add_vllm_serve(sub)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.",
                           description="GRPO teaches a tiny random model single-digit addition on the CPU (about a "
@@ -100,6 +87,38 @@ def _bool(value: str) -> bool:
     if str(value).lower() in ("false", "no", "0", "f", "n"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _add_serve(sub) -> None:
+    """`posttrain serve`'s options (posttrain/serving/app.py serves them)."""
+    serve = sub.add_parser("serve", help="Serve a model for generation over HTTP (a subset of vLLM's API), CPU "
+                                         "included; the trainer pushes its weights to it.", allow_abbrev=False)
+    serve.add_argument("--model", required=True, help="Local path or hub id of the model to serve.")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="Address to bind (default loopback; any other needs an API key).")
+    serve.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one, printed at start).")
+    serve.add_argument("--api_key", default=None, help="Bearer token every route then requires (visible in the "
+                       "process list: prefer --api_key_file or the POSTTRAIN_API_KEY environment variable).")
+    serve.add_argument("--api_key_file", default=None, metavar="PATH",
+                       help="A file holding the bearer token (its content, surrounding whitespace removed).")
+    serve.add_argument("--max_num_seqs", type=int, default=256,
+                       help="Sequences one completions request may sample together, prompts x n (default 256).")
+    serve.add_argument("--max_batch_tokens", type=int, default=1 << 18,
+                       help="Tokens one completions request may hold, sequences x (longest prompt + max_tokens): "
+                       "what its KV cache grows to (default 262144).")
+    serve.add_argument("--max_bucket_bytes", type=int, default=None,
+                       help="Tensor bytes one weight bucket may carry (default: 256 MiB, or the model's largest "
+                       "tensor in float32 when larger).")
+    serve.add_argument("--weight_update_timeout", type=float, default=120.0,
+                       help="Seconds an open weight update may go without a call from its sender before it is "
+                       "abandoned (default 120).")
+    serve.add_argument("--max_model_len", type=int, default=None,
+                       help="Longest prompt + completion served (default: the model's position limit).")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N].")
+    serve.add_argument("--trust_remote_code", action="store_true", help="Allow models with custom code from their "
+                       "repository.")
+    serve.add_argument("--log_level", default="warning", help="uvicorn's log level.")
 
 
 def _add_vllm_serve(sub) -> None:
@@ -214,7 +233,7 @@ def _model_init_kwargs(script, config) -> None:
 
 def _datasets(script, config):
     """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture (one of them is set)."""
-    from posttrain.data import load_mixture, load_prompt_dataset
+    from posttrain.dataset_loading import load_mixture, load_prompt_dataset
 
     wants_eval = config.eval_strategy != "no" or config.eval_on_start
     if script.datasets is not None:
@@ -361,7 +380,9 @@ def _serve(args: argparse.Namespace) -> None:
     from posttrain.serving.app import serve
 
     serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
-          args.trust_remote_code, args.log_level)
+          args.trust_remote_code, args.log_level, api_key_file=args.api_key_file, max_num_seqs=args.max_num_seqs,
+          max_batch_tokens=args.max_batch_tokens, max_bucket_bytes=args.max_bucket_bytes,
+          weight_update_timeout=args.weight_update_timeout)
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -406,9 +427,10 @@ def _report_error(err: Exception) -> int | None:
         return 2
     if not _is_user_error(err):
         return None
-    cause = err.__cause__
-    if cause is not None and not _is_user_error(cause) and not isinstance(cause, (OSError, ImportError)):
-        # an exception from user code (e.g. inside a reward function): its traceback is the useful part
+    from posttrain.errors import user_code_cause
+
+    cause = user_code_cause(err)
+    if cause is not None:  # an exception from the user's code (e.g. inside a reward function): its traceback helps
         import traceback
 
         traceback.print_exception(cause, file=sys.stderr)

@@ -26,14 +26,37 @@ def demo_model_path() -> str:
     from posttrain.testing import save_tiny, tiny_tokenizer
 
     path = cache_dir()
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        tmp = f"{path}.tmp-{os.getpid()}"
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+
+    def build(where: str) -> None:
         with without_progress_bars():  # no "Writing model shards" bar
-            save_tiny(tmp, tiny_tokenizer(DEMO_CHARS, all_bytes=False), seed=0, hidden=64, layers=2,
+            save_tiny(where, tiny_tokenizer(DEMO_CHARS, all_bytes=False), seed=0, hidden=64, layers=2,
                       max_positions=64)
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        build(tmp)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.replace(tmp, path)  # atomic: a concurrent or killed build never leaves half a model
-    return path
+        return path
+    except OSError as err:  # a read-only or full HOME: the demo still runs, from a model built for this run only
+        import shutil
+        import tempfile
+
+        from posttrain.errors import storage_error
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            elsewhere = tempfile.mkdtemp(prefix="posttrain-demo-model-")
+            build(elsewhere)
+        except OSError as again:
+            raise storage_error(again, "build the demo's model in", tempfile.gettempdir(),
+                                fix="set POSTTRAIN_CACHE to a writable directory") from None
+        reason = str(storage_error(err, "cache the demo's model at", os.path.dirname(path))).split(". ")[0]
+        print(f"posttrain: {reason}; built it in {elsewhere} for this run (set POSTTRAIN_CACHE to a writable "
+              "directory to keep it).", flush=True)
+        return elsewhere
 
 
 def demo_dataset():

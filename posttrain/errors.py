@@ -5,27 +5,55 @@ The command line prints these as one line, `posttrain: error: ...`, without a tr
 
 
 class UserError(Exception):
-    """An error whose message names the cause and the fix."""
+    """An error whose message names the cause and the fix.
+
+    `shows_cause`: the exception it was raised from is the user's own code's (a reward function, a formatting
+    function, a module of theirs that failed to import), whose traceback the command line prints above the message.
+    Otherwise the cause is a library's or the system's, already said in the message: no traceback."""
+
+    shows_cause = False
+
+
+def user_code_cause(err: BaseException) -> BaseException | None:
+    """The exception of the user's code behind `err` (see UserError.shows_cause), whose traceback is worth showing;
+    None for any other."""
+    return err.__cause__ if isinstance(err, UserError) and err.shows_cause else None
 
 
 class StorageError(UserError, OSError):
     """Something could not be written or read on disk; the message names the path and the cause."""
 
 
+def _errno_of(err: BaseException) -> int | None:
+    """The OS error number behind a failed disk operation: an OSError's own, or the one safetensors' Rust writer puts
+    in its message ("I/O error: No space left on device (os error 28)"); torch.save's RuntimeError for a file it
+    could not write in full means a full disk."""
+    import errno
+    import re
+
+    if isinstance(err, OSError):
+        return err.errno
+    if isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+        return errno.ENOSPC
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    return int(found.group(1)) if found else None
+
+
 def _cause(err: BaseException) -> str:
     import errno
 
-    if isinstance(err, RuntimeError):  # torch.save's message when the disk fills mid-write
-        return "the disk is full"
+    number = _errno_of(err)
     return {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
             errno.EACCES: "permission denied", errno.EPERM: "permission denied",
             errno.EROFS: "the filesystem is read-only", errno.ENOTDIR: "a part of the path is a file, not a directory",
-            errno.EISDIR: "it is a directory", errno.ENOENT: "it does not exist"}.get(err.errno, err.strerror or str(err))
+            errno.EISDIR: "it is a directory", errno.ENOENT: "it does not exist"}.get(
+        number, getattr(err, "strerror", None) or str(err))
 
 
 def is_storage_failure(err: BaseException) -> bool:
-    """An OSError, or torch.save's RuntimeError for a file that could not be written in full."""
-    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and "unexpected pos" in str(err))
+    """An OSError, torch.save's RuntimeError for a file that could not be written in full, or safetensors'
+    SafetensorError for an I/O error (a full disk while writing model.safetensors)."""
+    return isinstance(err, OSError) or _errno_of(err) is not None
 
 
 def storage_error(err: BaseException, doing: str, path: str,
@@ -40,6 +68,8 @@ class UserFunctionError(UserError, RuntimeError):
     dynamic_sampling_filter) raised, or returned something posttrain cannot use; the message names the function, what
     it was given and the fix. When it raised, its own exception is the cause, whose traceback the command line prints
     above the message."""
+
+    shows_cause = True
 
 
 def function_name(fn) -> str:

@@ -129,9 +129,19 @@ def _config_file_settings(flags: dict) -> dict:
         path = default_config_file
     if path is None or not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        settings = yaml.safe_load(f)
-    return settings if isinstance(settings, dict) else {}
+    which = "accelerate's default config file" if flags.get("config_file") is None else "The accelerate config file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        reason = ("is not text (not UTF-8)" if isinstance(err, UnicodeDecodeError) else
+                  f"is not valid YAML ({str(err).splitlines()[0]})" if isinstance(err, yaml.YAMLError) else
+                  f"could not be read ({err.strerror or err})")
+        raise ConfigError(f"{which} {path} {reason}: fix it, or name another with --accelerate_config.") from None
+    if settings is not None and not isinstance(settings, dict):
+        raise ConfigError(f"{which} {path} holds a {type(settings).__name__}, not accelerate's settings: fix it, or "
+                          "name another with --accelerate_config.")
+    return settings or {}
 
 
 def _device_count() -> tuple[int, str]:
@@ -210,7 +220,22 @@ def relaunch(command: str, launch: list[str], rest: list[str], use_cpu: bool = F
         print("posttrain: launching with accelerate: " + " ".join(launch), file=sys.stderr, flush=True)
         if note:
             print(note, file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env={**os.environ, **env, LAUNCHED: "1"})
+    return _wait_for(subprocess.Popen(cmd, env={**os.environ, **env, LAUNCHED: "1"}))
+
+
+def _wait_for(launcher: subprocess.Popen) -> int:
+    """The launcher's exit code, once it and its processes have stopped. A terminal's Ctrl-C reaches the launcher
+    as it reaches this process (one process group), and the launcher passes it on to every process and waits for
+    them: SIGINT is ignored here meanwhile, and a SIGTERM sent to this process is passed on to the launcher."""
+    import signal
+
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))}
+    try:
+        return launcher.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_accelerate(argv: list[str]) -> int:
@@ -220,6 +245,7 @@ def run_accelerate(argv: list[str]) -> int:
 
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logging.getLogger(api.__name__).setLevel(logging.CRITICAL)  # its per-process lines: the one below says it
@@ -230,6 +256,8 @@ def run_accelerate(argv: list[str]) -> int:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         return _report_exit(f"process {rank}", failure.exitcode, ", and the launcher stopped the others")
+    except SignalException as err:  # passed on to every process, which stopped and said where it stopped
+        return 128 + int(err.sigval)
     return 0
 
 

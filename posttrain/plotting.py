@@ -17,12 +17,15 @@ matplotlib is the `plot` extra; without it, MissingDependency names the install 
 """
 
 import fnmatch
-import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 
 from posttrain.errors import UserError
+from posttrain.run_files import read_jsonl
+
+logger = logging.getLogger("posttrain")
 
 SMOOTH_FROM = 12  # points: below this a series is drawn as logged only
 SMOOTHING = 0.9  # the moving average's weight on the past
@@ -65,23 +68,34 @@ PANELS = (
 )
 
 
-def read_metrics(output_dir: str) -> dict[int, dict]:
+def read_metrics(output_dir: str, damage: list[str] | None = None) -> dict[int, dict]:
     """{step: the step's metrics} from output_dir/metrics.jsonl. Records of one step merge (training and evaluation
-    log separately), a later record of a step replaces an earlier one's values (a resumed run logs again the steps
-    after its checkpoint), and a line that does not parse is skipped (a running run's half-written last line)."""
+    log separately), and a later record of a step replaces an earlier one's values (a resumed run logs again the steps
+    after its checkpoint). A line that is damaged (not UTF-8, not a JSON object, no whole-number step) is skipped and
+    noted in `damage` (posttrain/run_files.py); a running run's half-written last line is skipped silently."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise PlotError(f"{output_dir} has no metrics.jsonl: give the output_dir of a posttrain run.")
     steps: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                steps.setdefault(record["step"], {}).update(record)
+    for record in read_jsonl(path, [] if damage is None else damage, valid=_has_step):
+        steps.setdefault(record["step"], {}).update(record)
     return dict(sorted(steps.items()))
+
+
+def _has_step(record: dict) -> bool:
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
+def read_runs(output_dirs: list[str]) -> list[dict[int, dict]]:
+    """read_metrics of each run; what was skipped as damaged is logged as one warning per file."""
+    runs = []
+    for output_dir in output_dirs:
+        damage: list[str] = []
+        runs.append(read_metrics(output_dir, damage))
+        for note in damage:
+            logger.warning("%s: %s", output_dir, note)
+    return runs
 
 
 def series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
@@ -190,15 +204,16 @@ def plot_runs(output_dirs: list[str], out: str) -> str:
     extension = os.path.splitext(out)[1].lower()
     if extension not in FORMATS:
         raise PlotError(f"--out {out!r}: the plot is written as {', '.join(FORMATS)}; end the name with one of them.")
-    figure = _figure(output_dirs)
+    figure = _figure(output_dirs, read_runs(output_dirs))
     _save(figure, out, extension)
     _close(figure)
     return out
 
 
-def figure_svg(output_dirs: list[str]) -> str:
-    """The runs' panels as one inline <svg> element (text kept as text), for an HTML page."""
-    figure = _figure(output_dirs)
+def figure_svg(output_dirs: list[str], runs: list[dict[int, dict]]) -> str:
+    """The panels of the runs in `output_dirs` (their read_metrics, `runs`) as one inline <svg> element (text kept
+    as text), for an HTML page."""
+    figure = _figure(output_dirs, runs)
     text = _svg_text(figure)
     _close(figure)
     return text
@@ -219,11 +234,10 @@ def _close(figure) -> None:
     plt.close(figure)
 
 
-def _figure(output_dirs: list[str]):
-    """A matplotlib figure of every panel with data for the runs in `output_dirs`."""
+def _figure(output_dirs: list[str], runs: list[dict[int, dict]]):
+    """A matplotlib figure of every panel with data for the runs in `output_dirs` (their read_metrics, `runs`)."""
     from posttrain._optional import require
 
-    runs = [read_metrics(d) for d in output_dirs]
     if not any(runs):
         raise PlotError(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging step.")
     panels = panels_with_data(runs)

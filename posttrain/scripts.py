@@ -109,7 +109,7 @@ def get_dataset(mixture_config: DatasetMixtureConfig):
     streaming)."""
     import datasets
 
-    from posttrain.data import load_mixture
+    from posttrain.dataset_loading import load_mixture
 
     if not mixture_config.datasets:
         raise ConfigError("The datasets mixture is empty: give `datasets:` entries, or use dataset_name.")

@@ -32,7 +32,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-MAX_BUCKET_BYTES = 256 << 20
+MAX_BUCKET_BYTES = 256 << 20  # tensor bytes the trainer packs into one bucket (a larger tensor goes alone)
+MAX_HEADER_BYTES = 16 << 20  # what a receiver allows a bucket's header beyond its tensor bytes
 SLICE_BYTES = 4 << 20  # the pieces a body is handed to the socket in
 ALIASES_KEY = "posttrain.aliases"
 

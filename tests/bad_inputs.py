@@ -280,7 +280,7 @@ def reward_column_missing(tmp):
 
 @case("Data", "dataset file that does not exist", DataError, r"Dataset file '<dir>/prompts\.jsonl' does not exist")
 def missing_dataset_file(tmp):
-    from posttrain.data import load_prompt_dataset
+    from posttrain.dataset_loading import load_prompt_dataset
 
     load_prompt_dataset(str(tmp / "prompts.jsonl"))
 
@@ -628,10 +628,10 @@ def column_named_like_an_argument(tmp):
 
 
 @case("Data", "a malformed line in a .jsonl file", DataError,
-      r"Line 2 of <dir>/prompts\.jsonl is not valid JSON \(Expecting .* at column \d+\): fix or remove that line\.",
+      r"Line 2 of <dir>/prompts\.jsonl is not valid JSON \(Expecting .*, column \d+\): fix or remove that line\.",
       kind="crash")
 def malformed_jsonl_line(tmp):
-    from posttrain.data import load_prompt_dataset
+    from posttrain.dataset_loading import load_prompt_dataset
 
     load_prompt_dataset(_write(tmp / "prompts.jsonl", '{"prompt": "a"}\n{"prompt": "b",}\n'))
 
@@ -702,7 +702,7 @@ def unwritable_datasets_cache(tmp):
 
     import datasets.config
 
-    from posttrain.data import load_prompt_dataset
+    from posttrain.dataset_loading import load_prompt_dataset
 
     _write(tmp / "file", "not a directory")
     real, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, _Path(tmp / "file" / "cache")
@@ -1000,8 +1000,8 @@ def dpo_empty_completion(tmp):
     _dpo(tmp, dict(_PREFS, rejected=["3", ""]))
 
 
-@case("DPO", "implicit-prompt pairs whose chosen and rejected are the same text", DataError,
-      r"Row 0 of train_dataset has an empty chosen completion once the prompt \(their common start\) is taken out")
+@case("DPO", "implicit-prompt pairs whose chosen and rejected are the same text (warning; dropped, as with a prompt "
+      "column)", None, r"train_dataset: dropped 1 pairs of 2 whose chosen and rejected are the same tokens")
 def dpo_identical_pair(tmp):
     _dpo(tmp, {"chosen": ["same", "a b"], "rejected": ["same", "a c"]})
 
@@ -1165,7 +1165,7 @@ def reward_without_kwargs(tmp):
 
 
 def _load(tmp: Path, name: str, *args, **kwargs):
-    from posttrain.data import load_prompt_dataset
+    from posttrain.dataset_loading import load_prompt_dataset
 
     with _in_directory(tmp):
         load_prompt_dataset(name, *args, **kwargs)
@@ -1508,6 +1508,386 @@ def optimizer_cls_without_kwargs(tmp):
       r"\(LoraConfig\(\*\*it\) turns this dict into one\)\.$", kind="crash", requires="peft")
 def peft_config_dict(tmp):
     _sft_trainer(tmp, peft_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+
+
+# ------------------------------------------------------------------ issue 33: DPO pairs that cannot teach
+
+
+@case("DPO", "every pair's chosen equals its rejected, with a `prompt` column (TRL: trains at loss log 2, margin 0)",
+      DataError, r"train_dataset has no pair left that can teach: of its 2 pairs, 2 have the same chosen and rejected "
+                 r"tokens; give pairs whose chosen and rejected answers differ", kind="silently wrong")
+def dpo_same_answer_every_row(tmp):
+    _dpo(tmp, dict(_PREFS, rejected=_PREFS["chosen"]))
+
+
+@case("DPO", "one pair's chosen equals its rejected (warning; the pair is dropped, TRL trains on it)", None,
+      r"train_dataset: dropped 1 pairs of 2 whose chosen and rejected are the same tokens, which teach nothing",
+      kind="silently wrong")
+def dpo_same_answer_one_row(tmp):
+    _dpo(tmp, dict(_PREFS, rejected=["3", "4"]))
+
+
+@case("DPO", "conversational pairs with the same chosen and rejected messages (warning; dropped)", None,
+      r"train_dataset: dropped 1 pairs of 2 whose chosen and rejected are the same tokens", kind="silently wrong")
+def dpo_same_answer_conversational(tmp):
+    def said(role, texts):
+        return [[{"role": role, "content": t}] for t in texts]
+
+    _dpo(tmp, {"prompt": said("user", ["hi", "yo"]), "chosen": said("assistant", ["a", "b"]),
+               "rejected": said("assistant", ["a", "c"])})
+
+
+@case("DPO", "pairs that differ only beyond `max_length` (warning; dropped)", None,
+      r"train_dataset: dropped 1 pairs of 2 whose chosen and rejected are the same tokens \(once truncated to "
+      r"max_length=6\), .* \(raise max_length for those that differ beyond it\)", kind="silently wrong")
+def dpo_same_answer_after_truncation(tmp):
+    _dpo(tmp, {"prompt": ["1+1=", "2+2="], "chosen": ["2 is it", "4"], "rejected": ["2 is not", "5"]}, max_length=6)
+
+
+@case("DPO", "`beta: 0` (TRL: trains at a constant loss)", ConfigError,
+      r"beta=0 makes the sigmoid loss a constant with no gradient .* set beta > 0", kind="silently wrong")
+def dpo_beta_zero(tmp):
+    from posttrain.configs import DPOConfig
+
+    DPOConfig(beta=0.0)
+
+
+@case("DPO", "a negative `beta`", ConfigError, r"beta=-0.1 must be >= 0")
+def dpo_beta_negative(tmp):
+    from posttrain.configs import DPOConfig
+
+    DPOConfig(beta=-0.1)
+
+
+@case("DPO", "a `ref_model` whose embedding has fewer rows than the tokenizer's tokens (TRL: index error or "
+      "wrong log-probs)", ConfigError, r"ref_model's embedding has 14 rows and the tokenizer \(processing_class\) has "
+      r"100 tokens, so ref_model was built for another vocabulary", kind="crash")
+def dpo_ref_model_fewer_rows(tmp):
+    import string
+
+    from posttrain.testing import tiny_model, tiny_tokenizer
+
+    _dpo(tmp, _PREFS, ref_model=tiny_model(tiny_tokenizer(string.digits, all_bytes=False), hidden=32, layers=1))
+
+
+@case("DPO", "a `ref_model` path whose tokenizer gives the ids other tokens (TRL: trains against it)", ConfigError,
+      r"ref_model's tokenizer \(<dir>/ref\) gives id 4 to 'a' where the processing_class gives it to '0'",
+      kind="silently wrong")
+def dpo_ref_model_other_tokenizer(tmp):
+    import string
+
+    from posttrain.testing import save_tiny, tiny_tokenizer
+
+    other = tiny_tokenizer(string.ascii_letters + string.digits + string.punctuation + " \n", all_bytes=False)
+    _dpo(tmp, _PREFS, ref_model=save_tiny(str(tmp / "ref"), other, hidden=32, layers=1))
+
+
+@case("DPO", "`sync_ref_model` with a `ref_model` of other shapes (a padded embedding)", ConfigError,
+      r"sync_ref_model=True mixes the policy's weights into ref_model's, and ref_model's model.embed_tokens.weight "
+      r"is \(128, 32\) where the policy's is \(100, 32\)", kind="crash")
+def dpo_sync_other_shapes(tmp):
+    from posttrain.testing import tiny_model
+
+    _dpo(tmp, _PREFS, ref_model=tiny_model(_tokenizer(), hidden=32, layers=1, vocab_size=128), sync_ref_model=True)
+
+
+@case("DPO", "a cached reference log-prob file changed after it was written (warning; recomputed)", None,
+      r"The cached reference log-probs at <dir>/cache/ref_logps/\w+\.npz do not match the digest stored with them",
+      kind="silently wrong")
+def dpo_cache_changed(tmp):
+    import numpy as np
+
+    previous = os.environ.get("POSTTRAIN_CACHE")
+    os.environ["POSTTRAIN_CACHE"] = str(tmp / "cache")
+    try:
+        _dpo(tmp, _PREFS, precompute_ref_log_probs=True)
+        (path,) = (tmp / "cache" / "ref_logps").iterdir()
+        with np.load(path) as stored:
+            np.savez(path, ref=stored["ref"] - 8.0, sha256=stored["sha256"])
+        _dpo(tmp, _PREFS, precompute_ref_log_probs=True)
+    finally:
+        if previous is None:
+            os.environ.pop("POSTTRAIN_CACHE")
+        else:
+            os.environ["POSTTRAIN_CACHE"] = previous
+
+
+# ------------------------------------------------------------------ issue 33: SFT truncation and tokenized data
+
+_LONG_TEXTS = {"text": ["ab" * n for n in (1, 2, 3, 4, 5)]}  # 3 to 11 tokens with the EOS, 35 in all
+
+
+@case("SFT", "`packing_strategy: bfd` with rows longer than `max_length` (warning; TRL cuts them without a count)",
+      None, r"^train_dataset: 3 of 5 rows \(60\.0%\) were longer than max_length=6 and cut to their first 6 tokens, "
+            r"losing 9 of 35 tokens \(25\.7%\); packing_strategy='bfd_split' keeps them", kind="silently wrong")
+def sft_bfd_cuts_long_rows(tmp):
+    _sft(tmp, _LONG_TEXTS, packing=True, max_length=6)
+
+
+@case("SFT", "unpacked rows longer than `max_length` (warning; TRL cuts them without a count)", None,
+      r"^train_dataset: 3 of 5 rows \(60\.0%\) were longer than max_length=6 and cut to their first 6 tokens, losing "
+      r"9 of 35 tokens \(25\.7%\); raise max_length to keep them, or pack with packing_strategy='bfd_split'",
+      kind="silently wrong")
+def sft_truncation_cuts_long_rows(tmp):
+    _sft(tmp, _LONG_TEXTS, max_length=6)
+
+
+@case("SFT", "an assistant message with `content: None` and no tool_calls (TRL: the template's empty or 'None' turn, "
+      "or its raw error)", DataError,
+      r"^Row 0 of train_dataset has content None in message 1 \(assistant\) of 'messages', which a chat template "
+      r"renders as the text 'None', as nothing or as an error: give the message its text", kind="silently wrong")
+def sft_assistant_content_none(tmp):
+    _sft(tmp, {"messages": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]] * 2})
+
+
+@case("SFT", "content parts a chat template renders as Python text", DataError,
+      r"^Row 0 of train_dataset: the chat template renders the content of message 0, a list of parts, as Python "
+      r"text", kind="silently wrong")
+def sft_parts_as_python(tmp):
+    _sft(tmp, {"messages": [[{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]] * 2})
+
+
+@case("SFT", "tokenized `input_ids` beyond the model's vocabulary (vocabulary + 5; TRL: an index error at step 1, a "
+      "device assert on a GPU)", DataError,
+      r"^Row 1 of train_dataset has token id 105 at position 1 of its input_ids, outside the model's vocabulary of "
+      r"100 ids \(0 to 99, its embedding rows\): tokenize the rows with this model's tokenizer\.$", kind="crash")
+def sft_token_id_beyond_vocabulary(tmp):
+    _sft(tmp, {"input_ids": [[5, 6, 7], [5, 105, 7]]})
+
+
+@case("SFT", "a negative token id in tokenized `input_ids`", DataError,
+      r"^Row 1 of train_dataset has token id -1 at position 1 of its input_ids, outside the model's vocabulary",
+      kind="crash")
+def sft_token_id_negative(tmp):
+    _sft(tmp, {"input_ids": [[5, 6, 7], [5, -1, 7]]})
+
+
+@case("SFT", "a token id of 2**40 in tokenized `input_ids`", DataError,
+      r"^Row 1 of train_dataset has token id 1099511627776 at position 1 of its input_ids, outside the model's "
+      r"vocabulary", kind="crash")
+def sft_token_id_huge(tmp):
+    _sft(tmp, {"input_ids": [[5, 6, 7], [5, 2 ** 40, 7]]})
+
+
+@case("SFT", "a tokenizer with more tokens than the model's embedding rows", DataError,
+      r"^Row 0 of train_dataset tokenizes to id 100 \('<\|new\|>'\), beyond the model's 100 embedding rows, as the "
+      r"tokenizer has 101 tokens: resize the model's embeddings", kind="crash")
+def sft_tokenizer_larger_than_model(tmp):
+    from posttrain.sft.trainer import SFTTrainer
+    from posttrain.testing import tiny_model
+
+    grown = _fresh_tokenizer()
+    grown.add_tokens(["<|new|>"])
+    SFTTrainer(tiny_model(_tokenizer(), hidden=32, layers=1),
+               args=SFTConfig(output_dir=str(tmp / "out"), use_cpu=True, report_to="none"),
+               train_dataset=_dataset({"text": ["a<|new|>", "b"]}), processing_class=grown)
+
+
+@case("SFT", "a `completion_mask` with a value other than 0 and 1", DataError,
+      r"^Row 0 of train_dataset has 2 at position 1 of its completion_mask: give 1 where a token is trained on",
+      kind="silently wrong")
+def sft_mask_value(tmp):
+    _sft(tmp, {"input_ids": [[5, 6, 7]] * 2, "completion_mask": [[0, 2, 1]] * 2})
+
+
+@case("SFT", "a file mixing conversational and prompt-completion rows (was: a NoneType in 'prompt')", DataError,
+      r"^Row 1 of train_dataset is prompt-completion data \(prompt, completion\), and its first row is "
+      r"conversational \(messages\): one dataset holds one format")
+def sft_mixed_formats(tmp):
+    _sft(tmp, {"messages": [_CHAT[0], None], "prompt": [None, "2+2="], "completion": [None, "4"]})
+
+
+@case("SFT", "a row with a null `completion`", DataError,
+      r"^Row 1 of train_dataset has null in 'completion', which prompt-completion data needs in every row")
+def sft_null_value(tmp):
+    _sft(tmp, {"prompt": ["a", "b"], "completion": ["c", None]})
+
+
+@case("SFT", "a chat template that skips assistant messages (TRL: trains without the answers)", DataError,
+      r"^Row 0 of train_dataset: the chat template leaves out message 1, the last assistant message .* the template "
+      r"is at fault, not the row", kind="silently wrong")
+def sft_template_drops_answers(tmp):
+    template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    _sft(tmp, {"messages": _CHAT}, tokenizer=_fresh_tokenizer(chat_template=template))
+
+
+@case("SFT", "a chat template that raises on a row (a role order it refuses)", DataError,
+      r"^Row 0 of train_dataset: the chat template raised TemplateError: roles must alternate; fix the row",
+      kind="crash")
+def sft_template_raises(tmp):
+    template = "{% for m in messages %}{{ raise_exception('roles must alternate') if loop.index0 > 0 }}{% endfor %}"
+    _sft(tmp, {"messages": _CHAT}, tokenizer=_fresh_tokenizer(chat_template=template))
+
+
+@case("SFT", "`{% generation %}` markers that enclose no assistant token, with `assistant_only_loss` (was: blamed "
+      "on the row)", DataError,
+      r"^Row 0 of train_dataset has assistant turns, but the chat template's \{% generation %\} markers enclose none "
+      r"of their tokens")
+def sft_markers_enclose_nothing(tmp):
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% if m['role'] == 'assistant' %}{% generation %}{% endgeneration %}{% endif %}{% endfor %}")
+    _sft(tmp, {"messages": _CHAT}, tokenizer=_fresh_tokenizer(chat_template=template), assistant_only_loss=True)
+
+
+@case("SFT", "a formatting function returning '' for every row (was: raise max_length)", DataError,
+      r"^train_dataset has nothing to train on: no row has a token to train on \(row 0: formatting_func returned an "
+      r"empty string for it\); make the function return the row's text")
+def sft_formatting_func_empty(tmp):
+    _sft(tmp, {"text": ["a", "b"]}, formatting_func=lambda row: "")
+
+
+@case("SFT", "a formatting function returning '' for some rows (warning; TRL trains on them, with no loss)", None,
+      r"^train_dataset: 1 of 2 rows had nothing to train on and were left out \(row 0: formatting_func returned an "
+      r"empty string for it", kind="silently wrong")
+def sft_formatting_func_empty_some(tmp):
+    _sft(tmp, {"text": ["a", "bc"]}, formatting_func=lambda row: "" if row["text"] == "a" else row["text"])
+
+
+@case("SFT", "tokenized rows whose `labels` are all -100 (was: raise max_length)", DataError,
+      r"^train_dataset has nothing to train on: no row has a token to train on \(row 0: its labels leave no token "
+      r"after the first to train on\); mark the tokens to train on\.$")
+def sft_labels_all_masked(tmp):
+    _sft(tmp, {"input_ids": [[5, 6, 7]] * 2, "labels": [[-100] * 3] * 2})
+
+
+@case("SFT", "conversational prompt-completion rows whose completion has no assistant message, with "
+      "`assistant_only_loss` (was: blamed on the EOS)", DataError,
+      r"^train_dataset has nothing to train on: .* its completion holds no assistant message, and "
+      r"assistant_only_loss=True trains on assistant turns only\); give every completion an assistant message")
+def sft_completion_without_assistant(tmp):
+    _sft(tmp, {"prompt": [_CHAT[0]] * 2, "completion": [[{"role": "user", "content": "ok"}]] * 2},
+         assistant_only_loss=True)
+
+
+# ------------------------------------------------------------------ issue 33: rewards, saving and run files
+
+
+class _DiskFullAtTheFinalSave:
+    """A callback that makes safetensors' writer fail as on a full disk once training is over (the end-of-training
+    summary is logged just before the final save), and puts it back when the run ends."""
+
+    def __init__(self):
+        import transformers.modeling_utils as modeling
+
+        self.modeling, self.real = modeling, modeling.safe_save_file
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from safetensors import SafetensorError
+
+        def full(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        if "train_runtime" in (logs or {}):
+            self.modeling.safe_save_file = full
+
+    def restore(self):
+        self.modeling.safe_save_file = self.real
+
+
+@case("Storage", "the disk fills while the final model is written (safetensors' SafetensorError)", StorageError,
+      r"^Could not write <dir>/out: the disk is full\. Free some space, fix the permissions, or choose another "
+      r"output_dir\. The newest checkpoint, <dir>/out/checkpoint-2, is kept and holds the weights of step 2\.$",
+      kind="crash")
+def disk_full_at_the_final_save(tmp):
+    full = _DiskFullAtTheFinalSave()
+    trainer = _trainer(tmp, save_strategy="steps", save_steps=1, save_total_limit=1)
+    trainer.add_callback(full)
+    try:
+        trainer.train()  # checkpoint-2 (checkpoint-1 removed), then the final save fails
+    finally:
+        full.restore()
+
+
+@case("Config", "a binary file given to `--config`", ConfigError,
+      r"^Config file <dir>/config\.yaml is not text \(not UTF-8\): give --config a YAML file\.$", kind="crash")
+def binary_config_file(tmp):
+    (tmp / "config.yaml").write_bytes(bytes(range(128, 256)))
+    _parse("--config", str(tmp / "config.yaml"))
+
+
+@case("Config", "an `--accelerate_config` file that is not YAML", ConfigError,
+      r"^The accelerate config file <dir>/accelerate\.yaml is not valid YAML \(while parsing a flow sequence\): fix "
+      r"it, or name another with --accelerate_config\.$", kind="crash")
+def accelerate_config_not_yaml(tmp):
+    from posttrain.launch import plan_devices
+
+    plan_devices(["--config_file", _write(tmp / "accelerate.yaml", "num_processes: [2\n"), "--num_processes", "2"],
+                 use_cpu=False)
+
+
+@case("Model", "`model_init_kwargs` with an attention implementation transformers does not have", ConfigError,
+      r"^model_init_kwargs attn_implementation='flash_attention_9' does not work with model '<dir>/model' "
+      r"\(Specified `attn_implementation=\"flash_attention_9\"` is not supported\. .*\): change it, or leave it out "
+      r"for the default\.$", kind="crash")
+def unknown_attention_implementation(tmp):
+    from posttrain.models import load_causal_lm
+    from posttrain.testing import save_tiny
+
+    load_causal_lm(save_tiny(str(tmp / "model"), _tokenizer(), hidden=16, layers=1),
+                   {"attn_implementation": "flash_attention_9"})
+
+
+@case("Data", "a .csv dataset file that is not text (datasets' \"An error occurred while generating the dataset\")",
+      DataError, r"^<dir>/prompts\.csv could not be read as csv \('utf-8' codec can't decode byte 0x80 in position "
+                 r"0: invalid start byte\): check the file\.$")
+def binary_csv_dataset(tmp):
+    from posttrain.dataset_loading import load_prompt_dataset
+
+    (tmp / "prompts.csv").write_bytes(bytes(range(128, 256)))
+    load_prompt_dataset(str(tmp / "prompts.csv"))
+
+
+from posttrain.training.interrupts import Interrupted  # noqa: E402 - for the case below
+
+
+@case("Rewards", "Ctrl-C while a reward function never returns (no `reward_timeout`, as in TRL)", Interrupted,
+      r"^Interrupted \(SIGINT\) at step 1 of 2 while waiting on reward function 'stuck'; the newest checkpoint is "
+      r"<dir>/out/checkpoint-1: resume with resume_from_checkpoint=true\.$", kind="hang")
+def interrupted_while_a_reward_function_hangs(tmp):
+    import signal
+    import threading
+
+    release = threading.Event()
+
+    def stuck(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # as a Ctrl-C, 0.2 s into the wait
+            release.wait(5.0)  # a run the signal does not stop fails the case rather than hangs it
+        return length_reward(completions)
+
+    try:
+        _trainer(tmp, reward=stuck, save_strategy="steps", save_steps=1).train()
+    finally:
+        release.set()
+
+
+@case("Training", "`top_k: 1` (every completion of a prompt the same: every advantage 0, step after step)", None,
+      r"^frac_reward_zero_std has been 1 for 10 generation batches in a row: every completion of each prompt got the "
+      r"same reward, so every advantage is 0: the policy loss has no gradient and the model learns nothing from these "
+      r"steps\. Likely: top_k=1 samples greedily, so every completion of a prompt is the same\. To change: set "
+      r"top_k=0 \(off\) or larger\.$", kind="silently wrong")
+def greedy_sampling_with_top_k_1(tmp):
+    from posttrain.grpo.flat_rewards import FLAT_BATCHES
+
+    _trainer(tmp, top_k=1, max_steps=FLAT_BATCHES).train()
+
+
+@case("Rewards", "a reward function that ignores the completion (returns 1.0), with `beta: 0.04`", None,
+      r"^frac_reward_zero_std has been 1 for 10 generation batches in a row: every completion of each prompt got the "
+      r"same reward, so every advantage is 0: the rewards carry no signal, and the only gradient left comes from the "
+      r"KL term \(beta=0\.04\), which only pulls the model back towards the reference\. Likely: reward function "
+      r"'constant' returned 1 for every completion \(it does not read the completion, or no completion earned "
+      r"anything else\)\. To change: check that 'constant' scores the completion \(or use prompts the model solves "
+      r"only sometimes\)\.$", kind="silently wrong")
+def reward_ignores_the_completion(tmp):
+    from posttrain.grpo.flat_rewards import FLAT_BATCHES
+
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    _trainer(tmp, reward=constant, beta=0.04, max_steps=FLAT_BATCHES).train()
 
 
 def table(messages: dict[str, str]) -> str:

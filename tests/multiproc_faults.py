@@ -6,13 +6,17 @@ patches one place to fail on one process only, writes the time of the fault to O
 command line as a user would. FAULT is reward (rank 1's reward function raises at step 2), generation (rank 1's
 generator at its second round), data (rank 1's prompt stream breaks after its first round), saving (the main
 process cannot write checkpoint-1), nonfinite (rank 1's loss turns NaN at step 2), nonfinite_grad (rank 1's
-gradient turns NaN at step 2 while its loss stays finite: under DeepSpeed the engine's own step meets it).
+gradient turns NaN at step 2 while its loss stays finite: under DeepSpeed the engine's own step meets it),
+interrupt (both processes' reward functions never return at step 2; once both wait, rank 0 sends the launcher
+SIGINT, as a Ctrl-C in the terminal reaches it). Each process writes its exit code to OUT_DIR/exit_<rank>.
 With PT_ACCELERATE_ON_CPU=1 the test-only patch of tests/accelerate_on_cpu.py is applied first (FSDP and DeepSpeed
 launches on CPU).
 """
 
 import os
+import signal
 import sys
+import threading
 import time
 
 FAULT, OUT = sys.argv[1], sys.argv[2]
@@ -29,6 +33,16 @@ def faulty_reward(completions, trainer_state, **kwargs):
     if FAULT == "reward" and RANK == 1 and trainer_state.global_step == 1:
         _mark()
         raise ValueError("rank 1 cannot score this completion")
+    if FAULT == "interrupt" and trainer_state.global_step == 1:
+        waiting = os.path.join(OUT, "rank1_waits")
+        if RANK == 1:
+            open(waiting, "w").close()
+        else:
+            while not os.path.exists(waiting):
+                time.sleep(0.05)
+            _mark()
+            os.kill(os.getppid(), signal.SIGINT)  # the launcher, which passes it on to every process
+        threading.Event().wait(60)  # never returns (within the test's time)
     return [float(len(c)) for c in completions]
 
 
@@ -127,4 +141,7 @@ if __name__ == "__main__":
         real_init(self, *args, **kwargs)
 
     grpo_trainer.GRPOTrainer.__init__ = init
-    sys.exit(cli.main(["grpo", *sys.argv[sys.argv.index("--") + 1:]]))
+    code = cli.main(["grpo", *sys.argv[sys.argv.index("--") + 1:]])
+    with open(os.path.join(OUT, f"exit_{RANK}"), "w") as f:
+        f.write(str(code))
+    sys.exit(code)

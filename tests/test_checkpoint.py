@@ -277,3 +277,28 @@ def test_resume_identifies_the_model_by_what_it_is_not_how_its_path_is_spelled(t
     with pytest.raises(CheckpointError, match=r"it was written for another model \(its config or weights differ"):
         GRPOTrainer(other, length_reward, tiny_config(tmp_path, max_steps=3), train_dataset=addition_dataset).train(
             resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+
+def test_a_final_save_on_a_full_disk_says_the_weights_are_unsaved_and_a_retry_writes_them(tokenizer, addition_dataset,
+                                                                                          tmp_path):
+    """Without checkpoints the error says that nothing holds the trained weights; the failed save leaves no partial
+    files, and trainer.save_model() writes them once the disk has room (the trainer still holds them)."""
+    from bad_inputs import _DiskFullAtTheFinalSave
+
+    from posttrain.errors import StorageError
+
+    full = _DiskFullAtTheFinalSave()
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, save_strategy="no",
+                       callbacks=[full])
+    try:
+        with pytest.raises(StorageError, match=r"the disk is full\. .* The weights of step 2 are not saved and no "
+                                               r"checkpoint holds them \(from Python, trainer\.save_model\(\) writes "
+                                               r"them once there is space\)\.$"):
+            trainer.train()
+    finally:
+        full.restore()
+    out = tmp_path / "out"
+    assert not (out / ".final.tmp").exists() and not (out / "model.safetensors").exists()
+    trainer.save_model()
+    reloaded = type(trainer.policy).from_pretrained(str(out))
+    assert all(torch.equal(p, reloaded.state_dict()[n]) for n, p in trainer.policy.state_dict().items())

@@ -81,6 +81,38 @@ def test_user_errors_are_one_sentence(tmp_path, capfd):
     assert "Model path './nope' does not exist" in err
 
 
+def _broken_jsonl(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+2=\n')
+    return ["--dataset_name", str(tmp_path / "broken.jsonl")]
+
+
+def _binary_config(tmp_path):
+    (tmp_path / "config.yaml").write_bytes(bytes(range(128, 256)))
+    return ["--config", str(tmp_path / "config.yaml")]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (_broken_jsonl, "Line 2 of "),  # datasets logged "Failed to load JSON from file ..." above it
+    (lambda tmp_path: ["--model_init_kwargs", '{"attn_implementation": "flash_attention_9"}'],
+     "model_init_kwargs attn_implementation='flash_attention_9' does not work"),  # transformers' traceback above it
+    (_binary_config, "is not text (not UTF-8)"),  # yaml's UnicodeDecodeError traceback in its place
+], ids=["broken-jsonl-line", "unknown-attention", "binary-config"])
+def test_a_mistake_whose_cause_is_a_librarys_error_is_one_line_without_its_traceback(bad, message, tmp_path,
+                                                                                      tiny_model_dir, capfd):
+    """A user's mistake that a library reports by raising (or logging, then raising) is the message's one line; the
+    library's traceback or error line is not printed above it (a user's own code's traceback is: see
+    test_reward_errors_are_reported_with_the_user_traceback)."""
+    flags = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)), "--reward_funcs",
+             "accuracy", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]
+    extra = bad(tmp_path)
+    for i in range(0, len(extra), 2):  # the mistake replaces the good flag of its name
+        if extra[i] in flags:
+            del flags[flags.index(extra[i]):flags.index(extra[i]) + 2]
+    code, out, err = _posttrain(["grpo", *flags, *extra], capfd)
+    lines = [line for line in err.splitlines() if line.strip() and "Setting accelerator to CPU" not in line]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("posttrain: error: ") and message in lines[0], err
+
+
 @pytest.mark.multiproc
 def test_two_processes_ddp_on_cpu(tmp_path, tiny_model_dir):
     """`posttrain grpo --accelerate_config multi_gpu --num_processes 2` on a machine without a GPU (none visible) and
@@ -352,11 +384,13 @@ def test_the_devices_found(monkeypatch):
 def test_the_relaunch_runs_on_the_cpu_and_the_run_records_it(devices, monkeypatch, capsys):
     """`posttrain grpo --accelerate_config multi_gpu --num_processes 2` without a GPU: posttrain's launcher, told to
     use the CPU, and one line; a launched process takes the launcher's CPU as its use_cpu (written in its config)."""
+    import types
+
     from posttrain import cli, launch
 
     devices(0)
-    calls = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    calls, launcher = [], types.SimpleNamespace(wait=lambda: 0)  # the launcher, which ends at once
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env: calls.append((cmd, env)) or launcher)
     monkeypatch.delenv(launch.LAUNCHED, raising=False)
     argv = ["grpo", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--accelerate_config", "multi_gpu",
             "--num_processes", "2", "--max_steps", "3"]
@@ -372,6 +406,21 @@ def test_the_relaunch_runs_on_the_cpu_and_the_run_records_it(devices, monkeypatc
     monkeypatch.setenv(launch.LAUNCHED, "1")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     assert cli.main(argv) == 0 and runs[0].use_cpu is True
+
+
+def test_the_relaunching_process_waits_for_the_launcher_through_a_signal():
+    """While `posttrain` waits for the launcher it relaunched, a SIGINT (a Ctrl-C, which the launcher gets too and
+    passes on to its processes) does not end it early, and a SIGTERM sent to it alone is passed on to the launcher."""
+    import threading
+
+    from posttrain.launch import _wait_for
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for delay, signum in ((0.2, signal.SIGINT), (0.4, signal.SIGTERM)):
+        threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
+    assert _wait_for(launcher) == -signal.SIGTERM  # the launcher got the SIGTERM; this process neither
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # its own back
 
 
 def test_processes_on_one_machine_meet_on_a_free_port_unless_a_port_is_named(tmp_path):

@@ -1,7 +1,8 @@
 import pytest
 from datasets import Dataset, IterableDataset
 
-from posttrain.data import DataError, PromptEncoder, PromptSource, load_prompt_dataset
+from posttrain.data import DataError, PromptEncoder, PromptSource
+from posttrain.dataset_loading import load_prompt_dataset
 
 
 def _source(rows, tokenizer, per_round=2, **enc):
@@ -94,7 +95,7 @@ def test_local_dataset_mistakes_get_one_sentence(tmp_path, monkeypatch):
 
 
 def test_a_mixture_entry_names_its_own_setting(tmp_path):
-    from posttrain.data import load_mixture
+    from posttrain.dataset_loading import load_mixture
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n')
     with pytest.raises(DataError, match=r"has no 'test' split \(splits: train\): set the split of its datasets entry "

@@ -16,3 +16,24 @@ def test_demo_learns(tmp_path, monkeypatch):
     lines = [json.loads(line) for line in open(tmp_path / "demo" / "metrics.jsonl")]
     assert lines[-1]["summary"] == summary and len(lines) == 401
     assert (tmp_path / "cache" / "demo-model-v2" / "model.safetensors").exists()
+
+
+def test_an_unwritable_cache_builds_the_demo_model_for_the_run_and_says_so(tmp_path, monkeypatch, capsys):
+    """A read-only or full HOME (here the cache's parent is a file) does not stop the demo: its model is built in a
+    temporary directory, with one line naming the cause and POSTTRAIN_CACHE."""
+    import os
+    import shutil
+
+    from posttrain.demo import demo_model_path
+
+    (tmp_path / "home").write_text("a file, not a directory")
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "home" / "cache"))
+    path = demo_model_path()
+    try:
+        assert os.path.exists(os.path.join(path, "model.safetensors")) and not path.startswith(str(tmp_path))
+        line = capsys.readouterr().out.strip().splitlines()[-1]  # (after DeepSpeed's accelerator line, on first import)
+        assert line == (f"posttrain: Could not cache the demo's model at {tmp_path / 'home' / 'cache'}: a part of the "
+                        f"path is a file, not a directory; built it in {path} for this run (set POSTTRAIN_CACHE to a "
+                        "writable directory to keep it).")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -84,12 +84,106 @@ def test_truncation_per_sequence_and_the_drop_rule(tokenizer, caplog):
                                          "\\(it has no 'rejected' column\\)"),
     ({"prompt": ["a"], "completion": ["b"]}, "prompt/completion is an SFT dataset"),
     ({"prompt": ["a"], "chosen": [""], "rejected": ["c"]}, "Row 0 of train_dataset has an empty chosen completion"),
-    ({"chosen": ["same"], "rejected": ["same"]}, "empty chosen completion once the prompt .* are identical"),
+    ({"chosen": ["a b"], "rejected": ["a b c"]}, "empty chosen completion once the prompt .* one of chosen and "
+                                                 "rejected extends the other"),
+    ({"chosen": ["same"], "rejected": ["same"]}, "train_dataset has no pair left that can teach: of its 1 pairs, 1 "
+                                                 "have the same chosen and rejected tokens"),
     ({"prompt_ids": [[1]], "chosen_ids": [[2]], "rejected_ids": [[]]}, "empty rejected_ids"),
 ])
 def test_bad_pairs_are_one_sentence(tokenizer, columns, message):
     with pytest.raises(DataError, match=message):
         _pairs(tokenizer, columns)
+
+
+def _chat(role, texts):
+    return [[{"role": role, "content": t}] for t in texts]
+
+
+# one pair of each that gives the same answer twice (the index given), as given or once truncated
+SAME_ANSWER_TWICE = {
+    "standard": ({"prompt": ["1+1=", "2+2=", "3+3="], "chosen": ["2", "4", "6"], "rejected": ["3", "4", "7"]}, {}, 1),
+    "conversational": ({"prompt": _chat("user", ["a", "b"]), "chosen": _chat("assistant", ["x", "y"]),
+                        "rejected": _chat("assistant", ["x", "z"])}, {}, 0),
+    "implicit": ({"chosen": ["Q: a b", "Q: same"], "rejected": ["Q: a c", "Q: same"]}, {}, 1),
+    "implicit-conversational": ({"chosen": _chat("user", ["a"]) * 2, "rejected": [
+        _chat("user", ["a"])[0], _chat("user", ["b"])[0]]}, {}, 0),
+    "tokenized": ({"prompt_ids": [[1, 2], [1]], "chosen_ids": [[3], [4]], "rejected_ids": [[3], [5]]}, {}, 0),
+    "keep_start": ({"prompt": ["ab", "cd"], "chosen": ["xyz1", "q"], "rejected": ["xyz2", "r"]},
+                   {"max_length": 5}, 0),
+    "keep_end": ({"prompt": ["ab", "cd"], "chosen": ["1xyz", "q"], "rejected": ["2xyz", "r"]},
+                 {"max_length": 4, "truncation_mode": "keep_end"}, 0),
+}
+
+
+@pytest.mark.parametrize("form", list(SAME_ANSWER_TWICE))
+def test_a_pair_with_the_same_answer_twice_is_dropped_with_one_warning(tokenizer, caplog, form):
+    """Every model gives such a pair's two sequences the same log-prob: sigmoid's loss log 2, no gradient. Dropped
+    in every format and after truncation, counted in one warning naming the cause and the fix."""
+    columns, config, same = SAME_ANSWER_TWICE[form]
+    rows = len(next(iter(columns.values())))
+    pairs = _pairs(tokenizer, columns, **config)
+    assert pairs.index.tolist() == [i for i in range(rows) if i != same]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    truncated = f" (once truncated to max_length={config['max_length']})" if config else ""
+    assert warnings == [f"train_dataset: dropped 1 pairs of {rows} whose chosen and rejected are the same tokens"
+                        f"{truncated}, which teach nothing (every model gives both the same log-prob); remove them "
+                        f"from the dataset{' (raise max_length for those that differ beyond it)' if config else ''}."]
+    for p in range(len(pairs)):  # what is left differs within max_length
+        chosen, rejected = (pairs.rows.tokens[pairs.rows.row(r)] for r in (2 * p, 2 * p + 1))
+        assert not np.array_equal(chosen, rejected)
+
+
+def test_no_pair_left_that_can_teach_is_one_sentence(tokenizer):
+    same = {"prompt": ["abcdef", "ab", "cd"], "chosen": ["x", "x", "yzw1"], "rejected": ["y", "x", "yzw2"]}
+    with pytest.raises(DataError, match=r"^train_dataset has no pair left that can teach: of its 3 pairs, 1 prompts "
+                                        r"alone fill max_length=5 and 1 have the same chosen and rejected tokens and 1 "
+                                        r"have the same chosen and rejected tokens once truncated to max_length=5; "
+                                        r"give pairs whose chosen and rejected answers differ within max_length\.$"):
+        _pairs(tokenizer, same, max_length=5)
+
+
+def test_trl_trains_on_a_pair_with_the_same_answer_twice(tokenizer):
+    """The difference from TRL 1.16 (docs/dpo.md): its prepared dataset keeps the pair, which it then trains on at
+    loss log 2 with no gradient."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from trl import DPOConfig as TRLDPOConfig
+    from trl.trainer.dpo_trainer import DPOTrainer as TRLDPOTrainer
+
+    columns = SAME_ANSWER_TWICE["standard"][0]
+    trl_args = TRLDPOConfig(output_dir="unused", report_to="none", use_cpu=True)
+    theirs = TRLDPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), Dataset.from_dict(columns),
+                                            tokenizer, trl_args, "train")
+    assert len(theirs) == 3 and theirs[1]["chosen_ids"] == theirs[1]["rejected_ids"]
+    assert len(_pairs(tokenizer, columns)) == 2
+
+
+def test_every_process_drops_the_same_pairs_and_the_main_one_says_so(tokenizer, caplog):
+    """Map-style: each process prepares every pair, so the drop is the same everywhere; a stream's blocks too, before
+    a micro-batch is shared out. Only the announcing (main) process warns."""
+    from posttrain.sequences.batches import StreamBatches
+
+    columns = {"prompt": [f"{i}+{i}=" for i in range(6)], "chosen": ["a", "b", "c", "d", "e", "f"],
+               "rejected": ["a", "x", "c", "y", "z", "w"]}
+    dataset = Dataset.from_dict(columns)
+    args = DPOConfig(output_dir="unused")
+
+    def preparation(rank):
+        return PairPreparation(PairEncoder(tokenizer, dataset[0]), args, "train_dataset", announce=rank == 0)
+
+    kept = [prepare_pairs(dataset, preparation(rank)).index.tolist() for rank in (1, 0)]
+    assert kept == [[1, 3, 4, 5]] * 2
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    caplog.clear()
+    shared = []
+    for rank in (1, 0):
+        stream = StreamBatches(dataset.to_iterable_dataset(), preparation(rank), 1, 2, 1, rank)
+        shared.append([stream.next_step()[0].index.tolist() for _ in range(2)])
+    assert shared == [[[3], [5]], [[1], [4]]]  # the 4 pairs left, alternately to each process
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "train_dataset: dropped 2 pairs at rows 0-5 whose chosen and rejected are the same tokens, which teach nothing "
+        "(every model gives both the same log-prob); remove them from the dataset."]
 
 
 def test_ld_alpha_weights_a_hand_computed_pair_with_a_prompt_longer_than_both_completions(tokenizer):

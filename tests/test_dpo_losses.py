@@ -119,3 +119,32 @@ def test_the_losses_match_trls_formulas():
         ours = PAIR_LOSSES[name](PairTerms(seq[:2], seq[2:], ref_seq[:2], ref_seq[2:], torch.full((2,), 3.0),
                                            torch.full((2,), 3.0), B, smoothing)).mean()
         assert float(ours) == pytest.approx(theirs, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_LOSSES) + ["sft"])
+def test_beta_zero_is_refused_exactly_where_it_leaves_nothing_to_learn(name):
+    """With beta=0 each loss is either undefined (ipo, sppo_hard divide by it) or a constant of the log-probs (no
+    gradient), worked out here from the loss itself; the config refuses exactly those, and sft (no beta) trains."""
+    from posttrain.configs import ConfigError, DPOConfig
+
+    if name == "sft":
+        assert DPOConfig(output_dir="unused", beta=0.0, loss_type="sft").beta == 0.0
+        return
+    chosen, rejected = torch.tensor([-1.0, -3.0], requires_grad=True), torch.tensor([-2.0, -0.5], requires_grad=True)
+    terms = _terms(chosen_logps=chosen, rejected_logps=rejected, ref_chosen=torch.tensor([-1.5, -1]),
+                   ref_rejected=torch.tensor([-1.5, -2]), chosen_tokens=torch.tensor([2.0, 3.0]),
+                   rejected_tokens=torch.tensor([4.0, 1.0]), beta=0.0)
+    try:
+        loss = PAIR_LOSSES[name](terms).sum()
+    except ZeroDivisionError:
+        loss = torch.tensor(math.inf)
+    if torch.isfinite(loss):
+        loss.backward()
+        assert float(chosen.grad.abs().sum() + rejected.grad.abs().sum()) == 0.0
+        expected = rf"beta=0 makes the {name} loss a constant with no gradient"
+    else:
+        expected = rf"beta=0 divides by zero in the {name} loss"
+    with pytest.raises(ConfigError, match=expected):
+        DPOConfig(output_dir="unused", beta=0.0, loss_type=[name, "sft"], label_smoothing=0.1)
+    with pytest.raises(ConfigError, match=r"beta=-0.1 must be >= 0"):
+        DPOConfig(output_dir="unused", beta=-0.1, loss_type=name, label_smoothing=0.1)

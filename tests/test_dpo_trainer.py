@@ -186,7 +186,7 @@ def test_resume_continues_bit_for_bit(tokenizer, tmp_path, monkeypatch, options)
 def test_resume_uses_the_checkpoints_reference_logps(tokenizer, tmp_path, monkeypatch):
     """The reference log-probs a run trained against are in its checkpoints, and a resumed run trains against them,
     whatever the cache now holds."""
-    import numpy as np
+    from posttrain.dpo.reference import save_cached
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     common = dict(max_steps=4, per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
@@ -194,11 +194,91 @@ def test_resume_uses_the_checkpoints_reference_logps(tokenizer, tmp_path, monkey
     first, _, _ = _train(tokenizer, tmp_path, callbacks=[StopAt(2)], **common)
     saved = first.batches.rows.ref.copy()
     (cached,) = (tmp_path / "cache" / "ref_logps").iterdir()
-    np.save(cached, saved - 1.0)  # a stale cache entry under the same key
+    save_cached(cached.stem, saved - 1.0)  # a stale cache entry under the same key, with its digest
     resumed, _, _ = _train(tokenizer, tmp_path, train=False, **common)
     assert (resumed.batches.rows.ref == saved - 1.0).all()
     resumed.train(resume_from_checkpoint=True)
     assert (resumed.batches.rows.ref == saved).all()
+
+
+def test_the_reference_cache_is_keyed_by_every_weight(tokenizer, tmp_path, monkeypatch):
+    """A model that differs from a cached one in one weight element outside model_fingerprint's sample gets its own
+    reference log-probs: with learning rate 0 its first step's rewards are 0 (it is its own reference)."""
+    from posttrain.training.checkpoint import model_fingerprint
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    common = dict(max_steps=1, per_device_train_batch_size=16, precompute_ref_log_probs=True, learning_rate=0.0)
+    first, _, _ = _train(tokenizer, tmp_path / "a", **common)
+    other = tiny_model(tokenizer, hidden=32, layers=1)
+    weight = other.get_input_embeddings().weight  # [100, 32]: the sample takes every 3rd element, never the 2nd
+    with torch.no_grad():
+        weight.view(-1)[1] += 5.0
+    assert model_fingerprint(other) == model_fingerprint(tiny_model(tokenizer, hidden=32, layers=1))
+    second, _, _ = _train(tokenizer, tmp_path / "b", model=other, **common)
+    assert len(list((tmp_path / "cache" / "ref_logps").iterdir())) == 2
+    assert not (first.batches.rows.ref == second.batches.rows.ref).any()
+    for trainer in (first, second):
+        record = _records(trainer)[0]
+        assert record["rewards/chosen"] == record["rewards/rejected"] == record["rewards/margins"] == 0.0
+
+
+def test_a_cached_file_changed_after_writing_is_recomputed(tokenizer, tmp_path, monkeypatch, caplog):
+    import numpy as np
+
+    from posttrain.dpo.reference import load_cached, save_cached
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    common = dict(max_steps=1, per_device_train_batch_size=4, precompute_ref_log_probs=True, train=False)
+    first, _, _ = _train(tokenizer, tmp_path, **common)
+    right = first.batches.rows.ref.copy()
+    (path,) = (tmp_path / "cache" / "ref_logps").iterdir()
+    with np.load(path) as stored:  # the right shape, other values, the digest of the right ones
+        np.savez(path, ref=stored["ref"] - 8.0, sha256=stored["sha256"])
+    caplog.clear()
+    again, _, _ = _train(tokenizer, tmp_path, **common)
+    assert (again.batches.rows.ref == right).all()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"The cached reference log-probs at {path} do not match the digest stored with them (the file was changed "
+        "after it was written): computing them again."]
+    assert (load_cached(path.stem, len(right)) == right).all()  # rewritten whole
+    path.write_bytes(path.read_bytes()[:-10])  # cut short
+    assert load_cached(path.stem, len(right)) is None and "cannot be read" in caplog.records[-1].getMessage()
+    save_cached(path.stem, right)
+    assert load_cached(path.stem, len(right) + 1) is None and "not the finite [17, 2]" in caplog.records[-1].message
+
+
+def test_a_reference_of_another_vocabulary_is_refused(tokenizer, tmp_path):
+    """Fewer embedding rows than the tokenizer's tokens, or a tokenizer saved beside the reference that gives an id
+    another token: refused when the trainer is built. A padded embedding is the same vocabulary and trains."""
+    import string
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.testing import save_tiny, tiny_tokenizer
+
+    digits = tiny_tokenizer(string.digits, all_bytes=False)
+    with pytest.raises(ConfigError, match=r"^ref_model's embedding has 14 rows and the tokenizer \(processing_class\) "
+                                          r"has 100 tokens, so ref_model was built for another vocabulary: pass a "
+                                          r"ref_model that uses the policy's tokenizer, or omit ref_model"):
+        _train(tokenizer, tmp_path, ref_model=tiny_model(digits, hidden=32, layers=1), train=False)
+    shuffled = tiny_tokenizer(string.ascii_letters + string.digits + string.punctuation + " \n", all_bytes=False)
+    other = save_tiny(str(tmp_path / "other"), shuffled, hidden=32, layers=1)  # as many tokens, other ids
+    message = (r"^ref_model's tokenizer \(.*other\) gives id 4 to 'a' where the processing_class gives it to '0', so "
+               r"the reference would score other tokens than the policy: pass a ref_model")
+    for ref in (other, AutoModelForCausalLM.from_pretrained(other)):  # a path, or a model loaded from one
+        with pytest.raises(ConfigError, match=message):
+            _train(tokenizer, tmp_path, ref_model=ref, train=False)
+    same = save_tiny(str(tmp_path / "same"), tokenizer, hidden=32, layers=1, vocab_size=128)  # padded: accepted
+    padded = tiny_model(tokenizer, hidden=32, layers=1, seed=3)
+    padded.resize_token_embeddings(len(tokenizer) + 1, pad_to_multiple_of=64)  # 128 rows
+    for ref in (same, padded):
+        trainer, _, _ = _train(tokenizer, tmp_path, ref_model=ref, max_steps=1)
+        assert trainer.ref_model.get_input_embeddings().num_embeddings == 128
+        assert math.isfinite(_records(trainer)[0]["loss"])
+    with pytest.raises(ConfigError, match=r"^sync_ref_model=True mixes the policy's weights into ref_model's, and "
+                                          r"ref_model's model.embed_tokens.weight is \(128, 32\) where the policy's is "
+                                          r"\(100, 32\)"):
+        _train(tokenizer, tmp_path, ref_model=padded, sync_ref_model=True, train=False)
 
 
 def test_sync_ref_model_moves_the_reference(tokenizer, tmp_path):

@@ -25,13 +25,15 @@ FAULTS = {
 }
 
 
-def _run_with_fault(fault: str, launch: list[str], tmp_path, model_dir: str, timeout: int, **env):
-    """`accelerate launch <launch> multiproc_faults.py FAULT` of a 4-step GRPO run on 16 prompts."""
+def _run_with_fault(fault: str, launch: list[str], tmp_path, model_dir: str, timeout: int,
+                    launcher: str = "accelerate.commands.launch", **env):
+    """`accelerate launch <launch> multiproc_faults.py FAULT` of a 4-step GRPO run on 16 prompts (`launcher`: the
+    module that launches, accelerate's or posttrain.launch)."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", *launch,
+    cmd = [sys.executable, "-m", launcher, "--main_process_port", "0", *launch,
            os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--",
            "--model_name_or_path", model_dir, "--dataset_name", str(data),
            "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
@@ -54,6 +56,26 @@ def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
     assert ended - fault_time < 30, ended - fault_time  # stopped within seconds, not at a collective's timeout
     lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
     assert len(lines) == 1 and FAULTS[fault] in lines[0], out.stderr[-3000:]  # the original message, once
+
+
+@pytest.mark.multiproc
+def test_a_signal_while_both_processes_wait_on_a_reward_function_stops_both(tmp_path, tiny_model_dir):
+    """Both processes wait at step 2 on a reward function that never returns; SIGINT reaches the launcher (as a
+    Ctrl-C does), which passes it on: each process stops at once, together, with one sentence printed once, and the
+    launcher exits 130 without a traceback."""
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    out = _run_with_fault("interrupt", launch, tmp_path, tiny_model_dir, timeout=240, launcher="posttrain.launch")
+    ended = time.time()
+    fault_time = float((tmp_path / "fault_time").read_text())
+    print(f"interrupt: both processes stopped {ended - fault_time:.1f} s after the signal")
+    assert ended - fault_time < 20, ended - fault_time  # not the launcher's SIGKILL, 30 s on
+    assert [(tmp_path / f"exit_{rank}").read_text() for rank in (0, 1)] == ["130", "130"]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain:")]
+    assert lines == [f"posttrain: Interrupted (SIGINT) at step 1 of 4 while waiting on reward function "
+                     f"'faulty_reward'; the newest checkpoint is {tmp_path}/out/checkpoint-1: resume with "
+                     "resume_from_checkpoint=true."], out.stderr[-3000:]
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.multiproc

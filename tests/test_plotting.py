@@ -66,7 +66,7 @@ def _reward_panel(run) -> tuple[list[str], list[float], int]:
     pytest.importorskip("matplotlib")
     from posttrain.plotting import _close, _figure
 
-    figure = _figure([str(run)])
+    figure = _figure([str(run)], [read_metrics(str(run))])
     try:
         ax = next(ax for ax in figure.axes if ax.get_title() == "reward")
         handles, labels = ax.get_legend_handles_labels()

@@ -221,3 +221,68 @@ def test_first_and_last_are_a_tenth_of_the_logged_records_at_each_end():
     rows, note = movements({7: {"step": 7, "loss": 2.0}}, "SFT")
     assert rows == [("loss", 2.0, 2.0, "7", "loss")]
     assert note == "One training record is logged (step 7): nothing has moved yet."
+
+
+# each way a run's file can be damaged (a crash, a full disk, an editor): the file, and a change of its lines
+DAMAGE = {
+    "metrics: not UTF-8": ("metrics.jsonl", lambda lines: lines[:1] + [b'{"step": 2, "loss": "\xff\xfe"}'] + lines[2:]),
+    "metrics: a line cut short": ("metrics.jsonl", lambda lines: lines[:1] + [lines[1][:30]] + lines[2:]),
+    "metrics: not objects, steps not whole numbers": (
+        "metrics.jsonl", lambda lines: lines[:1] + [b"[1, 2]", b"null", b'{"step": "two"}', b'{"step": 2.5}',
+                                                    b'{"loss": 1.0}', b'{"step": -1}'] + lines[2:]),
+    "completions: not UTF-8, cut short, fields of other types": (
+        "completions.jsonl", lambda lines: lines[:1] + [b'{"step": 1, "prompt": "\xff"}', lines[1][:25], b"[1]",
+                                                        b'{"step": 1, "prompt": 5}', b'{"step": 1, "rewards": "x"}',
+                                                        b'{"step": 1, "rewards": {"f": "z"}}',
+                                                        b'{"step": 1, "advantage": "y"}'] + lines[2:]),
+    "completions: binary": ("completions.jsonl", lambda lines: [bytes(range(256))]),
+    "config: not YAML": ("posttrain_config.yaml", lambda lines: [b"learning_rate: [1, 2", b"  b: {"]),
+    "config: not UTF-8": ("posttrain_config.yaml", lambda lines: [b"\xff\xfe\x00"]),
+    "config: a list": ("posttrain_config.yaml", lambda lines: [b"- 1", b"- 2"]),
+    "summary, state, model header damaged": ("model.safetensors", lambda lines: [
+        (40).to_bytes(8, "little") + b'{"w": {"shape": "ab", "dtype": 5}}     ']),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_run_files_are_skipped_and_named_and_the_rest_drawn(damage, tmp_path, capfd, caplog):
+    """`posttrain plot` and `posttrain report` on a run whose file is damaged: exit 0, the intact steps drawn, each
+    skipped part named in one warning per command (and on the report's page); the files only the report reads (the
+    summary, a checkpoint's state, config.json, a weight file's header) damaged beside it are left out quietly."""
+    from conftest import run_posttrain
+
+    from posttrain.report.tables import escape
+
+    out = _run_dir(tmp_path)
+    name, change = DAMAGE[damage]
+    lines = (out / name).read_bytes().split(b"\n")[:-1]
+    (out / name).write_bytes(b"\n".join(change(lines)) + b"\n")
+    if damage.startswith("summary"):
+        (out / "all_results.json").write_bytes(b'{"train_runtime": 1.')
+        (out / "checkpoint-3" / "trainer_state.json").write_bytes(b"[1, 2]")
+        (out / "config.json").write_bytes(b'{"architectures": 5}')
+    with caplog.at_level("WARNING", logger="posttrain"):
+        plot = run_posttrain(["plot", str(out), "--out", str(tmp_path / "p.svg")], capfd)
+        plot_said = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        report = run_posttrain(["report", str(out)], capfd)
+        report_said = [r.getMessage() for r in caplog.records]
+    assert plot.returncode == 0 and report.returncode == 0, plot.stderr + report.stderr
+    assert "reward" in (tmp_path / "p.svg").read_text()
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert page.count("<svg") == 1  # the intact steps' curves
+    kind = damage.split(":")[0]
+    expected = {"metrics": "metrics.jsonl: skipped", "completions": "completions.jsonl: skipped",
+                "config": "posttrain_config.yaml "}.get(kind)
+    if kind == "metrics":  # the plot reads metrics.jsonl only
+        assert len(plot_said) == 1 and plot_said[0].startswith(f"{out}: {expected}"), plot_said
+    else:
+        assert plot_said == []
+    if expected is None:
+        assert report_said == [] and "Qwen2ForCausalLM" not in page
+        return
+    assert len(report_said) == 1 and report_said[0].startswith(f"{out}: {expected}"), report_said
+    note = report_said[0].split(": ", 1)[1]
+    assert note.endswith(".") and escape(note) in page
+    if kind == "completions" and not damage.endswith("binary"):
+        assert "<h3>Step 1 (3 of 3 completions)</h3>" in page  # step 1 rows but the one cut short

@@ -186,6 +186,59 @@ def test_reward_timeout_skips_under_on_bad_reward_skip():
     assert score(funcs[1:], ["p"], ["x"], [[1]], {}, None, step=1, timeout=None).tolist() == [[-0.125]]
 
 
+def test_an_interrupt_inside_a_reward_function_leaves_it_as_it_is():
+    """An interrupt raised inside a function (timeouts.InterruptedWaiting, a KeyboardInterrupt) is neither taken for
+    the function's failure nor probed for a failing completion, whether the function is async or not, and whatever
+    it catches (`except Exception`)."""
+    from posttrain.timeouts import InterruptedWaiting, waited_on
+
+    calls, seen = [], []
+
+    def interrupted(completions, **kw):
+        calls.append(1)
+        seen.append(waited_on())
+        try:
+            raise InterruptedWaiting(2, "reward function 'interrupted'")
+        except Exception:  # a user's catch-all does not keep it
+            return [0.0] * len(completions)
+
+    async def interrupted_async(completions, **kw):
+        calls.append(1)
+        seen.append(waited_on())
+        raise InterruptedWaiting(2, "reward function 'interrupted_async'")
+
+    for fn in (interrupted, interrupted_async):
+        calls.clear()
+        with pytest.raises(InterruptedWaiting):
+            _score([fn], ["a", "b"])
+        assert calls == [1]
+    assert seen == ["reward function 'interrupted'", "reward function 'interrupted_async'"]
+    assert waited_on() is None  # the marks are gone with the calls
+
+
+def test_async_rewards_threads_keep_no_process_alive():
+    """A thread an async reward function starts (asyncio.to_thread, run_in_executor) is a daemon thread, and the
+    loop closes without waiting for it: one that never returns cannot keep the process from exiting."""
+    import threading
+
+    from posttrain.rewards.async_calls import run_async
+
+    release = threading.Event()
+
+    async def leaves_a_thread(completions, **kw):
+        asyncio.get_running_loop().run_in_executor(None, release.wait)
+        return await asyncio.to_thread(lambda: [1.0] * len(completions))
+
+    try:
+        start = time.perf_counter()
+        assert run_async([leaves_a_thread(["a"])]) == [[1.0]]
+        assert time.perf_counter() - start < 1.0
+        waiting = [t for t in threading.enumerate() if t.name == "posttrain-reward-thread" and t.is_alive()]
+        assert waiting and all(t.daemon for t in waiting)
+    finally:
+        release.set()
+
+
 def test_numpy_and_torch_scalars_count_as_numbers():
     import numpy as np
 

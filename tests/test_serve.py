@@ -1,9 +1,12 @@
 """`posttrain serve` and its client, end to end over real sockets on 127.0.0.1: the wire format, generation equal to
 the in-process generator, verified weight sync (LoRA merged), versions, auth, and faults that must raise one
-sentence within their timeout instead of hanging."""
+sentence within their timeout instead of hanging. Requests that must be refused (limits, the host check, bad values,
+update ownership and deadlines) go to the app in this process, through `asgi` (no socket, no server)."""
 
+import asyncio
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -32,14 +35,14 @@ PROMPTS = [[5, 76, 5, 84]] * 4 + [[7, 76, 9, 84, 11]] * 4  # two groups of 4, of
 
 
 @contextlib.contextmanager
-def running(engine, api_key=None):
+def running(engine, api_key=None, limits=None):
     """The app on a real uvicorn server, on a free port of 127.0.0.1, in a thread; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as serve() does
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key, limits), log_level="error"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -173,12 +176,13 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_lives_on(tokenizer):
             client.completions([[5] * 60], 1, 0, long)
         with pytest.raises(GenerationError, match=r"422: body.n: Input should be greater than or equal to 1"):
             client.completions([[5, 6]], 0, 0, PARAMS)
-        client._call("POST", "/start_weight_update", 5, retry=False, json={"weight_version": "v9"})
+        opened = client._call("POST", "/start_weight_update", 5, retry=False, json={"weight_version": "v9"})
         with pytest.raises(GenerationError, match="409: a weight update to version 'v9' is in progress"):
             client.completions([[5, 6]], 1, 0, PARAMS)
         bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer)), 1 << 30))
         data = bytearray(wire.Body(bucket, aliases).to_bytes())
-        headers = {"X-Weight-Version": "v9", "X-Bucket-Digest": wire.bucket_digest(bucket)}
+        headers = {"X-Weight-Version": "v9", "X-Bucket-Digest": wire.bucket_digest(bucket),
+                   "X-Update-Id": opened["update_id"]}
         data[-100] ^= 1  # a flipped bit in transit
         response = requests.post(f"{url}/update_weights", data=bytes(data), headers=headers, timeout=10)
         assert response.status_code == 400 and "corrupted in transit" in response.json()["error"]
@@ -210,9 +214,11 @@ def test_no_server_raises_within_the_connect_timeout():
 
 
 def test_a_hung_generate_raises_within_the_request_timeout(tokenizer):
+    released = threading.Event()
+
     class Hanging(TransformersEngine):
         def generate(self, *args, **kwargs):
-            time.sleep(30)
+            released.wait(30)
 
     with running(Hanging(tiny_model(tokenizer), tokenizer)) as url:
         client = _client(url, request_timeout=1.0)
@@ -220,6 +226,7 @@ def test_a_hung_generate_raises_within_the_request_timeout(tokenizer):
         with pytest.raises(GenerationError, match="did not answer POST /v1/completions within 1 s"):
             client.completions([[5, 6]], 1, 0, PARAMS)
         assert time.time() - start < 5
+        released.set()  # the server can then stop at once
 
 
 def test_a_500_on_a_bucket_is_retried(tokenizer):
@@ -265,6 +272,457 @@ def test_a_server_killed_mid_sync_raises_instead_of_hanging(tmp_path, tiny_model
         assert time.time() - start < 10
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------------- in process: the app without a socket
+
+
+def asgi(app, method, path, body=b"", headers=None, host="127.0.0.1:8000", pieces=None, disconnect=False):
+    """One request to `app` in this process, no socket: (status, JSON answer). `body` goes in one piece with its
+    Content-Length unless `headers` gives one; `pieces` (any iterable) sends the body in those pieces instead, and
+    with `disconnect` the client leaves after them. `host` None sends no Host header."""
+
+    async def run():
+        given = {k.lower(): str(v) for k, v in (headers or {}).items()}
+        if pieces is None:
+            given.setdefault("content-length", str(len(body)))
+        chunks = iter(pieces if pieces is not None else [body])
+        raw = ([(b"host", host.encode())] if host is not None else []) + [(k.encode(), v.encode())
+                                                                           for k, v in given.items()]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": raw, "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+        answered, out = asyncio.Event(), {"body": b""}
+        pending = [next(chunks, None)]
+
+        async def receive():
+            if pending[0] is not None:
+                chunk, pending[0] = pending[0], next(chunks, None)
+                return {"type": "http.request", "body": chunk, "more_body": pending[0] is not None or disconnect}
+            if not disconnect:
+                await answered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                out["status"] = message["status"]
+            else:
+                out["body"] += message.get("body", b"")
+                if not message.get("more_body"):
+                    answered.set()
+
+        await app(scope, receive, send)
+        return out["status"], json.loads(out["body"])
+
+    return asyncio.run(run())
+
+
+JSON = {"Content-Type": "application/json"}
+GENERATE = {"prompt": [[5, 6]], "n": 2, "max_tokens": 3, "seed": 0, "return_weight_versions": True}
+
+
+def post(app, path, body, headers=None, **kwargs):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return asgi(app, "POST", path, raw, {**JSON, **(headers or {})}, **kwargs)
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _app(tokenizer, limits=None, api_key=None):
+    """(app, engine, clock): the app in process over a tiny model, its updates abandoned after 60 s of the clock."""
+    clock = Clock()
+    engine = TransformersEngine(tiny_model(tokenizer), tokenizer, max_model_len=64, name="tiny", update_timeout=60,
+                                clock=clock)
+    return make_app(engine, api_key, limits), engine, clock
+
+
+def _bucket_headers(update_id, version, bucket, **extra):
+    return {"X-Weight-Version": version, "X-Update-Id": update_id, "X-Bucket-Digest": wire.bucket_digest(bucket),
+            "X-Bucket": "1", **extra}
+
+
+def _send_bucket(app, update_id, version, bucket, aliases, **extra):
+    body = wire.Body(bucket, aliases).to_bytes()
+    return asgi(app, "POST", "/update_weights", body, _bucket_headers(update_id, version, bucket, **extra))
+
+
+def _start(app, version):
+    status, answer = post(app, "/start_weight_update", {"weight_version": version})
+    assert status == 200, answer
+    return answer["update_id"]
+
+
+def _push_in_process(app, named, version, max_bytes=1 << 30):
+    """A whole update through the app: (status, answer) of its finish."""
+    update_id = _start(app, version)
+    for bucket, aliases in wire.buckets(named, max_bytes):
+        status, answer = _send_bucket(app, update_id, version, bucket, aliases)
+        assert status == 200, answer
+    return post(app, "/finish_weight_update", {"weight_version": version, "update_id": update_id})
+
+
+def test_one_request_cannot_take_the_server_memory(tokenizer):
+    """Sequences, tokens and bytes are bounded, each refusal naming the option that raises it; a weight bucket's
+    owner and size are checked before memory is taken for its body (a 3 GiB Content-Length with 1 KiB sent)."""
+    import tracemalloc
+
+    from posttrain.serving.routes import Limits
+
+    limits = Limits(max_num_seqs=8, max_batch_tokens=100, max_bucket_bytes=4096)
+    app, engine, _ = _app(tokenizer, limits)
+    status, answer = post(app, "/v1/completions", {"prompt": [[5, 6]], "n": 10 ** 9})
+    assert status == 413 and answer["error"] == (
+        "the request asks for 1000000000 sequences (1 prompt(s) x n=1000000000), more than this server's "
+        "max_num_seqs=8: send fewer per request, or restart it with a larger --max_num_seqs.")
+    status, answer = post(app, "/v1/completions", {"prompt": [[5, 6]] * 9})
+    assert status == 413 and "9 sequences (9 prompt(s) x n=1)" in answer["error"]
+    status, answer = post(app, "/v1/completions", {"prompt": [[5, 6, 7, 8]] * 4, "n": 2, "max_tokens": 10})
+    assert status == 413 and answer["error"].startswith("the request holds 112 tokens (8 sequences x (longest "
+                                                        "prompt + max_tokens=10))")
+    assert "--max_batch_tokens" in answer["error"]
+    assert post(app, "/v1/completions", {"prompt": [[5, 6, 7, 8]] * 4, "max_tokens": 10})[0] == 200  # 56 tokens
+    # JSON bodies: a declared length over the limit is refused unread, a chunked one once it passes it
+    status, answer = asgi(app, "POST", "/v1/completions", b"{}", {**JSON, "Content-Length": 1 << 40})
+    assert status == 413 and "--max_batch_tokens" in answer["error"]
+    megabyte = b" " * (1 << 20)
+    status, answer = asgi(app, "POST", "/v1/completions", headers=JSON,
+                          pieces=[megabyte] * (limits.max_json_bytes // len(megabyte) + 2))
+    assert status == 413
+    huge = {"Content-Length": 3 << 30, "X-Weight-Version": "v1", "X-Update-Id": "0" * 32,
+            "X-Bucket-Digest": "0" * 64}
+    tracemalloc.start()
+    try:
+        status, answer = asgi(app, "POST", "/update_weights", b"\0" * 1024, huge)
+        assert status == 409 and answer["error"].startswith("no weight update is open")
+        update_id = _start(app, "v1")
+        status, answer = asgi(app, "POST", "/update_weights", b"\0" * 1024, {**huge, "X-Update-Id": update_id})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert status == 413 and "more than this server takes in one" in answer["error"]
+    assert "--max_bucket_bytes" in answer["error"] and peak < 64 << 20
+    assert asgi(app, "GET", "/health")[0] == 200
+
+
+def test_the_client_fits_its_requests_and_buckets_to_the_server_limits(tokenizer):
+    """A round larger than max_num_seqs / max_batch_tokens is split over several requests and samples what the
+    in-process generator samples; buckets are packed within the server's max_bucket_bytes, and a tensor larger
+    than it stops the push with the option to raise."""
+    from posttrain.serving.routes import Limits
+
+    engine = _engine(tokenizer)
+    sizes = []
+    generate = engine.generate
+
+    def recording(prompts, n, *args):
+        sizes.append(len(prompts) * n)
+        return generate(prompts, n, *args)
+
+    engine.generate = recording
+    largest = 4 * engine.largest_tensor_elements
+    loaded = []
+    load = engine.load
+    engine.load = lambda tensors, *args: (loaded.append(sum(t.numel() * 4 for t in tensors.values())),
+                                          load(tensors, *args))
+    with running(engine, limits=Limits(max_num_seqs=3, max_batch_tokens=3 * (5 + 6), max_bucket_bytes=largest)) \
+            as url:
+        model = tiny_model(tokenizer)
+        generator = ServerGenerator(_client(url), PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=3)
+        split, whole = generator.generate(PROMPTS), _in_process(model, tokenizer, _first_request_seed(3))
+        assert sorted(sizes) == [1, 1, 3, 3]  # each group of 4 as 3 + 1 (the requests are sent together)
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos"):
+            assert torch.equal(getattr(split, name), getattr(whole, name)), name
+        # the same tokens; their log-probs from batches of other shapes, equal but for the last bits
+        assert torch.allclose(split.sampler_logprobs, whole.sampler_logprobs, atol=1e-5)
+        generator.sync_weights(export_weights(tiny_model(tokenizer, seed=1)))
+        assert len(loaded) > 1 and max(loaded) <= largest
+        big = torch.zeros((largest + wire.MAX_HEADER_BYTES) // 8 + 1, dtype=torch.float64)  # past the header room
+        with pytest.raises(GenerationError, match=rf"Weight 'big' alone has {big.numel() * 8} bytes, more than the "
+                                                  rf"generation server at {url} takes in one bucket "
+                                                  rf"\(max_bucket_bytes={largest}\): restart it with "
+                                                  r"--max_bucket_bytes \d+ or more"):
+            generator.client.push([("big", big)], "too-big")
+
+
+def test_without_a_key_only_loopback_names_are_answered(tokenizer):
+    """DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1 sends its own Host (and
+    Origin); without an API key the server answers loopback names only, and nothing is opened."""
+    app, engine, _ = _app(tokenizer)
+    for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.nip.io", "localhost.attacker.example", None):
+        status, answer = post(app, "/start_weight_update", {"weight_version": "evil"}, host=host)
+        assert status == 403, host
+        assert answer["error"] == (f"this server has no API key, so it answers only requests addressed to a loopback "
+                                   f"name (localhost, 127.0.0.1, [::1]), and the Host header is "
+                                   f"{repr(host) if host else 'missing'}: use one of "
+                                   "those names in the URL, or start the server with an API key.")
+    assert engine.update is None
+    status, answer = post(app, "/v1/completions", GENERATE, {"Origin": "http://attacker.example"})
+    assert status == 403 and "the Origin header is 'http://attacker.example'" in answer["error"]
+    for host in ("localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000", "0.0.0.0:8000", "127.0.0.2"):
+        assert post(app, "/v1/completions", GENERATE, host=host)[0] == 200, host
+    assert post(app, "/v1/completions", GENERATE, {"Origin": "http://localhost:3000"})[0] == 200
+    keyed = make_app(engine, "s3cret")  # a key guards it: any name may reach it
+    assert asgi(keyed, "GET", "/health", host="gpu-box.internal:8000")[0] == 401
+    assert asgi(keyed, "GET", "/health", host="gpu-box.internal:8000",
+                headers={"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_an_update_is_owned_and_one_left_silent_is_abandoned(tokenizer):
+    """A sender that leaves mid-bucket does not block generation for good: after weight_update_timeout without a
+    call its update is abandoned and, nothing having been loaded, the previous version is served again. While it
+    lives, nobody else can take it over or send into it; a bucket still arriving keeps it alive."""
+    app, engine, clock = _app(tokenizer)
+    before = post(app, "/v1/completions", GENERATE)[1]["choices"]
+    update_id = _start(app, "v1")
+    bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer, seed=1)), 1 << 30))
+    body = wire.Body(bucket, aliases).to_bytes()
+    headers = {**_bucket_headers(update_id, "v1", bucket), "Content-Length": len(body)}
+    status, answer = asgi(app, "POST", "/update_weights", headers=headers, pieces=[body[:1000]], disconnect=True)
+    assert status == 400 and answer["error"] == "the client went away after 1000 bytes of the bucket."
+    status, answer = post(app, "/v1/completions", GENERATE)
+    assert status == 409 and answer["error"] == ("a weight update to version 'v1' is in progress: retry after it "
+                                                 "finishes (an update whose sender stays silent for 60 s is "
+                                                 "abandoned).")
+    clock.now += 30
+    status, answer = post(app, "/start_weight_update", {"weight_version": "v2"})
+    assert status == 409 and answer["error"] == (
+        "a weight update to version 'v1' is already open (its last call 30 s ago): wait until it finishes, or until "
+        "it has been silent for 60 s (--weight_update_timeout), when a new one may take over.")
+    for other, version, match in (("f" * 32, "v1", "does not carry the id of the open weight update"),
+                                  (update_id, "v2", "weights for version 'v2' arrived in the update to version 'v1'")):
+        status, answer = _send_bucket(app, other, version, bucket, aliases)
+        assert status == 409 and match in answer["error"]
+    status, answer = post(app, "/finish_weight_update", {"weight_version": "v1"})
+    assert status == 422 and answer["error"] == "body.update_id: Field required."
+    clock.now += 61
+    status, answer = post(app, "/v1/completions", GENERATE)
+    assert status == 200 and answer["choices"] == before
+    assert asgi(app, "GET", "/weight_info")[1] == {"weight_version": "initial", "weights": "ready"}
+    status, answer = _send_bucket(app, update_id, "v1", bucket, aliases)  # its sender comes back too late
+    assert status == 409 and answer["error"].startswith("no weight update is open")
+
+    def slowly():  # 90 s in all, never 60 s silent
+        for start in range(0, len(body), len(body) // 3 + 1):
+            clock.now += 30
+            yield body[start:start + len(body) // 3 + 1]
+
+    update_id = _start(app, "v3")
+    status, answer = asgi(app, "POST", "/update_weights", headers=_bucket_headers(update_id, "v3", bucket),
+                          pieces=slowly())
+    assert status == 200, answer
+
+
+def test_an_abandoned_update_that_loaded_buckets_is_never_served(tokenizer):
+    """Some buckets copied, then silence: the model holds two versions mixed, so it has no version and generation
+    answers 503 until a complete update (which may take over at once) has rewritten every tensor the abandoned one
+    wrote; an update that does not stays partial, and says so."""
+    app, engine, clock = _app(tokenizer)
+    named = list(export_weights(tiny_model(tokenizer, seed=1)))
+    parts = list(wire.buckets(named, 4096))
+    update_id = _start(app, "v1")
+    assert _send_bucket(app, update_id, "v1", *parts[0])[0] == 200
+    clock.now += 61
+    status, answer = post(app, "/v1/completions", GENERATE)
+    assert status == 503 and answer["error"].startswith("the weights are partial: an abandoned update wrote ")
+    assert asgi(app, "GET", "/weight_info")[1] == {"weight_version": None, "weights": "partial"}
+    status, answer = _push_in_process(app, parts[-1][0], "v2")  # other tensors only
+    assert status == 409 and "did not rewrite" in answer["error"] and "still partial" in answer["error"]
+    assert post(app, "/v1/completions", GENERATE)[0] == 503
+    status, answer = _push_in_process(app, named, "v3")
+    assert status == 200 and answer["weight_version"] == "v3"
+    status, answer = post(app, "/v1/completions", GENERATE)
+    assert status == 200 and {c["weight_versions"][0]["version"] for c in answer["choices"]} == {"v3"}
+
+
+BAD_COMPLETIONS = [
+    (b'{"prompt": [[5, 6]], "temperature": NaN}', 422, "body.temperature: Input should be a finite number (got nan)."),
+    (b'{"prompt": [[5, 6]], "top_p": Infinity}', 422, "body.top_p: Input should be a finite number (got inf)."),
+    (b'{"prompt": [[5, 6]], "min_p": -Infinity}', 422, "body.min_p: Input should be a finite number"),
+    (b'{"prompt": [[5, 6]], "repetition_penalty": NaN}', 422, "body.repetition_penalty: Input should be a finite"),
+    ({"temperature": 1e-300}, 422, "body.temperature: Input should be greater than or equal to 0.01"),
+    ({"repetition_penalty": 1e300}, 422, "body.repetition_penalty: Input should be less than or equal to 100"),
+    ({"top_p": 1e-300}, 422, "body.top_p: Input should be greater than or equal to 0.000001 (got 1e-300)."),
+    ({"seed": 2 ** 64}, 422, "body.seed: Input should be less than or equal to 9223372036854775807"),
+    ({"sample_keys": [2 ** 64]}, 422, "body.sample_keys.0: Input should be less than or equal to"),
+    ({"sample_keys": [2 ** 63 - 1], "n": 2}, 422, "sample_keys holds 9223372036854775807, and with n=2"),
+    ({"sample_keys": [1, 2]}, 422, "sample_keys holds 2 keys for 1 prompts"),
+    ({"stop_token_ids": [2 ** 64]}, 422, "body.stop_token_ids.0: Input should be less than or equal to"),
+    ({"stop_token_ids": [10 ** 6]}, 422, "stop_token_ids holds 1000000, outside the vocabulary [0, "),
+    ({"top_k": 2 ** 64}, 422, "top_k=18446744073709551616 exceeds the vocabulary ("),
+    ({"logprobs": 5}, 422, "logprobs=5 asks for the most likely tokens' log-probs"),
+    ({"min_tokens": 5, "max_tokens": 3}, 422, "min_tokens=5 exceeds max_tokens=3: lower min_tokens or raise"),
+    ({"max_tokens": 2 ** 64}, 400, "and with max_tokens=18446744073709551616 that exceeds this server's"),
+    ({"prompt": [[5, 2 ** 64]]}, 400, "prompt 0 holds a token id outside the vocabulary [0, "),
+    ({"prompt": [[5, True]]}, 422, "prompt 0 holds 'True', which is not a token id"),
+    ({"prompt": [[5, -1]]}, 422, "prompt 0 holds '-1', which is not a token id"),
+    ({"prompt": [[5], 6]}, 422, "prompt mixes token ids and lists"),
+    ({"prompt": "hello"}, 422, "body.prompt: Input should be a valid list"),
+    ({"n": 1.5}, 422, "body.n: Input should be a valid integer (got 1.5)."),
+    ({"stream": True}, 422, "body.stream: Extra inputs are not permitted (got True)."),
+    ({"model": "other"}, 404, "model 'other' is not served here: this server serves 'tiny'."),
+    (b'{"prompt": [[5, 6]', 422, "the body is not a JSON object: send one, with Content-Type: application/json."),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    return _app(tokenizer)
+
+
+@pytest.mark.parametrize("body,status,message", BAD_COMPLETIONS, ids=range(len(BAD_COMPLETIONS)))
+def test_a_bad_completions_field_gets_a_4xx_naming_it(served, body, status, message):
+    app, engine, _ = served
+    raw = body if isinstance(body, bytes) else json.dumps({"prompt": [[5, 6]], **body}).encode()
+    got, answer = post(app, "/v1/completions", raw)
+    assert got == status and message in answer["error"], answer
+    assert post(app, "/v1/completions", GENERATE)[0] == 200  # and the server serves on
+
+
+def test_a_bad_bucket_header_or_alias_is_refused_before_anything_is_loaded(tokenizer):
+    """Every header of /update_weights is checked (422 or 400 naming it); a bucket whose alias names a source the
+    update has not sent is refused whole: not one of its tensors is copied."""
+    app, engine, _ = _app(tokenizer)
+    update_id = _start(app, "v1")
+    other = dict(export_weights(tiny_model(tokenizer, seed=1)))
+    bucket = [(name, other[name]) for name in ("model.norm.weight", "model.layers.0.mlp.up_proj.weight")]
+    body = wire.Body(bucket, {}).to_bytes()
+    good = _bucket_headers(update_id, "v1", bucket)
+    for change, status, message in (
+            ({"X-Update-Id": None}, 422, "the X-Update-Id header is missing"),
+            ({"X-Weight-Version": None}, 422, "the X-Weight-Version header is missing"),
+            ({"X-Weight-Version": "v" * 300}, 422, "the X-Weight-Version header is too long"),
+            ({"X-Bucket-Digest": "abc"}, 422, "the X-Bucket-Digest header is missing or not 64 lowercase hex"),
+            ({"X-Bucket": "first"}, 422, "the X-Bucket header 'first' is not a bucket number"),
+            ({"Content-Length": "-5"}, 400, "Content-Length '-5' is not a number of bytes."),
+            ({"Content-Length": "5e3"}, 400, "Content-Length '5e3' is not a number of bytes."),
+            ({"X-Bucket-Digest": "0" * 64}, 400, "do not match its X-Bucket-Digest")):
+        headers = {k: v for k, v in {**good, **change}.items() if v is not None}
+        got, answer = asgi(app, "POST", "/update_weights", body, headers)
+        assert got == status and message in answer["error"], (change, answer)
+    held = {name: engine._state[name].clone() for name, _ in bucket}
+    for aliases, message in (({"lm_head.weight": "model.unknown.weight"}, "which this update has not sent"),
+                             ({"lm_head.weight": "model.embed_tokens.weight"}, "which this update has not sent"),
+                             ({"model.norm.weight": "model.layers.0.mlp.up_proj.weight"}, "is both sent and"),
+                             ({"model.not_there": "model.norm.weight"}, "is not in the served model")):
+        got, answer = _send_bucket(app, update_id, "v1", bucket, aliases)
+        assert got == 400 and message in answer["error"], answer
+        assert all(torch.equal(engine._state[name], value) for name, value in held.items())
+    assert _send_bucket(app, update_id, "v1", bucket, {})[0] == 200
+    assert torch.equal(engine._state["model.norm.weight"], other["model.norm.weight"])
+
+
+def test_the_api_key_from_a_flag_a_file_or_the_environment(tmp_path):
+    """`posttrain serve` takes its key from --api_key, --api_key_file or POSTTRAIN_API_KEY; the trainer sends
+    POSTTRAIN_API_KEY, else vLLM's VLLM_API_KEY: one variable set for both processes is enough."""
+    from posttrain.configs import ConfigError
+    from posttrain.generation.server import api_key_from_env
+    from posttrain.serving.app import api_key_from
+
+    path = tmp_path / "key"
+    path.write_text("s3cret\n")
+    assert api_key_from(None, str(path), {}) == ("s3cret", f"--api_key_file {path}")
+    assert api_key_from(None, None, {"POSTTRAIN_API_KEY": "env"}) == ("env", "POSTTRAIN_API_KEY")
+    assert api_key_from("flag", None, {"POSTTRAIN_API_KEY": "env"}) == ("flag", "--api_key")
+    assert api_key_from(None, None, {"POSTTRAIN_API_KEY": "", "VLLM_API_KEY": "v"}) == (None, "none")
+    with pytest.raises(ConfigError, match="--api_key and --api_key_file both given: pass one"):
+        api_key_from("flag", str(path), {})
+    with pytest.raises(ConfigError, match=r"--api_key_file '\S+missing' cannot be read \(FileNotFoundError\)"):
+        api_key_from(None, str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="the API key from --api_key_file .+ is empty"):
+        api_key_from(None, str(tmp_path / "empty"), {})
+    with pytest.raises(ConfigError, match="the API key from --api_key is not printable ASCII"):
+        api_key_from("two words", None, {})
+    assert api_key_from_env({"POSTTRAIN_API_KEY": "p", "VLLM_API_KEY": "v"}) == "p"
+    assert api_key_from_env({"VLLM_API_KEY": "v"}) == "v"
+    assert api_key_from_env({"POSTTRAIN_API_KEY": ""}) is None
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("max_num_seqs", 0, "--max_num_seqs 0 must be at least 1."),
+    ("max_batch_tokens", -1, "--max_batch_tokens -1 must be at least 1."),
+    ("max_bucket_bytes", 0, "--max_bucket_bytes 0 must be at least 1."),
+    ("weight_update_timeout", float("nan"), "--weight_update_timeout nan must be a positive number of seconds."),
+    ("api_key", "", "the API key from --api_key is empty")])
+def test_serve_refuses_bad_options_before_loading_anything(option, value, message):
+    from posttrain.configs import ConfigError
+    from posttrain.serving.app import serve
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        serve("no/such-model", **{option: value})
+
+
+def test_a_slow_but_alive_server_gets_the_sync_timeout(tokenizer):
+    """While a bucket loads for longer than request_timeout, /health keeps answering: the push waits."""
+    class Slow(TransformersEngine):
+        def load(self, *args, **kwargs):
+            time.sleep(1.2)
+            return super().load(*args, **kwargs)
+
+    with running(Slow(tiny_model(tokenizer), tokenizer)) as url:
+        client = _client(url, request_timeout=0.3)
+        start = time.time()
+        client.push(export_weights(tiny_model(tokenizer, seed=2)), "v1")
+        assert time.time() - start > 1.2 and client.weight_version() == "v1"
+
+
+def test_a_stopped_server_fails_the_push_within_the_request_timeout_and_ctrl_c_stops_it(tmp_path, tiny_model_dir):
+    """`posttrain serve --api_key_file`: the trainer's client with the key from POSTTRAIN_API_KEY; the server
+    stopped (SIGSTOP) in the middle of a push fails it within about request_timeout, not weight_sync_timeout; and
+    Ctrl-C stops the server with a server's message, not training advice."""
+    import os
+    import signal
+
+    import requests
+
+    from posttrain.generation.server import api_key_from_env
+
+    (tmp_path / "key").write_text("k3y\n")
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "serve", "--model", tiny_model_dir, "--port", "0",
+                             "--api_key_file", str(tmp_path / "key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("posttrain serve: ready at http://127.0.0.1:"), line + proc.stderr.read()[-2000:]
+        url = line.split("ready at ")[1].strip()
+        assert requests.get(f"{url}/health", timeout=5).status_code == 401
+        client = ServerClient(url, api_key=api_key_from_env({"POSTTRAIN_API_KEY": "k3y"}), connect_timeout=10,
+                              request_timeout=1.0, sync_timeout=120)
+        client.wait_until_up()
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+        def stopping():
+            for i, pair in enumerate(export_weights(model)):
+                if i == 3:
+                    os.kill(proc.pid, signal.SIGSTOP)
+                yield pair
+
+        client.max_bucket_bytes = 1024  # many buckets: the stop lands between two of them
+        start = time.time()
+        with pytest.raises(GenerationError, match=rf"The generation server at {url} stopped answering /health "
+                                                  r"within 1 s \(request_timeout\) while POST /update_weights was in "
+                                                  "flight: it is stopped or dead"):
+            client.push(stopping(), "v1")
+        assert time.time() - start < 10
+        os.kill(proc.pid, signal.SIGCONT)
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.strip() == "posttrain serve: stopped.", (out, err)
+        assert "checkpoint" not in err and "Traceback" not in err
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------------- auth

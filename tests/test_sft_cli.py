@@ -66,7 +66,7 @@ def test_sft_flags_and_errors_are_one_sentence(tmp_path, tiny_model_dir, capfd):
 
 
 def test_dataset_mixture_with_fractions_and_a_test_split(tmp_path):
-    from posttrain.data import load_mixture
+    from posttrain.dataset_loading import load_mixture
 
     a, b = _pairs(tmp_path / "a.jsonl", 16), _pairs(tmp_path / "b.jsonl", 8, offset=100)
     train, test = load_mixture([{"path": a, "fraction": 3, "columns": ["prompt", "completion"]},

@@ -1,5 +1,7 @@
 """SFT data: formats (against TRL 1.16's prepared rows), label masks, EOS, truncation, packing, batches, order."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +10,10 @@ from datasets import Dataset
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
 from posttrain.sequences.collate import collate
+from posttrain.sft.data import Preparation, prepare_map_dataset
 from posttrain.sft.formats import RowEncoder
-from posttrain.sequences.rows import EpochPlan, TokenRows, best_fit_bins, pack, prepare, split_long, truncate
+from posttrain.sequences.rows import (EpochPlan, TokenRows, best_fit_bins, pack, prepare, split_long, truncate,
+                                      truncates, truncation_cut)
 
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
@@ -29,11 +33,19 @@ DATASETS = {
 }
 
 
-def _encode(tokenizer, data: dict, formatting_func=None, **config):
+def _encode(tokenizer, data: dict, formatting_func=None, vocab_size=None, **config):
     rows = [dict(zip(data, values)) for values in zip(*data.values())]
     args = SFTConfig(output_dir="/tmp/unused", **config)
-    encoder = RowEncoder(tokenizer, args, formatting_func, rows[0])
+    encoder = RowEncoder(tokenizer, args, formatting_func, rows[0], vocab_size=vocab_size)
     return encoder, encoder.encode(rows, 0)
+
+
+def _prepared(tokenizer, dataset, formatting_func=None, main_process=True, **config):
+    """(training rows, the Preparation) of a whole map-style dataset, as the trainer prepares it."""
+    args = SFTConfig(output_dir="/tmp/unused", **config)
+    encoder = RowEncoder(tokenizer, args, formatting_func, dataset[0])
+    preparation = Preparation(encoder, args, args.packing, "train_dataset", main_process)
+    return prepare_map_dataset(dataset, preparation, seed=0), preparation
 
 
 def _trl_rows(tokenizer, data: dict, formatting_func=None, **config):
@@ -313,3 +325,251 @@ def _per_document(logps, lengths):
         out.append(float(logps[at:at + n - 1].sum()))
         at += n - 1
     return out
+
+
+# ---------------------------------------------------------------------- what preparation cuts, why a row has nothing
+
+
+TEXTS = ["ab" * n for n in (1, 2, 3, 4, 5)]  # 3, 5, 7, 9 and 11 tokens with the EOS: 35
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "posttrain"]
+
+
+def test_truncation_is_counted_where_it_cuts():
+    rows = _rows([7, 2, 5])
+    assert truncation_cut(rows.lengths, 4) == (2, 4) and truncation_cut(rows.lengths, None) == (0, 0)
+    assert len(rows.tokens) - len(truncate(rows, 4).tokens) == 4  # what it counts is what truncate removes
+    assert truncates(False, "bfd_split") and truncates(True, "bfd")  # unpacked rows are cut whatever the strategy
+    assert not truncates(True, "bfd_split") and not truncates(True, "wrapped")
+
+
+def test_wrapped_packing_counts_the_rows_it_drops():
+    """Cut every 4 tokens, the last row holds one token, which the cut makes a sequence start: no target, dropped and
+    counted (it was dropped without a count before)."""
+    packed, dropped = prepare(_rows([3, 4, 2]), 4, "keep_start", True, "wrapped")
+    assert dropped == 1 and _as_lists(packed) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("packing, keeps", [
+    (True, "; packing_strategy='bfd_split' keeps them, splitting long rows into pieces of max_length."),
+    (False, "; raise max_length to keep them, or pack with packing_strategy='bfd_split', which splits long rows "),
+])
+def test_what_max_length_cuts_is_said_once_with_counts_and_shares(tokenizer, caplog, packing, keeps):
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        rows, _ = _prepared(tokenizer, Dataset.from_dict({"text": TEXTS}), packing=packing, max_length=6)
+    assert len(rows.tokens) == 35 - (1 + 3 + 5)
+    [warning] = _warnings(caplog)
+    assert warning.startswith("train_dataset: 3 of 5 rows (60.0%) were longer than max_length=6 and cut to their first "
+                              "6 tokens, losing 9 of 35 tokens (25.7%)") and keeps in warning
+
+
+def test_bfd_split_cuts_nothing_and_counts_the_pieces_it_drops(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        rows, _ = _prepared(tokenizer, Dataset.from_dict({"text": TEXTS}), packing=True, max_length=6,
+                            packing_strategy="bfd_split")
+    assert len(rows.tokens) == 35 - 1  # 7 = 6 + a one-token piece, which has no target
+    assert _warnings(caplog) == ["train_dataset: 1 pieces of rows split at max_length=6 held no trained token and were "
+                                 "dropped."]
+
+
+def test_a_stream_says_what_max_length_cuts_once(tokenizer, caplog, monkeypatch):
+    from posttrain.sequences import batches
+
+    monkeypatch.setattr(batches, "BLOCK", 2)  # 3 blocks: none cut, then 2 rows cut, then 1
+    dataset = Dataset.from_dict({"text": TEXTS}).to_iterable_dataset()
+    args = SFTConfig(output_dir="/tmp/unused", packing=True, max_length=6)
+    preparation = Preparation(RowEncoder(tokenizer, args, None, batches.first_row(dataset)), args, True,
+                              "train_dataset", stream=True)
+    stream = batches.StreamBatches(dataset, preparation, 1, 1, 1, 0)
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        for _ in range(6):
+            stream.next_step()
+    [warning] = _warnings(caplog)
+    assert warning.startswith("train_dataset: 2 of 4 rows (50.0%) were longer than max_length=6") and warning.endswith(
+        "(over the stream's rows read so far; later blocks are not reported).")
+    assert preparation.losses.truncated == 3  # still counted
+
+
+def test_only_the_main_process_warns(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        _prepared(tokenizer, Dataset.from_dict({"text": TEXTS}), main_process=False, max_length=6)
+    assert _warnings(caplog) == []
+
+
+def test_rows_with_nothing_to_train_on_are_left_out_with_their_cause(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        rows, _ = _prepared(tokenizer, Dataset.from_dict({"text": ["a", "bcd", "ef"]}),
+                            lambda r: "" if r["text"] == "a" else r["text"])
+    assert _as_lists(rows) == [tokenizer("bcd<|im_end|>")["input_ids"], tokenizer("ef<|im_end|>")["input_ids"]]
+    assert _warnings(caplog) == [
+        "train_dataset: 1 of 3 rows had nothing to train on and were left out (row 0: formatting_func returned an "
+        "empty string for it; make the function return the row's text, or filter such rows out first)."]
+
+
+_USER_COMPLETION = {"prompt": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]] * 2,
+                    "completion": [[{"role": "user", "content": "c"}]] * 2}
+
+
+@pytest.mark.parametrize("data, formatting_func, config, cause", [
+    ({"text": ["a", "b"]}, lambda r: "", {}, r"row 0: formatting_func returned an empty string for it\); make the "),
+    ({"text": ["", ""]}, None, {}, r"row 0: its 'text' is empty\); fill it in"),
+    ({"prompt": ["", ""], "completion": ["", ""]}, None, {}, r"row 0: its prompt and completion are both empty\)"),
+    ({"input_ids": [[5, 6, 7]] * 2, "labels": [[-100] * 3] * 2}, None, {},
+     r"row 0: its labels leave no token after the first to train on\); mark the tokens"),
+    ({"input_ids": [[5, 6, 7]] * 2, "completion_mask": [[1, 0, 0]] * 2}, None, {},
+     r"row 0: its completion_mask leave no token after the first"),
+    ({"input_ids": [[5]] * 2}, None, {}, r"row 0: its input_ids hold 1 token\(s\), and the first token of a sequence"),
+    (_USER_COMPLETION, None, {"assistant_only_loss": True},
+     r"row 0: its completion holds no assistant message, and assistant_only_loss=True trains on assistant turns only"),
+])
+def test_a_dataset_with_nothing_to_train_on_says_why_not_max_length(tokenizer, data, formatting_func, config, cause):
+    with pytest.raises(DataError, match=r"^train_dataset has nothing to train on: no row has a token to train on \("
+                                        + cause) as info:
+        _prepared(tokenizer, Dataset.from_dict(data), formatting_func, **config)
+    assert "max_length" not in str(info.value)
+
+
+def test_rows_empty_for_both_causes_name_both(tokenizer):
+    data = Dataset.from_dict({"text": ["a", "b", "c"]})
+    with pytest.raises(DataError, match=r"1 rows had nothing to train on \(row 0: formatting_func returned an empty "
+                                        r"string for it\) and the other 2 lost every trained token to truncation to "
+                                        r"max_length=1; make the function return .*, and raise max_length"):
+        _prepared(tokenizer, data, lambda r: "" if r["text"] == "a" else r["text"], max_length=1)
+
+
+@pytest.mark.parametrize("message, found", [
+    ({"role": "assistant", "content": None}, r"has content None in message 1 \(assistant\) of 'messages', which a "
+                                             r"chat template renders as the text 'None', as nothing or as an error"),
+    ({"role": "assistant"}, r"has no 'content' in message 1 \(assistant\) of 'messages'"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, r"has content None in message 1"),
+    ({"role": "assistant", "content": 4}, r"has content of type int in message 1 \(assistant\) of 'messages': write "
+                                          r"it as a string"),
+    ({"role": "assistant", "content": {"text": "4"}}, r"has content of type dict in message 1"),
+    ({"role": "assistant", "content": ["4"]}, r"has content of type list in message 1"),
+    ({"from": "gpt", "value": None}, r"has content None in message 1 \(assistant\)"),
+])
+def test_a_message_without_text_is_refused_naming_the_row_and_message(tokenizer, message, found):
+    conversation = [{"role": "user", "content": "hi"}, message]
+    with pytest.raises(DataError, match=r"^Row 1 of train_dataset " + found):
+        _encode(tokenizer, {"messages": [CHAT[0], conversation]})
+    with pytest.raises(DataError, match=r"content None in message 0 \(user\)"):
+        _encode(tokenizer, {"messages": [[{"role": "user", "content": None}, CHAT[0][1]]]})
+
+
+def test_an_assistant_tool_call_without_text_trains(tokenizer):
+    """OpenAI's and TRL's format: an assistant message with tool_calls may have content None (or none); a dataset's
+    null keys (every message gets every key) are absent to the template. With TRL's templates:
+    tests/test_sft_templates.py."""
+    call = [{"type": "function", "function": {"name": "mul", "arguments": '{"a": 3}'}}]
+    conversation = [{"role": "user", "content": "3*4?", "tool_calls": None},
+                    {"role": "assistant", "content": None, "tool_calls": call},
+                    {"role": "tool", "content": "12", "tool_calls": None},
+                    {"role": "assistant", "content": "It is 12.", "tool_calls": None}]
+    _, out = _encode(tokenizer, {"messages": [conversation]}, assistant_only_loss=True)
+    assert tokenizer.decode(out[0][0][out[0][1]]).endswith("It is 12.<|im_end|>\n")
+    assert "None" not in tokenizer.decode(out[0][0])
+
+
+@pytest.mark.parametrize("bad", [100 + 5, -1, 2 ** 40])
+def test_token_ids_outside_the_model_vocabulary_are_refused(tokenizer, bad):
+    with pytest.raises(DataError, match=rf"^Row 1 of train_dataset has token id {bad} at position 1 of its input_ids, "
+                                        r"outside the model's vocabulary of 100 ids \(0 to 99, its embedding rows\): "
+                                        r"tokenize the rows with this model's tokenizer\.$"):
+        _encode(tokenizer, {"input_ids": [[5, 6, 7], [5, bad, 7]]}, vocab_size=100)
+
+
+def test_the_vocabulary_is_the_models_embedding_rows(tokenizer):
+    """An embedding padded past the tokenizer (as Qwen's are) takes ids up to its rows; a tokenizer with more tokens
+    than the model's rows is refused before its ids reach the embedding."""
+    import copy
+
+    rows = len(tokenizer) + 28
+    _, out = _encode(tokenizer, {"input_ids": [[5, rows - 1, 7]]}, vocab_size=rows)
+    assert out[0][0].tolist() == [5, rows - 1, 7]
+    with pytest.raises(DataError, match=rf"token id {rows} at position 1"):
+        _encode(tokenizer, {"input_ids": [[5, rows, 7]]}, vocab_size=rows)
+    grown = copy.deepcopy(tokenizer)
+    grown.add_tokens(["<|new|>"])
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset tokenizes to id 100 \('<\|new\|>'\), beyond the "
+                                        r"model's 100 embedding rows, as the tokenizer has 101 tokens: resize the "
+                                        r"model's embeddings"):
+        _encode(grown, {"text": ["a<|new|>"]}, vocab_size=len(tokenizer))
+
+
+def test_mask_values_are_0_or_1(tokenizer):
+    _, out = _encode(tokenizer, {"input_ids": [[5, 6, 7]], "completion_mask": [[False, True, True]]})
+    assert out[0][1].tolist() == [False, True, True]
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset has 2 at position 1 of its completion_mask: give 1 "):
+        _encode(tokenizer, {"input_ids": [[5, 6, 7]], "completion_mask": [[0, 2, 1]]})
+
+
+def test_a_dataset_mixing_formats_names_both(tokenizer):
+    """A file mixing formats gives each row the others' columns as null (as load_dataset("json") does)."""
+    mixed = Dataset.from_dict({"messages": [CHAT[0], None], "prompt": [None, "2+2="], "completion": [None, "4"]})
+    with pytest.raises(DataError, match=r"^Row 1 of train_dataset is prompt-completion data \(prompt, completion\), "
+                                        r"and its first row is conversational \(messages\): one dataset holds one "
+                                        r"format"):
+        _prepared(tokenizer, mixed)
+    with pytest.raises(DataError, match=r"^Row 1 of train_dataset is conversational data \(messages\), and its first "
+                                        r"row is prompt-completion \(prompt, completion\)"):
+        _prepared(tokenizer, mixed.select([1, 0]))
+
+
+def test_a_null_value_is_named_as_such(tokenizer):
+    with pytest.raises(DataError, match=r"^Row 1 of train_dataset has null in 'completion', which prompt-completion "
+                                        r"data needs in every row: fill the value in, or filter such rows out"):
+        _prepared(tokenizer, Dataset.from_dict({"prompt": ["a", "b"], "completion": ["c", None]}))
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset has null in 'completion', so it is in no SFT "
+                                        r"format"):
+        _prepared(tokenizer, Dataset.from_dict({"prompt": ["a", "b"], "completion": [None, "d"]}))
+    with pytest.raises(DataError, match=r"^Row 1 of train_dataset has null in 'text', which text data needs"):
+        _prepared(tokenizer, Dataset.from_dict({"text": ["a", None]}))
+
+
+SKIPS_ASSISTANT = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }}\n"
+                   "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LAST_USER_ONLY = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 == messages | length - 2 %}"
+                  "<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [SKIPS_ASSISTANT, LAST_USER_ONLY], ids=["skips-assistant", "last-user-only"])
+@pytest.mark.parametrize("assistant_only_loss", [False, True])
+def test_a_template_that_drops_the_answer_is_blamed_not_the_row(tokenizer, template, assistant_only_loss):
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset: the chat template leaves out message 1, the last "
+                                        r"assistant message \(its text is not in the rendered conversation\), so the "
+                                        r"row would train without its answer; the template is at fault, not the row"):
+        _encode(_with_template(tokenizer, template), {"messages": CHAT[:1]}, assistant_only_loss=assistant_only_loss)
+
+
+def test_generation_markers_that_enclose_nothing_are_blamed_not_the_row(tokenizer):
+    empty_markers = GENERATION_TEMPLATE.replace("{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}",
+                                                "{{ m['content'] }}<|im_end|>\n{% generation %}{% endgeneration %}")
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset has assistant turns, but the chat template's "
+                                        r"\{% generation %\} markers enclose none of their tokens"):
+        _encode(_with_template(tokenizer, empty_markers), {"messages": CHAT[:1]}, assistant_only_loss=True)
+    with pytest.raises(DataError, match=r"has no assistant tokens to train on with assistant_only_loss=True: give "
+                                        r"every conversation an assistant turn"):  # the row's own fault
+        _encode(_with_template(tokenizer, GENERATION_TEMPLATE), {"messages": [CHAT[0][:1]]}, assistant_only_loss=True)
+
+
+def test_content_parts_rendered_as_python_are_refused(tokenizer):
+    parts = [[{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]]
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset: the chat template renders the content of message "
+                                        r"0, a list of parts, as Python text"):
+        _encode(tokenizer, {"messages": parts})
+    reading_parts = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}{{ p['text'] }}"
+                     "{% endfor %}<|im_end|>\n{% endfor %}")
+    _, out = _encode(_with_template(tokenizer, reading_parts), {"messages": parts})
+    assert tokenizer.decode(out[0][0]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+
+
+def test_a_template_error_names_the_row(tokenizer):
+    strict = "{% for m in messages %}{{ raise_exception('roles must alternate') if loop.index0 > 0 }}{% endfor %}"
+    with pytest.raises(DataError, match=r"^Row 0 of train_dataset: the chat template raised TemplateError: roles must "
+                                        r"alternate; fix the row, or use a template that renders it"):
+        _encode(_with_template(tokenizer, strict), {"messages": CHAT[:1]})

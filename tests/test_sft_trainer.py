@@ -215,6 +215,35 @@ def test_every_row_lost_to_truncation_is_one_sentence(tokenizer, tmp_path):
         _train(tokenizer, tmp_path, data=data, max_length=5)
 
 
+def test_token_ids_are_checked_against_the_models_embedding_rows(tokenizer, tmp_path):
+    """The model's embedding (128 rows, padded past the tokenizer's 100 tokens, as Qwen's are) decides: id 127 trains,
+    id 128 stops with one sentence when the rows are prepared, never at the first step."""
+    from posttrain.sft.trainer import vocabulary_rows
+
+    model = tiny_model(tokenizer, hidden=32, layers=1, vocab_size=128)
+    assert vocabulary_rows(model) == 128 > len(tokenizer)
+    eos = tokenizer.eos_token_id
+    _train(tokenizer, tmp_path, data=Dataset.from_dict({"input_ids": [[5, 127, eos]] * 2}), model=model, max_steps=1)
+    with pytest.raises(DataError, match=r"Row 1 of train_dataset has token id 128 at position 1 of its input_ids, "
+                                        r"outside the model's vocabulary of 128 ids"):
+        _train(tokenizer, tmp_path, data=Dataset.from_dict({"input_ids": [[5, 6, eos], [5, 128, eos]]}),
+               model=tiny_model(tokenizer, hidden=32, layers=1, vocab_size=128), max_steps=1)
+
+
+def test_what_max_length_cuts_is_said_once_per_dataset(tokenizer, tmp_path, caplog):
+    import logging
+
+    data = Dataset.from_dict({"text": TEXTS})
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        trainer, _, _ = _train(tokenizer, tmp_path, data=data, packing=True, max_length=8, max_steps=1)
+        trainer.evaluate(data)
+    cuts = [r.getMessage() for r in caplog.records if "were longer than max_length=8" in r.getMessage()]
+    longer = sum(len(t) + 1 > 8 for t in TEXTS)
+    assert [c.split(":")[0] for c in cuts] == ["train_dataset", "eval_dataset"]
+    assert all(f": {longer} of {len(TEXTS)} rows (" in c and "packing_strategy='bfd_split' keeps them" in c
+               for c in cuts)
+
+
 def test_the_prepared_rows_are_visible_as_trls_train_dataset(tokenizer, tmp_path):
     trainer, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(PAIRS), max_steps=1)
     prepared = trainer.train_dataset

@@ -311,3 +311,114 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
     for step_a, step_b in zip(*runs):
         for name in step_b:
             assert torch.allclose(step_a[name], step_b[name], rtol=1e-4, atol=1e-7), name
+
+
+def _hang_until(release, signalled: list) -> None:
+    """What a function that never returns does here: SIGINT to this process 0.2 s into the wait (as a Ctrl-C),
+    the time it is sent noted, then wait until released (or 5 s: a run the signal does not stop fails, not hangs)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def send():
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Timer(0.2, send).start()
+    release.wait(5.0)
+
+
+@pytest.mark.parametrize("where", ["reward", "async reward", "filter", "callback"])
+def test_a_signal_while_waiting_on_user_code_stops_at_once_naming_it(tokenizer, addition_dataset, tmp_path, where):
+    """User code that never returns at step 2 (a reward function, an async one awaiting a thread, a
+    dynamic_sampling_filter, a callback): the first SIGINT stops the run within a second with one sentence naming
+    it and the newest checkpoint, rather than being noted for a step end that never comes."""
+    import asyncio
+    import threading
+    import time
+
+    from posttrain.training.interrupts import Interrupted
+
+    release, signalled, filtered = threading.Event(), [], []
+
+    def stuck(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            _hang_until(release, signalled)
+        return length_reward(completions)
+
+    async def stuck_async(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            await asyncio.to_thread(_hang_until, release, signalled)
+        return length_reward(completions)
+
+    def keep(rewards):  # 2 groups a round: its third call is in step 2
+        filtered.append(1)
+        if len(filtered) == 3:
+            _hang_until(release, signalled)
+        return True
+
+    class Hang:
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                _hang_until(release, signalled)
+
+    reward = {"reward": stuck, "async reward": stuck_async}.get(where, length_reward)
+    options = {"dynamic_sampling": True, "dynamic_sampling_filter": keep} if where == "filter" else {}
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), reward,
+                          tiny_config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, **options),
+                          train_dataset=addition_dataset, processing_class=tokenizer,
+                          callbacks=[Hang()] if where == "callback" else None)
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            trainer.train()
+        took = time.monotonic() - signalled[0]
+    finally:
+        release.set()  # the threads still waiting (the async function's) end
+    waited = {"reward": "reward function 'stuck'", "async reward": "reward function 'stuck_async'",
+              "filter": "dynamic_sampling_filter 'keep'", "callback": "callback Hang.on_step_end"}[where]
+    step = 2 if where == "callback" else 1  # the callback hangs after step 2's update, before its checkpoint
+    assert str(stopped.value) == (f"Interrupted (SIGINT) at step {step} of 3 while waiting on {waited}; the newest "
+                                  f"checkpoint is {tmp_path}/out/checkpoint-1: resume with "
+                                  "resume_from_checkpoint=true.")
+    assert stopped.value.exit_code == 130 and took < 1.0, took
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == list(range(1, step + 1))
+
+
+@pytest.mark.parametrize("case", ["top_k=1", "constant reward, beta > 0"])
+def test_rewards_that_never_differ_within_a_group_are_warned_about_once(tokenizer, addition_dataset, tmp_path,
+                                                                       monkeypatch, caplog, case):
+    """frac_reward_zero_std at 1 for FLAT_BATCHES generation batches in a row (here 2 of a 3-step run): one warning,
+    after the second batch, naming the cause and what still trains."""
+    from posttrain.grpo import flat_rewards
+
+    monkeypatch.setattr(flat_rewards, "FLAT_BATCHES", 2)
+
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    warned = []  # (step, message)
+
+    class Steps:
+        def on_step_end(self, args, state, control, **kwargs):
+            warned.extend((state.global_step, r.message) for r in caplog.records if "frac_reward_zero_std" in r.message)
+            caplog.clear()
+
+    options = {"top_k": 1} if case == "top_k=1" else {"beta": 0.1}
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), constant if "constant" in case else length_reward,
+                          tiny_config(tmp_path, max_steps=3, **options), train_dataset=addition_dataset,
+                          processing_class=tokenizer, callbacks=[Steps()])
+    with caplog.at_level("WARNING", logger="posttrain"):
+        trainer.train()
+    assert [r["frac_reward_zero_std"] for r in trainer.state.log_history if "loss" in r] == [1.0, 1.0, 1.0]
+    assert [step for step, _ in warned] == [2]  # once, at the second flat batch
+    message = warned[0][1]
+    assert message.startswith("frac_reward_zero_std has been 1 for 2 generation batches in a row: every completion of "
+                              "each prompt got the same reward, so every advantage is 0: ")
+    if case == "top_k=1":
+        assert "top_k=1 samples greedily" in message and "set top_k=0 (off) or larger" in message
+        assert "the policy loss has no gradient" in message
+    else:
+        assert "reward function 'constant' returned 1 for every completion" in message
+        assert ("the rewards carry no signal, and the only gradient left comes from the KL term (beta=0.1), which "
+                "only pulls the model back towards the reference" in message)

@@ -21,6 +21,7 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 # the losses that read the (f-divergence) scores; the others use the plain log-ratios, as in TRL
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 BATCH_DEPENDENT_LOSSES = ("aot", "aot_unpaired")  # they sort the pairs of a micro-batch
+BETA_DIVIDES = ("ipo", "sppo_hard")  # their target margin is 1 / (2 beta); sft is the one loss without beta
 
 
 @dataclass
@@ -81,6 +82,24 @@ class DPOReferenceConfig:
                               "before it would be stale: set precompute_ref_log_probs=False or sync_ref_model=False.")
 
 
+def _check_beta(beta: float, loss_types: list[str]) -> None:
+    """beta=0 leaves no loss but sft anything to learn: ipo and sppo_hard divide by it (their target margin is
+    1 / (2 beta)), and every other loss reads the log-ratios only through beta * (...), so it is a constant with no
+    gradient (sigmoid: log 2). Negative values are refused by the field's range."""
+    if beta != 0.0:
+        return
+    divided = [t for t in loss_types if t in BETA_DIVIDES]
+    if divided:
+        raise ConfigError(f"beta=0 divides by zero in the {' and '.join(divided)} loss (its target margin is "
+                          "1 / (2 beta)): set beta > 0 (TRL's default is 0.1).")
+    constant = [t for t in loss_types if t != "sft"]
+    if constant:
+        what = f"the {constant[0]} loss a constant" if len(constant) == 1 else \
+            f"the {', '.join(constant[:-1])} and {constant[-1]} losses constants"
+        raise ConfigError(f"beta=0 makes {what} with no gradient (the log-ratios enter only as beta times them), so "
+                          "the run would learn nothing from the preferences: set beta > 0 (TRL's default is 0.1).")
+
+
 @dataclass
 class DPOLossConfig:
     """The preference loss (docs/dpo.md has every formula)."""
@@ -90,7 +109,8 @@ class DPOLossConfig:
         "[sigmoid, bco_pair, sft] with weights [0.8, 0.2, 1.0].", default_factory=lambda: ["sigmoid"])
     loss_weights: Optional[list[float]] = _help("One weight per loss_type entry; default 1.0 each.", default=None)
     beta: float = _help(
-        "Temperature of the log-ratios (the KL strength); for ipo the regularisation tau.", range=NON_NEGATIVE,
+        "Temperature of the log-ratios (the KL strength); for ipo the regularisation tau. 0 is refused for every "
+        "loss but sft (it makes them constant, or divides by zero in ipo and sppo_hard).", range=NON_NEGATIVE,
         default=0.1)
     label_smoothing: float = _help(
         "Probability that a preference label is flipped. sigmoid: conservative DPO (cDPO), -(1-e) log s(bD) - e log "
@@ -142,9 +162,7 @@ class DPOLossConfig:
         if self.use_weighting and any(t in BATCH_DEPENDENT_LOSSES for t in self.loss_type):
             raise ConfigError("use_weighting=True cannot be combined with aot or aot_unpaired, which sort the pairs "
                               "and so lose which weight belongs to which: drop one of them.")
-        if self.beta == 0.0 and any(t in ("ipo", "sppo_hard") for t in self.loss_type):
-            raise ConfigError("beta=0 divides by zero in the ipo and sppo_hard losses (their target margin is "
-                              "1 / (2 beta)): set beta > 0.")
+        _check_beta(self.beta, self.loss_type)
 
     @property
     def weights(self) -> list[float]:

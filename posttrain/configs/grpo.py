@@ -251,7 +251,8 @@ class GenerationServerConfig:
         "back.", default=False)
     vllm_server_base_url: Optional[str] = _help(
         "The server's base URL (e.g. http://10.0.0.2:8000); when set, vllm_server_host and vllm_server_port are "
-        "ignored. A key the server requires is read from the VLLM_API_KEY environment variable.", default=None)
+        "ignored. A key the server requires is read from the POSTTRAIN_API_KEY environment variable, else "
+        "VLLM_API_KEY.", default=None)
     vllm_server_host: str = _help("The server's host, when vllm_server_base_url is not set.", default="0.0.0.0")
     vllm_server_port: int = _help("The server's port, when vllm_server_base_url is not set.",
                                   range=Range(1, 65535), default=8000)

@@ -163,11 +163,16 @@ def load_yaml(path: str) -> dict:
 
     if not os.path.exists(path):
         raise ConfigError(f"Config file {path} does not exist: check the path given to --config.")
-    with open(path) as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_strict_loader()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"Config file {path} is not valid YAML ({str(err).splitlines()[0]}): fix it.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {path} is not valid YAML ({str(err).splitlines()[0]}): fix it.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"Config file {path} is not text (not UTF-8): give --config a YAML file.") from None
+    except OSError as err:
+        raise ConfigError(f"Config file {path} could not be read ({err.strerror or err}): give --config a YAML "
+                          "file.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping of field: value, not {type(data).__name__}.")
     return data

@@ -12,8 +12,12 @@ ids(prompt + chosen)[L:], rejected_ids likewise, where L is where the tokenized 
 do not end with it. Per-row `tools` and `chat_template_kwargs` columns reach the chat template.
 
 A pair becomes two sequences, prompt + chosen and prompt + rejected, each labelled on its completion and truncated on
-its own to max_length (truncation_mode). With keep_start, a pair whose prompt alone fills max_length has no completion
-token left and is dropped (counted in the log).
+its own to max_length (truncation_mode). Pairs that cannot teach are dropped and counted (DroppedPairs), the same on
+every process (the rule reads the prepared tokens alone, before the pairs are shared out):
+    - with keep_start, a pair whose prompt alone fills max_length has no completion token left;
+    - a pair whose chosen and rejected sequences give the model the same tokens to predict (the same answer twice, as
+      given or once truncated): every model gives both the same log-prob, so the preference is empty (sigmoid's loss
+      is log 2 with no gradient).
 
     PairRows    TokenRows (sequences/rows.py) holding 2 rows per pair, chosen at 2i and rejected at 2i + 1, plus each
                 pair's dataset index and, once computed, its reference log-probs [P, 2].
@@ -142,7 +146,10 @@ class PairEncoder:
                 raise DataError(f"Row {index} of {self.name} has no {column!r}: every row needs chosen and rejected.")
         chosen, rejected = row["chosen"], row["rejected"]
         prompt = row.get("prompt")
-        if self.implicit:
+        if self.implicit and chosen == rejected:
+            # the same answer twice: encoded whole, to be dropped with the explicit-prompt ones (pair_rows)
+            prompt = [] if self.format == "conversational" else ""
+        elif self.implicit:
             prompt, chosen, rejected = extract_prompt(chosen, rejected)
         kind = list if self.format == "conversational" else str
         for column, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
@@ -155,8 +162,8 @@ class PairEncoder:
                 check_messages(value, f"Row {index} of {self.name}", column, allow_empty=True)
         for column, value in (("chosen", chosen), ("rejected", rejected)):
             if len(value) == 0:
-                where = (" once the prompt (their common start) is taken out: chosen and rejected are identical "
-                         "or one extends the other" if self.implicit else "")
+                where = (" once the prompt (their common start) is taken out, as one of chosen and rejected "
+                         "extends the other" if self.implicit and row["chosen"] != row["rejected"] else "")
                 raise DataError(f"Row {index} of {self.name} has an empty {column} completion{where}: a pair needs "
                                 "two answers to compare; drop the row (dataset.filter) or fix it.")
         return prompt, chosen, rejected
@@ -202,12 +209,50 @@ class PairEncoder:
                             "row's messages, or use a template that accepts them.") from err
 
 
-def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None, truncation_mode: str):
-    """(PairRows, pairs dropped because their prompt alone fills max_length) of encoded pairs."""
-    sequences, index, dropped = [], [], 0
+@dataclass
+class DroppedPairs:
+    """Pairs left out because they cannot teach, by cause (counts)."""
+
+    prompt_fills: int = 0  # keep_start: the prompt alone fills max_length, no completion token is left
+    identical: int = 0  # chosen and rejected give the same tokens to predict, as given
+    identical_truncated: int = 0  # ... only once truncated to max_length
+
+    def __add__(self, other: "DroppedPairs") -> "DroppedPairs":
+        return DroppedPairs(self.prompt_fills + other.prompt_fills, self.identical + other.identical,
+                            self.identical_truncated + other.identical_truncated)
+
+    @property
+    def same_answers(self) -> int:
+        return self.identical + self.identical_truncated
+
+
+def _predicted(rows: TokenRows, targets: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row r's tokens and target mask up to its last target: all that its log-prob depends on (causal attention)."""
+    span = rows.row(r)
+    mask = targets[span]
+    n = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
+    return rows.tokens[span][:n], mask[:n]
+
+
+def same_answers(rows: TokenRows) -> np.ndarray:
+    """[P] bool: pair p's chosen (row 2p) and rejected (row 2p + 1) give the model the same tokens to predict after
+    the same tokens, so every model gives both the same log-prob (two sequences without a target included)."""
+    targets = rows.labels & ~rows.starts
+    same = np.zeros(len(rows) // 2, dtype=bool)
+    for p in range(len(same)):
+        (chosen, chosen_mask), (rejected, rejected_mask) = (_predicted(rows, targets, r) for r in (2 * p, 2 * p + 1))
+        same[p] = np.array_equal(chosen_mask, rejected_mask) and np.array_equal(chosen, rejected)
+    return same
+
+
+def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None,
+              truncation_mode: str) -> tuple[PairRows, DroppedPairs]:
+    """(PairRows, the pairs dropped, by cause) of encoded pairs: each pair's two sequences truncated, then the pairs
+    that cannot teach left out (the module's docstring)."""
+    sequences, index, dropped = [], [], DroppedPairs()
     for i, (prompt, chosen, rejected) in enumerate(encoded):
         if max_length is not None and truncation_mode == "keep_start" and len(prompt) >= max_length:
-            dropped += 1
+            dropped.prompt_fills += 1
             continue
         for completion in (chosen, rejected):
             ids = np.asarray(list(prompt) + list(completion), dtype=np.int64)
@@ -215,24 +260,69 @@ def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None, tr
             labels[len(prompt):] = True
             sequences.append((ids, labels))
         index.append(first_index + i)
-    rows = truncate(TokenRows.from_sequences(sequences), max_length, truncation_mode)
-    return PairRows(rows, np.asarray(index, dtype=np.int64)), dropped
+    untruncated = TokenRows.from_sequences(sequences)
+    pairs = PairRows(truncate(untruncated, max_length, truncation_mode), np.asarray(index, dtype=np.int64))
+    same_before = same_answers(untruncated)
+    same_now = same_before if pairs.rows is untruncated else same_answers(pairs.rows)
+    dropped.identical = int(same_before.sum())
+    dropped.identical_truncated = int((same_now & ~same_before).sum())
+    return (pairs.select(np.flatnonzero(~same_now)) if same_now.any() else pairs), dropped
+
+
+def same_answers_warning(name: str, dropped: DroppedPairs, of: str, max_length: int | None) -> str:
+    """The one warning about pairs dropped for giving the same answer twice (`of`: "of 16 pairs", "at rows 0-999")."""
+    truncated = f"once truncated to max_length={max_length}"
+    how = ("" if not dropped.identical_truncated else f" ({truncated})" if not dropped.identical else
+           f" ({dropped.identical} as given, {dropped.identical_truncated} only {truncated})")
+    fix = (" (raise max_length for those that differ beyond it)" if dropped.identical_truncated else "")
+    return (f"{name}: dropped {dropped.same_answers} pairs {of} whose chosen and rejected are the same tokens{how}, "
+            f"which teach nothing (every model gives both the same log-prob); remove them from the dataset{fix}.")
+
+
+def _nothing_left(name: str, dropped: DroppedPairs, pairs: int, max_length: int | None) -> DataError:
+    """The one sentence for a dataset none of whose pairs can teach."""
+    if not dropped.same_answers:
+        return DataError(f"{name} has no pair left: every prompt alone fills max_length={max_length}, leaving no "
+                         "completion token; raise max_length or shorten the prompts.")
+    causes = []
+    if dropped.prompt_fills:
+        causes.append(f"{dropped.prompt_fills} prompts alone fill max_length={max_length}")
+    if dropped.identical:
+        causes.append(f"{dropped.identical} have the same chosen and rejected tokens")
+    if dropped.identical_truncated:
+        causes.append(f"{dropped.identical_truncated} have the same chosen and rejected tokens once truncated to "
+                      f"max_length={max_length}")
+    return DataError(f"{name} has no pair left that can teach: of its {pairs} pairs, {' and '.join(causes)}; give "
+                     "pairs whose chosen and rejected answers differ within max_length.")
 
 
 class PairPreparation:
-    """Turns a dataset's rows into PairRows with one config; the interface sequences/batches.py's batchers use."""
+    """Turns a dataset's rows into PairRows with one config; the interface sequences/batches.py's batchers use.
+    `announce`: this process says what is dropped (the main process; every process drops the same pairs)."""
 
-    def __init__(self, encoder: PairEncoder, args, name: str):
+    def __init__(self, encoder: PairEncoder, args, name: str, announce: bool = True):
         self.encoder = encoder
         self.args = args
         self.name = name
+        self.announce = announce
 
     def sequences(self, rows: list[dict], first_index: int):
         return self.encoder.encode(rows, first_index), first_index
 
-    def rows(self, sequences) -> tuple[PairRows, int]:
+    def pairs(self, sequences) -> tuple[PairRows, DroppedPairs]:
+        """The block's pairs and those dropped, by cause."""
         encoded, first_index = sequences
         return pair_rows(encoded, first_index, self.args.max_length, self.args.truncation_mode)
+
+    def rows(self, sequences) -> tuple[PairRows, int]:
+        """A stream's block (sequences/batches.py): its pairs, and those dropped because the prompt fills max_length,
+        which the batcher reports; the pairs with the same answer twice are reported here, one warning a block."""
+        pairs, dropped = self.pairs(sequences)
+        if dropped.same_answers and self.announce:
+            first = sequences[1]
+            logger.warning(same_answers_warning(self.name, dropped, f"at rows {first}-{first + len(sequences[0]) - 1}",
+                                                self.args.max_length))
+        return pairs, dropped.prompt_fills
 
     @staticmethod
     def concatenate(parts: list[PairRows]) -> PairRows:
@@ -240,27 +330,30 @@ class PairPreparation:
 
 
 def prepare_pairs(dataset, preparation: PairPreparation, block: int = 1000) -> PairRows:
-    """Every row of a map-style dataset as token pairs, with the dropped ones counted in the log."""
+    """Every row of a map-style dataset as token pairs; those dropped counted in one warning per cause (from the
+    announcing process), or one sentence when none is left."""
     name, args = preparation.name, preparation.args
     if len(dataset) == 0:
         raise DataError(f"{name} is empty: it needs at least one pair.")
-    parts, dropped = [], 0
+    parts, dropped = [], DroppedPairs()
     for start in range(0, len(dataset), block):
         columns = dataset[start:start + block]
         names = list(columns)
         rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
-        part, lost = preparation.rows(preparation.sequences(rows, start))
+        part, lost = preparation.pairs(preparation.sequences(rows, start))
         parts.append(part)
-        dropped += lost
+        dropped = dropped + lost
     pairs = PairRows.concatenate(parts)
     if len(pairs) == 0:
-        raise DataError(f"{name} has no pair left: every prompt alone fills max_length={args.max_length}, leaving no "
-                        "completion token; raise max_length or shorten the prompts.")
-    if dropped:
-        logger.warning("%s: %d of %d pairs were dropped because their prompt alone fills max_length=%s.", name,
-                       dropped, len(dataset), args.max_length)
-    logger.info("%s: %d pairs, %d tokens, %d of them completion targets.", name, len(pairs), len(pairs.rows.tokens),
-                int(pairs.rows.target_counts.sum()))
+        raise _nothing_left(name, dropped, len(dataset), args.max_length)
+    if preparation.announce:
+        if dropped.prompt_fills:
+            logger.warning("%s: %d of %d pairs were dropped because their prompt alone fills max_length=%s.", name,
+                           dropped.prompt_fills, len(dataset), args.max_length)
+        if dropped.same_answers:
+            logger.warning(same_answers_warning(name, dropped, f"of {len(dataset)}", args.max_length))
+        logger.info("%s: %d pairs, %d tokens, %d of them completion targets.", name, len(pairs),
+                    len(pairs.rows.tokens), int(pairs.rows.target_counts.sum()))
     return pairs
 
 

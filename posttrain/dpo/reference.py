@@ -7,18 +7,28 @@ Which reference (in this order):
     precompute_ref_log_probs  the policy itself, before its first update (no copy is kept)
     otherwise                 a frozen copy of the initial policy
 
+A ref_model given must read the policy's token ids (check_vocabulary): one whose embedding has fewer rows than the
+tokenizer has tokens, or whose own tokenizer (beside it on disk) gives an id another token, is refused. A padded
+embedding (more rows than tokens, as resize_token_embeddings(pad_to_multiple_of=64) leaves it) is the same vocabulary.
+
 Precomputed log-probs are cached under $POSTTRAIN_CACHE/ref_logps (default ~/.cache/posttrain), one file per key:
-the prepared pairs (which already reflect the data, the chat template, max_length and truncation_mode), the reference
-weights, the chat template, max_length, truncation_mode and ld_alpha.
+the prepared pairs (which already reflect the data, the chat template, max_length and truncation_mode), a digest of
+every byte of the reference's weights and its config (weights_digest), the chat template, max_length,
+truncation_mode and ld_alpha. Each file holds the log-probs and a SHA-256 of them; a file whose content does not match
+its digest (corrupted, or edited) is recomputed, with a warning, and rewritten.
 """
 
 import hashlib
+import json
 import logging
 import os
 
 import numpy as np
+import torch
 
 from posttrain.configs import ConfigError
+from posttrain.models.keywords import unwrap
+from posttrain.models.partitioned import gathered
 from posttrain.models.peft import is_peft_model
 from posttrain.models.preparation import disable_dropout, reference_of
 
@@ -31,8 +41,9 @@ def _frozen(model, args, device):
     return model.to(device).eval().requires_grad_(False)
 
 
-def make_reference(policy, ref_model, args, came_with_adapter: bool, device, trust_remote_code: bool):
-    """(reference model or None, reference adapter name or None) for this run (see the module's docstring)."""
+def make_reference(policy, ref_model, args, came_with_adapter: bool, device, trust_remote_code: bool, tokenizer):
+    """(reference model or None, reference adapter name or None) for this run (see the module's docstring);
+    `tokenizer` is the policy's (processing_class), which a given ref_model must share."""
     if ref_model is not None and (ref_model is policy or (is_peft_model(policy) and ref_model is
                                                            policy.get_base_model())):
         raise ConfigError("model and ref_model are the same object: omit ref_model and a frozen copy of the model "
@@ -40,48 +51,206 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
     if args.reference_free:
         return None, None
     if ref_model is not None:
+        source = _tokenizer_source(ref_model, policy)
         if isinstance(ref_model, str):
             from posttrain.models.loading import load_causal_lm, with_trl_default_dtype
 
             kwargs = args.ref_model_init_kwargs or args.model_init_kwargs or {}
             ref_model = load_causal_lm(ref_model, with_trl_default_dtype({"trust_remote_code": trust_remote_code,
                                                                           **kwargs}))
+        check_vocabulary(ref_model, policy, tokenizer, _tokenizer_beside(source, trust_remote_code), source)
+        if args.sync_ref_model:
+            _check_same_shapes(ref_model, policy)
         return _frozen(ref_model, args, device), None
     if args.precompute_ref_log_probs and not is_peft_model(policy):
         return None, None  # the policy, before its first update, computes them
     return reference_of(policy, args.sync_ref_model, came_with_adapter)
 
 
-def cache_key(pairs_fingerprint: str, reference_fingerprint: str, tokenizer, args) -> str:
+# ---------------------------------------------------------------------- a given ref_model's vocabulary
+
+
+def _rows(model) -> int | None:
+    """Token ids the model can read and predict: the smaller of its input and output embeddings' rows."""
+    sizes = []
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is not None and hasattr(inputs, "num_embeddings"):
+        sizes.append(inputs.num_embeddings)
+    if outputs is not None and hasattr(outputs, "out_features"):
+        sizes.append(outputs.out_features)
+    return min(sizes) if sizes else None
+
+
+def _name_or_path(model) -> str:
+    return getattr(getattr(unwrap(model), "config", None), "_name_or_path", "") or ""
+
+
+def _tokenizer_source(ref_model, policy) -> str | None:
+    """Where a tokenizer saved with the ref_model can be found: the path or hub id it is given as, or the directory on
+    this machine a model object was loaded from; None where that is the policy's own (its tokenizer is the policy's)
+    or there is none."""
+    path = ref_model if isinstance(ref_model, str) else _name_or_path(ref_model)
+    if not path or (not isinstance(ref_model, str) and not os.path.isdir(path)):
+        return None
+    policy_path = _name_or_path(policy)
+    return None if policy_path and os.path.abspath(path) == os.path.abspath(policy_path) else path
+
+
+def _tokenizer_beside(source: str | None, trust_remote_code: bool):
+    """The tokenizer saved with a ref_model (its path, hub id or local directory), or None where it has none."""
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                             local_files_only=os.path.isdir(source))
+    except Exception as err:  # no tokenizer files beside the weights: only the embedding check applies
+        logger.debug("No tokenizer beside ref_model %r (%s): its vocabulary is checked by size only.", source, err)
+        return None
+
+
+def _id_conflict(mine: dict, theirs: dict) -> tuple[int, str, str] | None:
+    """(id, my token, their token) of an id the two vocabularies (token -> id) give different tokens, else None.
+    Tokens only one of them has (added tokens) are no conflict."""
+    by_id: dict[int, set] = {}
+    for token, i in mine.items():
+        by_id.setdefault(i, set()).add(token)
+    their_ids: dict[int, set] = {}
+    for token, i in theirs.items():
+        their_ids.setdefault(i, set()).add(token)
+    for i in sorted(set(by_id) & set(their_ids)):
+        if not by_id[i] & their_ids[i]:
+            return i, min(by_id[i]), min(their_ids[i])
+    return None
+
+
+def check_vocabulary(ref_model, policy, tokenizer, ref_tokenizer, source: str | None) -> None:
+    """Refuse, in one sentence, a ref_model that cannot read the policy's token ids: an embedding with fewer rows than
+    the tokenizer's tokens (and the policy's rows), or a tokenizer saved with it that names an id another token.
+    More rows than tokens is padding (resize_token_embeddings' pad_to_multiple_of), not another vocabulary."""
+    fix = "pass a ref_model that uses the policy's tokenizer, or omit ref_model for a frozen copy of the model"
+    rows, policy_rows, tokens = _rows(ref_model), _rows(policy), len(tokenizer)
+    if rows is not None and rows < min(tokens, policy_rows or tokens):
+        raise ConfigError(f"ref_model's embedding has {rows} rows and the tokenizer (processing_class) has {tokens} "
+                          f"tokens, so ref_model was built for another vocabulary: {fix}.")
+    if ref_tokenizer is None:
+        return
+    conflict = _id_conflict(tokenizer.get_vocab(), ref_tokenizer.get_vocab())
+    if conflict is not None:
+        i, mine, theirs = conflict
+        raise ConfigError(f"ref_model's tokenizer ({source}) gives id {i} to {theirs!r} where the processing_class "
+                          f"gives it to {mine!r}, so the reference would score other tokens than the policy: {fix}.")
+
+
+def _check_same_shapes(ref_model, policy) -> None:
+    """sync_ref_model mixes the policy's weights into the reference's, parameter by parameter."""
+    def shapes(model):
+        return [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in unwrap(model).named_parameters()]
+
+    reference, trained = shapes(ref_model), shapes(policy)
+    if len(reference) != len(trained):
+        raise ConfigError(f"sync_ref_model=True mixes the policy's weights into ref_model's, and ref_model has "
+                          f"{len(reference)} parameters where the policy has {len(trained)}: pass a ref_model of the "
+                          "policy's architecture and size, or omit it.")
+    for (name, mine), (_, theirs) in zip(reference, trained):
+        if mine != theirs:
+            raise ConfigError(f"sync_ref_model=True mixes the policy's weights into ref_model's, and ref_model's "
+                              f"{name} is {mine} where the policy's is {theirs}: pass a ref_model of the policy's "
+                              "architecture and size, or omit it.")
+
+
+# ---------------------------------------------------------------------- the precomputed log-probs' cache
+
+_VOLATILE = {"_name_or_path", "transformers_version", "use_cache", "_attn_implementation", "_commit_hash",
+             "architectures", "torch_dtype", "dtype"}  # where it came from, not what it computes (dtypes: the tensors')
+DIGEST_CHUNK = 1 << 26  # bytes of a tensor hashed at a time (a GPU tensor is copied to the CPU this much at a time)
+
+
+def _tensor_bytes(tensor: torch.Tensor):
+    """A tensor's bytes (any dtype, bf16 included) as uint8 arrays of at most DIGEST_CHUNK, on the CPU."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    raw = flat.view(torch.uint8) if flat.numel() else flat.new_zeros(0, dtype=torch.uint8)
+    for start in range(0, raw.numel(), DIGEST_CHUNK):
+        yield raw[start:start + DIGEST_CHUNK].cpu().numpy()  # a view on the CPU: hashed without a copy
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of what a model computes with: its config (less where it was loaded from) and every byte of every
+    parameter and buffer (names, shapes and dtypes with them; LoRA adapters left out: the reference runs with them
+    off). Under ZeRO-3 each parameter is gathered whole (a collective: every process computes it). About 2 GB/s of
+    weights on a CPU with SHA instructions (docs/dpo.md)."""
+    plain = unwrap(model)
     h = hashlib.sha256()
-    for part in (pairs_fingerprint, reference_fingerprint, str(getattr(tokenizer, "chat_template", None)),
+    config = {k: v for k, v in plain.config.to_dict().items() if k not in _VOLATILE}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    tensors = sorted([*plain.named_parameters(), *plain.named_buffers()], key=lambda item: item[0])
+    for name, tensor in tensors:
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        with gathered([tensor]):
+            h.update(f"\0{name}{tuple(tensor.shape)}{tensor.dtype}\0".encode())
+            for chunk in _tensor_bytes(tensor):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(pairs_fingerprint: str, reference_digest: str, tokenizer, args) -> str:
+    h = hashlib.sha256()
+    for part in (pairs_fingerprint, reference_digest, str(getattr(tokenizer, "chat_template", None)),
                  str(args.max_length), args.truncation_mode, str(args.ld_alpha)):
         h.update(part.encode())
         h.update(b"\0")
-    return h.hexdigest()[:24]
+    return h.hexdigest()[:32]
 
 
 def cache_path(key: str) -> str:
     root = os.environ.get("POSTTRAIN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "posttrain"))
-    return os.path.join(root, "ref_logps", f"{key}.npy")
+    return os.path.join(root, "ref_logps", f"{key}.npz")
 
 
-def load_cached(key: str, pairs: int) -> np.ndarray | None:
+def _content_digest(ref: np.ndarray) -> str:
+    """SHA-256 of the log-probs' shape, dtype and bytes."""
+    h = hashlib.sha256(f"{ref.shape}{ref.dtype}".encode())
+    h.update(np.ascontiguousarray(ref).tobytes())
+    return h.hexdigest()
+
+
+def load_cached(key: str, pairs: int, announce: bool = True) -> np.ndarray | None:
+    """The cached [P, 2] log-probs under `key`, or None: none cached, or (with a warning, from the `announce`ing
+    process) a file that does not hold what was written (its content does not match the digest stored with it),
+    which is then recomputed and rewritten. A cache is not a store of record: recomputing costs one pass over the
+    pairs, while refusing would leave the user to find and delete the file."""
     path = cache_path(key)
-    try:
-        ref = np.load(path)
-    except (OSError, ValueError):
+    if not os.path.exists(path):
         return None
-    return ref if ref.shape == (pairs, 2) and np.isfinite(ref).all() else None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            ref, digest = stored["ref"], str(stored["sha256"])
+    except Exception as err:  # truncated, not an npz, a missing entry: unreadable is as good as absent
+        if announce:
+            logger.warning("The cached reference log-probs at %s cannot be read (%s: %s): computing them again.",
+                           path, type(err).__name__, err)
+        return None
+    if digest != _content_digest(ref):
+        problem = "do not match the digest stored with them (the file was changed after it was written)"
+    elif ref.shape != (pairs, 2) or not np.isfinite(ref).all():
+        problem = f"are {ref.shape} values, not the finite [{pairs}, 2] this data needs"
+    else:
+        return ref
+    if announce:
+        logger.warning("The cached reference log-probs at %s %s: computing them again.", path, problem)
+    return None
 
 
 def save_cached(key: str, ref: np.ndarray) -> None:
+    """Write the log-probs under `key` with their digest (atomically: a reader sees the old file or the new one)."""
     path = cache_path(key)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
-            np.save(f, ref)
+            np.savez(f, ref=ref, sha256=np.array(_content_digest(ref)))
         os.replace(tmp, path)
     except OSError as err:  # a read-only cache costs a recomputation next time, never the run
         logger.warning("Could not cache the reference log-probs at %s (%s).", path, err)

@@ -25,7 +25,7 @@ from posttrain.dpo.batch import PairBatch, collate_pairs
 from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, pairs_as_dataset, prepare_pairs
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import SUMS, step_metrics
-from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached
+from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached, weights_digest
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
@@ -103,7 +103,8 @@ class DPOTrainer(BatchedDataTrainer):
         self._setup_model = model
         self._configure_tokenizer(model)
         self.ref_model, self.reference_adapter = make_reference(model, ref_model, args, came_with_adapter,
-                                                                self.accelerator.device, self._trust_remote_code)
+                                                                self.accelerator.device, self._trust_remote_code,
+                                                                self.tokenizer)
         self.pad_to_multiple_of = self._padding_multiple()
         self._train_source = train_dataset
         self.train_preparation = self._preparation(train_dataset, "train_dataset")
@@ -121,7 +122,9 @@ class DPOTrainer(BatchedDataTrainer):
                              args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
                              args.dataloader_drop_last)
             if plan.micro_batches == 0:
-                raise DataError(f"train_dataset gives {len(pairs)} pairs, fewer than one global batch "
+                dropped = len(train_dataset) - len(pairs)
+                left = f" ({dropped} of {len(train_dataset)} dropped: see the warning)" if dropped else ""
+                raise DataError(f"train_dataset gives {len(pairs)} pairs{left}, fewer than one global batch "
                                 f"({args.per_device_train_batch_size} x {processes} processes) with "
                                 "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
             self.data_fingerprint = pairs.fingerprint()
@@ -146,7 +149,8 @@ class DPOTrainer(BatchedDataTrainer):
     def _preparation(self, dataset, name: str) -> PairPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one pair.")
-        return PairPreparation(PairEncoder(self.tokenizer, first_row(dataset), name), self.args, name)
+        return PairPreparation(PairEncoder(self.tokenizer, first_row(dataset), name), self.args, name,
+                               announce=self.accelerator.is_main_process)
 
     def _configure_tokenizer(self, model) -> None:
         """pad_token onto the tokenizer and the model's configs, as in TRL; the EOS must exist."""
@@ -199,8 +203,8 @@ class DPOTrainer(BatchedDataTrainer):
         with guarded(acc):
             if self.reference_adapter is None:
                 reference = self.ref_model if self.ref_model is not None else model
-                key = cache_key(pairs.fingerprint(), model_fingerprint(reference), self.tokenizer, self.args)
-                cached = load_cached(key, len(pairs))
+                key = cache_key(pairs.fingerprint(), weights_digest(reference), self.tokenizer, self.args)
+                cached = load_cached(key, len(pairs), announce=acc.is_main_process)
         hits = torch.tensor([float(cached is not None)], device=acc.device)
         if acc.num_processes > 1:  # every process takes the cache, or every process computes
             hits = acc.reduce(hits, reduction="sum")

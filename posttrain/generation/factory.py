@@ -20,13 +20,11 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
         return ColocateGenerator(config, policy, tokenizer, params, eos_token_ids(policy, tokenizer), seed,
                                  process_index, local_process_index, num_processes, max_num_seqs)
     if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
-        import os
-
-        from posttrain.generation.server import ServerClient, ServerGenerator
+        from posttrain.generation.server import ServerClient, ServerGenerator, api_key_from_env
         from posttrain.weights import export_weights
         from posttrain.wire import fingerprint
 
-        client = ServerClient(config.server_url, api_key=os.environ.get("VLLM_API_KEY"),
+        client = ServerClient(config.server_url, api_key=api_key_from_env(),
                               connect_timeout=config.vllm_server_timeout, request_timeout=config.request_timeout,
                               sync_timeout=config.weight_sync_timeout)
         max_length = (config.max_prompt_length + params.max_new_tokens) if config.max_prompt_length else None

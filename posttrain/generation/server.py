@@ -1,17 +1,25 @@
 """Generation through a server (`posttrain serve`, or anything speaking its subset of vLLM's API): the client.
 
 Every call has a timeout, so nothing waits forever: start-up polls /health until `connect_timeout`; completions take
-`request_timeout`; each weight call `sync_timeout`. Only idempotent calls are retried: GETs, weight buckets (a bucket
-re-sent under the same version is loaded again, harmlessly) and seeded completions answered 503. A failure becomes a
+`request_timeout`; each weight call `sync_timeout`, while /health, asked on another connection every few seconds
+with `request_timeout`, must keep answering (a stopped or dead server fails the push within about request_timeout, a
+slow but alive one gets sync_timeout). Only idempotent calls are retried: GETs, weight buckets (a bucket re-sent
+under the same version is loaded again, harmlessly) and seeded completions answered 503. A failure becomes a
 GenerationError of one sentence naming the server, the call and the fix.
 
-    ServerClient      the HTTP calls: wait_until_up, info, completions, push (buckets + verified digest)
+    api_key_from_env  the key the trainer sends: POSTTRAIN_API_KEY (what `posttrain serve` reads too), else
+                      VLLM_API_KEY (what `vllm serve` reads)
+    ServerClient      the HTTP calls: wait_until_up, info, completions, push (an owned update: buckets within the
+                      server's max_bucket_bytes, each carrying the update's id, and a verified digest)
     ServerGenerator   the trainer's Generator over a client: a handshake at connect, one seed per round from its own
                       RNG (saved in checkpoints) and each row sampled with its key's stream, a group's identical
-                      prompts folded into one request with n, every completion checked to come from the weights just
-                      pushed (over HTTP to posttrain serve, over vLLM's NCCL transfer to vllm serve)
+                      prompts folded into one request with n (split to fit posttrain serve's max_num_seqs and
+                      max_batch_tokens), every completion checked to come from the weights just pushed (over HTTP to
+                      posttrain serve, over vLLM's NCCL transfer to vllm serve)
 """
 
+import os
+import threading
 import time
 from typing import Iterable
 
@@ -21,6 +29,11 @@ from posttrain import wire
 from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
 from posttrain.generation.sampling import mix64_int
 from posttrain.generation.transformers_backend import draw_seed
+
+
+def api_key_from_env(environ=os.environ) -> str | None:
+    """The API key the trainer sends: POSTTRAIN_API_KEY, else VLLM_API_KEY; None when neither is set (or empty)."""
+    return environ.get("POSTTRAIN_API_KEY") or environ.get("VLLM_API_KEY") or None
 
 
 class ServerClient:
@@ -48,6 +61,7 @@ class ServerClient:
         self.connect_timeout, self.request_timeout, self.sync_timeout = connect_timeout, request_timeout, sync_timeout
         self.retries = retries
         self.max_bucket_bytes = max_bucket_bytes
+        self.server_info: dict = {}  # /server_info, once wait_until_up has read it
 
     # ------------------------------------------------------------------ calls
 
@@ -98,11 +112,48 @@ class ServerClient:
                                       f"{self.connect_timeout:g} s (vllm_server_timeout): start one (posttrain serve "
                                       "--model ...), or check vllm_server_base_url / host / port.")
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        return self.info()
+        self.server_info = self.info()
+        return self.server_info
 
     def info(self) -> dict:
         """/server_info: posttrain serve's flat fields, or vLLM's {"vllm_config": ...} (its dev mode)."""
         return self._call("GET", "/server_info?config_format=json", 60.0, retry=True)
+
+    def _weight_call(self, path: str, retry: bool, **kwargs) -> dict:
+        """POST `path` within sync_timeout, on a daemon thread, while this thread asks /health (request_timeout)
+        every few seconds it is in flight: a server that stops answering fails the call within about
+        request_timeout (the thread is left to its own timeout); a slow but alive one gets sync_timeout."""
+        outcome: dict = {}
+
+        def call():
+            try:
+                outcome["answer"] = self._call("POST", path, self.sync_timeout, retry=retry, **kwargs)
+            except BaseException as err:  # handed to the waiting thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=call, name="posttrain-weight-call", daemon=True)
+        thread.start()
+        while True:
+            thread.join(min(5.0, self.request_timeout))
+            if not thread.is_alive():
+                break
+            self._check_alive(path)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["answer"]
+
+    def _check_alive(self, path: str) -> None:
+        """GenerationError unless /health answers within request_timeout (on a connection of its own)."""
+        import requests
+
+        try:
+            if self.session.get(f"{self.base_url}/health", timeout=self.request_timeout).status_code < 500:
+                return
+        except (requests.ConnectionError, requests.Timeout):
+            pass
+        raise GenerationError(f"The generation server at {self.base_url} stopped answering /health within "
+                              f"{self.request_timeout:g} s (request_timeout) while POST {path} was in flight: it is "
+                              "stopped or dead; restart it (and the run, from its newest checkpoint).")
 
     def weight_version(self) -> str | None:
         return self._call("GET", "/weight_info", 60.0, retry=True).get("weight_version")
@@ -131,18 +182,27 @@ class ServerClient:
         return self._call("POST", "/v1/completions", self.request_timeout, retry=True, json=body)["choices"]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> str:
-        """Send every weight under `version` and check that the server holds exactly what was sent; returns the
+        """Send every weight under `version` in an update this client owns (its id on every call), in buckets
+        within the server's max_bucket_bytes, and check that the server holds exactly what was sent; returns the
         digest."""
-        self._call("POST", "/start_weight_update", self.sync_timeout, retry=False, json={"weight_version": version})
+        opened = self._weight_call("/start_weight_update", retry=False, json={"weight_version": version})
+        owner = {"X-Update-Id": opened["update_id"]} if opened.get("update_id") else {}
+        server_max = self.server_info.get("max_bucket_bytes")
+        packing = min(self.max_bucket_bytes, server_max) if server_max else self.max_bucket_bytes
         digests = wire.PushDigests()
-        for index, (bucket, aliases) in enumerate(wire.buckets(weights, self.max_bucket_bytes)):
+        for index, (bucket, aliases) in enumerate(wire.buckets(weights, packing)):
             body = wire.Body(bucket, aliases)  # streamed from the tensors' memory: no copy of the weights
+            if server_max and len(body) > server_max + wire.MAX_HEADER_BYTES:
+                raise GenerationError(f"Weight {bucket[0][0]!r} alone has {len(body) - len(body.header)} bytes, more "
+                                      f"than the generation server at {self.base_url} takes in one bucket "
+                                      f"(max_bucket_bytes={server_max}): restart it with --max_bucket_bytes "
+                                      f"{len(body)} or more.")
             headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": version,
-                       "X-Bucket": str(index + 1), "X-Bucket-Digest": digests.of_bucket(body, aliases)}
-            self._call("POST", "/update_weights", self.sync_timeout, retry=True, data=body, headers=headers)
+                       "X-Bucket": str(index + 1), "X-Bucket-Digest": digests.of_bucket(body, aliases), **owner}
+            self._weight_call("/update_weights", retry=True, data=body, headers=headers)
         expected = digests.total()
-        held = self._call("POST", "/finish_weight_update", self.sync_timeout, retry=False,
-                          json={"weight_version": version})["digest"]
+        finish = {"weight_version": version, **({"update_id": opened["update_id"]} if owner else {})}
+        held = self._weight_call("/finish_weight_update", retry=False, json=finish)["digest"]
         if held != expected:
             raise GenerationError(f"The generation server at {self.base_url} holds other weights than were sent for "
                                   f"version {version} (digest {held[:12]} against {expected[:12]}): its model differs "
@@ -222,6 +282,11 @@ class ServerGenerator:
                 raise GenerationError(f"The generation server at {url} serves another model than the one being "
                                       f"trained ({info.get('model')}, fingerprint {info.get('fingerprint')} against "
                                       f"{fingerprint}): start it with the trainer's model.")
+        batch_tokens = None if self.is_vllm else info.get("max_batch_tokens")
+        if max_length is not None and batch_tokens is not None and int(batch_tokens) < max_length:
+            raise GenerationError(f"The generation server at {url} holds at most {batch_tokens} tokens per request, "
+                                  f"and one of this run's sequences reaches {max_length}: restart it with "
+                                  f"--max_batch_tokens {max_length} or more.")
         if max_length is not None and served_len is not None and int(served_len) < max_length:
             raise GenerationError(f"The generation server at {url} serves at most {served_len} tokens per sequence, "
                                   f"and this run's prompts and completions reach {max_length}: restart it with "
@@ -257,7 +322,9 @@ class ServerGenerator:
         runs = _runs(prompts, keys)
         seed = draw_seed(self.rng)
         if self.server_info.get("engine") == "transformers":  # posttrain serve: it takes sample_keys
-            requests = _shared_requests(runs)
+            max_seqs, max_tokens = self.server_info.get("max_num_seqs"), self.server_info.get("max_batch_tokens")
+            runs = _fitting_runs(runs, max_seqs, max_tokens, self.params.max_new_tokens)
+            requests = _shared_requests(runs, max_seqs, max_tokens, self.params.max_new_tokens)
             bodies = [([runs[i][0] for i in idx], runs[idx[0]][2], seed, [runs[i][1] for i in idx]) for idx in requests]
         else:
             requests = [[i] for i in range(len(runs))]
@@ -323,14 +390,38 @@ def _runs(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], in
     return runs
 
 
-def _shared_requests(runs: list[tuple[list[int], int, int]]) -> list[list[int]]:
-    """Indices of consecutive runs with the same copy count, one list per request."""
+def _fitting_runs(runs: list[tuple[list[int], int, int]], max_seqs: int | None, max_tokens: int | None,
+                  new_tokens: int) -> list[tuple[list[int], int, int]]:
+    """`runs` with each run's copies split into runs (consecutive keys) small enough for one request: at most
+    max_seqs copies and max_tokens tokens (copies x (prompt + new_tokens)); None: no limit."""
+    out = []
+    for prompt, key, copies in runs:
+        cap = copies
+        if max_seqs:
+            cap = min(cap, max_seqs)
+        if max_tokens:
+            cap = min(cap, max(1, max_tokens // (len(prompt) + new_tokens)))
+        for start in range(0, copies, cap):
+            out.append((prompt, key + start, min(cap, copies - start)))
+    return out
+
+
+def _shared_requests(runs: list[tuple[list[int], int, int]], max_seqs: int | None = None,
+                     max_tokens: int | None = None, new_tokens: int = 0) -> list[list[int]]:
+    """Indices of consecutive runs with the same copy count, one list per request, each request within max_seqs
+    sequences and max_tokens tokens (sequences x (its longest prompt + new_tokens)); None: no limit."""
     requests: list[list[int]] = []
+    longest = 0  # the longest prompt of the request being filled
     for i, run in enumerate(runs):
         if requests and runs[requests[-1][0]][2] == run[2]:
-            requests[-1].append(i)
-        else:
-            requests.append([i])
+            rows = (len(requests[-1]) + 1) * run[2]
+            tokens = rows * (max(longest, len(run[0])) + new_tokens)
+            if (not max_seqs or rows <= max_seqs) and (not max_tokens or tokens <= max_tokens):
+                requests[-1].append(i)
+                longest = max(longest, len(run[0]))
+                continue
+        requests.append([i])
+        longest = len(run[0])
     return requests
 
 

@@ -31,6 +31,7 @@ from posttrain.configs import ConfigError
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.grpo.advantages import nanstd, weighted_sum
 from posttrain.grpo.completions import RewardLogs
+from posttrain.timeouts import waiting_on
 
 DEFAULT_MAX_ROUNDS = 10
 
@@ -124,7 +125,8 @@ def _as_bool(value) -> bool | None:
 def _kept(user_filter: Callable, group: torch.Tensor, index: int) -> bool:
     """Whether `user_filter` keeps the round's group `index`, whose [G, F] rewards are `group`."""
     try:
-        out = user_filter(group.clone())
+        with waiting_on(f"dynamic_sampling_filter {function_name(user_filter)!r}"):  # an interrupt stops it
+            out = user_filter(group.clone())
     except Exception as err:  # noqa: BLE001 - the user's own exception: its traceback is kept as the cause
         name, rewards = repr(function_name(user_filter)), reprlib.repr(group.tolist())
         raise UserFunctionError(f"dynamic_sampling_filter {name} raised {type(err).__name__} on group {index} of the "

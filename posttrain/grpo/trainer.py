@@ -14,6 +14,7 @@ is independent of how many micro-batches make an optimizer step (gradient_accumu
 """
 
 import functools
+import logging
 import math
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.dynamic_sampling import resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
+from posttrain.grpo.flat_rewards import FlatRewardWatch
 from posttrain.grpo.losses import LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss, micro_batch_loss
 from posttrain.grpo.metrics import loss_metrics
 from posttrain.grpo.rollout import Rewards, Rollout
@@ -38,6 +40,8 @@ from posttrain.training.distributed import guarded
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
 from posttrain.training.trainer import Trainer
 from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
+
+logger = logging.getLogger("posttrain")
 
 
 class GRPOTrainer(Trainer):
@@ -119,6 +123,8 @@ class GRPOTrainer(Trainer):
         self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
         self._stream_epoch = 0.0
         self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
+        self.flat_rewards = FlatRewardWatch(args, self.sampling_params, [f.name for f in self.reward_funcs],
+                                            self._gradients_besides_rewards())
         self._call("on_init_end")
 
     @property
@@ -172,6 +178,13 @@ class GRPOTrainer(Trainer):
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
         return model
 
+    def _gradients_besides_rewards(self) -> list[str]:
+        """What trains the model when every advantage is 0 (grpo/flat_rewards.py names it)."""
+        kl = f"the KL term (beta={self.args.beta:g}), which only pulls the model back towards the reference"
+        return ([kl] if self.args.beta else []) + (
+            ["the entropy bonus, which only changes the model's entropy"] if self.entropy_control.enabled else []) + (
+            ["the router's load-balancing loss, which only balances the experts"] if self.router_loss.enabled else [])
+
     def _reward_weights(self) -> torch.Tensor:
         weights = self.args.reward_weights
         if weights is None:
@@ -202,6 +215,7 @@ class GRPOTrainer(Trainer):
             if not self.buffer:
                 scored = self.rollout.scored_batch(self._next_round, self.state.global_step + 1)
                 self._log_completions(scored)
+                self._watch_rewards(scored)
                 parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
                 self.buffer, round_metrics = parts * self.args.num_iterations, scored.metrics
             micro.append(self.buffer.pop(0))
@@ -212,6 +226,12 @@ class GRPOTrainer(Trainer):
             rows = scored.scored
             self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in rows.rows], rows.texts,
                                     rows.rewards, scored.advantages, rows.extra)
+
+    def _watch_rewards(self, scored) -> None:
+        """Warn once when the rewards have stopped telling completions apart (grpo/flat_rewards.py)."""
+        warning = self.flat_rewards.observe(scored.metrics, scored.scored.rewards)
+        if warning and self.accelerator.is_main_process:
+            logger.warning(warning)
 
     def _next_round(self):
         prompt_round = next(self._rounds)

@@ -113,8 +113,8 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
             return AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except TypeError as err:
         raise _unknown_init_kwarg(model, kwargs, err) from err
-    except ValueError as err:
-        raise _explained(model, err) from err
+    except (ValueError, ImportError, AttributeError) as err:
+        raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
 
@@ -145,7 +145,26 @@ def _unknown_init_kwarg(model: str, kwargs: dict, err: TypeError) -> Exception:
                        f"{suggest(key, known, ' Remove it.')}")
 
 
-def _explained(model: str, err: ValueError) -> Exception:
+def _init_kwarg_refused(model: str, init_kwargs: dict, err: Exception) -> Exception | None:
+    """A ConfigError for a model_init_kwargs value from_pretrained refuses (an unknown attn_implementation, a device_map
+    it cannot place, an attention implementation whose package is not installed): the error names the key or its
+    value, or is an ImportError while an attention implementation was asked for. None when none of them is named."""
+    from posttrain.configs import ConfigError
+
+    text = str(err).strip()
+    reason = text.splitlines()[0].rstrip(".") if text else type(err).__name__
+    key = next((k for k, v in init_kwargs.items()
+                if k != "trust_remote_code" and (f"{k}=" in text or f"`{k}`" in text
+                                                 or (isinstance(v, str) and len(v) > 2 and v in text))), None)
+    if key is None and isinstance(err, ImportError) and "attn_implementation" in init_kwargs:
+        key = "attn_implementation"
+    if key is None:
+        return None
+    return ConfigError(f"model_init_kwargs {key}={init_kwargs[key]!r} does not work with model {model!r} ({reason}): "
+                       "change it, or leave it out for the default.")
+
+
+def _explained(model: str, err: Exception) -> Exception:
     """A ModelLoadError for the ValueErrors of `from_pretrained` a user can fix; `err` itself otherwise."""
     text = str(err)
     if "trust_remote_code" in text:

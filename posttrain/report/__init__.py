@@ -16,11 +16,12 @@ tables.py (HTML pieces), style.py (the stylesheet).
 """
 
 import datetime
+import logging
 import os
 
 from posttrain.plotting import PlotError, read_metrics
 from posttrain.report.run import config_path, describe_model, final_summary, read_config, trainer_of
-from posttrain.report.sections import DEFAULT_ROWS, chosen_steps, completions, curves, details
+from posttrain.report.sections import DEFAULT_ROWS, chosen_steps, completion_rows, completions, curves, details
 from posttrain.report.style import STYLE
 from posttrain.report.summary import summary_section
 from posttrain.report.tables import escape
@@ -28,6 +29,7 @@ from posttrain.report.tables import escape
 __all__ = ["DEFAULT_ROWS", "REPORT", "chosen_steps", "write_report"]
 
 REPORT = "report.html"
+logger = logging.getLogger("posttrain")
 
 
 def write_report(output_dir: str, out: str | None = None, steps: list[int] | None = None,
@@ -54,14 +56,20 @@ def write_report(output_dir: str, out: str | None = None, steps: list[int] | Non
 
 
 def _read_run(output_dir: str) -> tuple[dict[int, dict], dict]:
-    """(the logged steps, what the sections read of the run: config, final summary, trainer). A directory without
-    metrics.jsonl is no run's output_dir: PlotError says so."""
-    logged = read_metrics(output_dir)
-    config = read_config(output_dir)
+    """(the logged steps, what the sections read of the run: config, final summary, trainer, completions, and the
+    notes on what was skipped as damaged). A directory without metrics.jsonl is no run's output_dir: PlotError says
+    so."""
+    damage: list[str] = []
+    logged = read_metrics(output_dir, damage)
+    config = read_config(output_dir, damage)
+    completions_by_step = completion_rows(output_dir, damage)
     summary_file, summary = final_summary(output_dir)
     names = {k for record in logged.values() for k in record}
+    for note in damage:
+        logger.warning("%s: %s", output_dir, note)
     return logged, {"config": config, "config_path": config_path(output_dir), "summary": summary,
-                    "summary_file": summary_file, "trainer": trainer_of(config, names)}
+                    "summary_file": summary_file, "trainer": trainer_of(config, names),
+                    "completions": completions_by_step, "damage": damage}
 
 
 def _page(output_dir: str, page_dir: str, steps: list[int] | None, rows: int) -> str:
@@ -70,7 +78,7 @@ def _page(output_dir: str, page_dir: str, steps: list[int] | None, rows: int) ->
     parts = ["<main>", _header(name, output_dir, run),
              summary_section(output_dir, page_dir, logged, run),
              "<section id=\"curves\">", "<h2>Curves</h2>", curves(output_dir, logged), "</section>",
-             "<section id=\"completions\">", "<h2>Completions</h2>", completions(output_dir, steps, rows),
+             "<section id=\"completions\">", "<h2>Completions</h2>", completions(run["completions"], steps, rows),
              "</section>",
              "<section id=\"details\">", "<h2>Details</h2>", details(output_dir, logged, run), "</section>",
              "</main>"]
@@ -87,4 +95,5 @@ def _header(name: str, output_dir: str, run: dict) -> str:
     facts = [("trainer", trainer), ("model", model), ("output dir", output_dir),
              ("written", datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))]
     items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts)
-    return f"<header><h1>{escape(name)}</h1>\n<dl class=\"facts\">{items}</dl></header>"
+    damage = "".join(f"<p class=\"note\">{escape(note)}</p>" for note in run["damage"])
+    return f"<header><h1>{escape(name)}</h1>\n<dl class=\"facts\">{items}</dl>{damage}</header>"

@@ -7,6 +7,8 @@ import math
 import os
 import re
 
+from posttrain.run_files import read_json_object, read_yaml_mapping
+
 SUMMARY_FILES = ("all_results.json", "train_results.json")  # the end-of-training summary (all: with evaluation's)
 CONFIG_FILE = "posttrain_config.yaml"
 # each trainer's own config fields (posttrain_config.yaml), then its own metrics: which trainer wrote the run
@@ -15,14 +17,6 @@ TRAINER_METRICS = (("GRPO", "reward"), ("DPO", "rewards/margins"), ("SFT", "mean
 WEIGHT_FILES = ("model.safetensors", "model-*-of-*.safetensors", "adapter_model.safetensors", "pytorch_model*.bin",
                 "adapter_model.bin")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
-
-
-def _json(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
@@ -41,21 +35,16 @@ def config_path(output_dir: str) -> str | None:
     return None
 
 
-def read_config(output_dir: str) -> dict | None:
+def read_config(output_dir: str, damage: list[str]) -> dict | None:
+    """The run's config (config_path); None where there is none yet, or it is damaged (then noted in `damage`)."""
     path = config_path(output_dir)
-    if path is None:
-        return None
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    return config if isinstance(config, dict) else {}
+    return None if path is None else read_yaml_mapping(path, damage)
 
 
 def final_summary(output_dir: str) -> tuple[str | None, dict]:
     """(file name, values) of the end-of-training summary; (None, {}) before the run has finished."""
     for name in SUMMARY_FILES:
-        values = _json(os.path.join(output_dir, name))
+        values = read_json_object(os.path.join(output_dir, name))
         if isinstance(values, dict):
             return name, values
     return None, {}
@@ -81,7 +70,7 @@ def weight_files(folder: str) -> list[str]:
 
 
 def _safetensors_elements(path: str) -> int | None:
-    """The number of values in a .safetensors file, from its header alone."""
+    """The number of values in a .safetensors file, from its header alone; None where the header is damaged."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -90,8 +79,17 @@ def _safetensors_elements(path: str) -> int | None:
             header = json.loads(f.read(size))
     except (OSError, ValueError):
         return None
-    return sum(math.prod(entry.get("shape", [])) for name, entry in header.items()
-               if name != "__metadata__" and isinstance(entry, dict))
+    if not isinstance(header, dict):
+        return None
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            return None
+        total += math.prod(shape)
+    return total
 
 
 def parameter_count(files: list[str]) -> int | None:
@@ -103,10 +101,11 @@ def describe_model(output_dir: str) -> str | None:
     """The model trained: where it was loaded from (the latest checkpoint records it; a LoRA adapter its base), its
     architecture (config.json) and its parameter count (the weight files' headers)."""
     checkpoints = checkpoint_dirs(output_dir)
-    state = _json(os.path.join(checkpoints[-1], "trainer_state.json")) if checkpoints else None
-    adapter = _json(os.path.join(output_dir, "adapter_config.json"))
+    state = read_json_object(os.path.join(checkpoints[-1], "trainer_state.json")) if checkpoints else None
+    adapter = read_json_object(os.path.join(output_dir, "adapter_config.json"))
     source = (state or {}).get("model_path") or (adapter or {}).get("base_model_name_or_path")
-    architectures = (_json(os.path.join(output_dir, "config.json")) or {}).get("architectures") or []
+    architectures = (read_json_object(os.path.join(output_dir, "config.json")) or {}).get("architectures")
+    architectures = architectures if isinstance(architectures, list) else []
     files = weight_files(output_dir)
     count = parameter_count(files)
     details = [str(a) for a in architectures[:1]]

@@ -1,21 +1,21 @@
 """The report's sections after the summary: the curves (and the metrics that held one value, not drawn), sampled
 completions, and the detailed numbers (the final summary record, the last logged step, the config)."""
 
-import json
 import os
 
 from posttrain.completion_rows import as_text, extra_columns
 from posttrain.plotting import PlotError, constant_series, figure_svg, reward_twins, sole_reward_function
 from posttrain.report.tables import escape, number, table
+from posttrain.run_files import read_jsonl
 
 DEFAULT_ROWS = 8  # completions shown per chosen step
 
 
 def curves(output_dir: str, steps: dict[int, dict]) -> str:
-    """The curves as inline SVG, and a line naming what is not drawn: metrics constant over the run (with their
-    value) and the reward function that is the reward itself."""
+    """The curves of the logged `steps` as inline SVG, and a line naming what is not drawn: metrics constant over the
+    run (with their value) and the reward function that is the reward itself."""
     try:
-        figure = f"<div class=\"curves\">{figure_svg([output_dir])}</div>"
+        figure = f"<div class=\"curves\">{figure_svg([output_dir], [steps])}</div>"
     except PlotError as err:
         figure = f"<p class=\"note\">{escape(err)}</p>"
     notes = []
@@ -33,19 +33,30 @@ def curves(output_dir: str, steps: dict[int, dict]) -> str:
     return "\n".join([figure, *(f"<p class=\"note\">{n}</p>" for n in notes)])
 
 
-def _completion_rows(output_dir: str) -> dict[int, list[dict]]:
+def completion_rows(output_dir: str, damage: list[str]) -> dict[int, list[dict]]:
+    """{step: its rows} of output_dir/completions.jsonl (empty without it); rows not of the form its writer gives
+    (grpo/completions.py) are skipped and noted in `damage`."""
     path = os.path.join(output_dir, "completions.jsonl")
     by_step: dict[int, list[dict]] = {}
     if not os.path.exists(path):
         return by_step
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a running run's half-written last line
-                continue
-            by_step.setdefault(int(row.get("step", 0)), []).append(row)
+    for row in read_jsonl(path, damage, valid=_is_completion_row):
+        by_step.setdefault(row["step"], []).append(row)
     return by_step
+
+
+def _is_completion_row(row: dict) -> bool:
+    """A whole-number step, a prompt and completion as text or messages, rewards a mapping of numbers (or None: a
+    function that did not score the row), an advantage a number."""
+    step, rewards = row.get("step"), row.get("rewards", {})
+    return (isinstance(step, int) and not isinstance(step, bool) and step >= 0
+            and all(isinstance(row.get(k, ""), (str, list)) for k in ("prompt", "completion"))
+            and isinstance(rewards, dict) and all(v is None or _is_real(v) for v in rewards.values())
+            and (row.get("advantage") is None or _is_real(row["advantage"])))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def chosen_steps(available: list[int], wanted: list[int] | None) -> list[int]:
@@ -58,8 +69,8 @@ def chosen_steps(available: list[int], wanted: list[int] | None) -> list[int]:
     return sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
 
 
-def completions(output_dir: str, steps: list[int] | None, rows: int) -> str:
-    by_step = _completion_rows(output_dir)
+def completions(by_step: dict[int, list[dict]], steps: list[int] | None, rows: int) -> str:
+    """Tables of `rows` completions (completion_rows) at each chosen step."""
     if not by_step:
         return ("<p class=\"note\">No completions.jsonl: set log_completions=True to log each step's prompts, "
                 "completions, rewards and advantages.</p>")

@@ -8,12 +8,16 @@ sequence-classification model scores prompt + completion, tokenized by its own t
 `reward_processing_classes`). None means "not applicable"; it becomes NaN in the reward matrix and is left out of
 statistics.
 
+While a user's function runs (not posttrain's built-ins, which return), the main thread is marked as waiting on it
+(posttrain/timeouts.py's `waiting_on`): a SIGINT or SIGTERM then stops the run at once, naming the function
+(training/interrupts.py), rather than at the end of a step the function might never let come.
+
 TRL's built-in rewards are importable from here under TRL's names: accuracy_reward, reasoning_accuracy_reward,
 get_cosine_scaled_reward, think_format_reward, get_repetition_penalty_reward, get_soft_overlong_punishment.
 """
 
 import asyncio
-import concurrent.futures
+import contextlib
 import logging
 import math
 import numbers
@@ -25,28 +29,21 @@ from posttrain.errors import UserError
 from posttrain.rewards.resolving import (CONVENTION_ARGS, PASSED_WHOLE, RewardFunction,  # noqa: F401 - the API
                                          check_required_columns, import_dotted, resolve_reward_funcs,
                                          unaccepted_keywords, without_kwargs_message)
+from posttrain.rewards.async_calls import run_async
 from posttrain.rewards.timeouts import TimedOut, hanging_row, run_within
+from posttrain.timeouts import waiting_on
 
 logger = logging.getLogger("posttrain")
 
 
 class RewardError(UserError, RuntimeError):
-    """A reward function failed or returned something unusable; the message names it and the step."""
+    """A reward function failed or returned something unusable; the message names it and the step. When it raised,
+    its own exception is the cause, whose traceback the command line prints above the message."""
+
+    shows_cause = True
 
 
 _NO_LOGGERS = {"log_extra": lambda column, values: None, "log_metric": lambda name, value: None}
-
-
-def _run_async(coroutines):
-    async def gather():
-        return await asyncio.gather(*coroutines, return_exceptions=True)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # already inside an event loop (e.g. Jupyter)
-        return pool.submit(asyncio.run, gather()).result()
 
 
 def _model_scores(f: RewardFunction, prompts, completions) -> list[float]:
@@ -158,18 +155,21 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
             elif f.is_async:
                 pending.append(k)
             else:
-                results[k] = run_within(lambda f=f: f.fn(**call), timeout)
+                with _waiting_on(f):
+                    results[k] = run_within(lambda f=f: f.fn(**call), timeout)
         except TimedOut:
             results[k] = _timed_out(f, step, call, prompt_indices, timeout, bad_rows)
         except Exception as err:
             raise _raised(f, err, step, call, prompt_indices) from err
     if pending:
-        outputs = _run_async_within([funcs[k].fn for k in pending], call, timeout)
+        outputs = _run_async_within([funcs[k] for k in pending], call, timeout)
         for k, out in zip(pending, outputs):
             if isinstance(out, (TimedOut, asyncio.TimeoutError)):
                 results[k] = _timed_out(funcs[k], step, call, prompt_indices, timeout, bad_rows)
-            elif isinstance(out, BaseException):
+            elif isinstance(out, Exception):
                 raise _raised(funcs[k], out, step, call, prompt_indices) from out
+            elif isinstance(out, BaseException):  # an interrupt inside the function (a KeyboardInterrupt): as it is
+                raise out
             else:
                 results[k] = out
     matrix = [results[k] if results[k] is _SKIPPED else _checked(funcs[k], results[k], n, step, bad_rows)
@@ -185,15 +185,43 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
 _SKIPPED = object()  # a timed-out function's result under on_bad_reward=skip: every completion is skipped
 
 
-def _run_async_within(fns: list, call: dict, timeout: float | None) -> list:
+def _described(f: RewardFunction) -> str:
+    """A reward function as the sentence of an interrupted run names it."""
+    return f"reward function {f.name!r}"
+
+
+def _waiting_on(f: RewardFunction):
+    """timeouts.waiting_on `f` while it runs, so that a signal stops the run at once (it might never return); not
+    for posttrain's own built-ins, which do return: a signal then lets the step finish and checkpoint it."""
+    ours = (getattr(f.fn, "__module__", None) or "").startswith("posttrain.")
+    return contextlib.nullcontext() if ours else waiting_on(_described(f))
+
+
+def _run_async_within(funcs: list[RewardFunction], call: dict, timeout: float | None) -> list:
     """Await the async functions together, each within `timeout` (a coroutine that blocks without awaiting is
-    caught by a limit on the whole event loop)."""
-    if timeout is None:
-        return _run_async([fn(**call) for fn in fns])
-    try:
-        return run_within(lambda: _run_async([asyncio.wait_for(fn(**call), timeout) for fn in fns]), timeout + 1.0)
-    except TimedOut:
-        return [TimedOut()] * len(fns)
+    caught by a limit on the whole event loop). While they run, the main thread waits on those not yet returned
+    (timeouts.waiting_on)."""
+    running = dict.fromkeys(range(len(funcs)))  # ordered: the functions not yet returned
+
+    async def tracked(k: int, coroutine):
+        try:
+            return await coroutine
+        finally:
+            running.pop(k, None)
+
+    def waited() -> str:
+        pending = list(running)  # one copy (with reward_timeout, another thread's loop updates it)
+        names = [funcs[k].name for k in (pending or range(len(funcs)))]
+        return f"reward function {names[0]!r}" if len(names) == 1 else f"reward functions {', '.join(map(repr, names))}"
+
+    with waiting_on(waited):
+        if timeout is None:
+            return run_async([tracked(k, f.fn(**call)) for k, f in enumerate(funcs)])
+        try:
+            return run_within(lambda: run_async([tracked(k, asyncio.wait_for(f.fn(**call), timeout))
+                                                  for k, f in enumerate(funcs)]), timeout + 1.0)
+        except TimedOut:
+            return [TimedOut()] * len(funcs)
 
 
 def _timed_out(f: RewardFunction, step: int, call: dict, prompt_indices, timeout: float, bad_rows: list | None):
@@ -211,12 +239,13 @@ def _timed_out(f: RewardFunction, step: int, call: dict, prompt_indices, timeout
         one.update(trainer_state=call["trainer_state"], **_NO_LOGGERS)
         if not f.is_async:
             return f.fn(**one)
-        out = _run_async([asyncio.wait_for(f.fn(**one), timeout)])[0]
+        out = run_async([asyncio.wait_for(f.fn(**one), timeout)])[0]
         if isinstance(out, asyncio.TimeoutError):
             raise TimedOut()
         return out
 
-    row = hanging_row(call_row, n, timeout) if f.fn is not None else None
+    with _waiting_on(f):  # probing calls it again
+        row = hanging_row(call_row, n, timeout) if f.fn is not None else None
     where = ""
     if row is not None:
         where = f" on completion {row}" + (f" (prompt {prompt_indices[row]} of the dataset)" if prompt_indices else "")
@@ -238,7 +267,8 @@ def _checked(f: RewardFunction, values, n: int, step: int, bad_rows: list | None
 
 def _raised(f: RewardFunction, err: BaseException, step: int, call: dict, prompt_indices) -> RewardError:
     """The error for a reward function that raised, naming the first completion that alone makes it raise."""
-    row = _failing_row(f, call)
+    with _waiting_on(f):  # probing calls it again
+        row = _failing_row(f, call)
     where = ""
     if row is not None:
         where = f" on completion {row}" + (f" (prompt {prompt_indices[row]} of the dataset)" if prompt_indices else "")
@@ -260,7 +290,7 @@ def _failing_row(f: RewardFunction, call: dict) -> int | None:
         one = {k: v[i:i + 1] for k, v in call.items() if k not in PASSED_WHOLE}
         one.update(trainer_state=call["trainer_state"], **_NO_LOGGERS)
         try:
-            out = _run_async([f.fn(**one)])[0] if f.is_async else f.fn(**one)
+            out = run_async([f.fn(**one)])[0] if f.is_async else f.fn(**one)
         except Exception:
             return i
         if isinstance(out, BaseException):

@@ -90,8 +90,10 @@ def _import_failed(path: str, module: str, err: BaseException, what: str) -> Con
     text = str(err).strip()
     detail = f": {text.splitlines()[0].rstrip('.')}" if text else ""
     fix = "install the package it imports, or fix the import" if isinstance(err, ImportError) else "fix the module"
-    return ConfigError(f"{what} {path!r} could not be imported: its module {module} raised {type(err).__name__} on "
-                       f"import{detail}; {fix}.")
+    error = ConfigError(f"{what} {path!r} could not be imported: its module {module} raised {type(err).__name__} on "
+                        f"import{detail}; {fix}.")
+    error.shows_cause = True  # the traceback points into the user's module
+    return error
 
 
 def _not_a_reward(source: str) -> ConfigError:

@@ -124,7 +124,7 @@ class StreamBatches:
 
     def _prepare(self, block: list[dict], index: int) -> TokenRows:
         rows, dropped = self.preparation.rows(self.preparation.sequences(block, index))
-        if dropped:
+        if dropped and self.rank == 0:  # every process prepares the same blocks: said once
             logger.warning("%s: %d rows at %d-%d had no trained token within max_length and were dropped.",
                            self.preparation.name, dropped, index, index + len(block) - 1)
         return rows

@@ -13,7 +13,7 @@ Unpacked, a row is one sequence (truncated to max_length). Packed, a row of at m
     bfd        best-fit decreasing; a sequence longer than max_length is truncated first
     bfd_split  best-fit decreasing; a longer sequence is split into pieces of at most max_length, each its own sequence
     wrapped    the sequences end to end, cut every max_length tokens; a cut starts a new sequence
-A sequence (or piece) with no target left is dropped, and counted.
+A sequence (or piece) with no target left is dropped, and counted; so is what a cut removes (truncation_cut).
 """
 
 import bisect
@@ -188,22 +188,34 @@ def _wrap(rows: TokenRows, max_length: int) -> TokenRows:
     return TokenRows(rows.tokens, rows.labels, starts, offsets)
 
 
+def truncates(packing: bool, strategy: str) -> bool:
+    """Whether preparation cuts what lies beyond max_length off a longer sequence (unpacked rows, and bfd packing),
+    rather than keeping it (bfd_split splits it into pieces, wrapped continues it in the next row)."""
+    return not packing or strategy == "bfd"
+
+
+def truncation_cut(lengths: np.ndarray, max_length: int | None) -> tuple[int, int]:
+    """(how many sequences of `lengths` [N] are longer than max_length, how many tokens cutting them to it removes)."""
+    if max_length is None:
+        return 0, 0
+    over = lengths[lengths > max_length] - max_length
+    return len(over), int(over.sum())
+
+
 def prepare(rows: TokenRows, max_length: int | None, truncation_mode: str, packing: bool,
             strategy: str) -> tuple[TokenRows, int]:
-    """Sequences (one per row) -> training rows: truncated, or packed. Returns (rows, sequences dropped for having no
-    target left)."""
-    if not packing:
-        return drop_untrained(truncate(rows, max_length, truncation_mode))
-    if strategy == "bfd":
+    """Sequences (one per row) -> training rows: truncated, or packed. Returns (rows, how many were dropped for having
+    no target: sequences, or with bfd_split the pieces of split sequences, or with wrapped packed rows whose
+    sequences' targets all fell in a neighbouring row)."""
+    if truncates(packing, strategy):
         rows, dropped = drop_untrained(truncate(rows, max_length, truncation_mode))
-    elif strategy == "bfd_split":
+        return (pack(rows, max_length, strategy), dropped) if packing else (rows, dropped)
+    if strategy == "bfd_split":
         rows, dropped = drop_untrained(split_long(rows, max_length))
-    else:
-        rows, dropped = drop_untrained(rows)
-    packed = pack(rows, max_length, strategy)
-    if strategy == "wrapped":  # a cut can leave a row whose sequences' targets all fell in the neighbour
-        packed, _ = drop_untrained(packed)
-    return packed, dropped
+        return pack(rows, max_length, strategy), dropped
+    rows, dropped = drop_untrained(rows)
+    packed, empty = drop_untrained(pack(rows, max_length, strategy))
+    return packed, dropped + empty
 
 
 class EpochPlan:

@@ -10,8 +10,13 @@
 A `formatting_func(row)` is called on one row at a time (a dict of the dataset's columns), as TRL 1.16 calls it, and may
 return a string (the row becomes text) or {"prompt", "completion"} (the row becomes prompt-completion, keeping
 completion-only loss). Its signature is checked when the trainer is built; a function that raises, or returns anything
-else, stops with one sentence naming it and the row (its own traceback kept). Per-row `tools` and `chat_template_kwargs` columns reach the chat
-template.
+else, stops with one sentence naming it and the row (its own traceback kept). Per-row `tools` and
+`chat_template_kwargs` columns reach the chat template.
+
+What stops with one sentence naming the row, where training would go on wrong or crash later: a row in another format
+than the first, or null where its format needs a value (row_formats.py); a message without content (but a tool call)
+(sequences/chat.py); a template that raises, drops the last answer, or renders content parts as Python text; a token
+id outside the model's vocabulary (row_checks.py). Why a sequence has nothing to train on is `why_untrained`'s.
 
 What trains (the label mask): every token, or with completion-only loss the completion's tokens (the completion
 starts where the tokenized prompt and prompt+completion first differ), and with assistant-only loss the assistant
@@ -28,17 +33,13 @@ from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
+from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
+                                       has_value)
+from posttrain.sft.row_checks import out_of_vocabulary, parts_as_python, template_dropped_text, untrained_reason
 from posttrain.sft.templates import training_template
 
 logger = logging.getLogger("posttrain")
 
-FORMATS = ("text", "prompt-completion", "conversational", "conversational prompt-completion", "tokenized")
-ACCEPTED = ("a text column (dataset_text_field), prompt + completion, messages (or conversations), or input_ids; "
-            "or pass a formatting_func")
-# ShareGPT's role names, as chat templates know them
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool", "function_call": "assistant",
-                  "observation": "tool"}
-TEXT = "__formatted_text__"  # where a formatting function's string goes
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -46,43 +47,6 @@ def has_generation_markers(template) -> bool:
     """Whether a chat template marks assistant turns with {% generation %} (transformers' assistant masks)."""
     templates = template.values() if isinstance(template, dict) else [template or ""]
     return any(_GENERATION_TAG.search(t) for t in templates)
-
-
-def from_sharegpt(messages: list) -> list:
-    """[{"from", "value"}] -> [{"role", "content"}], ShareGPT's human/gpt as user/assistant."""
-    out = []
-    for m in messages:
-        if isinstance(m, dict) and "from" in m and "value" in m:
-            rest = {k: v for k, v in m.items() if k not in ("from", "value")}
-            out.append({"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"], **rest})
-        else:
-            out.append(m)
-    return out
-
-
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
-def detect_format(row: dict, text_field: str) -> str:
-    """The format of a (formatted) row, or DataError naming its columns and the formats accepted."""
-    if TEXT in row:
-        return "text"
-    if "input_ids" in row:
-        return "tokenized"
-    if "prompt" in row and "completion" in row:
-        return "conversational prompt-completion" if _is_messages(row["prompt"]) else "prompt-completion"
-    if "messages" in row or "conversations" in row:
-        return "conversational"
-    if text_field in row:
-        return "text"
-    found = ", ".join(row) or "none"
-    hint = (f" (the text column is dataset_text_field={text_field!r})" if text_field != "text" else "")
-    if "prompt" in row and "completion" not in row:
-        hint = " (a prompt alone is GRPO's format; SFT needs its completion too)"
-    if "chosen" in row and "rejected" in row:
-        hint = " (prompt/chosen/rejected is a preference dataset, for DPO)"
-    raise DataError(f"The dataset is in no SFT format: its columns are {found}; SFT needs {ACCEPTED}{hint}.")
 
 
 def check_formatting_func(fn) -> None:
@@ -106,18 +70,26 @@ class RowEncoder:
         formatting_func: optional row -> str | {"prompt", "completion"}.
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages (train_dataset, eval_dataset).
+        vocab_size: the model's vocabulary (its embedding rows): every token id must lie below it. None: unchecked.
     """
 
-    def __init__(self, tokenizer, args, formatting_func, first_row: dict, name: str = "train_dataset"):
+    def __init__(self, tokenizer, args, formatting_func, first_row: dict, name: str = "train_dataset",
+                 vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.args = args
         self.formatting_func = formatting_func
         self.name = name
+        self.vocab_size = vocab_size
         self.stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         if formatting_func is not None:
             check_formatting_func(formatting_func)
-        self.format = detect_format(self._formatted(first_row, 0), args.dataset_text_field)
+        formatted = self._formatted(first_row, 0)
+        self._check_null_columns(formatted, 0, format_of(formatted, args.dataset_text_field) is None)
+        self.format = detect_format(formatted, args.dataset_text_field)
+        self.first_columns = self._columns_of(self.format, formatted)
         self.completion_only = self._completion_only(first_row)
+        self.mask_columns = [c for c in ("labels", "completion_mask", "assistant_masks") if has_value(first_row, c)
+                             and (c != "completion_mask" or self.completion_only)]
         self.assistant_only = args.assistant_only_loss
         if self.assistant_only and not self.format.startswith("conversational"):
             raise ConfigError(f"assistant_only_loss=True needs conversational data (messages), and {name} is "
@@ -147,7 +119,7 @@ class RowEncoder:
             else:
                 row = {**{k: v for k, v in row.items() if k not in ("text", "messages", "conversations")},
                        "prompt": out["prompt"], "completion": out["completion"]}
-        if "conversations" in row and "messages" not in row:
+        if has_value(row, "conversations") and not has_value(row, "messages"):
             row = {**row, "messages": row["conversations"]}
         for key in ("messages", "prompt", "completion"):
             if isinstance(row.get(key), list):
@@ -181,7 +153,7 @@ class RowEncoder:
         """completion_only_loss resolved for this dataset: None means "where the data says where completions are"."""
         wanted = self.args.completion_only_loss
         has_boundary = self.format.endswith("prompt-completion") or (
-            self.format == "tokenized" and "completion_mask" in first_row)
+            self.format == "tokenized" and has_value(first_row, "completion_mask"))
         if self.formatting_func is not None and self.format == "text" and wanted:
             raise ConfigError("completion_only_loss=True, but formatting_func returns a string, which has no completion "
                               "to train on alone: return {'prompt': ..., 'completion': ...} from it, or set "
@@ -206,17 +178,71 @@ class RowEncoder:
         """[(token ids int32 [L], label mask bool [L])] for `rows`, the first of which is row `first_index`."""
         rows = [self._formatted(r, first_index + i) for i, r in enumerate(rows)]
         for i, row in enumerate(rows):
-            found = detect_format(row, self.args.dataset_text_field)
-            if found != self.format:
-                raise DataError(f"Row {first_index + i} of {self.name} is {found} data, and the rows before it are "
-                                f"{self.format}: give every row the same columns and kinds of values.")
+            self._check_same_format(row, first_index + i)
         encode = {"text": self._text, "prompt-completion": self._prompt_completion,
                   "conversational": self._conversations, "conversational prompt-completion": self._conversations,
                   "tokenized": self._tokenized}[self.format]
         out = encode(rows, first_index)
         if self.format != "tokenized":
             self._check_stop_token(out, first_index)
+        if self.vocab_size is not None:
+            self._check_vocabulary(out, first_index)
         return [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)) for ids, mask in out]
+
+    def why_untrained(self, length: int) -> tuple[str, str]:
+        """(why a sequence of `length` tokens that `encode` gave no target has nothing to train on, the fix)."""
+        return untrained_reason(self.format, length, self.formatting_func is not None, self.args.dataset_text_field,
+                                self.mask_columns, self.assistant_only)
+
+    def _columns_of(self, data_format: str, row: dict) -> str:
+        columns = [c for c in format_columns(data_format, row, self.args.dataset_text_field) if has_value(row, c)]
+        return ", ".join("formatting_func's string" if c == TEXT else c for c in columns)
+
+    def _check_null_columns(self, row: dict, index: int, in_no_format: bool) -> None:
+        """A row in no format because of null values: one sentence naming them (a missing value, not a format)."""
+        null = [c for c in ("text", self.args.dataset_text_field, "prompt", "completion", "messages", "conversations",
+                            "input_ids") if c in row and row[c] is None]
+        if in_no_format and null:
+            raise DataError(f"Row {index} of {self.name} has null in {', '.join(map(repr, dict.fromkeys(null)))}, so "
+                            f"it is in no SFT format: fill the value in, or filter such rows out first (SFT needs "
+                            f"{ACCEPTED}).")
+
+    def _check_same_format(self, row: dict, index: int) -> None:
+        """Every row in the dataset's format (its first row's): a row in another one, or with null where the format
+        needs a value, stops with one sentence saying which."""
+        found = format_of(row, self.args.dataset_text_field)
+        if found == self.format:
+            return
+        if found is not None:
+            raise DataError(f"Row {index} of {self.name} is {found} data ({self._columns_of(found, row)}), and its "
+                            f"first row is {self.format} ({self.first_columns}): one dataset holds one format (a file "
+                            "mixing them gives each row the others' columns as null); convert the rows to one format, "
+                            "or train on each separately.")
+        null = [c for c in format_columns(self.format, row, self.args.dataset_text_field) if row[c] is None]
+        if null:
+            raise DataError(f"Row {index} of {self.name} has null in {', '.join(map(repr, null))}, which "
+                            f"{self.format} data needs in every row: fill the value in, or filter such rows out "
+                            "first.")
+        raise DataError(f"Row {index} of {self.name} is in no SFT format (its columns: {', '.join(row) or 'none'}), "
+                        f"and its first row is {self.format}: give every row the same columns.")
+
+    def _check_vocabulary(self, encoded: list, first_index: int) -> None:
+        """Every token id within the model's vocabulary, so that no id fails in the embedding at the first step."""
+        size = self.vocab_size
+        for i, (ids, _) in enumerate(encoded):
+            found = out_of_vocabulary(ids, size)
+            if found is None:
+                continue
+            position, token = found
+            row = f"Row {first_index + i} of {self.name}"
+            if self.format == "tokenized":
+                raise DataError(f"{row} has token id {token} at position {position} of its input_ids, outside the "
+                                f"model's vocabulary of {size} ids (0 to {size - 1}, its embedding rows): tokenize the "
+                                "rows with this model's tokenizer.")
+            raise DataError(f"{row} tokenizes to id {token} ({self.tokenizer.convert_ids_to_tokens(token)!r}), beyond "
+                            f"the model's {size} embedding rows, as the tokenizer has {len(self.tokenizer)} tokens: "
+                            "resize the model's embeddings to the tokenizer (model.resize_token_embeddings("
+                            "len(tokenizer))) before training.")
 
     def _strings(self, rows, column: str, first_index: int) -> list[str]:
         values = [r[column] for r in rows]
@@ -260,9 +286,33 @@ class RowEncoder:
 
     # ------------------------------------------------------------------ conversations
 
-    def _render(self, messages: list, kwargs: dict, generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **self._with_template(kwargs))
+    def _render(self, messages: list, kwargs: dict, index: int, generation_prompt: bool = False, **options):
+        """The chat template applied to row `index`'s messages (text, or with `options` what transformers returns);
+        an error the template raises (a role order it refuses, a value it cannot read) as one sentence naming the
+        row."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=options.pop("tokenize", False),
+                                                      add_generation_prompt=generation_prompt,
+                                                      **options, **self._with_template(kwargs))
+        except Exception as err:  # noqa: BLE001 - the template's own error (jinja, or Python inside it)
+            raise DataError(f"Row {index} of {self.name}: the chat template raised {type(err).__name__}"
+                            f"{detail_of(err)}; fix the row, or use a template that renders it (chat_template_path)."
+                            ) from err
+
+    def _check_rendering(self, messages: list, rendered: str, index: int) -> None:
+        """The rendered conversation holds every assistant message's text, and no content list written as Python:
+        otherwise the template, not the row, lost what the row says, and training would go on without it."""
+        dropped = template_dropped_text(messages, rendered)
+        if dropped is not None:
+            raise DataError(f"Row {index} of {self.name}: the chat template leaves out message {dropped}, the last "
+                            "assistant message (its text is not in the rendered conversation), so the row would train "
+                            "without its answer; the template is at fault, not the row: use one that renders assistant "
+                            "turns (chat_template_path).")
+        as_python = parts_as_python(messages, rendered)
+        if as_python is not None:
+            raise DataError(f"Row {index} of {self.name}: the chat template renders the content of message "
+                            f"{as_python}, a list of parts, as Python text (\"[{{'type': ...\"), as it expects "
+                            "strings: write each message's content as a string.")
 
     def _with_template(self, kwargs: dict) -> dict:
         """A row's chat template keyword arguments, with the training template when one replaces the tokenizer's."""
@@ -283,28 +333,42 @@ class RowEncoder:
                 check_messages(row["prompt"], f"Row {index} of {self.name}", "prompt")
                 check_messages(row["completion"], f"Row {index} of {self.name}", "completion")
                 messages, prompt = row["prompt"] + row["completion"], row["prompt"]
-            ids, mask = self._conversation(messages, kwargs, index)
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # null: absent, as in
+            rendered = self._render(messages, kwargs, index)  # transformers (a dataset gives a missing key null)
+            ids, mask = self._conversation(messages, kwargs, index, rendered)
+            self._check_rendering(messages, rendered, index)
+            if self.assistant_only and not any(mask):
+                self._no_assistant_tokens(messages, index)
             if prompt is not None:
-                prompt_ids = self._ids(self._render(prompt, kwargs, generation_prompt=True))
+                prompt_ids = self._ids(self._render(messages[:len(prompt)], kwargs, index, generation_prompt=True))
                 completion = self._completion_mask(prompt_ids, ids, index)
                 mask = [a and b for a, b in zip(mask, completion)]
             out.append((ids, mask))
         return out
 
-    def _conversation(self, messages: list, kwargs: dict, index: int) -> tuple[list, list]:
-        """Token ids of a rendered conversation and its label mask (all tokens, or the assistant turns')."""
+    def _conversation(self, messages: list, kwargs: dict, index: int, rendered: str) -> tuple[list, list]:
+        """Token ids of a conversation (`rendered`: its text) and its label mask (all tokens, or the assistant
+        turns')."""
         if self.assistant_only and self.template_masks:
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                          return_assistant_tokens_mask=True, **self._with_template(kwargs))
-            ids, mask = list(rendered["input_ids"]), [bool(b) for b in rendered["assistant_masks"]]
+            marked = self._render(messages, kwargs, index, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+            ids, mask = list(marked["input_ids"]), [bool(b) for b in marked["assistant_masks"]]
         else:
-            ids = self._ids(self._render(messages, kwargs))
+            ids = self._ids(rendered)
             mask = self._assistant_turns(messages, kwargs, ids, index) if self.assistant_only else [True] * len(ids)
-        if self.assistant_only and not any(mask):
-            raise DataError(f"Row {index} of {self.name} has no assistant tokens to train on with "
-                            "assistant_only_loss=True: give every conversation an assistant turn, or set "
-                            "assistant_only_loss=False.")
         return ids, mask
+
+    def _no_assistant_tokens(self, messages: list, index: int) -> None:
+        """assistant_only_loss found no assistant token in a conversation the template rendered whole: the row has no
+        assistant turn, or the template's {% generation %} markers enclose none."""
+        if self.template_masks and any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"Row {index} of {self.name} has assistant turns, but the chat template's "
+                            "{% generation %} markers enclose none of their tokens: put the markers around each "
+                            "assistant message and its end-of-turn token (as TRL's *_training.jinja templates do), or "
+                            "remove them, and posttrain finds the turns by rendering.")
+        raise DataError(f"Row {index} of {self.name} has no assistant tokens to train on with "
+                        "assistant_only_loss=True: give every conversation an assistant turn, or set "
+                        "assistant_only_loss=False.")
 
     def _assistant_turns(self, messages: list, kwargs: dict, ids: list, index: int) -> list[bool]:
         """Assistant-turn mask for a template without {% generation %} markers: each assistant message's tokens are
@@ -313,8 +377,8 @@ class RowEncoder:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self._ids(self._render(messages[:i], kwargs, generation_prompt=True)) if i else []
-            through = self._ids(self._render(messages[:i + 1], kwargs))
+            before = self._ids(self._render(messages[:i], kwargs, index, generation_prompt=True)) if i else []
+            through = self._ids(self._render(messages[:i + 1], kwargs, index))
             if through != ids[:len(through)]:
                 raise DataError(
                     f"Row {index} of {self.name}: the chat template renders the conversation up to message {i} "
@@ -350,6 +414,10 @@ class RowEncoder:
                                         "must be the input_ids, with -100 where a token is not trained on.")
                     keep = [v != -100 for v in values]
                 else:
+                    wrong = next(((p, v) for p, v in enumerate(values) if v not in (0, 1)), None)
+                    if wrong is not None:
+                        raise DataError(f"Row {index} of {self.name} has {wrong[1]!r} at position {wrong[0]} of its "
+                                        f"{column}: give 1 where a token is trained on and 0 elsewhere.")
                     keep = [bool(v) for v in values]
                 mask = [a and b for a, b in zip(mask, keep)]
             out.append((ids, mask))
@@ -360,8 +428,8 @@ class RowEncoder:
     def _check_stop_token(self, encoded: list, first_index: int) -> None:
         """Every sequence trains on the EOS (stop) token, so the model learns to stop."""
         for i, (ids, mask) in enumerate(encoded):
-            if any(m and t == self.stop_id for t, m in zip(ids, mask)):
-                continue
+            if any(m and t == self.stop_id for t, m in zip(ids, mask)) or not any(mask[1:]):
+                continue  # (a sequence with nothing to train on is left out, with its reason: sft/data.py)
             token = self.tokenizer.eos_token
             raise DataError(
                 f"Row {first_index + i} of {self.name} never trains on the EOS token {token!r}, so the model would not "

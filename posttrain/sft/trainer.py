@@ -39,6 +39,19 @@ _REFUSED = {
 }
 
 
+def vocabulary_rows(model) -> int | None:
+    """The token ids a model takes, 0 to this - 1: its input embedding's rows (which may exceed the tokenizer's
+    length), no more than its output layer predicts; None for a model that does not say."""
+    try:
+        sizes = [model.get_input_embeddings().num_embeddings]
+    except (AttributeError, NotImplementedError):
+        return None
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(getattr(output, "out_features", None), int):
+        sizes.append(output.out_features)
+    return min(sizes)
+
+
 class SFTTrainer(BatchedDataTrainer):
     """Supervised fine-tuning, with TRL's SFTTrainer signature.
 
@@ -97,6 +110,7 @@ class SFTTrainer(BatchedDataTrainer):
             raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
         self._configure_tokenizer(model)
+        self._vocab_rows = vocabulary_rows(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
         self._train_source = train_dataset
@@ -124,8 +138,9 @@ class SFTTrainer(BatchedDataTrainer):
     def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one row.")
-        encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name)
-        return Preparation(encoder, self.args, packing, name)
+        encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name,
+                             self._vocab_rows)
+        return Preparation(encoder, self.args, packing, name, self.accelerator.is_main_process, is_iterable(dataset))
 
     def _apply_chat_template_path(self, model, peft_config) -> None:
         """chat_template_path onto the tokenizer, new tokens into the model and, with adapters, into what trains

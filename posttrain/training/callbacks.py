@@ -20,6 +20,7 @@ import reprlib
 
 from posttrain.configs import ConfigError, resolve_steps, suggest
 from posttrain.errors import described, function_name, signature_mismatch
+from posttrain.timeouts import waiting_on
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict",
@@ -112,7 +113,8 @@ class CallbackHandler:
             method = getattr(cb, event, None)
             if method is None:
                 continue
-            result = method(t.args, t.state, control, **common, **kwargs)
+            with waiting_on(f"callback {type(cb).__name__}.{event}"):  # user code: an interrupt stops it
+                result = method(t.args, t.state, control, **common, **kwargs)
             if result is not None:
                 control = result
         t.control = control

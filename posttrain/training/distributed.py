@@ -6,13 +6,17 @@ whether it failed; if any did, every process raises: the first failing process i
 `PeerFailure` carrying that process's message (and the traceback of the user code that raised, if any). The main
 process is the one that reports it, so the message is printed once (training/trainer.py and cli.py).
 
+A signal that stops a process while it waits on user code (timeouts.InterruptedWaiting, training/interrupts.py)
+travels the same way, and every process raises it as it is: they all stop with the same sentence.
+
 A run of one process pays nothing: the error is raised where it happened.
 """
 
 import contextlib
 import traceback
 
-from posttrain.errors import UserError, is_storage_failure, storage_error
+from posttrain.errors import UserError, is_storage_failure, storage_error, user_code_cause
+from posttrain.timeouts import InterruptedWaiting
 
 # set on an exception that every process raises together: only the main process reports it
 AGREED = "_posttrain_agreed"
@@ -28,14 +32,17 @@ class PeerFailure(UserError, RuntimeError):
 
 
 def _report(error: BaseException, rank: int) -> tuple:
-    """(rank, message, traceback text worth showing) of an error, for the other processes."""
+    """(rank, message, traceback text worth showing, the error itself when every process raises it as it is) of an
+    error, for the other processes."""
+    if isinstance(error, InterruptedWaiting):
+        return rank, str(error), "", error
     detail = ""
     if not isinstance(error, UserError):  # an internal error: its own traceback
         detail = "".join(traceback.format_exception(error))
-    elif error.__cause__ is not None and not isinstance(error.__cause__, (UserError, OSError, ImportError)):
-        detail = "".join(traceback.format_exception(error.__cause__))  # the user's code that raised
+    elif user_code_cause(error) is not None:
+        detail = "".join(traceback.format_exception(user_code_cause(error)))  # the user's code that raised
     text = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-    return rank, text, detail
+    return rank, text, detail, None
 
 
 def agree(accelerator, error: BaseException | None) -> None:
@@ -53,7 +60,9 @@ def agree(accelerator, error: BaseException | None) -> None:
         return
     mine = _report(error, accelerator.process_index) if error is not None else None
     reports = [r for r in gather_object([mine]) if r is not None]
-    rank, message, detail = reports[0]
+    rank, message, detail, shared = reports[0]
+    if shared is not None:  # an interrupt: every process stops as the one that received it
+        raise mark_agreed(shared)
     if error is not None and rank == accelerator.process_index:
         setattr(error, AGREED, True)
         raise error
@@ -72,7 +81,7 @@ def guarded(accelerator, writing: str | None = None):
     """
     try:
         yield
-    except Exception as error:  # noqa: BLE001 - any failure must reach the other processes
+    except (Exception, InterruptedWaiting) as error:  # noqa: BLE001 - any failure must reach the other processes
         failure = error
         if writing is not None and is_storage_failure(error) and not isinstance(error, UserError):
             failure = storage_error(error, "write", writing)

@@ -8,9 +8,9 @@ import logging
 import os
 import shutil
 
-from posttrain.errors import storage_error
+from posttrain.errors import StorageError, storage_error
 from posttrain.training.checkpoint import checkpoints
-from posttrain.training.distributed import guarded
+from posttrain.training.distributed import AGREED, guarded
 from posttrain.training.hub import push_folder, repo_id
 from posttrain.training.logging import QUIET_LEVELS
 from posttrain.training.saving import save_merged, save_policy_atomically
@@ -31,6 +31,24 @@ WRITTEN = (
     (("plots.png",), "the curves (posttrain plot)"),
     (("report.html",), "the run's report: open it in a browser"),
 )
+
+
+def final_save_failed(err: StorageError, kept: list[tuple[int, str]], step: int) -> StorageError:
+    """`err` (the final save's disk failure, one sentence) with what is left: the newest checkpoint, or that none
+    holds the trained weights. Raised on every process at once when `err` was (training/distributed.py)."""
+    if kept and kept[-1][0] == step:
+        left = f"The newest checkpoint, {kept[-1][1]}, is kept and holds the weights of step {step}."
+    elif kept:
+        newest_step, newest = kept[-1]
+        left = (f"The weights of step {step} are not saved; the newest checkpoint, {newest} (step {newest_step}), is "
+                "kept.")
+    else:
+        left = (f"The weights of step {step} are not saved and no checkpoint holds them (from Python, "
+                "trainer.save_model() writes them once there is space).")
+    failed = StorageError(f"{err} {left}")
+    if hasattr(err, AGREED):
+        setattr(failed, AGREED, True)
+    return failed
 
 
 def outputs_summary(output_dir: str) -> str:
@@ -93,6 +111,14 @@ class OutputsMixin:
         whole = self.sharding.full_state_dict(self.model)  # sharded: gathered by every process, written by the main
         self._on_main(save_policy_atomically, self.policy, self.processing_class, self.args.to_dict(),
                       output_dir or self.args.output_dir, whole)
+
+    def _save_final_model(self) -> None:
+        """The end of train(): save_model(output_dir) (an override's included). When the disk refuses it, the error
+        says that the trained weights are not saved and which checkpoint is kept (none is removed)."""
+        try:
+            self.save_model(self.args.output_dir)
+        except StorageError as err:
+            raise final_save_failed(err, checkpoints(self.args.output_dir), self.state.global_step) from err
 
     def save_merged(self, output_dir: str) -> None:
         """Save full weights that load with plain `AutoModelForCausalLM.from_pretrained` (LoRA merged)."""

@@ -24,6 +24,7 @@ import torch
 
 from posttrain.configs import ConfigError
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
+from posttrain.timeouts import waiting_on
 
 _ANY = object()  # an argument whose value a signature check does not look at
 
@@ -161,7 +162,8 @@ class UserMetrics:
         """compute_metrics(prediction, **kwargs), its own exception kept as the cause of the one sentence."""
         fn = self.compute_metrics
         try:
-            return fn(prediction, **kwargs)
+            with waiting_on(f"compute_metrics {function_name(fn)!r}"):  # user code: an interrupt stops it
+                return fn(prediction, **kwargs)
         except Exception as err:  # noqa: BLE001 - the user's own exception: its traceback is kept as the cause
             raise UserFunctionError(f"compute_metrics {function_name(fn)!r} raised {type(err).__name__} on an "
                                     f"EvalPrediction of predictions {_shape(prediction.predictions)} and label_ids "

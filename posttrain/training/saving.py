@@ -18,7 +18,11 @@ def save_policy_atomically(policy, tokenizer, config: dict, output_dir: str, sta
 
     tmp = os.path.join(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(policy, tokenizer, config, tmp, state_dict)
+    try:
+        save_policy(policy, tokenizer, config, tmp, state_dict)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that failed (a full disk) leaves no partial files behind
+        raise
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)

@@ -29,14 +29,15 @@ import torch
 
 from posttrain.models import fast_paths
 from posttrain.models.router import RouterLoss, router_coefficient
+from posttrain.timeouts import InterruptedWaiting
 from posttrain.training.best_model import check_best_checkpoint, note_best_checkpoint, record_best
 from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_epoch, flow_after_step
 from posttrain.training.checkpoint import (CheckpointExtras, RunState, checkpoints, load_checkpoint,
                                           load_policy_weights, run_identity, save_checkpoint)
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
-from posttrain.training.distributed import guarded, mark_agreed
+from posttrain.training.distributed import AGREED, guarded, mark_agreed
 from posttrain.training.evaluation import EvaluationMixin
-from posttrain.training.interrupts import Interrupted, InterruptWatch
+from posttrain.training.interrupts import Interrupted, InterruptWatch, interrupted_waiting
 from posttrain.training.logging import MetricsLogger, hide_deepspeed_cpu_notice
 from posttrain.training.offloading import ActivationOffloader
 from posttrain.training.optim import check_optimizers, make_optimizer, make_scheduler
@@ -287,11 +288,13 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             if self._epoch_open:
                 self._end_epoch()
             metrics = self._train_summary(start_time, self.state.global_step - start_step)
+        except InterruptedWaiting as stop:  # a signal while the step waited on user code (training/interrupts.py)
+            self._stop_while_waiting(stop)
         finally:
             self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
-        self.save_model(args.output_dir)
+        self._save_final_model()
         self._on_main(self._write_plots)
         if args.save_merged:
             self.save_merged(os.path.join(args.output_dir, "merged"))
@@ -355,6 +358,17 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
                  else "there is no checkpoint to resume from (save_on_interrupt is off)")
         raise mark_agreed(Interrupted(f"Interrupted ({signal.Signals(signum).name}) at step {self.state.global_step} "
                                       f"of {self.state.max_steps}; {where}.", signum))
+
+    def _stop_while_waiting(self, stop: InterruptedWaiting) -> None:
+        """SIGINT / SIGTERM arrived while the step waited on user code that may never return: the step under way is
+        dropped (nothing of it can be saved), the steps done are logged, and the newest checkpoint is named."""
+        record = self.logger.flush()
+        # logging is a collective: only when every process stops here (agreed in a guarded block) or there is one
+        if record and (self.accelerator.num_processes == 1 or getattr(stop, AGREED, False)):
+            self.log(record)
+        newest = checkpoints(self.args.output_dir)
+        raise mark_agreed(interrupted_waiting(stop, self.state.global_step, self.state.max_steps,
+                                              newest[-1][1] if newest else None)) from None
 
     def _end_epoch(self) -> None:
         self._epoch_open = False
