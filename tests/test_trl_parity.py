@@ -37,7 +37,7 @@ class OneProcess:
         return x
 
 
-def _trl_loss(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
+def _trl_loss(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask, tool_mask=None):
     from trl import GRPOTrainer as TRLTrainer
 
     coef = cfg.entropy_coef
@@ -62,7 +62,10 @@ def _trl_loss(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
     inputs = {"prompt_ids": torch.zeros(adv.size(0), 1, dtype=torch.long),
               "prompt_mask": torch.ones(adv.size(0), 1, dtype=torch.long),
               "completion_ids": torch.zeros(mask.shape, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": adv, "num_items_in_batch": mask.sum()}
+              "advantages": adv,  # TRL counts the loss mask's tokens (completion_mask * tool_mask), as _generate does
+              "num_items_in_batch": mask.sum() if tool_mask is None else (mask & tool_mask).sum()}
+    if tool_mask is not None:  # TRL's multi-turn rollouts: 0 on the tool results' tokens
+        inputs["tool_mask"] = tool_mask.long()
     if old is not None:
         inputs["old_per_token_logps"] = old
     if ref is not None:
@@ -71,8 +74,10 @@ def _trl_loss(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
     return loss, {k: v[0] for k, v in stand_in._metrics["train"].items()}
 
 
-def _ours(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask):
-    """The trainer's own micro-batch loss (grpo/losses.py's micro_batch_loss, which training and evaluation call)."""
+def _ours(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask, tool_mask=None):
+    """The trainer's own micro-batch loss (grpo/losses.py's micro_batch_loss, which training and evaluation call), on
+    the loss mask the rollout gives it (the completion's tokens, less a tool result's)."""
+    mask = mask if tool_mask is None else mask & tool_mask
     norm = StepNormalizer(sequences=adv.size(0), tokens=float(mask.sum()), tokens_per_process=float(mask.sum()))
     control = EntropyControl.from_config(cfg)
     out = micro_batch_loss(get_loss(cfg.loss_type), LossParams.from_config(cfg), LossInputs(logps, old, ref, adv, mask),
@@ -95,9 +100,15 @@ CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo",
 ]
 
 
+# a multi-turn rollout's tool mask: tool results inside completions (0), the model's tokens around them (1)
+TOOL_MASK = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1]]).bool()
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["", "tool-mask"])
 @pytest.mark.parametrize("on_policy", [True, False])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_loss_gradient_and_metrics_equal_trl(case, on_policy):
+def test_loss_gradient_and_metrics_equal_trl(case, on_policy, tools):
+    """...with a tool mask too: TRL's loss over completion_mask * tool_mask, ours over the rollout's loss mask."""
     torch.manual_seed(0)
     cfg = GRPOConfig(max_completion_length=6, **case)
     base = -torch.rand(4, 6) * 2  # [b, C] log-probs
@@ -110,10 +121,12 @@ def test_loss_gradient_and_metrics_equal_trl(case, on_policy):
     for compute in (_trl_loss, _ours):
         logps = base.clone().requires_grad_()
         entropy = entropy_values.clone().requires_grad_()
-        loss, metrics = compute(cfg, logps, entropy, old, ref, adv, mask)
+        loss, metrics = compute(cfg, logps, entropy, old, ref, adv, mask, TOOL_MASK if tools else None)
         loss.backward()
         results.append((loss.item(), logps.grad * mask, entropy.grad * mask if entropy.grad is not None else None,
                         metrics))
+        if tools:  # a tool result's tokens get no gradient
+            assert not logps.grad[mask & ~TOOL_MASK].any()
     (trl_loss, trl_grad, trl_egrad, trl_metrics), (loss, grad, egrad, metrics) = results
     assert math.isclose(loss, trl_loss, rel_tol=1e-5, abs_tol=1e-7)
     assert torch.allclose(grad, trl_grad, rtol=1e-5, atol=1e-7)

@@ -147,7 +147,10 @@ class Rollouts:
         completion_mask: [N, C] bool, True up to and including EOS.
         is_eos: [N] bool, whether the completion ended with EOS (False: cut at max length).
         sampler_logprobs: [N, C] float32, log-prob of each sampled token under the distribution it was
-            drawn from (temperature and filters applied); 0 on padding.
+            drawn from (temperature and filters applied); 0 on padding (and on a tool result's tokens).
+        tool_mask: [N, C] bool, True on the tokens the model produced, False on the tokens a multi-turn rollout
+            put between its turns (tool results, an environment's observations: TRL's tool_mask / env_mask); True
+            on padding. None for single-turn rollouts, where every completion token is the model's.
     """
 
     prompt_ids: torch.Tensor
@@ -156,14 +159,22 @@ class Rollouts:
     completion_mask: torch.Tensor
     is_eos: torch.Tensor
     sampler_logprobs: torch.Tensor
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def model_tokens(self) -> torch.Tensor:
+        """[N, C] bool: the completion tokens the model produced (completion_mask less a tool result's tokens), the
+        ones that carry loss and count in the completion lengths."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask & self.tool_mask
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
     @classmethod
     def from_lists(cls, rows: list[tuple[list[int], list[int], list[float]]], pad_id: int, eos_ids: list[int],
-                   device) -> "Rollouts":
-        """Rollouts from an engine's answers: one (prompt ids, completion ids, sampler log-probs) per row."""
+                   device, tool_masks: list[list[bool] | None] | None = None) -> "Rollouts":
+        """Rollouts from an engine's answers: one (prompt ids, completion ids, sampler log-probs) per row; with
+        `tool_masks`, each row's tool mask over its completion (None: every token the model's)."""
         prompt_ids, prompt_mask = left_pad([p for p, _, _ in rows], pad_id, "cpu")
         width = max(1, max(len(c) for _, c, _ in rows))
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -175,20 +186,27 @@ class Rollouts:
             logps[r, :len(tokens)] = torch.tensor(token_logps, dtype=torch.float32)
         eos = set(eos_ids)
         is_eos = torch.tensor([bool(c) and c[-1] in eos for _, c, _ in rows], dtype=torch.bool)
+        tool_mask = None
+        if tool_masks is not None:
+            tool_mask = torch.ones((len(rows), width), dtype=torch.bool)
+            for r, row_mask in enumerate(tool_masks):
+                if row_mask is not None:
+                    tool_mask[r, :len(row_mask)] = torch.tensor(row_mask, dtype=torch.bool)
+            tool_mask = tool_mask.to(device)
         return cls(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
                    completion_ids=ids.to(device), completion_mask=mask.to(device), is_eos=is_eos.to(device),
-                   sampler_logprobs=logps.to(device))
+                   sampler_logprobs=logps.to(device), tool_mask=tool_mask)
 
     def select(self, index: torch.Tensor) -> "Rollouts":
         """Rows `index`, with columns that are padding in every selected row trimmed away."""
-        parts = {f.name: getattr(self, f.name)[index] for f in fields(self)}
+        parts = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index] for f in fields(self)}
         keep_p = parts["prompt_mask"].any(0)
         first = int(keep_p.float().argmax()) if keep_p.any() else parts["prompt_mask"].size(1)
         last = int(parts["completion_mask"].any(0).nonzero().max()) + 1 if parts["completion_mask"].any() else 1
         for name in ("prompt_ids", "prompt_mask"):
             parts[name] = parts[name][:, first:]
-        for name in ("completion_ids", "completion_mask", "sampler_logprobs"):
-            parts[name] = parts[name][:, :last]
+        for name in ("completion_ids", "completion_mask", "sampler_logprobs", "tool_mask"):
+            parts[name] = None if parts[name] is None else parts[name][:, :last]
         return Rollouts(**parts)
 
     def padded(self, multiple: int | None) -> "Rollouts":
@@ -204,7 +222,8 @@ class Rollouts:
         return Rollouts(prompt_ids=pad(self.prompt_ids, (left, 0)), prompt_mask=pad(self.prompt_mask, (left, 0)),
                         completion_ids=pad(self.completion_ids, (0, right)),
                         completion_mask=pad(self.completion_mask, (0, right)), is_eos=self.is_eos,
-                        sampler_logprobs=pad(self.sampler_logprobs, (0, right)))
+                        sampler_logprobs=pad(self.sampler_logprobs, (0, right)),
+                        tool_mask=None if self.tool_mask is None else pad(self.tool_mask, (0, right), value=True))
 
 
 class Generator(Protocol):

@@ -144,7 +144,8 @@ class TransformersGenerator:
             # its tensors cannot enter autograd later, so the rollouts leave as ordinary copies
             with torch.inference_mode():
                 rollouts = self._decode(prompts)
-            return Rollouts(**{f.name: getattr(rollouts, f.name).clone() for f in fields(rollouts)})
+            return Rollouts(**{f.name: None if getattr(rollouts, f.name) is None else getattr(rollouts, f.name).clone()
+                               for f in fields(rollouts)})
         finally:
             self.model.train(was_training)
 

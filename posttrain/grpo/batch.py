@@ -14,8 +14,8 @@ class TrainingBatch:
     Attributes:
         rollouts: the sampled completions.
         advantages: [N] float32.
-        loss_mask: [N, C] bool, tokens that carry loss (completion mask, minus truncated completions when
-            mask_truncated_completions is on).
+        loss_mask: [N, C] bool, tokens that carry loss (the model's completion tokens, Rollouts.model_tokens, minus
+            truncated completions when mask_truncated_completions is on).
         old_logps: [N, C] log-probs of the sampling policy, or None when every micro-step is on-policy.
         ref_logps: [N, C] reference-model log-probs, or None when beta = 0.
         sampling_ratio: [N, C] importance weight of each token for the engine's sampling distribution differing
@@ -62,7 +62,8 @@ class TrainingBatch:
         return [self.select(order[i:i + size]) for i in range(0, len(self), size)]
 
 
-_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs")
+_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs",
+                   "tool_mask")
 _BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps", "sampling_ratio")
 
 
@@ -71,7 +72,8 @@ def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:
     out = {}
     for i, mb in enumerate(buffer):
         for name in _ROLLOUT_FIELDS:
-            out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
+            if getattr(mb.rollouts, name) is not None:
+                out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
         for name in _BATCH_FIELDS:
             value = getattr(mb, name)
             if value is not None:

@@ -70,6 +70,7 @@ class KeptRow:
     text: str
     reward: list[float]
     extra: dict
+    tool_mask: list[bool] | None = None  # a multi-turn rollout's: False on its tool results' tokens
 
 
 def resolve_filter(spec) -> Callable | None:
@@ -155,7 +156,8 @@ def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, g
         mine.append(KeptRow(r.prompt_ids[j][prompt].tolist(), r.completion_ids[j][completion].tolist(),
                             r.sampler_logprobs[j][completion].tolist(), scored.rows[j], scored.texts[j],
                             scored.rewards[index].tolist(),
-                            {c: values[index] for c, values in scored.extra.items()}))
+                            {c: values[index] for c, values in scored.extra.items()},
+                            None if r.tool_mask is None else r.tool_mask[j][completion].tolist()))
     return gather_object(mine)
 
 
@@ -168,8 +170,9 @@ def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, log
     batch = rows[:needed]
     n = needed // processes
     mine = batch[process * n:(process + 1) * n]
+    tool_masks = [r.tool_mask for r in mine] if any(r.tool_mask is not None for r in batch) else None
     rollouts = Rollouts.from_lists([(r.prompt_ids, r.completion_ids, r.sampler_logprobs) for r in mine], pad_id,
-                                   eos_ids, device)
+                                   eos_ids, device, tool_masks)
     columns = sorted({c for r in batch for c in r.extra})
     return ScoredRound(rows=[r.row for r in mine], texts=[r.text for r in mine], rollouts=rollouts,
                        rewards=torch.tensor([r.reward for r in batch], dtype=torch.float32), logs=logs,

@@ -35,10 +35,10 @@ def _batch_metrics(rollout: Rollout, policy_loss: PolicyLoss, prompt_round, G: i
 
     device = acc.device
     local = slice(acc.process_index * len(share.rows), (acc.process_index + 1) * len(share.rows))
-    mask = rollouts.completion_mask & torch.tensor(share.real, device=device).unsqueeze(1)
+    mask = rollouts.model_tokens & torch.tensor(share.real, device=device).unsqueeze(1)
     if args.mask_truncated_completions:
         mask = mask & rollouts.is_eos.unsqueeze(1)
-    lengths = acc.gather(rollouts.completion_mask.sum(1)).cpu()[keep]
+    lengths = acc.gather(rollouts.model_tokens.sum(1)).cpu()[keep]
     out.update(completion_metrics(lengths, acc.gather(rollouts.is_eos).cpu()[keep]))
     out.update(_loss_metrics(rollout, policy_loss, rollouts, ref_logps, adv.advantages[local].to(device), mask))
     out.update(scored.logs.reduced_metrics(acc))

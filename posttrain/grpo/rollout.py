@@ -236,7 +236,7 @@ class Rollout:
         old_logps, support_logps = self._per_micro_batch(
             rollouts, lambda r: trainer_logps(self.forward_policy, r, self.sampling_params, args.temperature,
                                               self.generator.eos_ids))
-        mask = rollouts.completion_mask.bool()
+        mask = rollouts.model_tokens.bool()  # a tool result's tokens were not sampled: no ratio, no statistics
         ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
                                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
         sequence_level = args.vllm_importance_sampling_mode.startswith("sequence_")
@@ -278,7 +278,7 @@ class Rollout:
         adv = self.advantages(scored.rewards, G)
         n = len(scored.rows)
         local = slice(acc.process_index * n, (acc.process_index + 1) * n)
-        loss_mask = rollouts.completion_mask
+        loss_mask = rollouts.model_tokens  # a multi-turn rollout's tool results carry no loss (TRL's tool_mask)
         if args.mask_truncated_completions:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(acc.device), loss_mask, old_logps=logps.old,
@@ -287,7 +287,7 @@ class Rollout:
                    **(reduce_stats(acc.gather(logps.sampling_stats.to(acc.device)).cpu())
                       if logps.sampling_stats is not None else {}),
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
-                   **completion_metrics(acc.gather(rollouts.completion_mask.sum(1)).cpu(),
+                   **completion_metrics(acc.gather(rollouts.model_tokens.sum(1)).cpu(),  # the model's tokens only
                                         acc.gather(rollouts.is_eos).cpu()),
                    **scored.logs.reduced_metrics(acc), **sampling}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
