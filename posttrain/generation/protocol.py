@@ -229,10 +229,14 @@ class Rollouts:
 class Generator(Protocol):
     """What the trainer needs from a generation engine."""
 
-    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
+                 new_round: bool = True) -> Rollouts:
         """Sample one completion per prompt (prompts arrive already repeated G times). `row_keys`: each row's index
         in the generation round across processes (default 0..N-1); a row's completion depends on its prompt, its
-        key, the round and the weights only, not on which process or request samples it."""
+        key, the round and the weights only, not on which process or request samples it. A round's seed is drawn
+        (the same on every process) when `new_round`; False samples within the last round (a multi-turn rollout's
+        later turns, whose keys tell them apart: posttrain/agents/loop.py), drawing nothing, so that processes
+        whose rows take different numbers of turns keep drawing the same seeds."""
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the policy's current weights (plain parameter names) before the next `generate`."""

@@ -247,6 +247,7 @@ class ServerGenerator:
         self.pad_id = pad_id
         self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
         self.rng = torch.Generator().manual_seed(seed)
+        self._round_seed: int | None = None  # the last round's (generate's new_round)
         self.pushes = pushes  # one process pushes; the others wait until the server holds that version
         self.run_id = run_id
         self.device = device
@@ -312,7 +313,8 @@ class ServerGenerator:
             self.client.push(weights, version)
         self.version = version
 
-    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
+                 new_round: bool = True) -> Rollouts:
         """One round: a seed drawn from this generator's RNG (the same on every process), and each row sampled with
         the stream of its key, so rows get the completions the in-process generator would give them whichever
         process asks. Runs of one prompt with consecutive keys fold into one prompt with n copies; runs with the
@@ -320,7 +322,9 @@ class ServerGenerator:
         `sample_keys` (vLLM) gets one request per run, seeded by its stream, sent concurrently."""
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
         runs = _runs(prompts, keys)
-        seed = draw_seed(self.rng)
+        if new_round or self._round_seed is None:  # a multi-turn rollout's later turns sample within the round
+            self._round_seed = draw_seed(self.rng)
+        seed = self._round_seed
         if self.server_info.get("engine") == "transformers":  # posttrain serve: it takes sample_keys
             max_seqs, max_tokens = self.server_info.get("max_num_seqs"), self.server_info.get("max_batch_tokens")
             runs = _fitting_runs(runs, max_seqs, max_tokens, self.params.max_new_tokens)

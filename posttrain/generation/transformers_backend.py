@@ -108,6 +108,7 @@ class TransformersGenerator:
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = list(params.eos_token_ids) or eos_token_ids(model, tokenizer)
         self.rng = torch.Generator().manual_seed(seed)  # draws one round seed per generate call
+        self._round_seed: int | None = None  # the last round's (generate's new_round)
 
     def _device(self):
         return next(self.model.parameters()).device
@@ -125,10 +126,14 @@ class TransformersGenerator:
     def close(self) -> None:
         self.model = None
 
-    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
+                 new_round: bool = True) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned. `row_keys`: each row's
-        index in the generation round (default 0..N-1), which with the round's seed fixes its random numbers."""
-        return self.generate_seeded(prompts, draw_seed(self.rng), row_keys)
+        index in the generation round (default 0..N-1), which with the round's seed fixes its random numbers;
+        `new_round`: see the Generator protocol."""
+        if new_round or self._round_seed is None:
+            self._round_seed = draw_seed(self.rng)
+        return self.generate_seeded(prompts, self._round_seed, row_keys)
 
     def generate_seeded(self, prompts: list[list[int]], seed: int, row_keys: list[int] | None = None) -> Rollouts:
         """`generate` for the round seeded by `seed`: a row with the same prompt, key and seed samples the same

@@ -72,6 +72,7 @@ class ColocateGenerator:
         self.params, self.pad_id = params, tokenizer.pad_token_id
         self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
         self.rng = torch.Generator().manual_seed(seed)
+        self._round_seed: int | None = None  # the last round's (generate's new_round)
         self.sleeps = config.vllm_enable_sleep_mode
         self.device = next(policy.parameters()).device
         self.group = self._tp_group(process_index, num_processes)
@@ -111,7 +112,8 @@ class ColocateGenerator:
         self.llm.update_weight_version(f"sync-{self.syncs}")
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None) -> Rollouts:
+    def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
+                 new_round: bool = True) -> Rollouts:
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
         mine = len(prompts)
         if self.group is not None:  # the group's engine samples the union of its processes' rows
@@ -119,7 +121,9 @@ class ColocateGenerator:
             torch.distributed.all_gather_object(gathered, (prompts, keys), group=self.group)
             prompts = [p for part, _ in gathered for p in part]
             keys = [k for _, part in gathered for k in part]
-        seed = draw_seed(self.rng)
+        if new_round or self._round_seed is None:  # a multi-turn rollout's later turns sample within the round
+            self._round_seed = draw_seed(self.rng)
+        seed = self._round_seed
         runs = _runs(prompts, keys)
         sampling = vllm_compat.symbol("SamplingParams")
         requests = [sampling(**vllm_sampling_params(self.params, n, stream_seed(seed, key), self.eos_ids))

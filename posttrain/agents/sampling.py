@@ -1,0 +1,38 @@
+"""The tool loop (agents/loop.py) over a generation engine (posttrain/generation): a round's first turns from the
+engine's Rollouts, the later turns sampled within the same round, and the finished rows back as Rollouts with their
+tool mask.
+
+    first = first_turns(rollouts)                  [(ids, sampler log-probs)] per row, as sampled
+    generate = later_turns(generator)              Turns.generate: later turns within the round (new_round=False)
+    rollouts = multi_turn_rollouts(rows, ...)      Rollouts of the MultiTurnRows, tool_mask set
+"""
+
+from typing import Callable
+
+from posttrain.agents.loop import MultiTurnRow
+from posttrain.generation import Rollouts
+
+
+def first_turns(rollouts: Rollouts) -> list[tuple[list[int], list[float]]]:
+    """Each row's completion ids and sampler log-probs, without padding."""
+    out = []
+    for ids, mask, logps in zip(rollouts.completion_ids, rollouts.completion_mask, rollouts.sampler_logprobs):
+        keep = mask.bool()
+        out.append((ids[keep].tolist(), logps[keep].tolist()))
+    return out
+
+
+def later_turns(generator) -> Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]:
+    """Turns.generate over `generator`: one completion per prompt, each with its key, in the round of the first turns
+    (no new round seed is drawn, so every process keeps drawing the same seeds however many turns its rows take)."""
+    def generate(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], list[float]]]:
+        return first_turns(generator.generate(prompts, keys, new_round=False))
+
+    return generate
+
+
+def multi_turn_rollouts(rows: list[MultiTurnRow], pad_id: int, eos_ids: list[int], device) -> Rollouts:
+    """Rollouts of finished multi-turn rows: each completion every turn and tool suffix, its sampler log-probs (0 on
+    a suffix), and its tool mask (False on a suffix)."""
+    return Rollouts.from_lists([(row.prompt_ids, row.completion_ids, row.logprobs) for row in rows], pad_id, eos_ids,
+                               device, [row.tool_mask for row in rows])
