@@ -102,7 +102,10 @@ class PromptEncoder:
         self.max_total_length = max_total_length
         self.max_completion_length = max_completion_length
 
-    def text(self, prompt) -> str:
+    def text(self, prompt, tools: list | None = None) -> str:
+        """The prompt as the model reads it: a conversation through the chat template (with `tools`, the tools'
+        schemas rendered as the template renders them: functions or JSON schemas, as apply_chat_template takes
+        them), plain text as it is."""
         if not is_conversational(prompt):
             return prompt
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -110,11 +113,14 @@ class PromptEncoder:
             whose = f"the tokenizer of {name!r}" if name else "this tokenizer"
             raise DataError(f"Conversational prompts need a chat template, and {whose} has none: use a model with "
                             "one (e.g. an -Instruct model), set tokenizer.chat_template, or use plain-string prompts.")
+        with_tools = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                  **self.chat_template_kwargs)
+                                                  **with_tools, **self.chat_template_kwargs)
 
-    def encode(self, prompts: list, indices: list) -> list[list[int]]:
-        ids = self.tokenizer([self.text(p) for p in prompts], add_special_tokens=False)["input_ids"]
+    def encode(self, prompts: list, indices: list, tools: list[list] | None = None) -> list[list[int]]:
+        """Each prompt's token ids (`tools`: each prompt's tools, for its template; None: none)."""
+        tools = tools or [None] * len(prompts)
+        ids = self.tokenizer([self.text(p, t) for p, t in zip(prompts, tools)], add_special_tokens=False)["input_ids"]
         out = []
         for index, row in zip(indices, ids):
             if self.max_prompt_length is not None:

@@ -169,3 +169,30 @@ def test_local_data_loads_without_progress_bars_and_leaves_them_as_they_were(tmp
     captured = capfd.readouterr()
     assert "Generating" not in captured.err + captured.out
     assert datasets.is_progress_bar_enabled()
+
+
+def test_prompts_with_tools_render_the_tools_schemas_as_the_template_does():
+    """A prompt of a run with tools carries the tools' schemas, as the chat template renders them (TRL passes its
+    tools to apply_chat_template the same way); a prompt without tools does not."""
+    import os
+
+    trl = pytest.importorskip("trl")
+    from posttrain.testing import tiny_tokenizer
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two numbers.
+
+        Args:
+            a: the first factor.
+            b: the second factor.
+        """
+        return a * b
+
+    tokenizer = tiny_tokenizer()
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")) as f:
+        tokenizer.chat_template = f.read()
+    prompt = [{"role": "user", "content": "2*3?"}]
+    with_tools, plain = PromptEncoder(tokenizer).encode([prompt, prompt], [0, 1], [[multiply], None])
+    expected = tokenizer.apply_chat_template(prompt, tools=[multiply], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(with_tools) == expected and '"name": "multiply"' in expected
+    assert tokenizer.decode(plain) == tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
