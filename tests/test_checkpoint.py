@@ -37,6 +37,10 @@ def _straight_vs_resumed(tokenizer, dataset, tmp_path, stop, peft_config=None, *
     a, b = _params(straight), _params(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
     assert [r["step"] for r in resumed.state.log_history] == [r["step"] for r in straight.state.log_history]
+    # the running totals go on from the checkpoint's
+    assert [r.get("num_tokens") for r in resumed.state.log_history] == [
+        r.get("num_tokens") for r in straight.state.log_history]
+    assert resumed.state.num_input_tokens_seen == straight.state.num_input_tokens_seen > 0
     return straight, resumed
 
 

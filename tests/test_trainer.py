@@ -51,6 +51,14 @@ def test_smoke_finite_loss_params_move_and_outputs(tokenizer, addition_dataset, 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(p, after[n]) for n, p in reloaded.named_parameters())
     assert (tmp_path / "out" / "model.safetensors").exists() and trainer.state.global_step == 3
+    # num_tokens as TRL logs it: the running total of prompt and completion tokens fed to the model
+    (prompt_tokens,) = {len(ids) for ids in trainer.encoder.encode(list(addition_dataset["prompt"]),
+                                                                  list(range(len(addition_dataset))))}  # "a+b=": one
+    rows = 8  # per_device_train_batch_size, one generation batch per step
+    totals = [r["num_tokens"] for r in records]
+    fed = [b - a for a, b in zip([0.0, *totals], totals)]
+    assert fed == [rows * prompt_tokens + r["completions/mean_length"] * rows for r in records]
+    assert trainer.state.num_input_tokens_seen == totals[-1]
 
 
 @pytest.mark.parametrize("path", ["logits", "chunked"])

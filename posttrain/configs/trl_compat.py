@@ -126,7 +126,7 @@ TRAINING_ARGS: list[Compat] = [
     same("logging_nan_inf_filter", bool, True,
          "posttrain stops at a non-finite loss before applying the update, so there is never one to filter"),
     unsupported("include_num_input_tokens_seen", str, "no",
-                "posttrain logs num_tokens (completion tokens per step) instead; remove it",
+                "posttrain logs num_tokens (tokens seen so far) instead; remove it",
                 accepts=("no", False)),
     unsupported("trackio_bucket_id", Optional[str], None, "posttrain passes only trackio_space_id to trackio; use that, or remove this"),
     unsupported("trackio_static_space_id", Optional[str], None, "posttrain passes only trackio_space_id to trackio; use that, or remove this"),

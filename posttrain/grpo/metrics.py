@@ -28,8 +28,7 @@ def completion_metrics(lengths: torch.Tensor, is_eos: torch.Tensor) -> dict:
     lengths = lengths.float()
     ended = lengths[is_eos]
     out = {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~is_eos).float().mean()),
-           "num_tokens": float(lengths.sum())}
+           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~is_eos).float().mean())}
     if ended.numel():
         out.update({"completions/mean_terminated_length": float(ended.mean()),
                     "completions/min_terminated_length": float(ended.min()),

@@ -283,7 +283,11 @@ class Rollout:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(acc.device), loss_mask, old_logps=logps.old,
                               ref_logps=logps.ref, sampling_ratio=logps.sampling_ratio)
-        metrics = {**reward_metrics(scored.rewards, adv, self.rewards.names),
+        # what the generation batch fed the model, every process's: its prompts and the model's completion tokens
+        # (TRL adds it to state.num_input_tokens_seen, which it logs as num_tokens)
+        input_tokens = acc.gather(torch.stack([rollouts.prompt_mask.sum(), rollouts.model_tokens.sum()])).sum()
+        metrics = {"input_tokens": float(input_tokens),
+                   **reward_metrics(scored.rewards, adv, self.rewards.names),
                    **(reduce_stats(acc.gather(logps.sampling_stats.to(acc.device)).cpu())
                       if logps.sampling_stats is not None else {}),
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),

@@ -67,6 +67,7 @@ class GRPOTrainer(Trainer):
     _title = "GRPO"
     # not the loss: on-policy GRPO's is about 0 by construction (its gradient is not), which reads as "not training"
     _shown_metrics = ("reward", "kl", "entropy", "completions/mean_length")
+    _cumulative_metrics = ("num_tokens",)  # a running total, as TRL logs it
     _nonfinite_hint = "Lower the learning_rate or check the rewards."
     # fields whose change makes a checkpoint's optimizer state, buffer or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
@@ -217,9 +218,17 @@ class GRPOTrainer(Trainer):
                 self._log_completions(scored)
                 self._watch_rewards(scored)
                 parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
-                self.buffer, round_metrics = parts * self.args.num_iterations, scored.metrics
+                self.buffer, round_metrics = parts * self.args.num_iterations, self._with_tokens_seen(scored.metrics)
             micro.append(self.buffer.pop(0))
         return micro, round_metrics
+
+    def _with_tokens_seen(self, metrics: dict) -> dict:
+        """The batch's metrics with num_tokens, TRL's running total of the tokens fed to the model (prompts and the
+        model's completion tokens, every process's; state.num_input_tokens_seen, saved with each checkpoint)."""
+        out = dict(metrics)
+        self.state.num_input_tokens_seen += int(out.pop("input_tokens"))
+        out["num_tokens"] = float(self.state.num_input_tokens_seen)
+        return out
 
     def _log_completions(self, scored) -> None:
         if self.args.log_completions:
@@ -364,8 +373,10 @@ class GRPOTrainer(Trainer):
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        return evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
-                                  self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
+        metrics = evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
+                                     self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
+        # as TRL: the training's running total (evaluation feeds the model tokens it does not count)
+        return {**metrics, f"{prefix}_num_tokens": float(self.state.num_input_tokens_seen)}
 
     def log(self, logs: dict, start_time=None) -> None:
         super().log(logs, start_time)

@@ -122,15 +122,12 @@ def _headline(rows: list[tuple]) -> str:
 
 
 def _tokens(steps: dict[int, dict], trainer: str | None) -> str | None:
-    """SFT's and DPO's num_tokens is a running total (its last value); GRPO's is each step's completion tokens
-    (each record's mean over its steps, summed)."""
+    """num_tokens, a running total in every trainer (its last value): GRPO's counts the prompts and completions fed
+    to the model (TRL's num_input_tokens_seen), SFT's and DPO's the tokens trained on."""
     xs, ys = series(steps, "num_tokens")
     if not xs:
         return None
-    if trainer != "GRPO":
-        return f"{number(int(ys[-1]))} tokens trained on"
-    total = sum(value * (step - previous) for step, previous, value in zip(xs, [0, *xs[:-1]], ys))
-    return f"{number(int(total))} completion tokens sampled"
+    return f"{number(int(ys[-1]))} tokens {'fed to the model' if trainer == 'GRPO' else 'trained on'}"
 
 
 def _length(steps: dict[int, dict], config: dict | None, summary: dict, trainer: str | None) -> str:

@@ -278,7 +278,8 @@ def _load_weights(model, state: dict) -> None:
 def _write_state(run: RunState, tmp: str, model_only: bool) -> None:
     progress = run.progress
     state = {"global_step": progress.global_step, "epoch": progress.epoch, "log_history": progress.log_history,
-             "total_flos": progress.total_flos, "best_metric": progress.best_metric,
+             "total_flos": progress.total_flos, "num_input_tokens_seen": progress.num_input_tokens_seen,
+             "best_metric": progress.best_metric,
              "best_global_step": progress.best_global_step, "best_model_checkpoint": progress.best_model_checkpoint,
              "num_processes": run.accelerator.num_processes, "identity": run.identity, "model_only": model_only,
              "model_path": _model_path(run.policy), **run.extras.meta, "files": _digests(tmp)}

@@ -405,6 +405,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         for key in ("best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, key, state.get(key))
         self.state.total_flos = state.get("total_flos", 0.0)
+        self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
         self._restore_position(state, restored.tensors)
 
     def _save_checkpoint(self) -> None:
