@@ -1890,6 +1890,102 @@ def reward_ignores_the_completion(tmp):
     _trainer(tmp, reward=constant, beta=0.04, max_steps=FLAT_BATCHES).train()
 
 
+# ---- issue 34: tools and environments
+# `kind` says what TRL 1.16's GRPOTrainer does with the same tool, environment or rollout_func output.
+from posttrain.agents import RolloutOutputError, ToolError  # noqa: E402 - for the cases below
+
+
+def _rollout_output(**changes) -> dict:
+    """A rollout_func's output for 2 prompts, with `changes`."""
+    return {"prompt_ids": [[1, 2], [3]], "completion_ids": [[4, 5, 6], [7, 8]], "logprobs": [[-0.1] * 3, [-0.2] * 2],
+            **changes}
+
+
+@case("User functions", "a tool whose argument has no type hint (`def lookup(key)`)", ToolError,
+      r"^Tool 'lookup' cannot be described to the model: its argument 'key' has no type hint; annotate every "
+      r"argument \(for example `key: str`\)\.$", kind="crash")
+def tool_without_type_hints(tmp):
+    from posttrain.agents import ToolSet
+
+    def lookup(key):
+        """Look a key up.
+
+        Args:
+            key: The key.
+        """
+
+    ToolSet([lookup])
+
+
+@case("User functions", "a tool without a docstring", ToolError,
+      r"^Tool 'lookup' cannot be described to the model: it has no docstring; add a Google-style docstring .*"
+      r"get_json_schema builds its schema\.$", kind="crash")
+def tool_without_docstring(tmp):
+    from posttrain.agents import ToolSet
+
+    def lookup(key: str) -> str:
+        return key
+
+    ToolSet([lookup])
+
+
+@case("User functions", "a tool that returns a list of values (not a string or content blocks)", UserFunctionError,
+      r"^Tool 'numbers' \(numbers\) returned a list holding 0, which is not a content block: return a string "
+      r"\(for example json\.dumps of the value\), or a list of blocks .*\.$", kind="silently wrong")
+def tool_returning_a_list_of_values(tmp):
+    from posttrain.agents import ToolRunner, ToolSet
+
+    def numbers(n: int) -> list:
+        """The first n integers.
+
+        Args:
+            n: How many.
+        """
+        return list(range(n))
+
+    runner = ToolRunner()
+    try:
+        runner.run([{"type": "function", "function": {"name": "numbers", "arguments": {"n": 3}}}], ToolSet([numbers]))
+    finally:
+        runner.close()
+
+
+@case("User functions", "an environment class without public methods (its actions named `_act`)", ToolError,
+      r"^The environment Quiet \(from environment_factory\) has no public method, so the model has no tool to act "
+      r"on it with: define its actions as methods .*\.$", kind="silently wrong")
+def environment_without_public_methods(tmp):
+    from posttrain.agents import EnvironmentPool
+
+    class Quiet:
+        def reset(self, **row):
+            return None
+
+        def _act(self, move: str) -> str:
+            return move
+
+    EnvironmentPool(Quiet)
+
+
+@case("User functions", "a rollout_func whose `env_mask` row is one token shorter than its completion",
+      RolloutOutputError,
+      r"^rollout_func's env_mask\[1\] has 1 values for the 2 tokens of completion_ids\[1\]: return one value per "
+      r"completion token\.$", kind="silently wrong")
+def rollout_env_mask_shorter_than_completion(tmp):
+    from posttrain.agents import check_rollout_output
+
+    check_rollout_output(_rollout_output(env_mask=[[1, 0, 1], [1]]), 2)
+
+
+@case("User functions", "a rollout_func whose extra column is a list shorter than the rows",
+      RolloutOutputError,
+      r"^rollout_func's extra column 'answer' is a list of 1 values for 2 rows: return one value per row, or a "
+      r"value that is not a list to give every row the same\.$", kind="crash")
+def rollout_extra_column_too_short(tmp):
+    from posttrain.agents import check_rollout_output
+
+    check_rollout_output(_rollout_output(answer=["42"]), 2)
+
+
 def table(messages: dict[str, str]) -> str:
     """The markdown table of every case: category, input, what is raised, the message (by case name)."""
     counts = {k: sum(c.kind == k for c in CASES) for k in KINDS}
