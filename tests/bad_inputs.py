@@ -1986,6 +1986,57 @@ def rollout_extra_column_too_short(tmp):
     check_rollout_output(_rollout_output(answer=["42"]), 2)
 
 
+# ---- issue 34: chat templates for tools (`kind`: what TRL 1.16's GRPOTrainer says with the same template)
+def _tool_tokenizer(template: str):
+    from posttrain.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = template
+    tokenizer.name_or_path = "someone/forked-model"
+    return tokenizer
+
+
+@case("Model", "tools with a chat template that drops the assistant's tool calls (as Llama 3's and Phi-3's do)",
+      ConfigError,
+      r"^The chat template of 'someone/forked-model' cannot show the model a tool exchange \(it drops the call's "
+      r"name and its arguments\): give a chat template that renders an assistant's tool_calls "
+      r"and the tool messages after it \(chat_template_path\), as TRL requires for tools\.$")
+def tools_with_a_template_without_tool_calls(tmp):
+    from posttrain.agents import tool_chat_template
+
+    tool_chat_template(_tool_tokenizer("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+                                       "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"))
+
+
+@case("Model", "tools with a chat template that writes the last assistant turn differently (not prefix-preserving, "
+      "unknown to TRL)", ConfigError,
+      r"^The chat template of 'someone/forked-model' renders an assistant turn differently once a tool message "
+      r"follows \('.*<think></think>.*' alone, '.*' once a tool message follows\), so tool results cannot be "
+      r"appended to the model's tokens: give a template that renders earlier turns unchanged with chat_template_path "
+      r"\(.*\)\.$")
+def tools_with_a_template_that_is_not_prefix_preserving(tmp):
+    from posttrain.agents import tool_chat_template
+
+    tool_chat_template(_tool_tokenizer(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+        "<think></think>{% endif %}{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+        "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+
+
+@case("Model", "tools with a forked chat template that writes calls in a format of its own", ConfigError,
+      r"^posttrain does not recognise how the chat template of 'someone/forked-model' writes a tool call "
+      r"\('<call>probe_tool.*'\): give the trainer a response_template \(a transformers response_template dict for "
+      r"it, or a function \(turn text, prefix text\) -> message\), or set tokenizer\.response_template\.$")
+def tools_with_a_template_whose_calls_are_unknown(tmp):
+    from posttrain.agents import ToolCallParser
+
+    ToolCallParser(_tool_tokenizer(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+        "<call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+
+
 def table(messages: dict[str, str]) -> str:
     """The markdown table of every case: category, input, what is raised, the message (by case name)."""
     counts = {k: sum(c.kind == k for c in CASES) for k in KINDS}

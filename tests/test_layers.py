@@ -1,6 +1,7 @@
 """The import architecture: the contracts of pyproject.toml's [tool.importlinter] hold (layers, the trainers'
 independence, models/ below training/, the shared loop free of trainers, serving meeting generation through its
-protocol), and no posttrain module imports itself through others: there is no import cycle at all.
+protocol, agents' chat-template side free of engines, models and tool runners), and no posttrain module imports itself
+through others: there is no import cycle at all.
 
 Both read the import graph import-linter builds (grimp): every import counts, those inside functions included."""
 

@@ -1,0 +1,226 @@
+"""The chat template's side of tool calling, token-in/token-out: whether a template can carry a tool exchange, the
+template the tool results are rendered with, and the token ids of a turn's tool results.
+
+    chat_template = tool_chat_template(tokenizer, chat_template_kwargs)   at initialisation (None: the tokenizer's)
+    suffix = ToolSuffix(tokenizer, chat_template, chat_template_kwargs)
+    ids = suffix(tool_messages)     what the template puts after the model's turn, the next turn's header included
+
+The model's own tokens are never rendered again: a rollout is prompt + turn + suffix + turn + ..., each turn as the
+model sampled it. That is exact only if the template renders an assistant turn the same whether or not tool messages
+follow it ("prefix-preserving"); of TRL 1.16's templates, Qwen3's is not (it writes an empty `<think>\n\n</think>`
+block into the last assistant turn, and drops it once anything follows), and TRL swaps in its training version of
+it, as posttrain does when TRL is installed; any other such template is refused in one sentence.
+"""
+
+import json
+import logging
+
+from posttrain.configs import ConfigError
+
+logger = logging.getLogger("posttrain")
+
+# the probe conversation: a call with a string and an integer argument, and its result (values no template writes)
+PROBE_TOOL = "probe_tool"
+PROBE_ARGUMENTS = {"probe_text": "probe value", "probe_count": 7}
+PROBE_RESULT = "probe result 31"
+PROBE_USER = "probe question"
+
+
+def template_name(tokenizer) -> str:
+    """How messages name the tokenizer's chat template: after its model when it has a name."""
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    return f"the chat template of {name!r}" if name else "the tokenizer's chat template"
+
+
+def capitalised(text: str) -> str:
+    """`text` as the start of a sentence."""
+    return text[:1].upper() + text[1:]
+
+
+def tool_call(name: str, arguments: dict | str) -> dict:
+    """A tool call as chat templates read it: {"type": "function", "function": {"name", "arguments"}}."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def calling_turn(calls: list[dict]) -> dict:
+    """An assistant message holding `calls` and no text ("content" is set: some processors need it)."""
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+def with_string_arguments(messages: list[dict]) -> list[dict]:
+    """`messages` with every tool call's arguments as a JSON string: templates that concatenate the arguments
+    (DeepSeek-V3's) cannot take them as a mapping (transformers#45419)."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [tool_call(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+                     if isinstance(c["function"]["arguments"], dict) else c for c in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+def render(tokenizer, messages: list[dict], chat_template: str | None = None, tokenize: bool = False,
+           add_generation_prompt: bool = False, **kwargs):
+    """apply_chat_template of `messages` (text, or token ids with tokenize); tool calls whose mapping arguments the
+    template cannot take (TypeError) are rendered with JSON-string arguments, as TRL 1.16 falls back."""
+    options = dict(tokenize=tokenize, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                   **kwargs)
+    if tokenize:
+        options["return_dict"] = False
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except TypeError:
+        return tokenizer.apply_chat_template(with_string_arguments(messages), **options)
+
+
+# ------------------------------------------------------------------ can the template carry tools?
+
+
+def tool_exchange_gap(tokenizer, chat_template: str | None = None) -> str | None:
+    """None when the template renders a whole tool exchange (user -> assistant with a tool call -> tool message) with
+    the call's name, its argument and the tool's result all in the text; else what it drops or the error it raises
+    (TRL 1.16's supports_tool_calling gives the same verdict)."""
+    from jinja2 import TemplateError
+
+    messages = [{"role": "user", "content": PROBE_USER}, calling_turn([tool_call(PROBE_TOOL, PROBE_ARGUMENTS)]),
+                {"role": "tool", "name": PROBE_TOOL, "content": PROBE_RESULT}]
+    try:
+        text = render(tokenizer, messages, chat_template)
+    except (TemplateError, TypeError) as err:
+        return f"it raises {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+    parts = {"the call's name": [PROBE_TOOL], "its arguments": ["probe_text", PROBE_ARGUMENTS["probe_text"]],
+             "the tool message": [PROBE_RESULT]}
+    dropped = [what for what, probes in parts.items() if not all(probe in text for probe in probes)]
+    return f"it drops {' and '.join(dropped)}" if dropped else None
+
+
+# ------------------------------------------------------------------ prefix preservation
+
+
+def _probe_conversations() -> tuple[list[dict], list[dict]]:
+    """[user, assistant with a call] and the same with the call's tool message after it."""
+    calling = [{"role": "user", "content": PROBE_USER}, calling_turn([tool_call(PROBE_TOOL, {})])]
+    return calling, calling + [{"role": "tool", "name": PROBE_TOOL, "content": PROBE_RESULT}]
+
+
+def is_prefix_preserving(tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> bool:
+    """Whether the template renders [user, assistant with a tool call] as the start of the same conversation with a
+    tool message after it (and the generation prompt): the property ToolSuffix relies on (TRL 1.16's
+    is_chat_template_prefix_preserving, with the chat_template_kwargs the rollout renders with)."""
+    calling, answered = _probe_conversations()
+    kwargs = chat_template_kwargs or {}
+    alone = render(tokenizer, calling, chat_template, tokenize=True, **kwargs)
+    followed = render(tokenizer, answered, chat_template, tokenize=True, add_generation_prompt=True, **kwargs)
+    return followed[:len(alone)] == alone
+
+
+def _where_it_changes(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None) -> str:
+    """The assistant turn as the template renders it alone and once a tool message follows, from where they part."""
+    calling, answered = _probe_conversations()
+    kwargs = chat_template_kwargs or {}
+    alone = render(tokenizer, calling, chat_template, **kwargs)
+    followed = render(tokenizer, answered, chat_template, add_generation_prompt=True, **kwargs)
+    start = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
+    start = max(0, start - 12)  # from a little before, so the excerpts start at a readable place
+    return f"{alone[start:start + 40]!r} alone, {followed[start:start + 40]!r} once a tool message follows"
+
+
+def trl_training_template(tokenizer) -> str | None:
+    """TRL's bundled training version of the tokenizer's chat template (prefix-preserving), when TRL is installed
+    and ships one for it; else None."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:  # a template TRL has no training version of
+        return None
+
+
+def tool_chat_template(tokenizer, chat_template_kwargs: dict | None = None) -> str | None:
+    """The chat template tool results are rendered with, checked once before training: None for the tokenizer's own
+    when it carries tool exchanges and is prefix-preserving; TRL's training version of it when it is not (as TRL 1.16
+    swaps it in); else ConfigError, one sentence naming the template and the fix."""
+    name = capitalised(template_name(tokenizer))
+    gap = tool_exchange_gap(tokenizer)
+    if gap is not None:
+        raise ConfigError(f"{name} cannot show the model a tool exchange ({gap}): give a chat template that renders an "
+                          f"assistant's tool_calls and the tool messages after it (chat_template_path), as TRL "
+                          f"requires for tools.")
+    if is_prefix_preserving(tokenizer, None, chat_template_kwargs):
+        return None
+    training = trl_training_template(tokenizer)
+    if training is not None and is_prefix_preserving(tokenizer, training, chat_template_kwargs):
+        logger.info("%s renders an assistant turn differently once a tool message follows: tool results are rendered "
+                    "with TRL's training version of it, which does not.", name)
+        return training
+    raise ConfigError(f"{name} renders an assistant turn differently once a tool message follows "
+                      f"({_where_it_changes(tokenizer, None, chat_template_kwargs)}), so tool results cannot be "
+                      f"appended to the model's tokens: give a template that renders earlier turns unchanged with "
+                      f"chat_template_path (TRL ships training versions of the templates it knows, used here when "
+                      f"trl is installed).")
+
+
+# ------------------------------------------------------------------ the tool results' ids
+
+
+class ToolSuffix:
+    """The token ids a chat template puts between the model's turn and its next one for that turn's tool messages.
+
+    As TRL 1.16's `_get_tool_suffix_ids`: render [user, assistant calling the first message's tool] with and without
+    the tool messages after it (the second with the generation prompt), cut the first after its last stop token
+    (the model's turn ends there, not at the newline templates write after it), check that it starts the second, and
+    take the rest. Where posttrain goes further: the first rendering is kept per tool name (one rendering a call
+    instead of two), `stop_token_ids` may name every token the model stops at (TRL: the tokenizer's EOS), a template
+    that cannot take mapping arguments (DeepSeek-V3's) gets JSON strings (TRL raises TypeError), and a mismatch is
+    one sentence naming the template.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        chat_template: the template to render with (tool_chat_template's; None: the tokenizer's).
+        chat_template_kwargs: as the prompts are rendered with (e.g. enable_thinking).
+        stop_token_ids: the tokens a model turn ends with; None: the tokenizer's EOS.
+    """
+
+    def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                 stop_token_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = set(stop_token_ids) if stop_token_ids is not None else {eos} - {None}
+        self._calling_ids: dict[str, list[int]] = {}  # tool name -> [user, calling assistant] ids, cut after the stop
+
+    def __call__(self, tool_messages: list[dict]) -> list[int]:
+        """[S] the ids of `tool_messages` (one turn's, at least one, in order, each {"role": "tool", "name",
+        "content"}) as the template renders them after the model's turn, the next turn's generation prompt
+        included."""
+        calling = self._calling(tool_messages[0]["name"])
+        full = self._render(self._conversation(tool_messages[0]["name"]) + list(tool_messages),
+                            add_generation_prompt=True)
+        if full[:len(calling)] != calling:
+            name = capitalised(template_name(self.tokenizer))
+            raise ConfigError(f"{name} renders the turn before the tool messages "
+                              f"{[m['name'] for m in tool_messages]} differently once they follow it, so their token "
+                              f"ids cannot be appended to the model's: give a prefix-preserving template with "
+                              f"chat_template_path.")
+        return full[len(calling):]
+
+    def _conversation(self, name: str) -> list[dict]:
+        """TRL's dummy: [user, assistant calling `name` with no arguments]."""
+        return [{"role": "user", "content": "dummy"}, calling_turn([tool_call(name, {})])]
+
+    def _calling(self, name: str) -> list[int]:
+        """[P] the ids of [user, assistant calling `name`], cut after their last stop token."""
+        if name not in self._calling_ids:
+            ids = self._render(self._conversation(name), add_generation_prompt=False)
+            stops = [i for i, token in enumerate(ids) if token in self.stop_token_ids]
+            self._calling_ids[name] = ids[:stops[-1] + 1] if stops else ids
+        return self._calling_ids[name]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The ids of `messages` as the rollout's template renders them."""
+        return render(self.tokenizer, messages, self.chat_template, tokenize=True,
+                      add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
