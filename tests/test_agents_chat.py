@@ -56,6 +56,18 @@ def _template(name: str) -> str:
         return f.read()
 
 
+def _unreadable_here(name: str) -> bool:
+    """LFM2's Python calls need transformers' "python-call-list" parser (5.24 on): on an older transformers (CI's
+    floor) such a template is refused in one sentence saying so, checked here in place of reading it."""
+    from posttrain.agents.response_formats import PYTHONIC
+
+    if not name.startswith("lfm2") or not PYTHONIC.missing_parsers():
+        return False
+    with pytest.raises(ConfigError, match=r"need transformers' python-call-list parser: upgrade transformers"):
+        ToolCallParser(_tokenizer(name))
+    return True
+
+
 def _tokenizer(name: str, eos: str | None = None):
     """The tiny byte-level tokenizer with TRL's `name` template (and `eos` as its EOS token, a special token)."""
     tokenizer = tiny_tokenizer()
@@ -244,6 +256,8 @@ def test_tool_calls_equal_trls(name):
     """Every scripted turn, read after the first prompt and after a later one (prompt, a call, its result): the
     message TRL's parse_response gives (its response template for the family), with the tools' schemas and
     without."""
+    if _unreadable_here(name):
+        return
     tokenizer = _tokenizer(name)
     theirs_tokenizer = add_response_schema(copy.deepcopy(tokenizer))
     parser = ToolCallParser(tokenizer)
@@ -273,6 +287,8 @@ def test_tool_calls_equal_trls(name):
 def test_every_template_with_tools_has_its_calls_read_back(name):
     """Whatever the template (TRL's training versions, Diffusion Gemma, DeepSeek-V3 and Muse Glimmer included, for
     which TRL 1.16 has no response template): the calls it writes, parallel ones included, are read back."""
+    if _unreadable_here(name):
+        return
     tokenizer = _tokenizer(name)
     parser = ToolCallParser(tokenizer)
     turns = _scripted_turns(tokenizer)
@@ -288,7 +304,7 @@ def test_every_template_with_tools_has_its_calls_read_back(name):
 
 
 def test_families_are_recognised_by_what_the_template_writes():
-    names = {name: recognise_format(_tokenizer(name)).name for name in WITH_TOOLS}
+    names = {name: recognise_format(_tokenizer(name)).name for name in WITH_TOOLS if not _unreadable_here(name)}
     families = {"Qwen JSON calls": ["qwen2_5", "qwen3", "qwen3_instruct_2507", "qwen3_vl"],
                 "Qwen XML calls": ["qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "qwen3_8", "nemotron_3_nano",
                                    "nemotron_3_super", "nemotron_3_ultra", "nemotron_3_5_lightning"],
@@ -300,7 +316,7 @@ def test_families_are_recognised_by_what_the_template_writes():
     family_of = {name: family for family, members in families.items() for name in members}
     for name, recognised in names.items():  # TRL's training version of a template: the template's family
         assert recognised == family_of[name.removesuffix("_training")], name
-    assert set(family_of) <= set(names)
+    assert {name for name in family_of if not _unreadable_here(name)} <= set(names)
 
 
 def test_a_forked_template_is_recognised_where_trl_matches_exact_text():
@@ -447,6 +463,8 @@ def test_where_posttrain_reads_what_trl_does_not(name, eos, turn, calls, trl_get
     """The model's own stop tokens (GLM's <|observation|>, Llama's <|eom_id|>), GPT-OSS's own harmony order, Llama's
     "arguments", Python literals in LFM2 calls, and Nemotron's reasoning that never closes (as Qwen3.5's: no call
     runs from inside it)."""
+    if _unreadable_here(name):
+        return
     tokenizer = _tokenizer(name, eos)
     prompt = render(tokenizer, USER, add_generation_prompt=True, tokenize=True)
     ids = _ids(tokenizer, turn)

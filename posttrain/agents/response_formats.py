@@ -43,6 +43,20 @@ class ResponseFormat:
     models: str
     response_template: dict
 
+    def missing_parsers(self) -> list[str]:
+        """The content parsers its template uses that the installed transformers lacks (its response parsing grew
+        them over releases: "python-call-list" came with 5.24)."""
+        from transformers.utils.chat_parsing.content_parsers import CONTENT_PARSERS
+
+        used, stack = set(), [self.response_template]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if isinstance(node.get("content"), str):
+                    used.add(node["content"])
+                stack.extend(node.values())
+        return sorted(used - set(CONTENT_PARSERS))
+
 
 HERMES_JSON = ResponseFormat(
     "Qwen JSON calls", "Qwen2.5, Qwen3, Qwen3-2507, Qwen3-VL",

@@ -197,14 +197,26 @@ def _chosen_format(tokenizer, given: dict | None, chat_template: str | None) -> 
 def recognise_format(tokenizer, chat_template: str | None = None) -> ResponseFormat:
     """The family (response_formats.RESPONSE_FORMATS) whose response template reads back the chat template's probe
     turn; ConfigError naming the template and the override when none does."""
+    unreadable = []  # families this transformers cannot parse (a content parser it lacks)
     for fmt in RESPONSE_FORMATS:
-        if reads_back(tokenizer, fmt, chat_template):
+        if fmt.missing_parsers():
+            unreadable.append(fmt)
+        elif reads_back(tokenizer, fmt, chat_template):
             return fmt
     rendered = probe_turn(tokenizer, PROBE_CALLS[:1], chat_template)
     shown = repr(rendered[1][:80]) if rendered else "it cannot render one"
-    raise ConfigError(f"posttrain does not recognise how {template_name(tokenizer)} writes a tool call ({shown}): "
-                      f"give the trainer a response_template (a transformers response_template dict for it, or a "
-                      f"function (turn text, prefix text) -> message), or set tokenizer.response_template.")
+    newer = "".join(f" (the {fmt.name} of {fmt.models} need transformers' {', '.join(fmt.missing_parsers())} "
+                    "parser: upgrade transformers)" for fmt in unreadable
+                    if rendered and _opening(fmt) and _opening(fmt) in rendered[1])  # the template writes that family's
+    raise ConfigError(f"posttrain does not recognise how {template_name(tokenizer)} writes a tool call "
+                      f"({shown}){newer}: give the trainer a response_template (a transformers response_template dict "
+                      "for it, or a function (turn text, prefix text) -> message), or set tokenizer.response_template.")
+
+
+def _opening(fmt: ResponseFormat) -> str | None:
+    """The marker a family's tool calls open with, where its response template names one."""
+    calls = fmt.response_template.get("fields", {}).get("tool_calls", {})
+    return calls.get("open") if isinstance(calls, dict) else None
 
 
 def probe_turn(tokenizer, calls: list[dict], chat_template: str | None = None) -> tuple[str, str] | None:
