@@ -16,6 +16,7 @@ import json
 import logging
 
 from posttrain.configs import ConfigError
+from posttrain.sequences.chat import trl_training_template
 
 logger = logging.getLogger("posttrain")
 
@@ -124,19 +125,6 @@ def _where_it_changes(tokenizer, chat_template: str | None, chat_template_kwargs
     start = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
     start = max(0, start - 12)  # from a little before, so the excerpts start at a readable place
     return f"{alone[start:start + 40]!r} alone, {followed[start:start + 40]!r} once a tool message follows"
-
-
-def trl_training_template(tokenizer) -> str | None:
-    """TRL's bundled training version of the tokenizer's chat template (prefix-preserving), when TRL is installed
-    and ships one for it; else None."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    try:
-        return get_training_chat_template(tokenizer)
-    except ValueError:  # a template TRL has no training version of
-        return None
 
 
 def tool_chat_template(tokenizer, chat_template_kwargs: dict | None = None) -> str | None:

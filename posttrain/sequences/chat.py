@@ -1,5 +1,5 @@
-"""What chat data of every trainer shares: message checks, a row's chat template keyword arguments, and where two
-token lists part."""
+"""What chat data of every trainer shares: message checks, a row's chat template keyword arguments, where two
+token lists part, and TRL's training versions of chat templates."""
 
 from posttrain.data import VALID_ROLES, DataError
 
@@ -61,3 +61,16 @@ def template_kwargs(row: dict) -> dict:
     if tools is not None:
         kwargs["tools"] = tools
     return kwargs
+
+
+def trl_training_template(tokenizer) -> str | None:
+    """TRL's bundled training version of the tokenizer's chat template (with {% generation %} markers, rendering
+    earlier turns unchanged: prefix-preserving), when TRL is installed and ships one for it; else None."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:  # a template TRL has no training version of
+        return None

@@ -32,11 +32,10 @@ import numpy as np
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
-from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
+from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs, trl_training_template
 from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
                                        has_value)
 from posttrain.sft.row_checks import out_of_vocabulary, parts_as_python, template_dropped_text, untrained_reason
-from posttrain.sft.templates import training_template
 
 logger = logging.getLogger("posttrain")
 
@@ -100,7 +99,7 @@ class RowEncoder:
         # without {% generation %} markers, TRL's training version of the template where it has one (sft/templates.py)
         self.template = None
         if self.assistant_only and not has_generation_markers(tokenizer.chat_template):
-            self.template = training_template(tokenizer)
+            self.template = trl_training_template(tokenizer)
         self.template_masks = self.assistant_only and (self.template is not None
                                                        or has_generation_markers(tokenizer.chat_template))
         self._warned_prefix = False

@@ -1,5 +1,5 @@
 """Chat templates for SFT: chat_template_path (a .jinja file, or another tokenizer's template with the tokens it needs),
-and the training template assistant_only_loss renders with.
+and which template assistant_only_loss renders with (TRL's training version: sequences/chat.py trl_training_template).
 
 chat_template_path, as TRL takes it:
 - a .jinja (or .j2) file replaces the template's text; a special token it uses that the vocabulary lacks is refused
@@ -111,16 +111,3 @@ def _set_eos(model, eos_id: int) -> None:
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.eos_token_id = eos_id
-
-
-def training_template(tokenizer) -> str | None:
-    """TRL's bundled training version of the tokenizer's chat template (with {% generation %} markers, rendering
-    earlier turns unchanged), when TRL is installed and ships one for it; else None."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    try:
-        return get_training_chat_template(tokenizer)
-    except ValueError:  # a template TRL has no training version of
-        return None
