@@ -8,6 +8,7 @@ parameter, `stage3_param_persistence_threshold: 0`) generates each process's own
 inside the run's whole_weights, then takes a training forward and backward, and exports its weights whole; OUT_DIR/
 rank<RANK>.json holds the differences from an unsharded copy of the same model given the same work."""
 
+import gc
 import json
 import os
 import sys
@@ -118,4 +119,11 @@ result = {
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 dist.barrier()
+# the sharded model (its FSDP units, DeepSpeed's engine, the mesh) holds the process group, as DDP does: while it lives,
+# destroy_process_group leaves gloo's worker threads running, and one still releasing a collective's tensors at
+# interpreter exit aborts the process (SIGABRT, "terminate called without an active exception"); dropped first, the
+# group's threads are joined by destroy_process_group (tests/multiproc_prompt_sharing.py does the same for DDP)
+del sharded, model, lp, g, r, exported
+globals().pop("mesh", None)
+gc.collect()
 dist.destroy_process_group()

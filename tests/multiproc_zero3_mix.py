@@ -7,6 +7,7 @@ small parameters stay whole between forwards: "persistent"). The reference runs 
 policy (sync_ref_model's update), and runs the same forward again; OUT_DIR/rank<RANK>.json holds how far its
 logits are from those of an unsharded model holding the mixed weights, and how many parameters were persistent."""
 
+import gc
 import json
 import os
 import sys
@@ -39,4 +40,6 @@ result = {"persistent": sum(bool(getattr(p, "ds_persist", False)) for p in ref.m
 with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump(result, f)
 dist.barrier()
+del ref, policy, mixed  # DeepSpeed's engines hold the process group: dropped before it (tests/multiproc_sharding.py)
+gc.collect()
 dist.destroy_process_group()
