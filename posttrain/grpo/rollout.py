@@ -284,15 +284,15 @@ class Rollout:
         batch = TrainingBatch(rollouts, adv.advantages[local].to(acc.device), loss_mask, old_logps=logps.old,
                               ref_logps=logps.ref, sampling_ratio=logps.sampling_ratio)
         # what the generation batch fed the model, every process's: its prompts and the model's completion tokens
-        # (TRL adds it to state.num_input_tokens_seen, which it logs as num_tokens)
-        input_tokens = acc.gather(torch.stack([rollouts.prompt_mask.sum(), rollouts.model_tokens.sum()])).sum()
-        metrics = {"input_tokens": float(input_tokens),
+        # (TRL adds it to state.num_input_tokens_seen, which it logs as num_tokens): [rows of every process, 2], each
+        # row's prompt and model tokens, in one gather with the completion lengths
+        lengths = acc.gather(torch.stack([rollouts.prompt_mask.sum(1), rollouts.model_tokens.sum(1)], 1)).cpu()
+        metrics = {"input_tokens": float(lengths.sum()),
                    **reward_metrics(scored.rewards, adv, self.rewards.names),
                    **(reduce_stats(acc.gather(logps.sampling_stats.to(acc.device)).cpu())
                       if logps.sampling_stats is not None else {}),
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
-                   **completion_metrics(acc.gather(rollouts.model_tokens.sum(1)).cpu(),  # the model's tokens only
-                                        acc.gather(rollouts.is_eos).cpu()),
+                   **completion_metrics(lengths[:, 1], acc.gather(rollouts.is_eos).cpu()),  # the model's tokens
                    **scored.logs.reduced_metrics(acc), **sampling}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
 
