@@ -86,11 +86,14 @@ class PromptEncoder:
         max_prompt_length: if set, keep only the last this many tokens.
         max_total_length: the model's context; a prompt that leaves no room for the completion is an error.
         max_completion_length: tokens reserved for the completion.
+        chat_template: the template to render conversations with instead of the tokenizer's (tool calling's
+            training template, agents/chat_templates.py), or None.
     """
 
     def __init__(self, tokenizer, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
-                 max_completion_length=0):
+                 max_completion_length=0, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.chat_template_kwargs = chat_template_kwargs or {}
         _check_template_kwargs(tokenizer, self.chat_template_kwargs)
         if max_total_length and max_completion_length >= max_total_length:
@@ -108,14 +111,16 @@ class PromptEncoder:
         them), plain text as it is."""
         if not is_conversational(prompt):
             return prompt
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             name = getattr(self.tokenizer, "name_or_path", "")
             whose = f"the tokenizer of {name!r}" if name else "this tokenizer"
             raise DataError(f"Conversational prompts need a chat template, and {whose} has none: use a model with "
                             "one (e.g. an -Instruct model), set tokenizer.chat_template, or use plain-string prompts.")
-        with_tools = {"tools": tools} if tools else {}
+        options = {"tools": tools} if tools else {}
+        if self.chat_template is not None:
+            options["chat_template"] = self.chat_template
         return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                  **with_tools, **self.chat_template_kwargs)
+                                                  **options, **self.chat_template_kwargs)
 
     def encode(self, prompts: list, indices: list, tools: list[list] | None = None) -> list[list[int]]:
         """Each prompt's token ids (`tools`: each prompt's tools, for its template; None: none)."""

@@ -10,7 +10,7 @@ tool mask.
 from typing import Callable
 
 from posttrain.agents.loop import MultiTurnRow
-from posttrain.generation import Rollouts
+from posttrain.generation import GenerationError, Rollouts
 
 
 def first_turns(rollouts: Rollouts) -> list[tuple[list[int], list[float]]]:
@@ -24,9 +24,21 @@ def first_turns(rollouts: Rollouts) -> list[tuple[list[int], list[float]]]:
 
 def later_turns(generator) -> Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]:
     """Turns.generate over `generator`: one completion per prompt, each with its key, in the round of the first turns
-    (no new round seed is drawn, so every process keeps drawing the same seeds however many turns its rows take)."""
+    (no new round seed is drawn, so every process keeps drawing the same seeds however many turns its rows take).
+    Each answer is checked to continue exactly the ids sent: an engine that truncated or re-tokenised them stops the
+    run (GenerationError) instead of leaving a rollout that is not what the model saw."""
     def generate(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], list[float]]]:
-        return first_turns(generator.generate(prompts, keys, new_round=False))
+        rollouts = generator.generate(prompts, keys, new_round=False)
+        for r, (sent, ids, mask) in enumerate(zip(prompts, rollouts.prompt_ids, rollouts.prompt_mask)):
+            echoed = ids[mask.bool()].tolist()
+            if echoed != sent:
+                at = next((i for i, (a, b) in enumerate(zip(sent, echoed)) if a != b), min(len(sent), len(echoed)))
+                raise GenerationError(f"The generation engine sampled a multi-turn rollout's next turn from ids that "
+                                      f"differ from those sent (row {r} of the turn, from position {at}: {len(sent)} "
+                                      f"ids sent, {len(echoed)} used), so the rollout would not be the tokens the "
+                                      f"model saw: check that the engine takes token ids as given (no truncation "
+                                      f"or re-tokenisation).")
+        return first_turns(rollouts)
 
     return generate
 

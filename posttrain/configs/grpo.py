@@ -52,6 +52,14 @@ class SamplingConfig:
         default=None)
     num_generations_eval: Optional[int] = _help(
         "Completions sampled per eval prompt; default num_generations.", range=AT_LEAST_ONE, default=None)
+    max_tool_calling_iterations: Optional[int] = _help(
+        "With tools or an environment_factory: the most rounds of tool calls a rollout may make; None, no limit "
+        "(a rollout then ends with a turn that calls no tool, or at max_completion_length, counted over every turn "
+        "and tool result).", range=NON_NEGATIVE, default=None)
+    tool_timeout: Optional[float] = _help(
+        "With tools or an environment_factory: seconds one tool call may take; past it the call becomes an error "
+        "message to the model and counts in tools/failure_frequency. None (the default, as TRL) waits as long as it "
+        "takes.", range=POSITIVE, default=None)
 
     def _check(self):
         check_positive(self, "max_completion_length")

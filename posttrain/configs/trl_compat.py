@@ -190,8 +190,6 @@ GRPO_ONLY: list[Compat] = [
          "never the samples"),
     unsupported("vllm_structured_outputs_regex", Optional[str], None,
                 "regex-constrained decoding is not in posttrain's sampler or posttrain serve; remove it"),
-    same("max_tool_calling_iterations", Optional[int], None,
-         "only used with tools or environments, which GRPOTrainer here does not take", range=NON_NEGATIVE),
     same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),
     unsupported("log_completions_hub_repo", Optional[str], None,
                 "completions are written to output_dir/completions.jsonl, not uploaded; push output_dir instead"),

@@ -48,6 +48,7 @@ class ScoredRound:
         logs: what the reward functions logged on this process (log_metric, log_extra).
         extra: the log_extra columns over every process's completions (with log_completions only).
         skipped: groups skipped for a non-finite reward (on_bad_reward=skip), else None.
+        tool_counts: [3] the rows this process generated, their tool calls and failed calls (with tools), else None.
     """
 
     rows: list[dict]
@@ -57,6 +58,7 @@ class ScoredRound:
     logs: RewardLogs
     extra: dict = field(default_factory=dict)
     skipped: int | None = None
+    tool_counts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +164,9 @@ def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, g
 
 
 def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, logs: RewardLogs, skipped: int | None,
-             pad_id: int, eos_ids: list[int], device) -> ScoredRound:
+             pad_id: int, eos_ids: list[int], device, tool_counts: torch.Tensor | None = None) -> ScoredRound:
     """The batch of the first `needed` kept rows, this process holding its contiguous share (as a round's rows are
-    shared out)."""
+    shared out); `tool_counts`: what every round this process generated called (ScoredRound.tool_counts)."""
     from posttrain.generation import Rollouts
 
     batch = rows[:needed]
@@ -176,7 +178,8 @@ def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, log
     columns = sorted({c for r in batch for c in r.extra})
     return ScoredRound(rows=[r.row for r in mine], texts=[r.text for r in mine], rollouts=rollouts,
                        rewards=torch.tensor([r.reward for r in batch], dtype=torch.float32), logs=logs,
-                       extra={c: [r.extra.get(c) for r in batch] for c in columns}, skipped=skipped)
+                       extra={c: [r.extra.get(c) for r in batch] for c in columns}, skipped=skipped,
+                       tool_counts=tool_counts)
 
 
 def merge_logs(into: RewardLogs, logs: RewardLogs) -> None:

@@ -16,7 +16,7 @@ import torch
 from posttrain.data import PromptSource
 from posttrain.grpo.advantages import Advantages
 from posttrain.grpo.losses import LossInputs, MicroBatchLoss, StepNormalizer
-from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics
+from posttrain.grpo.metrics import completion_metrics, loss_metrics, reward_metrics, tool_metrics
 from posttrain.grpo.rollout import Rollout
 
 PolicyLoss = Callable[[LossInputs, torch.Tensor, StepNormalizer], MicroBatchLoss]  # grpo/losses.py micro_batch_loss
@@ -42,6 +42,7 @@ def _batch_metrics(rollout: Rollout, policy_loss: PolicyLoss, prompt_round, G: i
     out.update(completion_metrics(lengths, acc.gather(rollouts.is_eos).cpu()[keep]))
     out.update(_loss_metrics(rollout, policy_loss, rollouts, ref_logps, adv.advantages[local].to(device), mask))
     out.update(scored.logs.reduced_metrics(acc))
+    out.update(tool_metrics(scored.tool_counts, acc))  # every row generated, repeats included, as TRL counts them
     return out
 
 

@@ -63,3 +63,14 @@ def loss_metrics(stats: list[LossStats], accelerator, beta: float) -> dict:
     if "phi_sum" in sums:
         out["vespo/phi_seq_mean"] = float(sums["phi_sum"]) / max(float(sums["sequences"]), 1.0)
     return out
+
+
+def tool_metrics(counts: torch.Tensor | None, accelerator) -> dict:
+    """tools/call_frequency (tool calls per completion) and tools/failure_frequency (failed calls per call, 0 without
+    calls) over every process's completions, as TRL computes them; {} without tools. `counts`: [3] this process's
+    completions, calls and failed calls."""
+    if counts is None:
+        return {}
+    rows, calls, failures = (float(x) for x in accelerator.reduce(counts.to(accelerator.device), reduction="sum"))
+    return {"tools/call_frequency": calls / max(rows, 1.0),
+            "tools/failure_frequency": failures / calls if calls > 0 else 0.0}

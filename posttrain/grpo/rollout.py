@@ -14,13 +14,14 @@ from typing import Any, Callable
 
 import torch
 
+from posttrain.agents.rollouts import AgentSample
 from posttrain.data import DataError, PromptRound
 from posttrain.generation import Rollouts
 from posttrain.grpo.advantages import Advantages, group_advantages
 from posttrain.grpo.batch import TrainingBatch
 from posttrain.grpo.completions import RewardLogs
 from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs
-from posttrain.grpo.metrics import completion_metrics, reward_metrics
+from posttrain.grpo.metrics import completion_metrics, reward_metrics, tool_metrics
 from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
 from posttrain.models import token_logprobs
 from posttrain.models.peft import reference_mode
@@ -120,17 +121,19 @@ class Rollout:
         packing, share_prompts, pad_to_multiple_of: how the log-prob forwards lay rows out (models/logprobs.py).
         sampling_params: the generator's, for the sampler correction's support.
         needs_old_logps: whether old log-probs are kept.
+        agents: tools, environments or a rollout_func (posttrain/agents/rollouts.py), or None: one generate() call.
     """
 
     def __init__(self, args, accelerator, sharding, model, policy, forward_policy, ref_model, reference_adapter,
                  generator, tokenizer, rewards: Rewards, trainer_state: Any, packing: bool, share_prompts: bool,
-                 pad_to_multiple_of: int | None, sampling_params, needs_old_logps: bool):
+                 pad_to_multiple_of: int | None, sampling_params, needs_old_logps: bool, agents=None):
         self.args, self.accelerator, self.sharding = args, accelerator, sharding
         self.model, self.policy, self.forward_policy = model, policy, forward_policy
         self.ref_model, self.reference_adapter = ref_model, reference_adapter
         self.generator, self.tokenizer, self.rewards, self.trainer_state = generator, tokenizer, rewards, trainer_state
         self.packing, self.share_prompts, self.pad_to_multiple_of = packing, share_prompts, pad_to_multiple_of
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
+        self.agents = agents
 
     # ------------------------------------------------------------------ sampling and scoring
 
@@ -166,19 +169,32 @@ class Rollout:
         bad_rows = [] if skip_bad else None
         logs = RewardLogs()
         share = self.share(prompt_round, G, pad_prompts)
-        with guarded(acc):  # generation and reward functions can fail on one process only
-            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
-                self.generator.sync_weights(export_weights(self.model))
-                rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
-            prompts = [row["prompt"] for row in share.rows]
-            completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
+        with guarded(acc):  # generation, tools and reward functions can fail on one process only
+            sampled = self._generate(share)
             columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
-            local = score(self.rewards.funcs, prompts, completions, completion_ids, columns, self.trainer_state, step,
-                          bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
+            columns.update(sampled.columns)  # environments, rollout_func's extra columns (which take precedence)
+            completion_ids = [ids[mask].tolist() for ids, mask in zip(sampled.rollouts.completion_ids,
+                                                                       sampled.rollouts.completion_mask)]
+            local = score(self.rewards.funcs, sampled.prompts, sampled.completions, completion_ids, columns,
+                          self.trainer_state, step, bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
         rewards = acc.gather(local.to(acc.device)).cpu()  # [rows of every process, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, G) if skip_bad else None
         extra = logs.gathered_extra(acc, len(share.rows)) if gather_extra else {}
-        return ScoredRound(share.rows, texts, rollouts, rewards, logs, extra, skipped), share
+        return ScoredRound(share.rows, sampled.texts, sampled.rollouts, rewards, logs, extra, skipped,
+                           sampled.counts if self.agents is not None and self.agents.calls_tools else None), share
+
+    def _generate(self, share: RoundShare) -> AgentSample:
+        """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a
+        rollout_func), with what the reward functions receive."""
+        with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
+            self.generator.sync_weights(export_weights(self.model))
+            if self.agents is not None:
+                return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
+                                          self.accelerator.device)
+            rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+        prompts = [row["prompt"] for row in share.rows]
+        completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
+        return AgentSample(rollouts, prompts, completions, texts, {}, torch.zeros(3, dtype=torch.long))
 
     def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, G: int) -> int:
         """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.
@@ -293,7 +309,8 @@ class Rollout:
                       if logps.sampling_stats is not None else {}),
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
                    **completion_metrics(lengths[:, 1], acc.gather(rollouts.is_eos).cpu()),  # the model's tokens
-                   **scored.logs.reduced_metrics(acc), **sampling}
+                   **scored.logs.reduced_metrics(acc), **sampling,
+                   **tool_metrics(scored.tool_counts, acc)}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
 
     def _sample_next(self, draw_round: Callable[[], PromptRound], step: int) -> ScoredRound:
@@ -314,6 +331,7 @@ class Rollout:
         needed = scored.rewards.size(0)  # B*G rows, the batch's size
         rows, logs, filtered, rounds = [], RewardLogs(), 0, 0
         skipped = None if scored.skipped is None else 0
+        tool_counts = None if scored.tool_counts is None else torch.zeros_like(scored.tool_counts)
         while True:
             rounds += 1
             with guarded(acc):  # a user's filter can fail
@@ -322,6 +340,7 @@ class Rollout:
             rows += kept_rows(scored, keep, acc.process_index * len(scored.rows), G, gather_object)
             merge_logs(logs, scored.logs)
             skipped = None if skipped is None else skipped + scored.skipped
+            tool_counts = None if tool_counts is None else tool_counts + scored.tool_counts
             if len(rows) >= needed:
                 break
             if rounds >= args.dynamic_sampling_max_rounds:
@@ -332,5 +351,5 @@ class Rollout:
                     "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
             scored = self._sample_next(draw_round, step)
         batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
-                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device)
+                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device, tool_counts)
         return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}

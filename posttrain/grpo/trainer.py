@@ -20,6 +20,10 @@ from dataclasses import replace
 
 import torch
 
+from posttrain.agents.chat_templates import tool_chat_template
+from posttrain.agents.environments import PLACEHOLDER_PROMPT
+from posttrain.agents.loop import Budget
+from posttrain.agents.rollouts import AgentRollouts, Agents
 from posttrain.configs import ConfigError, GRPOConfig
 from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
 from posttrain.generation import SamplingParams, make_generator
@@ -34,7 +38,7 @@ from posttrain.grpo.metrics import loss_metrics
 from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
-from posttrain.rewards import check_required_columns, resolve_reward_funcs
+from posttrain.rewards import CONVENTION_ARGS, RewardFunction, check_required_columns, resolve_reward_funcs
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
@@ -62,6 +66,16 @@ class GRPOTrainer(Trainer):
         quantization_config: a transformers quantization config (TRL's get_quantization_config) for a model loaded
             from a path or hub id.
         peft_config: a peft LoraConfig to train adapters instead of all weights (needs `posttrain[peft]`).
+        tools: functions (sync or async, with type hints and a Google-style docstring) the model may call; their
+            schemas are rendered into the prompts and each rollout runs the calls it makes (docs/tools.md).
+        rollout_func: (prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ["env_mask"], ...extra}:
+            generation done by the function instead (TRL's experimental API; extra keys reach the reward functions).
+        environment_factory: a class (or function) making an environment, or {name: factory} routed by the rows'
+            `environment` column: one instance per rollout, reset with its row, its public methods tools, its
+            get_reward a reward (TRL's experimental API).
+        response_template: posttrain's override of how the model's tool calls are read, for a chat template it does
+            not recognise: a transformers response_template dict, or a function (turn text, prefix text) ->
+            assistant message (default: the tokenizer's response_template, else the family its template writes).
     """
 
     _title = "GRPO"
@@ -76,13 +90,15 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), quantization_config=None, peft_config=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, response_template=None):
         args = trainer_config(GRPOConfig, args, model, "GRPO")
+        agents = Agents(list(tools or []), environment_factory, rollout_func, response_template)
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, reward_funcs, train_dataset, eval_dataset, processing_class,
-                                reward_processing_classes, peft_config)
+                                reward_processing_classes, peft_config, agents)
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
         self._prepare(model, self._total_steps())
         rank, run_id = self.accelerator.process_index, self._run_id()
@@ -117,7 +133,7 @@ class GRPOTrainer(Trainer):
                                self.ref_model, self.reference_adapter, generator, self.tokenizer,
                                Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter),
                                self.state, self.packing, self.share_prompts, self.pad_to_multiple_of,
-                               self.sampling_params, self.needs_old_logps)
+                               self.sampling_params, self.needs_old_logps, self.agents)
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -151,33 +167,85 @@ class GRPOTrainer(Trainer):
         return name[0]
 
     def _setup(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-               peft_config):
-        """Load the model and tokenizer, the reference, the rewards and the data; returns the prepared policy."""
+               peft_config, agents: Agents):
+        """Load the model and tokenizer, the reference, the agents, the rewards and the data; returns the prepared
+        policy."""
         args = self.args
-        if train_dataset is None:
-            raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        train_dataset, placeholder_prompts = self._agent_dataset(train_dataset, agents)
         refuse_prefix_tuning_for_sampling(peft_config, model)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
-        self.reward_weights = self._reward_weights()
+        context = getattr(model.config, "max_position_embeddings", None)
+        # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
+        chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
+        self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length, context,
+                                     args.max_completion_length, chat_template)
+        self.agents = self._agent_rollouts(agents, model, chat_template, context, placeholder_prompts)
+        sources = self.agents.reward_sources() if self.agents is not None else []
+        user_funcs = (resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
+                      if reward_funcs is not None or not sources else [])
+        self.reward_weights = self._reward_weights(len(user_funcs), len(sources))
+        # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
+        self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
         self._group_filter = resolve_filter(args.dynamic_sampling_filter)
         for f in self.reward_funcs:
             if f.model is not None:
                 f.model.to(self.accelerator.device)
 
-        self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length,
-                                     getattr(model.config, "max_position_embeddings", None),
-                                     args.max_completion_length)
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
                                     self._data_seed)
         self.train_dataset = train_dataset  # as given, as TRL keeps it (GRPO prepares prompts round by round)
         # TRL's remove_unused_columns=True drops every column but the prompt before the reward functions see them
         self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
-        check_required_columns(self.reward_funcs, self.reward_columns)
+        check_required_columns(self.reward_funcs, self.reward_columns,
+                               self.agents.column_names if self.agents is not None else (),
+                               more_columns=agents.rollout_func is not None)
         self.eval_dataset = eval_dataset
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
         return model
+
+    def _agent_dataset(self, train_dataset, agents: Agents):
+        """The training data, and whether its prompts are placeholders: without a train_dataset, an environment owns
+        the data (reset returns the prompt) and max_steps sets the length, as in TRL; rows without a prompt get TRL's
+        placeholder when an environment will write it."""
+        args = self.args
+        if train_dataset is None:
+            if agents.environment_factory is None:
+                raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column (or an environment_factory "
+                                "whose reset returns the prompt).")
+            if isinstance(agents.environment_factory, dict):
+                raise DataError("A dict environment_factory routes each row by its `environment` column, so it needs "
+                                "a train_dataset with that column: give one, or pass a single factory.")
+            if args.max_steps <= 0:
+                raise ConfigError("Without a train_dataset (the environment's reset returns the prompt), max_steps "
+                                  "sets the run's length: set max_steps to a positive number.")
+            from datasets import Dataset
+
+            prompts = [[dict(m) for m in PLACEHOLDER_PROMPT]] * args.prompts_per_generation
+            return Dataset.from_dict({"prompt": prompts}), True
+        columns = getattr(train_dataset, "column_names", None)
+        if agents.environment_factory is not None and columns is not None and "prompt" not in columns:
+            return train_dataset.map(lambda row: {"prompt": [dict(m) for m in PLACEHOLDER_PROMPT]}), True
+        return train_dataset, False
+
+    def _agent_rollouts(self, agents: Agents, model, chat_template, context, placeholder_prompts: bool):
+        """The agents' stage (posttrain/agents/rollouts.py), or None without tools, environments or rollout_func."""
+        args = self.args
+        if not agents:
+            return None
+        if agents.calls_tools and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+            raise ConfigError(f"Tool calling with vllm_mode='colocate' and vllm_tensor_parallel_size="
+                              f"{args.vllm_tensor_parallel_size} is not supported: each process's rollouts take their "
+                              f"own number of turns, while a tensor-parallel engine's generate calls must be made by "
+                              f"every process of its group together; use vllm_tensor_parallel_size=1 or "
+                              f"vllm_mode='server'.")
+        if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_max_model_length:
+            context = args.vllm_max_model_length
+        budget = Budget(args.max_completion_length, context or 2 ** 62, args.max_tool_calling_iterations)
+        return AgentRollouts(self.tokenizer, self.encoder, agents, chat_template, args.chat_template_kwargs or {},
+                             budget, args.tool_timeout, trainer=self,
+                             vocab_size=getattr(model.config, "vocab_size", None),
+                             reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts)
 
     def _gradients_besides_rewards(self) -> list[str]:
         """What trains the model when every advantage is 0 (grpo/flat_rewards.py names it)."""
@@ -186,14 +254,16 @@ class GRPOTrainer(Trainer):
             ["the entropy bonus, which only changes the model's entropy"] if self.entropy_control.enabled else []) + (
             ["the router's load-balancing loss, which only balances the experts"] if self.router_loss.enabled else [])
 
-    def _reward_weights(self) -> torch.Tensor:
+    def _reward_weights(self, given: int, sources: int) -> torch.Tensor:
+        """[given + sources] the reward_weights of the `given` reward functions (default 1), then 1 for each
+        environment's get_reward."""
         weights = self.args.reward_weights
         if weights is None:
-            return torch.ones(len(self.reward_funcs))
-        if len(weights) != len(self.reward_funcs):
-            raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
-                              "functions: give one weight per function.")
-        return torch.tensor([float(w) for w in weights])
+            return torch.ones(given + sources)
+        if len(weights) != given:
+            raise ConfigError(f"reward_weights has {len(weights)} entries for {given} reward functions: give one "
+                              "weight per function (an environment's get_reward has weight 1).")
+        return torch.cat([torch.tensor([float(w) for w in weights]), torch.ones(sources)])
 
     def _total_steps(self) -> int:
         args = self.args
@@ -406,6 +476,9 @@ class GRPOTrainer(Trainer):
         self.buffer = buffer_from_tensors(tensors, self.accelerator.device)
 
     def close(self, failed: bool = False) -> None:
-        """Release the generator and, in a multi-process run, the process group (call once, at the end)."""
+        """Release the generator, the tools' event loop and, in a multi-process run, the process group (call once, at
+        the end)."""
         self.generator.close()
+        if getattr(self, "agents", None) is not None:
+            self.agents.close()
         super().close(failed)

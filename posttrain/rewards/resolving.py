@@ -232,26 +232,34 @@ def without_kwargs_message(name: str, unaccepted: list[str]) -> str:
             f"does not take {', '.join(unaccepted)}.")
 
 
-def check_required_columns(funcs: list[RewardFunction], columns) -> None:
+def check_required_columns(funcs: list[RewardFunction], columns, provided=(), more_columns: bool = False) -> None:
     """Stop before training when a reward function requires a keyword the dataset has no column for, cannot take
     every keyword it will be passed (no **kwargs), or a column is named like an argument reward functions already
-    receive (the two would collide)."""
-    clashing = sorted(set(columns) & CONVENTION_ARGS)
+    receive (the two would collide).
+
+    Args:
+        provided: keywords passed besides the columns and the conventional ones (`environments`, with an
+            environment_factory).
+        more_columns: columns may be added at generation time (rollout_func's extra keys): a required keyword
+            without a column is then checked when the functions are called.
+    """
+    given = CONVENTION_ARGS | set(provided)
+    clashing = sorted(set(columns) & given)
     if clashing:
         raise DataError(f"The dataset's column {clashing[0]!r} has the name of an argument reward functions already "
-                        f"receive ({', '.join(sorted(CONVENTION_ARGS))}): rename the column.")
+                        f"receive ({', '.join(sorted(given))}): rename the column.")
     for f in funcs:
         if f.fn is None:
             continue
         for name, param in inspect.signature(f.fn).parameters.items():
             required = param.default is inspect.Parameter.empty and param.kind in (
                 inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            if required and name not in CONVENTION_ARGS and name not in columns:
-                close = suggest(name, CONVENTION_ARGS | set(columns))
+            if required and name not in given and name not in columns and not more_columns:
+                close = suggest(name, given | set(columns))
                 fix = "rename it, add the column, or give it a default" if close else (
                     "add the column, or give the argument a default")
                 raise DataError(f"Reward function {f.name!r} requires the argument {name!r}, but the dataset has "
                                 f"no {name!r} column (columns: {', '.join(sorted(columns)) or 'none'}): {fix}.{close}")
-        unaccepted = unaccepted_keywords(f.fn, CONVENTION_ARGS | set(columns))
+        unaccepted = unaccepted_keywords(f.fn, given | set(columns))
         if unaccepted:
             raise ConfigError(without_kwargs_message(f.name, unaccepted))

@@ -1,0 +1,169 @@
+"""GRPOTrainer with tools, environments and rollout_func, end to end, against TRL 1.16's GRPOTrainer on the same
+scripted model outputs (tests/agent_script.py): TRL's own `_generate` (its prompt rendering, parse_response, its
+`_tool_call_loop` with its budget and rollback, its metrics) with its `_generate_single_turn` replaced by the script,
+and posttrain's agents stage with a scripted engine. Prompt ids, completion ids, tool masks, sampler log-probs, the
+completions the reward functions receive and tools/call_frequency / tools/failure_frequency must be equal."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent_script import LOGPROB, TOOLS, Script, ScriptedEngine, trl_generate_single_turn
+from posttrain.testing import tiny_model, tiny_tokenizer
+
+trl = pytest.importorskip("trl")
+TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+MAX_COMPLETION = 1000
+
+
+class _GenerationReached(Exception):
+    pass
+
+
+def _tokenizer(template: str):
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    return tokenizer
+
+
+def _rows(cases: list[str]) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Please help. case:{case}"}]} for case in cases]
+
+
+def _zero(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _trl(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
+    """TRL's _generate on `rows` with the scripted model: (prompt ids, completion ids, tool masks, completions,
+    log-probs, its metrics)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), num_generations=2,
+                      max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                      max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
+                          processing_class=tokenizer, reward_funcs=[_zero],
+                          train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+    generate = trainer._generate
+
+    def reached(prompts):
+        raise _GenerationReached(prompts)
+
+    trainer._generate = reached  # up to generation: environments drawn and reset, tool dicts built
+    with pytest.raises(_GenerationReached) as got:
+        trainer._generate_and_score_completions(copy.deepcopy(rows))
+    trainer._generate = generate
+    trainer._generate_single_turn = trl_generate_single_turn(Script(tokenizer, trainer.chat_template), MAX_COMPLETION)
+    trainer.model.train()
+    prompt_ids, completion_ids, tool_mask, completions, logprobs = trainer._generate(got.value.args[0])[:5]
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("tools/")}
+    return prompt_ids, completion_ids, tool_mask, completions, logprobs, metrics
+
+
+def _posttrain(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
+    """posttrain's agents stage on `rows` with the scripted engine: the same six things, and the trainer."""
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain.agents.chat_templates import tool_chat_template
+    from posttrain.grpo.metrics import tool_metrics
+
+    args = GRPOConfig(output_dir=str(tmp_path / "pt"), per_device_train_batch_size=len(rows), num_generations=2,
+                      max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                      max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
+                          processing_class=tokenizer, reward_funcs=[_zero],
+                          train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+    engine = ScriptedEngine(Script(tokenizer, tool_chat_template(tokenizer)), tokenizer.pad_token_id,
+                            [tokenizer.eos_token_id], MAX_COMPLETION)
+    sampled = trainer.agents.sample(copy.deepcopy(rows), list(range(len(rows))), list(range(len(rows))), engine, "cpu")
+    r = sampled.rollouts
+    prompt_ids = [ids[mask].tolist() for ids, mask in zip(r.prompt_ids, r.prompt_mask)]
+    completion_ids = [ids[mask].tolist() for ids, mask in zip(r.completion_ids, r.completion_mask)]
+    tool_mask = [m[mask].int().tolist() for m, mask in zip(r.tool_mask, r.completion_mask)]
+    logprobs = [lp[mask].tolist() for lp, mask in zip(r.sampler_logprobs, r.completion_mask)]
+    metrics = tool_metrics(sampled.counts, trainer.accelerator)
+    return prompt_ids, completion_ids, tool_mask, sampled.completions, logprobs, metrics, trainer, engine
+
+
+def _same(trl_out, ours) -> None:
+    names = ("prompt ids", "completion ids", "tool mask", "completions", "log-probs", "metrics")
+    for name, theirs, mine in zip(names, trl_out, ours):
+        if name == "completions":
+            theirs, mine = json.dumps(theirs, sort_keys=True), json.dumps(mine, sort_keys=True)
+        if name == "metrics":
+            assert mine == pytest.approx(theirs), name
+        else:
+            assert mine == theirs, name
+
+
+CASES = ["none", "one", "parallel", "overflow", "malformed", "iterate"]
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_the_tool_loop_equals_trls(tmp_path, template):
+    """Every case at once (rows of one round take different numbers of turns): no call, one call then an answer,
+    parallel calls (a failing one and an unknown one among them) then another round, a result past the completion
+    budget (rolled back), a malformed call (text, no call), and a model that never stops calling (cut by
+    max_tool_calling_iterations). Qwen3's template is not prefix-preserving: both render with TRL's training one."""
+    tokenizer = _tokenizer(template)
+    rows = _rows(CASES)
+    theirs = _trl(tmp_path, tokenizer, rows, max_iterations=3, tools=[t for t in TOOLS if t.__name__ != "mul"])
+    ours = _posttrain(tmp_path, tokenizer, rows, max_iterations=3, tools=[t for t in TOOLS if t.__name__ != "mul"])
+    _same(theirs, ours[:6])
+    prompt_ids, completion_ids, tool_mask = ours[:3]
+    assert sum(tool_mask[CASES.index("one")]) < len(completion_ids[CASES.index("one")])  # a result was masked out
+    assert all(m == 1 for m in tool_mask[CASES.index("overflow")])  # rolled back: the calling turn alone
+    # calls: one 1, parallel 4 + 1 (mul is not among these tools: "not found"), overflow 1 (rolled back, still
+    # made), iterate 3; failures: mul, fail, nope
+    assert ours[5] == pytest.approx({"tools/call_frequency": 10 / 6, "tools/failure_frequency": 3 / 10})
+    assert [m["role"] for m in ours[3][CASES.index("parallel")]] == ["assistant"] + ["tool"] * 4 + [
+        "assistant", "tool", "assistant"]
+
+
+def test_later_turns_are_sampled_within_the_round_from_exactly_the_joined_ids(tmp_path):
+    """The engine sees each later turn as prompt + every earlier turn and result in order, with the row's key plus
+    the turn's stride, and no new round seed."""
+    from posttrain.agents.loop import TURN_KEY_STRIDE
+
+    tokenizer = _tokenizer("qwen2_5")
+    *_, trainer, engine = _posttrain(tmp_path, tokenizer, _rows(["one", "none"]), tools=TOOLS)
+    (first, keys0, new0), (second, keys1, new1) = engine.calls
+    assert new0 and not new1 and keys0 == [0, 1] and keys1 == [TURN_KEY_STRIDE]
+    turn = engine.script.next_turn(first[0])
+    assert second[0][:len(first[0]) + len(turn)] == first[0] + turn
+
+
+def test_async_tools_run_together_and_their_results_keep_the_calls_order(tmp_path):
+    """By design: a turn calling a sync tool, an async one and a failing sync one gets its results in call order (the
+    order templates without call ids match results to calls by); TRL 1.16 appends the async results after every sync
+    one. Everything else (ids before the results, counts) is equal."""
+    tokenizer = _tokenizer("qwen2_5")
+    rows = _rows(["parallel_mixed", "none"])
+    import agent_script
+
+    agent_script.CASES["parallel_mixed"] = [[("add", {"a": 1, "b": 2}), ("mul", {"a": 3, "b": 4}),
+                                             ("fail", {"reason": "x"})], "Done."]
+    try:
+        theirs = _trl(tmp_path, tokenizer, rows, tools=TOOLS)
+        ours = _posttrain(tmp_path, tokenizer, rows, tools=TOOLS)
+    finally:
+        del agent_script.CASES["parallel_mixed"]
+    ours_tools = [m["name"] for m in ours[3][0] if m["role"] == "tool"]
+    trl_tools = [m["name"] for m in theirs[3][0] if m["role"] == "tool"]
+    assert ours_tools == ["add", "mul", "fail"] and trl_tools == ["add", "fail", "mul"]
+    assert ours[5] == pytest.approx(theirs[5])
+    assert ours[0] == theirs[0]  # the same prompt
+
+
+def test_the_sampler_log_probs_are_the_engines_on_the_model_tokens_and_zero_on_the_results(tmp_path):
+    tokenizer = _tokenizer("qwen2_5")
+    _, completion_ids, tool_mask, _, logprobs, *_ = _posttrain(tmp_path, tokenizer, _rows(["one", "none"]), tools=TOOLS)
+    assert [lp for lp, m in zip(logprobs[0], tool_mask[0]) if m] == [LOGPROB] * sum(tool_mask[0])
+    assert all(lp == 0.0 for lp, m in zip(logprobs[0], tool_mask[0]) if not m)
+    assert torch.tensor(tool_mask[0]).eq(0).sum() > 0
