@@ -73,7 +73,8 @@ class Script:
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.eos = tokenizer.eos_token_id
 
-    def next_turn(self, ids: list[int]) -> list[int]:
+    def next_turn(self, ids: list[int], variant: int = 0) -> list[int]:
+        """The turn after `ids`; `variant` > 0 adds that many "!" to an answer (completions of a group differ)."""
         text = self.tokenizer.decode(ids)
         case = re.search(r"case:(\w+)", text).group(1)
         k = text.count("(turn ")
@@ -82,7 +83,7 @@ class Script:
         if turn == "MALFORMED":
             return self._ids(f"(turn {k}) <tool_call>\n{{\"name\": \"add\", \"arguments\": {{\"a\": 1,}}\n</tool_call>")
         if isinstance(turn, str):
-            message = {"role": "assistant", "content": f"(turn {k}) {turn}"}
+            message = {"role": "assistant", "content": f"(turn {k}) {turn}" + "!" * variant}
         else:
             message = {**calling_turn([tool_call(n, a) for n, a in turn]), "content": f"(turn {k})"}
         return self._turn(message)
@@ -106,9 +107,10 @@ class ScriptedEngine:
     """posttrain's Generator protocol over a Script: each prompt's next turn (cut to max_tokens), LOGPROB per token;
     the calls it got are recorded (prompts, keys, new_round)."""
 
-    def __init__(self, script: Script, pad_id: int, eos_ids: list[int], max_tokens: int):
+    def __init__(self, script: Script, pad_id: int, eos_ids: list[int], max_tokens: int, vary: bool = False):
         import torch
 
+        self.vary = vary  # answers depend on the row's key (key % 3 "!"), so a group's completions differ
         self.script, self.pad_id, self.eos_ids, self.max_tokens = script, pad_id, list(eos_ids), max_tokens
         self.rng = torch.Generator().manual_seed(0)
         self.calls: list[tuple[list, list, bool]] = []
@@ -116,8 +118,8 @@ class ScriptedEngine:
     def generate(self, prompts, row_keys=None, new_round: bool = True) -> Rollouts:
         self.calls.append((prompts, row_keys, new_round))
         rows = []
-        for p in prompts:
-            ids = self.script.next_turn(p)[:self.max_tokens]
+        for p, key in zip(prompts, row_keys or range(len(prompts))):
+            ids = self.script.next_turn(p, key % (1 << 32) % 3 if self.vary else 0)[:self.max_tokens]
             rows.append((list(p), ids, [LOGPROB] * len(ids)))
         return Rollouts.from_lists(rows, self.pad_id, self.eos_ids, "cpu")
 

@@ -5,6 +5,7 @@ and posttrain's agents stage with a scripted engine. Prompt ids, completion ids,
 completions the reward functions receive and tools/call_frequency / tools/failure_frequency must be equal."""
 
 import copy
+import math
 import json
 from pathlib import Path
 
@@ -167,3 +168,147 @@ def test_the_sampler_log_probs_are_the_engines_on_the_model_tokens_and_zero_on_t
     assert [lp for lp, m in zip(logprobs[0], tool_mask[0]) if m] == [LOGPROB] * sum(tool_mask[0])
     assert all(lp == 0.0 for lp, m in zip(logprobs[0], tool_mask[0]) if not m)
     assert torch.tensor(tool_mask[0]).eq(0).sum() > 0
+
+
+# ------------------------------------------------------------------ environments and rollout_func, against TRL
+
+
+class Adder:
+    """An environment the model adds with; its reward is how many additions it made."""
+
+    def __init__(self):
+        self.additions = 0
+
+    def reset(self, case: str = "none", **kwargs) -> str:
+        self.additions = 0
+        return f" case:{case}"
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        self.additions += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.additions)
+
+
+def _env_rows(cases: list[str]) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": "Please help."}], "case": case} for case in cases]
+
+
+def test_an_environment_loop_equals_trls_and_its_reward_is_a_reward_source(tmp_path):
+    """reset's text is appended to the prompt, the environment's methods are the row's tools, the loop equals TRL's;
+    get_reward is a reward of weight 1 named after the class, and reward functions receive `environments`."""
+    tokenizer = _tokenizer("qwen2_5")
+    rows = _env_rows(["one", "none", "iterate", "one"])
+    theirs = _trl(tmp_path, tokenizer, rows, max_iterations=2, environment_factory=Adder)
+    ours = _posttrain(tmp_path, tokenizer, rows, max_iterations=2, environment_factory=Adder)
+    _same(theirs, ours[:6])
+    trainer = ours[6]
+    assert [f.name for f in trainer.reward_funcs] == ["_zero", "Adder"] and trainer.reward_weights.tolist() == [1, 1]
+    sampled = trainer.agents.sample(copy.deepcopy(rows), [0, 1, 2, 3], [0, 1, 2, 3], ours[7], "cpu")
+    envs = sampled.columns["environments"]
+    assert [type(e) for e in envs] == [Adder] * 4 and len({id(e) for e in envs}) == 4
+    assert trainer.reward_funcs[1].fn(environments=envs) == [1.0, 0.0, 2.0, 1.0]
+
+
+def _rollout_func(prompts, trainer):
+    """A white-box rollout: a fixed completion per prompt, the environment's part masked out, an extra column."""
+    tokenizer = trainer.processing_class
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "difficulty": []}
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+        turn, observation = tokenizer("ab", add_special_tokens=False)["input_ids"], [5, 6, 7]
+        end = [tokenizer.eos_token_id]
+        out["prompt_ids"].append(list(ids))
+        out["completion_ids"].append(turn + observation + turn + end)
+        out["logprobs"].append([-0.5] * len(turn) + [0.0] * 3 + [-0.5] * (len(turn) + 1))
+        out["env_mask"].append([1] * len(turn) + [0] * 3 + [1] * (len(turn) + 1))
+        out["difficulty"].append(i)
+    return out
+
+
+def test_a_rollout_func_is_read_as_trl_reads_it(tmp_path):
+    """Its ids and log-probs as returned, env_mask as the tool mask, its extra keys columns for the reward
+    functions, completions decoded as TRL decodes them."""
+    tokenizer = _tokenizer("qwen2_5")
+    rows = _rows(["none", "one"])
+    theirs = _trl(tmp_path, tokenizer, rows, rollout_func=_rollout_func)
+    ours = _posttrain(tmp_path, tokenizer, rows, rollout_func=_rollout_func)
+    _same(theirs[:5], ours[:5])
+    sampled = ours[6].agents.sample(copy.deepcopy(rows), [0, 1], [0, 1], ours[7], "cpu")
+    assert sampled.columns == {"difficulty": [0, 1]}
+    assert sampled.rollouts.model_tokens.sum(1).tolist() == [5, 5]  # two turns of 2 and the EOS; 3 masked out
+
+
+# ------------------------------------------------------------------ training with tools
+
+
+def _tool_reward(completions, **kwargs):
+    """Each tool result that is not an error, and the last answer's length (a group's completions differ in it)."""
+    return [sum(m["role"] == "tool" and "error" not in str(m["content"]) for m in c) + len(c[-1]["content"]) / 100
+            for c in completions]
+
+
+def _tool_trainer(tmp, tokenizer, callbacks=None, **overrides):
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    prompts = [r["prompt"] for r in _rows(["one", "none", "parallel", "iterate"] * 2)]
+    values = dict(output_dir=str(tmp / "out"), max_steps=3, per_device_train_batch_size=4, num_generations=2,
+                  generation_batch_size=8, max_completion_length=MAX_COMPLETION, learning_rate=1e-2, logging_steps=1,
+                  save_strategy="steps", save_steps=1, use_cpu=True, seed=0, beta=0.04, report_to="none",
+                  max_tool_calling_iterations=2)
+    values.update(overrides)
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), [_tool_reward],
+                          GRPOConfig(**values), train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          processing_class=tokenizer, tools=TOOLS, callbacks=callbacks)
+    trainer.generator = ScriptedEngine(Script(tokenizer), tokenizer.pad_token_id, [tokenizer.eos_token_id],
+                                       MAX_COMPLETION, vary=True)
+    return trainer
+
+
+def test_training_with_tools_masks_the_results_and_logs_trls_tool_metrics(tmp_path):
+    tokenizer = _tokenizer("qwen2_5")
+    trainer = _tool_trainer(tmp_path, tokenizer, save_strategy="no", max_steps=1, shuffle_dataset=False)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    scored = trainer.rollout.scored_batch(trainer._next_round, 1)
+    batch = scored.batch
+    assert batch.rollouts.tool_mask is not None and not torch.equal(batch.loss_mask, batch.rollouts.completion_mask)
+    assert torch.equal(batch.loss_mask, batch.rollouts.completion_mask & batch.rollouts.tool_mask)
+    # calls per completion: one 1, none 0, parallel 4 + 1, iterate 2 (max_tool_calling_iterations); failures 2 of 8
+    assert scored.metrics["tools/call_frequency"] == pytest.approx(8 / 4)
+    assert scored.metrics["tools/failure_frequency"] == pytest.approx(2 / 8)
+    model_tokens = batch.rollouts.model_tokens.sum(1).float()
+    assert scored.metrics["completions/mean_length"] == pytest.approx(float(model_tokens.mean()))
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] > 0 and "tools/failure_frequency" in logged and math.isfinite(logged["loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_resume_in_the_middle_of_a_buffer_of_multi_turn_rollouts_is_exact(tmp_path):
+    """8 rows per generation, 4 per step: the checkpoint at step 1 holds half a batch of multi-turn rollouts, their
+    tool masks included; the resumed run ends with the straight run's weights and logs."""
+    from conftest import StopAt
+
+    tokenizer = _tokenizer("qwen2_5")
+    straight = _tool_trainer(tmp_path / "a", tokenizer, save_strategy="no")
+    straight.train()
+    first = _tool_trainer(tmp_path / "b", tokenizer, callbacks=[StopAt(1)])
+    first.train()
+    from safetensors.torch import load_file
+
+    buffered = load_file(tmp_path / "b" / "out" / "checkpoint-1" / "buffer_0.safetensors")
+    assert any("tool_mask" in key for key in buffered)
+    resumed = _tool_trainer(tmp_path / "b", tokenizer)
+    resumed.train(resume_from_checkpoint=True)
+    a = dict(straight.policy.named_parameters())
+    assert all(torch.equal(a[n], p) for n, p in resumed.policy.named_parameters())
+    assert [r.get("loss") for r in resumed.state.log_history] == [r.get("loss") for r in straight.state.log_history]

@@ -181,7 +181,7 @@ class Rollout:
         skipped = self._skip_bad_groups(rewards, bad_rows, G) if skip_bad else None
         extra = logs.gathered_extra(acc, len(share.rows)) if gather_extra else {}
         return ScoredRound(share.rows, sampled.texts, sampled.rollouts, rewards, logs, extra, skipped,
-                           sampled.counts if self.agents is not None and self.agents.calls_tools else None), share
+                           sampled.counts if self.agents is not None and self.agents.agents.calls_tools else None), share
 
     def _generate(self, share: RoundShare) -> AgentSample:
         """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a
