@@ -8,7 +8,10 @@ generator at its second round), data (rank 1's prompt stream breaks after its fi
 process cannot write checkpoint-1), nonfinite (rank 1's loss turns NaN at step 2), nonfinite_grad (rank 1's
 gradient turns NaN at step 2 while its loss stays finite: under DeepSpeed the engine's own step meets it),
 interrupt (both processes' reward functions never return at step 2; once both wait, rank 0 sends the launcher
-SIGINT, as a Ctrl-C in the terminal reaches it). Each process writes its exit code to OUT_DIR/exit_<rank>.
+SIGINT, as a Ctrl-C in the terminal reaches it), reset (the run has an environment_factory, Counter, whose reset
+raises on rank 1 at step 2), tool (the run has the tool `tally`, called on every rollout's first turn through a
+response_template function; on rank 1 at step 2 it returns a list, which is not a tool result: the tool machinery
+fails outside the model's turn, where an exception inside the tool would have been the model's error message). Each process writes its exit code to OUT_DIR/exit_<rank>.
 With PT_ACCELERATE_ON_CPU=1 the test-only patch of tests/accelerate_on_cpu.py is applied first (FSDP and DeepSpeed
 launches on CPU).
 """
@@ -44,6 +47,53 @@ def faulty_reward(completions, trainer_state, **kwargs):
             os.kill(os.getppid(), signal.SIGINT)  # the launcher, which passes it on to every process
         threading.Event().wait(60)  # never returns (within the test's time)
     return [float(len(c)) for c in completions]
+
+
+def _step1_done() -> bool:
+    return os.path.exists(os.path.join(OUT, "step1_done"))
+
+
+class Counter:
+    """An environment for the reset fault: a running count the model adds to."""
+
+    def reset(self, **row):
+        if FAULT == "reset" and RANK == 1 and _step1_done():
+            _mark()
+            raise RuntimeError("rank 1 cannot reach its environment")
+        self.count = 0
+
+    def add(self, n: int) -> str:
+        """Add to the count.
+
+        Args:
+            n: How much to add.
+        """
+        self.count += n
+        return str(self.count)
+
+
+def tally(n: int) -> str:
+    """Count to n.
+
+    Args:
+        n: Where to stop.
+    """
+    if FAULT == "tool" and RANK == 1 and _step1_done():
+        _mark()
+        return list(range(n))
+    return str(n)
+
+
+def call_on_first_turn(text: str, prefix: str) -> dict:
+    """The turns as read for the tool fault: the first turn of a rollout calls tally(3), later turns nothing."""
+    if "<tool_response>" in prefix:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text,
+            "tool_calls": [{"type": "function", "function": {"name": "tally", "arguments": {"n": 3}}}]}
+
+
+AGENTS = {"reset": {"environment_factory": Counter},
+          "tool": {"tools": [tally], "response_template": call_on_first_turn}}
 
 
 def _patch():
@@ -138,6 +188,7 @@ if __name__ == "__main__":
 
     def init(self, *args, **kwargs):
         kwargs["callbacks"] = [MarkSteps()]
+        kwargs.update(AGENTS.get(FAULT, {}))
         real_init(self, *args, **kwargs)
 
     grpo_trainer.GRPOTrainer.__init__ = init

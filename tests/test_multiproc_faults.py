@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,20 +27,29 @@ FAULTS = {
 
 
 def _run_with_fault(fault: str, launch: list[str], tmp_path, model_dir: str, timeout: int,
-                    launcher: str = "accelerate.commands.launch", **env):
+                    launcher: str = "accelerate.commands.launch", args: tuple = (), conversational: bool = False,
+                    **env):
     """`accelerate launch <launch> multiproc_faults.py FAULT` of a 4-step GRPO run on 16 prompts (`launcher`: the
-    module that launches, accelerate's or posttrain.launch)."""
+    module that launches, accelerate's or posttrain.launch; `args`: flag, value pairs that replace or add to the
+    run's)."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
+    prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}] if conversational else p}) + "\n"
+                            for p in prompts))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", launcher, "--main_process_port", "0", *launch,
-           os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--",
-           "--model_name_or_path", model_dir, "--dataset_name", str(data),
+    run = ["--model_name_or_path", model_dir, "--dataset_name", str(data),
            "--reward_funcs", "multiproc_faults.faulty_reward", "--per_device_train_batch_size", "4",
            "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "4", "--logging_steps", "1",
            "--gradient_checkpointing", "false", "--use_cpu", "true", "--save_strategy", "steps", "--save_steps", "1",
            "--output_dir", str(tmp_path / "out")]
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag in run:
+            run[run.index(flag) + 1] = value
+        else:
+            run += [flag, value]
+    cmd = [sys.executable, "-m", launcher, "--main_process_port", "0", *launch,
+           os.path.join(TESTS, "multiproc_faults.py"), fault, str(tmp_path), "--", *run]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -56,6 +66,42 @@ def test_a_failure_on_one_process_stops_both(fault, tmp_path, tiny_model_dir):
     assert ended - fault_time < 30, ended - fault_time  # stopped within seconds, not at a collective's timeout
     lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
     assert len(lines) == 1 and FAULTS[fault] in lines[0], out.stderr[-3000:]  # the original message, once
+
+
+AGENT_FAULTS = {
+    "reset": "Counter.reset raised RuntimeError: rank 1 cannot reach its environment on row",
+    "tool": "Tool 'tally' (tally) returned a list holding 0, which is not a content block",
+}
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    """A tiny model whose tokenizer has TRL's Qwen2.5 chat template (tools and their results rendered), with room
+    for the tools' schemas in the prompt."""
+    import trl
+
+    from posttrain.testing import save_tiny, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    return save_tiny(str(tmp_path_factory.mktemp("tools")), tokenizer, hidden=32, layers=1, max_positions=2048)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault", list(AGENT_FAULTS))
+def test_an_environment_or_tool_failure_on_one_process_stops_both(fault, tmp_path, tool_model_dir):
+    """Tools run where the rollout lives: rank 1's environment reset raising, or its tool's result failing outside
+    the model's turn, stops both processes within seconds, with the one sentence printed once."""
+    pytest.importorskip("trl")
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    out = _run_with_fault(fault, launch, tmp_path, tool_model_dir, timeout=240, conversational=True,
+                          args=("--max_completion_length", "200", "--generation_kwargs", '{"max_new_tokens": 4}'))
+    ended = time.time()
+    assert out.returncode != 0 and (tmp_path / "fault_time").exists(), out.stderr[-3000:]
+    assert ended - float((tmp_path / "fault_time").read_text()) < 30
+    lines = [line for line in out.stderr.splitlines() if line.startswith("posttrain: error:")]
+    assert len(lines) == 1 and AGENT_FAULTS[fault] in lines[0], out.stderr[-3000:]
 
 
 @pytest.mark.multiproc
