@@ -54,6 +54,7 @@ PANELS = (
     Panel("completion length (tokens)", ("completions/mean_length", "completions/min_length",
                                          "completions/max_length")),
     Panel("completions cut at max length", ("completions/clipped_ratio",)),
+    Panel("tool calls (per completion; failures per call)", ("tools/call_frequency", "tools/failure_frequency")),
     Panel("dynamic sampling", ("sampling/generation_rounds", "sampling/groups_filtered")),
     Panel("clip ratios", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
                           "cispo_clip_ratio")),

@@ -109,7 +109,19 @@ def test_in_process_lean_and_plain_forward_and_posttrain_serve_sample_the_same_m
     trainer.close()
 
 
-def test_vllm_colocate_and_server_run_the_tool_loop(tmp_path):
+@pytest.fixture
+def _restore_environment(monkeypatch):
+    """Colocate sets RANK, WORLD_SIZE, MASTER_PORT... for vLLM's external launcher, as TRL does: keep them out of the
+    other tests (their subprocesses would join a process group)."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_vllm_colocate_and_server_run_the_tool_loop(tmp_path, _restore_environment):
     pytest.importorskip("fastapi")
     from test_vllm_adapters import FakeVLLMServer, serving
     from vllm_double import fake_vllm
@@ -163,3 +175,19 @@ def test_training_with_tools_on_the_in_process_sampler(tmp_path):
                                     for h in logged)
     assert all(h["completions/max_length"] <= 2 * TURN for h in logged)  # model tokens only, the results not counted
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_the_tools_example_runs_end_to_end(tmp_path):
+    """examples/tools_vault.py, shortened: SFT, then GRPO with its environment, the tool metrics logged every step,
+    the plot written (docs/tools.md shows a full run)."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "examples" / "tools_vault.py"
+    spec = importlib.util.spec_from_file_location("tools_vault", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert sum("tool_calls" in r["completion"][0] for r in example.sft_rows(0.5)) == 32
+    out = example.main(["--output-dir", str(tmp_path / "vault"), "--steps", "3", "--sft-steps", "4"])
+    logged = [h for h in out["history"] if "loss" in h]
+    assert len(logged) == 3 and all("tools/call_frequency" in h and "rewards/Vault/mean" in h for h in logged)
+    assert (tmp_path / "vault" / "tools_vault.png").stat().st_size > 0

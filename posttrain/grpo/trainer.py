@@ -21,12 +21,11 @@ from dataclasses import replace
 import torch
 
 from posttrain.agents.chat_templates import tool_chat_template
-from posttrain.agents.environments import PLACEHOLDER_PROMPT
-from posttrain.agents.loop import Budget
-from posttrain.agents.rollouts import AgentRollouts, Agents
+from posttrain.agents.rollouts import Agents
 from posttrain.configs import ConfigError, GRPOConfig
-from posttrain.data import DataError, PromptEncoder, PromptSource, check_eval_columns
+from posttrain.data import PromptEncoder, PromptSource, check_eval_columns
 from posttrain.generation import SamplingParams, make_generator
+from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.dynamic_sampling import resolve_filter
@@ -38,7 +37,7 @@ from posttrain.grpo.metrics import loss_metrics
 from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
-from posttrain.rewards import CONVENTION_ARGS, RewardFunction, check_required_columns, resolve_reward_funcs
+from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
@@ -171,7 +170,7 @@ class GRPOTrainer(Trainer):
         """Load the model and tokenizer, the reference, the agents, the rewards and the data; returns the prepared
         policy."""
         args = self.args
-        train_dataset, placeholder_prompts = self._agent_dataset(train_dataset, agents)
+        train_dataset, placeholder_prompts = agent_dataset(train_dataset, agents, args)
         refuse_prefix_tuning_for_sampling(peft_config, model)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
@@ -180,7 +179,8 @@ class GRPOTrainer(Trainer):
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
         self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length, context,
                                      args.max_completion_length, chat_template)
-        self.agents = self._agent_rollouts(agents, model, chat_template, context, placeholder_prompts)
+        self.agents = agent_rollouts(agents, args, self.encoder, model, chat_template, context,
+                                     placeholder_prompts, trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
         user_funcs = (resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
                       if reward_funcs is not None or not sources else [])
@@ -203,49 +203,6 @@ class GRPOTrainer(Trainer):
         self.eval_dataset = eval_dataset
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
         return model
-
-    def _agent_dataset(self, train_dataset, agents: Agents):
-        """The training data, and whether its prompts are placeholders: without a train_dataset, an environment owns
-        the data (reset returns the prompt) and max_steps sets the length, as in TRL; rows without a prompt get TRL's
-        placeholder when an environment will write it."""
-        args = self.args
-        if train_dataset is None:
-            if agents.environment_factory is None:
-                raise DataError("GRPOTrainer needs a train_dataset with a 'prompt' column (or an environment_factory "
-                                "whose reset returns the prompt).")
-            if isinstance(agents.environment_factory, dict):
-                raise DataError("A dict environment_factory routes each row by its `environment` column, so it needs "
-                                "a train_dataset with that column: give one, or pass a single factory.")
-            if args.max_steps <= 0:
-                raise ConfigError("Without a train_dataset (the environment's reset returns the prompt), max_steps "
-                                  "sets the run's length: set max_steps to a positive number.")
-            from datasets import Dataset
-
-            prompts = [[dict(m) for m in PLACEHOLDER_PROMPT]] * args.prompts_per_generation
-            return Dataset.from_dict({"prompt": prompts}), True
-        columns = getattr(train_dataset, "column_names", None)
-        if agents.environment_factory is not None and columns is not None and "prompt" not in columns:
-            return train_dataset.map(lambda row: {"prompt": [dict(m) for m in PLACEHOLDER_PROMPT]}), True
-        return train_dataset, False
-
-    def _agent_rollouts(self, agents: Agents, model, chat_template, context, placeholder_prompts: bool):
-        """The agents' stage (posttrain/agents/rollouts.py), or None without tools, environments or rollout_func."""
-        args = self.args
-        if not agents:
-            return None
-        if agents.calls_tools and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
-            raise ConfigError(f"Tool calling with vllm_mode='colocate' and vllm_tensor_parallel_size="
-                              f"{args.vllm_tensor_parallel_size} is not supported: each process's rollouts take their "
-                              f"own number of turns, while a tensor-parallel engine's generate calls must be made by "
-                              f"every process of its group together; use vllm_tensor_parallel_size=1 or "
-                              f"vllm_mode='server'.")
-        if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_max_model_length:
-            context = args.vllm_max_model_length
-        budget = Budget(args.max_completion_length, context or 2 ** 62, args.max_tool_calling_iterations)
-        return AgentRollouts(self.tokenizer, self.encoder, agents, chat_template, args.chat_template_kwargs or {},
-                             budget, args.tool_timeout, trainer=self,
-                             vocab_size=getattr(model.config, "vocab_size", None),
-                             reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts)
 
     def _gradients_besides_rewards(self) -> list[str]:
         """What trains the model when every advantage is 0 (grpo/flat_rewards.py names it)."""

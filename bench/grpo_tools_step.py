@@ -1,0 +1,72 @@
+"""posttrain's side of the multi-turn GRPO-with-tools benchmark: posttrain's GRPOTrainer with tools=[lookup] on CPU.
+
+Usage: python bench/grpo_tools_step.py MODEL_DIR [--steps 4] [--gens 8] [--batch 16] [--completion 256] [--turn 32]
+                                                 [--tool-calls 2] [--prompt 8] [--beta 0.04] [--threads 2]
+                                                 [--gradient-checkpointing] [--chat-template PATH]
+Same flags, workload and JSON keys as bench/trl_grpo_tools.py (TRL's side); the workload is bench/tools_workload.py.
+The tool calls are scripted through posttrain's own override, `response_template=` a function (turn text, prefix
+text) -> assistant message (tools_workload.scripted_turn_function); generation, the tool, the tool results' ids
+(agents/chat_templates.py ToolSuffix) and the step are posttrain's. The batch statistics are read from each
+micro-batch `_micro_step` receives (before posttrain drops rows whose advantage is 0; `rows_with_gradient` counts
+the rows it then trained on).
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/tools_workload.py
+
+import tools_workload as w
+
+
+def main():
+    args = w.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoConfig
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    tok = w.tokenizer(args)
+    shape = w.check_budget(tok, args, AutoConfig.from_pretrained(args.model).max_position_embeddings)
+    stats = w.BatchStats()
+    with_gradient = []
+
+    class Recorded(GRPOTrainer):
+        def _micro_step(self, mb, *rest, **kwargs):
+            r = mb.rollouts
+            stats.add(r.completion_mask, r.tool_mask, r.prompt_mask)
+            with_gradient.append(len(self._rows_with_gradient(mb)) if self.skip_zero_advantage_rows else len(mb))
+            return super()._micro_step(mb, *rest, **kwargs)
+
+    cfg = GRPOConfig(
+        output_dir="/tmp/posttrain-bench-tools-out", use_cpu=True, bf16=False, max_steps=args.steps,
+        num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
+        report_to="none", save_strategy="no", seed=0,
+        generation_kwargs={"min_new_tokens": args.turn, "max_new_tokens": args.turn},
+        max_tool_calling_iterations=args.tool_calls, gradient_checkpointing=args.gradient_checkpointing,
+        plot_on_end=False)  # a one-off end-of-run cost, not a step
+    ds = Dataset.from_dict(w.make_rows(64, args.prompt))
+    with contextlib.redirect_stdout(sys.stderr):
+        trainer = Recorded(model=args.model, reward_funcs=w.reward_text, args=cfg, train_dataset=ds,
+                           processing_class=tok, tools=[w.lookup],
+                           response_template=w.scripted_turn_function(args.tool_calls))
+        cpu, start = w.cpu_seconds(), time.perf_counter()
+        trainer.train()
+        wall, cpu = time.perf_counter() - start, w.cpu_seconds() - cpu
+    summary = stats.summary()
+    print(json.dumps({
+        "impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "completion_tok_per_s": round(stats.model / wall, 1), "peak_rss_mib": w.peak_rss_mib(),
+        "cpu_s": round(cpu, 1), "tool_calls_per_step": w.tool_calls_made() / args.steps, **summary,
+        "rows_with_gradient": sum(with_gradient), **shape}))
+
+
+if __name__ == "__main__":
+    main()
