@@ -1986,6 +1986,37 @@ def rollout_extra_column_too_short(tmp):
     check_rollout_output(_rollout_output(answer=["42"]), 2)
 
 
+def _add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return str(a + b)
+
+
+@case("Data", "tools with plain-text prompts (`\"1+2=\"`, not messages)", DataError,
+      r"^Prompt 0 is plain text, but tool calling needs conversational prompts \(a list of messages\) so the chat "
+      r"template can show the tools and their results: give the dataset conversational prompts, .*\.$", kind="crash",
+      requires="trl")
+def tools_with_plain_text_prompts(tmp):
+    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.testing import tiny_model
+
+    tokenizer = _tool_tokenizer(_trl_template("qwen2_5"))
+    GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward, _config(tmp), train_dataset=_dataset(),
+                processing_class=tokenizer, tools=[_add])
+
+
+def _trl_template(name: str) -> str:
+    """A chat template TRL 1.16 ships (data in its installed package)."""
+    import importlib.util
+
+    return (Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates"
+            / f"{name}.jinja").read_text()
+
+
 # ---- issue 34: chat templates for tools (`kind`: what TRL 1.16's GRPOTrainer says with the same template)
 def _tool_tokenizer(template: str):
     from posttrain.testing import tiny_tokenizer

@@ -177,6 +177,31 @@ def test_training_with_tools_on_the_in_process_sampler(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
 
 
+class _Truncating:
+    """An engine that samples a later turn from the ids sent less their first (as one truncating prompts from the
+    left to fit its context would): the rollout would not be what the model saw."""
+
+    def __init__(self, inner):
+        self.inner, self.eos_ids = inner, inner.eos_ids
+
+    def generate(self, prompts, row_keys=None, new_round=True):
+        return self.inner.generate(prompts if new_round else [p[1:] for p in prompts], row_keys, new_round)
+
+
+def test_an_engine_that_samples_from_other_ids_than_those_sent_stops_the_run(tmp_path):
+    from posttrain.generation import GenerationError
+
+    tokenizer = _tokenizer()
+    trainer = _trainer(tmp_path, tokenizer)
+    engine = _Truncating(TransformersGenerator(trainer.policy, tokenizer, SamplingParams(max_new_tokens=TURN)))
+    with pytest.raises(GenerationError, match=r"^The generation engine sampled a multi-turn rollout's next turn from "
+                                              r"ids that differ from those sent \(row 0 of the turn, from position 0: "
+                                              r"\d+ ids sent, \d+ used\), so the rollout would not be the tokens the "
+                                              r"model saw: check that the engine takes token ids as given"):
+        trainer.agents.sample(copy.deepcopy(ROWS), [0, 0, 1, 1], [0, 1, 2, 3], engine, "cpu")
+    trainer.close()
+
+
 def test_the_tools_example_runs_end_to_end(tmp_path):
     """examples/tools_vault.py, shortened: SFT, then GRPO with its environment, the tool metrics logged every step,
     the plot written (docs/tools.md shows a full run)."""

@@ -56,3 +56,13 @@ def test_dynamic_sampling_keeps_each_kept_rows_tool_mask():
                                                  [True, True, True, True, True, True],
                                                  [True, True, False, False, True, True]]
     assert torch.equal(batch.rollouts.model_tokens.sum(1), torch.tensor([2, 2, 4]))
+
+
+def test_with_pad_equal_to_eos_the_masks_come_from_the_rows_lengths_not_their_ids():
+    """TRL #4974: pad == eos. The completion, model-token and tool masks are the same as with a distinct pad id;
+    only the padding's ids change."""
+    apart = _rollouts()
+    same = Rollouts.from_lists(ROWS, EOS, [EOS], "cpu", TOOL_MASKS)
+    for name in ("completion_mask", "prompt_mask", "tool_mask", "model_tokens", "is_eos"):
+        assert torch.equal(getattr(same, name), getattr(apart, name)), name
+    assert (same.completion_ids[~same.completion_mask.bool()] == EOS).all()

@@ -133,7 +133,7 @@ class AgentRollouts:
                                    if self.placeholder_prompts else rows)
             prompts, tool_sets, columns = drawn.prompts, drawn.tools, {"environments": drawn.environments}
         if self.agents.calls_tools:
-            _check_conversational(prompts, indices)
+            check_conversational(prompts, indices)
         if self.agents.rollout_func is not None:
             prompt_ids, first, extra = self._from_rollout_func(prompts)
             columns.update(extra.pop("columns"))
@@ -186,7 +186,8 @@ def _ran(results) -> tuple[list[dict], int]:
     return results.messages, results.failures
 
 
-def _check_conversational(prompts: list, indices: list[int]) -> None:
+def check_conversational(prompts: list, indices: list[int]) -> None:
+    """DataError for the first plain-text prompt: tools need messages (`indices`: the prompts' dataset rows)."""
     for prompt, index in zip(prompts, indices):
         if not is_conversational(prompt):
             raise DataError(f"Prompt {index} is plain text, but tool calling needs conversational prompts (a list of "

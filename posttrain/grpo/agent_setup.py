@@ -8,7 +8,7 @@ stage (posttrain/agents/rollouts.py) with its budget, from TRL 1.16's `tools=`, 
 
 from posttrain.agents.environments import PLACEHOLDER_PROMPT
 from posttrain.agents.loop import Budget
-from posttrain.agents.rollouts import AgentRollouts, Agents
+from posttrain.agents.rollouts import AgentRollouts, Agents, check_conversational
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.rewards import CONVENTION_ARGS
@@ -35,6 +35,9 @@ def agent_dataset(train_dataset, agents: Agents, args):
     columns = getattr(train_dataset, "column_names", None)
     if agents.environment_factory is not None and columns is not None and "prompt" not in columns:
         return train_dataset.map(lambda row: {"prompt": [dict(m) for m in PLACEHOLDER_PROMPT]}), True
+    if agents.calls_tools and columns is not None and "prompt" in columns and hasattr(train_dataset, "__getitem__") \
+            and len(train_dataset):
+        check_conversational([train_dataset[0]["prompt"]], [0])  # at construction, not at the first round
     return train_dataset, False
 
 
