@@ -38,18 +38,24 @@ def _zero(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def _trainer(package, out, tokenizer, rows, max_iterations, **kwargs):
+    """`package`'s GRPOTrainer (TRL's or posttrain's) on `rows`, with the same arguments."""
+    from datasets import Dataset
+
+    args = package.GRPOConfig(output_dir=str(out), per_device_train_batch_size=len(rows), num_generations=2,
+                              max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                              max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
+    return package.GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
+                               processing_class=tokenizer, reward_funcs=[_zero],
+                               train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+
+
 def _trl(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
     """TRL's _generate on `rows` with the scripted model: (prompt ids, completion ids, tool masks, completions,
     log-probs, its metrics)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    import trl
 
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), num_generations=2,
-                      max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                      max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
-    trainer = GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
-                          processing_class=tokenizer, reward_funcs=[_zero],
-                          train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+    trainer = _trainer(trl, tmp_path / "trl", tokenizer, rows, max_iterations, **kwargs)
     generate = trainer._generate
 
     def reached(prompts):
@@ -68,18 +74,11 @@ def _trl(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
 
 def _posttrain(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
     """posttrain's agents stage on `rows` with the scripted engine: the same six things, and the trainer."""
-    from datasets import Dataset
-
-    from posttrain import GRPOConfig, GRPOTrainer
+    import posttrain
     from posttrain.agents.chat_templates import tool_chat_template
     from posttrain.grpo.metrics import tool_metrics
 
-    args = GRPOConfig(output_dir=str(tmp_path / "pt"), per_device_train_batch_size=len(rows), num_generations=2,
-                      max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                      max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
-    trainer = GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
-                          processing_class=tokenizer, reward_funcs=[_zero],
-                          train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+    trainer = _trainer(posttrain, tmp_path / "pt", tokenizer, rows, max_iterations, **kwargs)
     engine = ScriptedEngine(Script(tokenizer, tool_chat_template(tokenizer)), tokenizer.pad_token_id,
                             [tokenizer.eos_token_id], MAX_COMPLETION)
     sampled = trainer.agents.sample(copy.deepcopy(rows), list(range(len(rows))), list(range(len(rows))), engine, "cpu")
