@@ -1,6 +1,6 @@
-"""posttrain: post-train language models with GRPO and its family, SFT and DPO, a drop-in for TRL users.
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT and DPO, a drop-in for TRL users.
 
-    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer
+    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -23,6 +23,8 @@ _EXPORTS = {
     "SFTTrainer": "posttrain.sft.trainer",
     "DPOConfig": "posttrain.configs",
     "DPOTrainer": "posttrain.dpo.trainer",
+    "RLOOConfig": "posttrain.configs",
+    "RLOOTrainer": "posttrain.rloo.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

@@ -84,8 +84,11 @@ def test_entropy_mask_drops_policy_term_only():
 def test_unknown_loss_lists_choices():
     with pytest.raises(ValueError, match="grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"):
         get_loss("ppo")
-    # every loss_type of TRL 1.16's GRPOTrainer
-    assert set(LOSSES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
+    # every loss_type of TRL 1.16's GRPOTrainer, which GRPOConfig offers, and RLOOTrainer's own loss
+    from posttrain.configs.grpo import LOSS_TYPES
+
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
+    assert set(LOSSES) == set(LOSS_TYPES) | {"rloo"}
 
 
 def test_sapo_soft_gate_hand_worked():

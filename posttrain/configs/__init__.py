@@ -11,6 +11,7 @@ Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig` and `DPOConfig` 
     grpo.py        sampling and the GRPO objective; GRPOConfig
     sft.py         SFT data preparation and loss; SFTConfig
     dpo.py         DPO data, reference and loss, TRL 0.18 names; DPOConfig
+    rloo.py        RLOOConfig: GRPOConfig's fields with RLOO's advantage options and defaults
     trl_compat.py  TRL fields accepted at posttrain's behaviour; the snapshot of TRL's field list
     script.py      ScriptArguments, LoraArguments (the command line)
     parsing.py     YAML, typed conversion of flags, unknown names with their real near-misses
@@ -21,6 +22,7 @@ from posttrain.configs.base import ConfigError, field_help, field_types, resolve
 from posttrain.configs.grpo import GRPOConfig
 from posttrain.configs.sft import SFTConfig
 from posttrain.configs.dpo import DPOConfig
+from posttrain.configs.rloo import RLOOConfig
 from posttrain.configs.parsing import UNKNOWN_HINT, build, coerce, load_yaml, split_values, suggest
 from posttrain.configs.script import LoraArguments, ScriptArguments
 
@@ -31,6 +33,6 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT",
+__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "RLOOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT",
            "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

@@ -96,3 +96,38 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group_size: i
     else:
         raise ValueError(f"Unknown multi_objective_aggregation {aggregation!r}.")
     return Advantages(advantages=torch.nan_to_num(adv, nan=0.0), rewards=total, group_std=group_std)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
+                             kl: torch.Tensor | None = None, beta: float = 0.0,
+                             clip_range: tuple[float, float] | None = None, normalize: bool = False) -> Advantages:
+    """RLOO's advantages (TRL 1.16's RLOOTrainer): each completion's reward less the mean reward of the other
+    completions of its group.
+
+    r = sum_k w_k r_k, clamped to `clip_range`, minus beta * KL (each sequence's summed log-ratio to the reference);
+    A_i = r_i - (sum_{j != i} r_j) / (n - 1) over the group's n scorable completions (a completion every function
+    returned None for is left out of its siblings' baselines and gets 0, as does the sole scorable one of a group);
+    with `normalize`, A is standardised over the batch's scorable completions.
+
+    Args:
+        rewards: [N, F] rewards of every completion in the (global) batch, NaN = not applicable.
+        weights: [F] reward weights.
+        group_size: G; rows i*G..(i+1)*G-1 share a prompt.
+        kl: [N] each completion's summed per-token log(pi_old / pi_ref), or None (beta = 0).
+    Returns:
+        Advantages: `rewards` the weighted sum before clipping and the KL penalty (what TRL logs as reward),
+        `group_std` the std of the penalised rewards within each group.
+    """
+    rewards = rewards.float()
+    total = weighted_sum(rewards, weights.to(rewards))
+    penalised = total if clip_range is None else total.clamp(min=clip_range[0], max=clip_range[1])
+    if beta != 0.0 and kl is not None:
+        penalised = penalised - beta * kl.float()
+    _, group_std = _group_stats(penalised, group_size)
+    grouped = _grouped(penalised, group_size)  # [B, G]
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    others = (grouped.nansum(dim=1, keepdim=True) - grouped) / (scorable - 1)  # NaN (0/0) with one scorable
+    adv = (grouped - others).reshape(-1) if group_size > 1 else torch.zeros_like(penalised)
+    if normalize:
+        adv = (adv - nanmean(adv)) / (nanstd(adv) + STD_EPS)
+    return Advantages(advantages=torch.nan_to_num(adv, nan=0.0), rewards=total, group_std=group_std)

@@ -27,20 +27,20 @@ def _batch_metrics(rollout: Rollout, policy_loss: PolicyLoss, prompt_round, G: i
     args, acc = rollout.args, rollout.accelerator
     scored, share = rollout.sample(prompt_round, G, step, pad_prompts=True)
     rollouts = scored.rollouts
-    ref_logps = rollout.log_probs(rollouts, old=False).ref
-    adv = rollout.advantages(scored.rewards, G)  # [padded * G] over every process's rows
-    keep = torch.arange(len(prompt_round.rows) * G)
-    kept = Advantages(adv.advantages[keep], adv.rewards[keep], adv.group_std[keep])
-    out = reward_metrics(scored.rewards[keep], kept, rollout.rewards.names)
-
     device = acc.device
     local = slice(acc.process_index * len(share.rows), (acc.process_index + 1) * len(share.rows))
     mask = rollouts.model_tokens & torch.tensor(share.real, device=device).unsqueeze(1)
     if args.mask_truncated_completions:
         mask = mask & rollouts.is_eos.unsqueeze(1)
+    logps = rollout.log_probs(rollouts, old=rollout.kl_in_reward)  # a KL penalty reads the policy's log-probs
+    adv, adv_metrics = rollout.advantages(scored.rewards, G, logps, mask)  # [padded * G] over every process's rows
+    keep = torch.arange(len(prompt_round.rows) * G)
+    kept = Advantages(adv.advantages[keep], adv.rewards[keep], adv.group_std[keep])
+    out = reward_metrics(scored.rewards[keep], kept, rollout.rewards.names)
+    out.update(adv_metrics)
     lengths = acc.gather(rollouts.model_tokens.sum(1)).cpu()[keep]
     out.update(completion_metrics(lengths, acc.gather(rollouts.is_eos).cpu()[keep]))
-    out.update(_loss_metrics(rollout, policy_loss, rollouts, ref_logps, adv.advantages[local].to(device), mask))
+    out.update(_loss_metrics(rollout, policy_loss, rollouts, logps.ref, adv.advantages[local].to(device), mask))
     out.update(scored.logs.reduced_metrics(acc))
     out.update(tool_metrics(scored.tool_counts, acc))  # every row generated, repeats included, as TRL counts them
     return out
@@ -57,7 +57,8 @@ def _loss_metrics(rollout: Rollout, policy_loss: PolicyLoss, rollouts, ref_logps
     with torch.no_grad(), acc.autocast():
         logps, entropy = rollout.policy_logps(rollout.model, rollouts, with_entropy=True)
         result = policy_loss(LossInputs(logps, None, ref_logps, advantages, mask), entropy, norm)
-    out = loss_metrics([replace(result.stats, tokens=mask.sum())], acc, rollout.args.beta)
+    kl_in_loss = rollout.args.beta if not rollout.kl_in_reward else 0.0
+    out = loss_metrics([replace(result.stats, tokens=mask.sum())], acc, kl_in_loss)
     out["loss"] = float(acc.reduce(result.loss.detach(), reduction="mean"))
     return out
 

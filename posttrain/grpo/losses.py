@@ -12,6 +12,9 @@ is the same for any split of the step into micro-batches:
     global_token_mean   dapo, cispo, vespo   sum over tokens / (tokens in the step across processes / processes)
     sequence_sum_mean   luspo        sum over sequences of (sum over the sequence's tokens) / sequences in the step
 
+RLOO's loss (`rloo`) is the clipped surrogate of one ratio per sequence, exp(sum of its tokens' log-ratios), with
+per_sequence_mean; its KL to the reference is a reward penalty (grpo/advantages.py leave_one_out_advantages).
+
 (DDP averages gradients over processes, which is why the global mean divides by the count per process.)
 Shapes: b completions in the micro-batch, C completion tokens.
 """
@@ -21,6 +24,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
+
+SEQUENCE_LEVELS = ("sequence", "sequence_sum")  # importance_sampling_level values with one ratio per sequence
 
 
 @dataclass(frozen=True)
@@ -147,11 +152,15 @@ def log_ratio(inp: LossInputs) -> torch.Tensor:
 
 
 def importance_ratio(inp: LossInputs, level: str) -> torch.Tensor:
-    """pi/pi_old per token [b, C], or per sequence [b, 1] as exp(mean log-ratio) (GSPO)."""
+    """pi/pi_old per token [b, C], or per sequence [b, 1]: exp(mean log-ratio) at level "sequence" (GSPO), the
+    sequence's probability ratio exp(sum log-ratio) at level "sequence_sum" (RLOO)."""
     log_r = log_ratio(inp)
-    if level == "sequence":
+    if level in SEQUENCE_LEVELS:
         mask = inp.mask.float()
-        log_r = ((log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_r = (log_r * mask).sum(-1)
+        if level == "sequence":
+            log_r = log_r / mask.sum(-1).clamp(min=1.0)
+        log_r = log_r.unsqueeze(-1)
     return torch.exp(log_r)
 
 
@@ -319,7 +328,7 @@ class Loss:
         """Whether each token's loss term depends on its own log-prob only, so that its gradient can be predicted in
         the forward (models/chunked.py). Not so on stored old log-probs (`off_policy`) with a sequence-level ratio, a
         sequence weight or the off-policy mask, nor with a bias-corrected KL weighted by a sequence-level ratio."""
-        sequence_ratio = p.importance_sampling_level == "sequence"
+        sequence_ratio = p.importance_sampling_level in SEQUENCE_LEVELS
         if off_policy and (sequence_ratio or self.sequence_weight or p.off_policy_mask_threshold is not None):
             return False
         return not (p.beta != 0.0 and p.use_bias_correction_kl and sequence_ratio)
@@ -339,6 +348,9 @@ LOSSES = {
     "sapo": Loss(sapo_objective, per_sequence_mean),
     "luspo": Loss(clipped_surrogate, sequence_sum_mean),
     "vespo": Loss(vespo_objective, global_token_mean, sequence_weight=True),
+    # RLOO (posttrain/rloo): the clipped surrogate of each sequence's probability ratio (importance_sampling_level
+    # "sequence_sum"), one term per sequence, averaged over the step's sequences; its KL is in the reward instead
+    "rloo": Loss(clipped_surrogate, per_sequence_mean),
 }
 
 

@@ -212,10 +212,17 @@ class Rollout:
         rewards[bad_groups.repeat_interleave(G)] = float("nan")
         return int(bad_groups.sum())
 
-    def advantages(self, rewards: torch.Tensor, G: int) -> Advantages:
-        """Group-relative advantages of the gathered [B*G, F] rewards (grpo/advantages.py)."""
+    # whether the KL to the reference is a reward penalty (in `advantages`) rather than a term of the loss
+    kl_in_reward = False
+
+    def advantages(self, rewards: torch.Tensor, G: int, logps: LogProbs, loss_mask: torch.Tensor
+                   ) -> tuple[Advantages, dict]:
+        """Group-relative advantages of the gathered [B*G, F] rewards (grpo/advantages.py), and metrics of their
+        own (none here). `logps` and `loss_mask` [n, C] are this process's rows', for an advantage that reads them
+        (RLOO's KL penalty, rloo/rollout.py)."""
         args = self.args
-        return group_advantages(rewards, self.rewards.weights, G, args.scale_rewards, args.multi_objective_aggregation)
+        return group_advantages(rewards, self.rewards.weights, G, args.scale_rewards,
+                                args.multi_objective_aggregation), {}
 
     # ------------------------------------------------------------------ log-probs without gradient
 
@@ -291,12 +298,12 @@ class Rollout:
             scored, sampling = self._dynamically_sampled(scored, draw_round, step)
         rollouts = scored.rollouts
         logps = self.log_probs(rollouts)
-        adv = self.advantages(scored.rewards, G)
-        n = len(scored.rows)
-        local = slice(acc.process_index * n, (acc.process_index + 1) * n)
         loss_mask = rollouts.model_tokens  # a multi-turn rollout's tool results carry no loss (TRL's tool_mask)
         if args.mask_truncated_completions:
             loss_mask = loss_mask & rollouts.is_eos.unsqueeze(1)
+        adv, adv_metrics = self.advantages(scored.rewards, G, logps, loss_mask)
+        n = len(scored.rows)
+        local = slice(acc.process_index * n, (acc.process_index + 1) * n)
         batch = TrainingBatch(rollouts, adv.advantages[local].to(acc.device), loss_mask, old_logps=logps.old,
                               ref_logps=logps.ref, sampling_ratio=logps.sampling_ratio)
         # what the generation batch fed the model, every process's: its prompts and the model's completion tokens
@@ -309,7 +316,7 @@ class Rollout:
                       if logps.sampling_stats is not None else {}),
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
                    **completion_metrics(lengths[:, 1], acc.gather(rollouts.is_eos).cpu()),  # the model's tokens
-                   **scored.logs.reduced_metrics(acc), **sampling,
+                   **scored.logs.reduced_metrics(acc), **sampling, **adv_metrics,
                    **tool_metrics(scored.tool_counts, acc)}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
 

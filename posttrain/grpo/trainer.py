@@ -32,7 +32,8 @@ from posttrain.grpo.dynamic_sampling import resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.flat_rewards import FlatRewardWatch
-from posttrain.grpo.losses import LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss, micro_batch_loss
+from posttrain.grpo.losses import (SEQUENCE_LEVELS, LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss,
+                                  micro_batch_loss)
 from posttrain.grpo.metrics import loss_metrics
 from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
@@ -78,6 +79,8 @@ class GRPOTrainer(Trainer):
     """
 
     _title = "GRPO"
+    _config_class = GRPOConfig
+    _rollout_class = Rollout  # the round: sampling, scoring, log-probs, advantages (RLOO's differ)
     # not the loss: on-policy GRPO's is about 0 by construction (its gradient is not), which reads as "not training"
     _shown_metrics = ("reward", "kl", "entropy", "completions/mean_length")
     _cumulative_metrics = ("num_tokens",)  # a running total, as TRL logs it
@@ -91,7 +94,7 @@ class GRPOTrainer(Trainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, response_template=None):
-        args = trainer_config(GRPOConfig, args, model, "GRPO")
+        args = trainer_config(self._config_class, args, model, self._title)
         agents = Agents(list(tools or []), environment_factory, rollout_func, response_template)
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers)
@@ -107,13 +110,9 @@ class GRPOTrainer(Trainer):
             generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
                                        run_id=run_id, num_processes=self.accelerator.num_processes,
                                        local_process_index=self.accelerator.local_process_index)
-        self.loss_fn = get_loss(args.loss_type)
-        self.loss_params = LossParams.from_config(args)
+        self.loss_fn, self.loss_params = self._objective(args)
         self.entropy_control = EntropyControl.from_config(args)
-        # Old log-probs are needed only when an optimizer step can land between sampling and training.
-        # So are they when an engine's samples are corrected towards the trainer's distribution (as in TRL).
-        self.needs_old_logps = (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-                                or args.corrects_sampling)
+        self.needs_old_logps = self._needs_old_logps(args)
         self.sampling_params = SamplingParams.from_config(args)
         # A row with advantage 0 has zero gradient unless the loss needs it (Loss.needs_zero_advantage_rows), an
         # entropy quantile or bonus (which look at every row) or a mixture-of-experts router loss involves it: such
@@ -128,7 +127,7 @@ class GRPOTrainer(Trainer):
         # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
         # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
-        self.rollout = Rollout(args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy,
+        self.rollout = self._rollout_class(args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy,
                                self.ref_model, self.reference_adapter, generator, self.tokenizer,
                                Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter),
                                self.state, self.packing, self.share_prompts, self.pad_to_multiple_of,
@@ -142,6 +141,16 @@ class GRPOTrainer(Trainer):
         self.flat_rewards = FlatRewardWatch(args, self.sampling_params, [f.name for f in self.reward_funcs],
                                             self._gradients_besides_rewards())
         self._call("on_init_end")
+
+    def _objective(self, args) -> tuple:
+        """The loss (grpo/losses.py) and its parameters: loss_type's."""
+        return get_loss(args.loss_type), LossParams.from_config(args)
+
+    def _needs_old_logps(self, args) -> bool:
+        """Old log-probs are needed only when an optimizer step can land between sampling and training, or when an
+        engine's samples are corrected towards the trainer's distribution (as in TRL)."""
+        return (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+                or args.corrects_sampling)
 
     @property
     def generator(self):
@@ -330,7 +339,7 @@ class GRPOTrainer(Trainer):
         (with the router term), the objective's, and its sums, detached."""
         all_tokens = mb.loss_mask.sum()
         # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
-        sequence_level = self.args.importance_sampling_level == "sequence"
+        sequence_level = self.loss_params.importance_sampling_level in SEQUENCE_LEVELS
         clip_units = torch.tensor(float(len(mb)), device=all_tokens.device) if sequence_level else all_tokens
         if self.skip_zero_advantage_rows:
             mb = self._rows_with_gradient(mb)
@@ -358,7 +367,7 @@ class GRPOTrainer(Trainer):
         results = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
         loss = float(self.accelerator.reduce(sum(r.loss for r in results), reduction="mean"))
         grad_norm = self._apply_update(loss)
-        metrics = loss_metrics([r.stats for r in results], self.accelerator, args.beta)
+        metrics = loss_metrics([r.stats for r in results], self.accelerator, self.loss_params.beta)
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0],
                        **self._router_metrics())
         if self.entropy_control.enabled:

@@ -103,11 +103,14 @@ def trainer_config(config_cls, args, model, title: str):
     if args is None:
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
         return config_cls(output_dir=f"{name.rstrip('/').split('/')[-1]}-{title}")
+    from posttrain.configs import ConfigError
+
     if isinstance(args, config_cls):
+        if type(args) is not config_cls and type(args).__module__.startswith("posttrain."):  # RLOOConfig to GRPO
+            raise ConfigError(f"args is a {type(args).__name__}, which configures another trainer: give the "
+                              f"{title} trainer a {config_cls.__name__}.")
         return args
     from transformers import TrainingArguments
-
-    from posttrain.configs import ConfigError
 
     if not isinstance(args, TrainingArguments):
         raise ConfigError(f"args is a {type(args).__name__}: pass a {config_cls.__name__} (or transformers' "

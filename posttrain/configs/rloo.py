@@ -1,0 +1,70 @@
+"""RLOOConfig: TRL 1.16's RLOOConfig, field for field.
+
+TRL's RLOOConfig holds GRPOConfig's fields less the GRPO objective's own (loss types, their parameters, reward
+scaling, the entropy controls, the sampler correction), plus `normalize_advantages` and `reward_clip_range`, with
+num_generations 2 and beta 0.05 by default. RLOOConfig is GRPOConfig with those two fields and defaults; a GRPO-only
+field set to anything but its default is refused in one sentence rather than ignored.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from posttrain.configs.base import NON_NEGATIVE, ConfigError, Range, _help
+from posttrain.configs.grpo import GRPOConfig
+
+# GRPOConfig fields that TRL 1.16's RLOOConfig does not have: RLOO's objective has no such knob
+GRPO_ONLY = ("loss_type", "importance_sampling_level", "scale_rewards", "multi_objective_aggregation", "delta",
+             "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
+             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+             "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+             "vespo_lambda_neg", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+             "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min",
+             "vllm_importance_sampling_clip_max")
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """Everything that configures an RLOO run (TRL's `RLOOConfig` names and defaults): GRPOConfig's sampling, data,
+    loop and generation fields, RLOO's advantage (leave-one-out baseline, `normalize_advantages`,
+    `reward_clip_range`, the KL to the reference as a reward penalty) and its sequence-level clipped loss."""
+
+    num_generations: int = _help(
+        "Completions sampled per prompt; each one's baseline is the mean reward of the others (at least 2).",
+        range=Range(2), default=2)
+    beta: float = _help(
+        "Weight of the KL penalty subtracted from each completion's reward: beta times the sum over its tokens of "
+        "log(pi_old / pi_ref) (RLOO's first-order estimate); 0 loads no reference model.",
+        range=NON_NEGATIVE, default=0.05)
+    vllm_importance_sampling_correction: bool = _help(
+        "Not an RLOO field (TRL's RLOO does not correct for the engine's sampling): kept False.", default=False)
+    normalize_advantages: bool = _help(
+        "Standardise the leave-one-out advantages over the generation batch (mean 0, std 1).", default=False)
+    reward_clip_range: Optional[tuple] = _help(
+        "Clamp each completion's weighted reward to [low, high] before the KL penalty and the baseline; None keeps "
+        "it as it is.", default=None)
+
+    def __post_init__(self):
+        self._refuse_grpo_only()
+        super().__post_init__()
+        self._check_reward_clip_range()
+
+    def _refuse_grpo_only(self):
+        defaults = {f.name: f.default for f in fields(RLOOConfig)}
+        for name in GRPO_ONLY:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is a GRPOConfig field that TRL's RLOOConfig does not have, and "
+                    f"RLOO has no use for it (its loss is the clipped surrogate of each sequence's probability ratio, "
+                    f"its advantage the leave-one-out baseline): remove {name}, or use GRPOConfig and GRPOTrainer.")
+
+    def _check_reward_clip_range(self):
+        clip = self.reward_clip_range
+        if clip is None:
+            return
+        try:
+            low, high = (float(x) for x in clip)
+        except (TypeError, ValueError):
+            raise ConfigError(f"reward_clip_range={clip!r} must be two numbers [low, high], e.g. [-10, 10].") from None
+        if not low <= high:
+            raise ConfigError(f"reward_clip_range={clip!r} has its low end above its high end: give [low, high].")
+        self.reward_clip_range = (low, high)
