@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/tools_workload.py
 
@@ -24,16 +23,11 @@ import tools_workload as w
 
 def main():
     args = w.parse_args()
-    import torch
-
-    torch.set_num_threads(args.threads)
+    tok, shape = w.prepare(args)
     from datasets import Dataset
-    from transformers import AutoConfig
 
     from posttrain import GRPOConfig, GRPOTrainer
 
-    tok = w.tokenizer(args)
-    shape = w.check_budget(tok, args, AutoConfig.from_pretrained(args.model).max_position_embeddings)
     stats = w.BatchStats()
     with_gradient = []
 
@@ -44,28 +38,15 @@ def main():
             with_gradient.append(len(self._rows_with_gradient(mb)) if self.skip_zero_advantage_rows else len(mb))
             return super()._micro_step(mb, *rest, **kwargs)
 
-    cfg = GRPOConfig(
-        output_dir="/tmp/posttrain-bench-tools-out", use_cpu=True, bf16=False, max_steps=args.steps,
-        num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-        max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
-        report_to="none", save_strategy="no", seed=0,
-        generation_kwargs={"min_new_tokens": args.turn, "max_new_tokens": args.turn},
-        max_tool_calling_iterations=args.tool_calls, gradient_checkpointing=args.gradient_checkpointing,
-        plot_on_end=False)  # a one-off end-of-run cost, not a step
+    cfg = GRPOConfig(**w.config_values(args, "/tmp/posttrain-bench-tools-out"),
+                     plot_on_end=False)  # a one-off end-of-run cost, not a step
     ds = Dataset.from_dict(w.make_rows(64, args.prompt))
     with contextlib.redirect_stdout(sys.stderr):
         trainer = Recorded(model=args.model, reward_funcs=w.reward_text, args=cfg, train_dataset=ds,
                            processing_class=tok, tools=[w.lookup],
                            response_template=w.scripted_turn_function(args.tool_calls))
-        cpu, start = w.cpu_seconds(), time.perf_counter()
-        trainer.train()
-        wall, cpu = time.perf_counter() - start, w.cpu_seconds() - cpu
-    summary = stats.summary()
-    print(json.dumps({
-        "impl": "posttrain", "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
-        "completion_tok_per_s": round(stats.model / wall, 1), "peak_rss_mib": w.peak_rss_mib(),
-        "cpu_s": round(cpu, 1), "tool_calls_per_step": w.tool_calls_made() / args.steps, **summary,
-        "rows_with_gradient": sum(with_gradient), **shape}))
+        wall, cpu = w.timed_train(trainer)
+    print(json.dumps(w.result("posttrain", args, wall, cpu, stats, shape, rows_with_gradient=sum(with_gradient))))
 
 
 if __name__ == "__main__":

@@ -202,3 +202,41 @@ def cpu_seconds() -> float:
 
 def peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def config_values(args, output_dir: str) -> dict:
+    """The GRPOConfig keywords both sides run with (each side adds its own few)."""
+    return dict(output_dir=output_dir, use_cpu=True, bf16=False, max_steps=args.steps, num_generations=args.gens,
+                per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+                max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
+                report_to="none", save_strategy="no", seed=0,
+                generation_kwargs={"min_new_tokens": args.turn, "max_new_tokens": args.turn},
+                max_tool_calling_iterations=args.tool_calls, gradient_checkpointing=args.gradient_checkpointing)
+
+
+def timed_train(trainer) -> tuple[float, float]:
+    """trainer.train(), its (wall seconds, CPU seconds)."""
+    import time
+
+    cpu, start = cpu_seconds(), time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - start, cpu_seconds() - cpu
+
+
+def result(impl: str, args, wall: float, cpu: float, stats, shape: dict, **extra) -> dict:
+    """The JSON line both sides print."""
+    return {"impl": impl, "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+            "completion_tok_per_s": round(stats.model / wall, 1), "peak_rss_mib": peak_rss_mib(),
+            "cpu_s": round(cpu, 1), "tool_calls_per_step": tool_calls_made() / args.steps, **stats.summary(),
+            **extra, **shape}
+
+
+def prepare(args) -> tuple:
+    """torch's threads set, the tokenizer with the template, and the rollout's shape checked against the budget:
+    (tokenizer, shape)."""
+    import torch
+    from transformers import AutoConfig
+
+    torch.set_num_threads(args.threads)
+    tok = tokenizer(args)
+    return tok, check_budget(tok, args, AutoConfig.from_pretrained(args.model).max_position_embeddings)
