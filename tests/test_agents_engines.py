@@ -60,7 +60,8 @@ def _trainer(tmp_path, tokenizer, **overrides):
     config = tiny_config(tmp_path, **{"per_device_train_batch_size": 4, "num_generations": 2, "max_steps": 1,
                                       "max_completion_length": BUDGET, "generation_kwargs": {"max_new_tokens": TURN},
                                       "max_tool_calling_iterations": 1, **overrides})
-    return GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1, max_positions=2048), reward_funcs=_spread, args=config,
+    model = tiny_model(tokenizer, hidden=32, layers=1, max_positions=2048)
+    return GRPOTrainer(model, reward_funcs=_spread, args=config,
                        train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in ROWS]}),
                        processing_class=tokenizer, tools=[add], response_template=first_turn_calls_add)
 

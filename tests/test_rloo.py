@@ -138,7 +138,7 @@ def test_loss_gradient_and_metrics_equal_trls(on_policy, eps):
             loss, metrics = _trl_loss(logps, entropy, old_seq, adv, mask, *eps)
         else:
             loss, stats = _ours(logps, entropy, old, adv, mask, _params(*eps))
-            metrics = loss_metrics([stats], OneProcess(), 0.0)
+            metrics = loss_metrics([stats], OneProcess())
         loss.backward()
         results.append((loss.item(), logps.grad * mask, metrics))
     (trl_loss, trl_grad, trl_metrics), (loss, grad, metrics) = results

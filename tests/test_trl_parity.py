@@ -82,7 +82,7 @@ def _ours(cfg: GRPOConfig, logps, entropy, old, ref, adv, mask, tool_mask=None):
     control = EntropyControl.from_config(cfg)
     out = micro_batch_loss(get_loss(cfg.loss_type), LossParams.from_config(cfg), LossInputs(logps, old, ref, adv, mask),
                            entropy, norm, cfg.top_entropy_quantile, control.applied() if control.enabled else 0.0)
-    return out.loss, loss_metrics([replace(out.stats, tokens=mask.sum())], OneProcess(), cfg.beta)
+    return out.loss, loss_metrics([replace(out.stats, tokens=mask.sum())], OneProcess())
 
 
 CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")] + [

@@ -33,6 +33,6 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "RLOOConfig", "SFTConfig", "LoraArguments", "ScriptArguments", "UNKNOWN_HINT",
-           "build", "coerce",
+__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "RLOOConfig", "SFTConfig", "LoraArguments", "ScriptArguments",
+           "UNKNOWN_HINT", "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

@@ -57,8 +57,7 @@ def _loss_metrics(rollout: Rollout, policy_loss: PolicyLoss, rollouts, ref_logps
     with torch.no_grad(), acc.autocast():
         logps, entropy = rollout.policy_logps(rollout.model, rollouts, with_entropy=True)
         result = policy_loss(LossInputs(logps, None, ref_logps, advantages, mask), entropy, norm)
-    kl_in_loss = rollout.args.beta if not rollout.kl_in_reward else 0.0
-    out = loss_metrics([replace(result.stats, tokens=mask.sum())], acc, kl_in_loss)
+    out = loss_metrics([replace(result.stats, tokens=mask.sum())], acc)
     out["loss"] = float(acc.reduce(result.loss.detach(), reduction="mean"))
     return out
 

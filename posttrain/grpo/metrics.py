@@ -36,16 +36,16 @@ def completion_metrics(lengths: torch.Tensor, is_eos: torch.Tensor) -> dict:
     return out
 
 
-def loss_metrics(stats: list[LossStats], accelerator, beta: float) -> dict:
-    """Means over the step's micro-batches and all processes: entropy and kl per token, clip_ratio/* per token (per
-    sequence with a sequence-level ratio), as TRL computes them."""
+def loss_metrics(stats: list[LossStats], accelerator) -> dict:
+    """Means over the step's micro-batches and all processes: entropy and kl per token (kl where the loss has a KL
+    term), clip_ratio/* per token (per sequence with a sequence-level ratio), as TRL computes them."""
     device = accelerator.device
     sums = {k: accelerator.reduce(torch.stack([s.sums()[k].detach().float() for s in stats]).sum().to(device),
                                   reduction="sum")
             for k in stats[0].sums()}
     tokens = max(float(sums["tokens"]), 1.0)
     out = {"entropy": float(sums["entropy"]) / max(float(sums["entropy_tokens"]), 1.0)}
-    if beta != 0.0:
+    if "kl" in sums:
         out["kl"] = float(sums["kl"]) / tokens
     units = max(float(sums["clip_units"]), 1.0) if "clip_units" in sums else tokens
     if "clip_low" in sums:

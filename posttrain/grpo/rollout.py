@@ -180,8 +180,9 @@ class Rollout:
         rewards = acc.gather(local.to(acc.device)).cpu()  # [rows of every process, F]
         skipped = self._skip_bad_groups(rewards, bad_rows, G) if skip_bad else None
         extra = logs.gathered_extra(acc, len(share.rows)) if gather_extra else {}
+        tool_counts = sampled.counts if self.agents is not None and self.agents.agents.calls_tools else None
         return ScoredRound(share.rows, sampled.texts, sampled.rollouts, rewards, logs, extra, skipped,
-                           sampled.counts if self.agents is not None and self.agents.agents.calls_tools else None), share
+                           tool_counts), share
 
     def _generate(self, share: RoundShare) -> AgentSample:
         """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a

@@ -127,11 +127,11 @@ class GRPOTrainer(Trainer):
         # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
         # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
-        self.rollout = self._rollout_class(args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy,
-                               self.ref_model, self.reference_adapter, generator, self.tokenizer,
-                               Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter),
-                               self.state, self.packing, self.share_prompts, self.pad_to_multiple_of,
-                               self.sampling_params, self.needs_old_logps, self.agents)
+        rewards = Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter)
+        self.rollout = self._rollout_class(
+            args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy, self.ref_model,
+            self.reference_adapter, generator, self.tokenizer, rewards, self.state, self.packing, self.share_prompts,
+            self.pad_to_multiple_of, self.sampling_params, self.needs_old_logps, self.agents)
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -147,8 +147,7 @@ class GRPOTrainer(Trainer):
         return get_loss(args.loss_type), LossParams.from_config(args)
 
     def _needs_old_logps(self, args) -> bool:
-        """Old log-probs are needed only when an optimizer step can land between sampling and training, or when an
-        engine's samples are corrected towards the trainer's distribution (as in TRL)."""
+        """Old log-probs: when a step can land between sampling and training, or the engine's samples are corrected."""
         return (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
                 or args.corrects_sampling)
 
@@ -215,8 +214,9 @@ class GRPOTrainer(Trainer):
 
     def _gradients_besides_rewards(self) -> list[str]:
         """What trains the model when every advantage is 0 (grpo/flat_rewards.py names it)."""
-        kl = f"the KL term (beta={self.args.beta:g}), which only pulls the model back towards the reference"
-        return ([kl] if self.args.beta else []) + (
+        beta = self.loss_params.beta  # the loss's KL term (RLOO's is in its reward)
+        kl = [f"the KL term (beta={beta:g}), which only pulls the model back towards the reference"] if beta else []
+        return kl + (
             ["the entropy bonus, which only changes the model's entropy"] if self.entropy_control.enabled else []) + (
             ["the router's load-balancing loss, which only balances the experts"] if self.router_loss.enabled else [])
 
@@ -367,7 +367,7 @@ class GRPOTrainer(Trainer):
         results = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
         loss = float(self.accelerator.reduce(sum(r.loss for r in results), reduction="mean"))
         grad_norm = self._apply_update(loss)
-        metrics = loss_metrics([r.stats for r in results], self.accelerator, self.loss_params.beta)
+        metrics = loss_metrics([r.stats for r in results], self.accelerator)
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0],
                        **self._router_metrics())
         if self.entropy_control.enabled:
