@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | sft | dpo | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | rloo | sft | dpo | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -20,8 +20,8 @@ import time
 from posttrain._version import __version__
 from posttrain.cli_help import USAGE, add_fields, add_launch_flags, add_run_options, field_classes, help_topic, \
     trainer_help
-from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build,
-                               field_types, load_yaml, split_values, suggest)
+from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, RLOOConfig, SFTConfig, ScriptArguments,
+                               build, field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
 
@@ -30,6 +30,7 @@ TRAINERS = {
     "grpo": (ScriptArguments, GRPOConfig, "Train with GRPO from a YAML config and flags."),
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
+    "rloo": (ScriptArguments, RLOOConfig, "Train with RLOO (REINFORCE leave-one-out) from a YAML config and flags."),
 }
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
@@ -39,7 +40,7 @@ def _hint(command: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, SFT and DPO.",
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT and DPO.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         trainer = sub.add_parser(command, help=line, allow_abbrev=False, usage=USAGE.format(command=command),
                                  description=f"{line} Flags override the values in --config.")
         add_run_options(trainer)
-        seen: set = set()
+        seen = set(config_cls.NOT_FLAGS)  # fields the trainer's TRL config lacks: refused when set, so not flags
         for cls in field_classes(script_cls, config_cls):  # --help shows them a page at a time (cli_help.py)
             add_fields(trainer, cls, seen)
         add_launch_flags(trainer)
@@ -191,7 +192,8 @@ def parse_command(command: str, argv: list[str]):
     args, unknown = build_parser().parse_known_args([command, *argv])
     from posttrain.launch import LAUNCH_FLAGS
 
-    known = [n for cls in classes for n in field_types(cls)] + list(LAUNCH_FLAGS) + ["accelerate_config"]
+    known = [n for cls in classes for n in field_types(cls) if n not in config_cls.NOT_FLAGS] + list(LAUNCH_FLAGS) + [
+        "accelerate_config"]
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, _hint(command))}")
@@ -271,12 +273,23 @@ def _train_and_close(trainer) -> None:
 
 
 def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     from posttrain.grpo.trainer import GRPOTrainer
 
+    _run_online(GRPOTrainer, script, lora, config)
+
+
+def run_rloo(script: ScriptArguments, lora: LoraArguments, config: RLOOConfig) -> None:
+    from posttrain.rloo.trainer import RLOOTrainer
+
+    _run_online(RLOOTrainer, script, lora, config)
+
+
+def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, config) -> None:
+    """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them."""
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
         script.reward_funcs or [])
-    _train_and_close(GRPOTrainer(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
+    _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
                                  eval_dataset=eval_dataset, peft_config=peft_config))
 
 
@@ -301,7 +314,7 @@ def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig)
                                 eval_dataset=eval_dataset, peft_config=peft_config))
 
 
-RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo}
+RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo}
 
 
 def run_command(command: str, argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""The trainers' flags, and their help: `posttrain grpo | sft | dpo --help`.
+"""The trainers' flags, and their help: `posttrain grpo | rloo | sft | dpo --help`.
 
 Every field of the script arguments, LoRA and the trainer's config is a flag (`add_fields`), as are accelerate's
 launch settings (`add_launch_flags`); cli.py parses with all of them. The help shows them a page at a time:
@@ -28,6 +28,10 @@ COMMON = {
     "sft": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "max_length", "packing",
             "completion_only_loss", "assistant_only_loss", "use_peft", "logging_steps", "save_steps"),
+    "rloo": ("model_name_or_path", "dataset_name", "reward_funcs", "output_dir", "learning_rate",
+             "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
+             "num_generations", "max_completion_length", "temperature", "beta", "normalize_advantages",
+             "reward_clip_range", "use_vllm", "use_peft", "logging_steps", "save_steps"),
     "dpo": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "max_length",
             "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
@@ -39,7 +43,7 @@ GROUP_NAMES = {
     "EvaluationConfig": "evaluation", "CheckpointConfig": "saving", "PromptDataConfig": "prompts",
     "SamplingConfig": "generation", "GRPOObjectiveConfig": "loss", "GenerationServerConfig": "vllm",
     "SFTDataConfig": "data", "SFTLossConfig": "loss", "DPODataConfig": "data", "DPOReferenceConfig": "reference",
-    "DPOLossConfig": "loss",
+    "DPOLossConfig": "loss", "RLOOObjectiveConfig": "rloo",
 }
 LAUNCH_GROUP = "launch"
 USAGE = "posttrain {command} [--config FILE] [--FIELD VALUE ...] [launch flags]"
@@ -159,14 +163,15 @@ def _owners(classes) -> dict:
 def trainer_help(command: str, script_cls, config_cls, line: str, topic: str) -> str:
     """The help page `topic` (help_topic's) of `posttrain <command>`; ConfigError for an unknown topic."""
     classes = field_classes(script_cls, config_cls)
-    owners = _owners(classes)
+    hidden = set(config_cls.NOT_FLAGS)
+    owners = {name: cls for name, cls in _owners(classes).items() if name not in hidden}
     groups = {group_name(cls): cls for cls in classes}
     if topic == "":
         return _first_page(command, classes, owners, line)
     if topic == "all":
         page = _page(command, _fill(f"{line} Flags override the values in --config."))
         add_run_options(page.add_argument_group("options"))
-        seen: set = set()
+        seen = set(hidden)
         for cls in classes:
             add_fields(page, cls, seen)
         add_launch_flags(page)
@@ -175,7 +180,7 @@ def trainer_help(command: str, script_cls, config_cls, line: str, topic: str) ->
     if topic == LAUNCH_GROUP:
         add_launch_flags(page)
     elif topic in groups:  # under its title, as --help-all shows it
-        add_fields(page, groups[topic], {name for name, owner in owners.items() if owner is not groups[topic]})
+        add_fields(page, groups[topic], hidden | {name for name, owner in owners.items() if owner is not groups[topic]})
     elif topic in owners:
         add_fields(page, owners[topic], set(owners) - {topic})
     else:

@@ -525,7 +525,8 @@ def test_trainer_help_is_one_short_page_and_every_field_one_flag_away(capsys, mo
 
     monkeypatch.setenv("COLUMNS", "80")
     for command, (script_cls, config_cls, _) in TRAINERS.items():
-        fields = {name for cls in field_classes(script_cls, config_cls) for name in field_types(cls)}
+        fields = {name for cls in field_classes(script_cls, config_cls) for name in field_types(cls)} - set(
+            config_cls.NOT_FLAGS)  # fields the trainer's TRL config lacks (RLOO's GRPO-only ones) are not flags
         code, page = _help(capsys, command, "--help")
         lines = page.splitlines()
         assert code == 0 and len(lines) <= 105, (command, len(lines))
@@ -545,6 +546,8 @@ def test_trainer_help_is_one_short_page_and_every_field_one_flag_away(capsys, mo
             LAUNCH_FLAGS) | {"accelerate_config"}
     code, beta = _help(capsys, "grpo", "--help", "beta")
     assert code == 0 and re.findall(r"^  --(\w+)", beta, re.M) == ["beta"] and "KL penalty" in beta
+    code, beta = _help(capsys, "rloo", "--help", "beta")  # RLOO's own default and meaning, not GRPO's
+    assert code == 0 and "(default: 0.05)" in beta and "subtracted from each completion's reward" in beta
 
 
 def test_an_unknown_help_topic_is_one_sentence(capsys):

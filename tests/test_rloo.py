@@ -215,3 +215,31 @@ def test_grpo_only_fields_and_the_other_trainers_config_are_refused(tmp_path):
                                           r"trainer a GRPOConfig\.$"):
         GRPOTrainer(tiny_model(tiny_tokenizer(), hidden=32, layers=1), reward_funcs=_zero, args=config)
     assert isinstance(GRPOConfig(output_dir=str(tmp_path)), GRPOConfig)
+
+
+def test_posttrain_rloo_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
+    """`posttrain rloo` as TRL's `trl rloo`: YAML plus flags, RLOO's defaults, its metrics and model written."""
+    import json
+
+    import yaml
+    from conftest import run_posttrain
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(4) for b in range(4)))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {data}\nreward_funcs: [length]\n"
+                      "per_device_train_batch_size: 4\nmax_completion_length: 4\ngradient_checkpointing: false\n"
+                      "use_cpu: true\nreward_clip_range: [-5, 5]\n")
+    run = run_posttrain(["rloo", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+                         "--logging_steps", "1", "--normalize_advantages"], capfd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2] and all("kl" in r and "reward" in r for r in records)
+    written = yaml.safe_load((tmp_path / "out" / "posttrain_config.yaml").read_text())
+    assert (written["num_generations"], written["beta"], written["reward_clip_range"],
+            written["normalize_advantages"]) == (2, 0.05, [-5.0, 5.0], True)
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    from posttrain.cli import parse_command
+
+    again = parse_command("rloo", ["--config", str(tmp_path / "out" / "posttrain_config.yaml")])[2]
+    assert again.reward_clip_range == (-5.0, 5.0)  # the written config reads back as the same config

@@ -200,7 +200,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo"])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
@@ -212,6 +212,9 @@ def test_trainer_snapshot_matches_the_installed_trl(trainer):
     ("sft", 80, lambda cfg: cfg.learning_rate == 2e-5 and cfg.max_length == 1024 and cfg.loss_type == "nll"),
     ("dpo", 85, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout) == (
         1e-6, 0.1, ["sigmoid"], 1024, True)),
+    ("rloo", 110, lambda cfg: (cfg.num_generations, cfg.beta, cfg.normalize_advantages, cfg.reward_clip_range,
+                               cfg.loss_type, cfg.vllm_importance_sampling_correction) == (
+        2, 0.05, False, None, "dapo", False)),
 ])
 def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
     from posttrain.configs.reference import TRAINERS
@@ -307,3 +310,31 @@ def test_dpo_v018_names_that_map():
     assert again.loss_type == ["sigmoid", "sft"]  # mapped once: a copy of the config does not add sft twice
     assert DPOConfig(loss_type="sigmoid,hinge").loss_type == ["sigmoid", "hinge"]
     assert DPOConfig(use_logits_to_keep=True, force_use_ref_model=True, label_pad_token_id=-100).beta == 0.1
+
+
+# ---------------------------------------------------------------------- RLOOConfig
+
+
+def test_every_trl_rloo_field_at_its_default_is_a_flag_and_grpo_only_fields_are_not():
+    from posttrain.cli import parse_command
+    from posttrain.configs.rloo import GRPO_ONLY
+
+    trl_names = set()
+    for f in _trl_fields_of("rloo"):
+        trl_names.add(f["name"])
+        default = _value(f["default"])
+        if default == [] or default == "":
+            continue
+        text = ["none"] if default is None else [str(default).lower()] if isinstance(default, bool) else (
+            [str(v) for v in default] if isinstance(default, list) else [str(default)])
+        cfg = parse_command("rloo", [f"--{f['name']}", *text])[2]
+        if f["name"] not in ("output_dir", "bf16", "epsilon_high", "steps_per_generation", "generation_batch_size",
+                             "pad_to_multiple_of", "activation_checkpointing", "gradient_checkpointing_kwargs",
+                             "report_to"):  # derived at construction
+            assert getattr(cfg, f["name"]) == default, f["name"]
+    assert not trl_names & set(GRPO_ONLY)  # what RLOOConfig refuses, TRL's RLOOConfig does not have
+    cfg = parse_command("rloo", ["--reward_clip_range", "-1", "2.5"])[2]
+    assert cfg.reward_clip_range == (-1.0, 2.5)
+    for name in ("loss_type", "scale_rewards", "vllm_importance_sampling_correction"):
+        with pytest.raises(ConfigError, match=f"Unknown argument '--{name}'"):
+            parse_command("rloo", [f"--{name}", "x"])

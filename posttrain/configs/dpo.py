@@ -239,6 +239,7 @@ class DPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, Ev
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
               DPODataConfig, DPOReferenceConfig, DPOLossConfig)
     COMPAT = DPOCompatConfig
+    NOT_FLAGS = ()  # fields that are not flags of the trainer's command
 
     learning_rate: float = _help("Peak learning rate (TRL's DPO default).", range=NON_NEGATIVE, default=1e-6)
     disable_dropout: bool = _help("Set every dropout probability in the policy and the reference to 0 (TRL's DPO "

@@ -350,6 +350,7 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
               PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig)
     COMPAT = GRPOCompatConfig
+    NOT_FLAGS = ()  # fields that are not flags of the trainer's command
 
     def __post_init__(self):
         self._coerce_aliases()

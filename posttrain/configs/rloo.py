@@ -2,8 +2,9 @@
 
 TRL's RLOOConfig holds GRPOConfig's fields less the GRPO objective's own (loss types, their parameters, reward
 scaling, the entropy controls, the sampler correction), plus `normalize_advantages` and `reward_clip_range`, with
-num_generations 2 and beta 0.05 by default. RLOOConfig is GRPOConfig with those two fields and defaults; a GRPO-only
-field set to anything but its default is refused in one sentence rather than ignored.
+num_generations 2 and beta 0.05 by default. RLOOConfig is GRPOConfig with RLOOObjectiveConfig's fields and defaults
+(the `rloo` group of `posttrain rloo --help`); a GRPO-only field set to anything but its default is refused in one
+sentence rather than ignored.
 """
 
 from dataclasses import dataclass, fields
@@ -23,10 +24,10 @@ GRPO_ONLY = ("loss_type", "importance_sampling_level", "scale_rewards", "multi_o
 
 
 @dataclass
-class RLOOConfig(GRPOConfig):
-    """Everything that configures an RLOO run (TRL's `RLOOConfig` names and defaults): GRPOConfig's sampling, data,
-    loop and generation fields, RLOO's advantage (leave-one-out baseline, `normalize_advantages`,
-    `reward_clip_range`, the KL to the reference as a reward penalty) and its sequence-level clipped loss."""
+class RLOOObjectiveConfig:
+    """RLOO's advantage and its KL penalty: the leave-one-out baseline over each prompt's `num_generations`
+    completions, `normalize_advantages`, `reward_clip_range`, and `beta` times log(pi_old / pi_ref) taken from each
+    completion's reward."""
 
     num_generations: int = _help(
         "Completions sampled per prompt; each one's baseline is the mean reward of the others (at least 2).",
@@ -35,29 +36,13 @@ class RLOOConfig(GRPOConfig):
         "Weight of the KL penalty subtracted from each completion's reward: beta times the sum over its tokens of "
         "log(pi_old / pi_ref) (RLOO's first-order estimate); 0 loads no reference model.",
         range=NON_NEGATIVE, default=0.05)
-    vllm_importance_sampling_correction: bool = _help(
-        "Not an RLOO field (TRL's RLOO does not correct for the engine's sampling): kept False.", default=False)
     normalize_advantages: bool = _help(
         "Standardise the leave-one-out advantages over the generation batch (mean 0, std 1).", default=False)
-    reward_clip_range: Optional[tuple] = _help(
-        "Clamp each completion's weighted reward to [low, high] before the KL penalty and the baseline; None keeps "
-        "it as it is.", default=None)
+    reward_clip_range: Optional[list[float]] = _help(
+        "Clamp each completion's weighted reward to [low, high] before the KL penalty and the baseline (`--"
+        "reward_clip_range -10 10`, YAML `[-10, 10]`); None keeps it as it is.", default=None)
 
-    def __post_init__(self):
-        self._refuse_grpo_only()
-        super().__post_init__()
-        self._check_reward_clip_range()
-
-    def _refuse_grpo_only(self):
-        defaults = {f.name: f.default for f in fields(RLOOConfig)}
-        for name in GRPO_ONLY:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is a GRPOConfig field that TRL's RLOOConfig does not have, and "
-                    f"RLOO has no use for it (its loss is the clipped surrogate of each sequence's probability ratio, "
-                    f"its advantage the leave-one-out baseline): remove {name}, or use GRPOConfig and GRPOTrainer.")
-
-    def _check_reward_clip_range(self):
+    def _check(self):
         clip = self.reward_clip_range
         if clip is None:
             return
@@ -68,3 +53,34 @@ class RLOOConfig(GRPOConfig):
         if not low <= high:
             raise ConfigError(f"reward_clip_range={clip!r} has its low end above its high end: give [low, high].")
         self.reward_clip_range = (low, high)
+
+
+@dataclass
+class RLOOConfig(RLOOObjectiveConfig, GRPOConfig):
+    """Everything that configures an RLOO run (TRL's `RLOOConfig` names and defaults): GRPOConfig's sampling, data,
+    loop and generation fields, RLOO's advantage (leave-one-out baseline, `normalize_advantages`,
+    `reward_clip_range`, the KL to the reference as a reward penalty) and its sequence-level clipped loss.
+
+    GRPOConfig's objective fields that TRL's RLOOConfig lacks (GRPO_ONLY) stay fields, so that a config written by a
+    run reads back, but any value other than the default is refused; they are not flags of `posttrain rloo`.
+    """
+
+    # before GRPO's sampling and objective groups, so that num_generations and beta are shown with RLOO's defaults
+    GROUPS = (*GRPOConfig.GROUPS[:6], RLOOObjectiveConfig, *GRPOConfig.GROUPS[6:])
+    NOT_FLAGS = GRPO_ONLY
+
+    vllm_importance_sampling_correction: bool = _help(
+        "Not an RLOO field (TRL's RLOO does not correct for the engine's sampling): kept False.", default=False)
+
+    def __post_init__(self):
+        self._refuse_grpo_only()
+        super().__post_init__()
+
+    def _refuse_grpo_only(self):
+        defaults = {f.name: f.default for f in fields(RLOOConfig)}
+        for name in GRPO_ONLY:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is a GRPOConfig field that TRL's RLOOConfig does not have, and "
+                    f"RLOO has no use for it (its loss is the clipped surrogate of each sequence's probability ratio, "
+                    f"its advantage the leave-one-out baseline): remove {name}, or use GRPOConfig and GRPOTrainer.")

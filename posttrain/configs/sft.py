@@ -127,6 +127,7 @@ class SFTConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, Ev
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
               SFTDataConfig, SFTLossConfig)
     COMPAT = SFTCompatConfig
+    NOT_FLAGS = ()  # fields that are not flags of the trainer's command
 
     learning_rate: float = _help("Peak learning rate (TRL's SFT default).", range=NON_NEGATIVE, default=2e-5)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo")}
+             for name in ("grpo", "sft", "dpo", "rloo")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -202,6 +202,7 @@ GRPO_ONLY: list[Compat] = [
 
 GRPO_COMPAT = TRAINING_ARGS + GRPO_ONLY
 COMPAT = GRPO_COMPAT  # the GRPO table under its first name
+RLOO_COMPAT = GRPO_COMPAT  # RLOOConfig is GRPOConfig's fields (configs/rloo.py): the same table answers for it
 
 _SFT_LOADER = "posttrain batches the tokenized rows itself, with no DataLoader"
 _SFT_METRICS = ("honoured as in transformers when compute_metrics is given (training/prediction.py); the eval loss "
@@ -326,7 +327,7 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
         from transformers import TrainingArguments
     except ImportError:
         return None
-    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig"}[trainer]
+    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):
