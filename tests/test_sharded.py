@@ -1,6 +1,6 @@
 """Sharded training through accelerate's own FSDP1, FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
 
-Each case runs `posttrain grpo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
+Each case runs `posttrain grpo|rloo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
 with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP or DeepSpeed without a GPU.
 ZeRO-3 runs with the shipped zero3.yaml's settings and, in `zero3-all`, with every parameter partitioned
 (`stage3_param_persistence_threshold: 0`: DeepSpeed keeps parameters under 100k elements whole by default, which
@@ -8,7 +8,7 @@ is every parameter of the tiny test model). FSDP1 runs as `fsdp1-cpu`: the shipp
 RAM-efficient loading (torch's FSDP1 builds the other processes' weights from the main one's only on a GPU,
 sync_module_states). GRPO's two
 processes sample completions of different lengths (the model's EOS is likely at some positions: one process's
-decode ends long before the other's); GRPO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
+decode ends long before the other's); GRPO and RLOO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
 toward the policy every step, sync_ref_model, and restored from the checkpoint). `grpo-lora` trains a LoRA adapter
 (no dropout, so that the runs compare), its weights sharded with the rest: the saved adapter holds all 8 LoRA
 weights whole, and resuming loads it back into the shards.
@@ -55,7 +55,7 @@ def workload(tmp_path_factory, tokenizer):
         row.mul_(4.0 / row.norm())
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    rows = {"grpo": lambda a, b, i: {"prompt": f"{a}+{b}="},
+    rows = {"grpo": lambda a, b, i: {"prompt": f"{a}+{b}="}, "rloo": lambda a, b, i: {"prompt": f"{a}+{b}="},
             "sft": lambda a, b, i: {"prompt": f"{a}+{b}=", "completion": str(a + b) * (1 + i % 3)},
             "dpo": lambda a, b, i: {"prompt": f"{a}+{b}=", "chosen": str(a + b) * (1 + i % 3),
                                     "rejected": str(a + b + 1)}}
@@ -80,6 +80,11 @@ COMMANDS = {
     "grpo-shared": (["--reward_funcs", "multiproc_rewards.digit_share", "--num_generations", "4",
                      "--max_completion_length", "16", "--beta", "0.04", "--generation_kwargs",
                      '{"min_new_tokens": 16}'], ["loss", "reward", "kl"]),
+    # RLOO: GRPO's round with the leave-one-out advantage, the KL a reward penalty from a sharded reference
+    "rloo": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
+              "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
+             ["loss", "reward", "reward_std", "kl", "completions/mean_length", "completions/min_length",
+              "completions/max_length", "clip_ratio/region_mean"]),
     "sft": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens", "mean_token_accuracy"]),
     "dpo": (["--train_sampling_strategy", "sequential", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
             ["loss", "rewards/margins", "logps/chosen", "num_tokens"]),
@@ -256,12 +261,12 @@ def _weights(path, lora: bool = False) -> dict:
 
 
 CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
-         for command in ("grpo", "sft", "dpo")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
+         for command in ("grpo", "sft", "dpo", "rloo")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
                                                      for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
-                                                     ("deepspeed-field", "grpo")])
+                                                     ("deepspeed-field", "grpo"), ("multi_gpu.yaml", "rloo")])
 def test_sharded_training_saves_and_resumes_like_one_process(config, command, launches, one_process, tokenizer,
                                                             workload):
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
@@ -279,7 +284,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
     for rank in (0, 1):
         paths = (launches.out(config, command, "-paths") / f"rank{rank}.txt").read_text().split()
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
-        if command.startswith("grpo"):  # completions of 1 to 16 tokens: some passes run packed rows
+        if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows
             assert "packed" in paths and "lean-decoder" in paths and "model-forward-decode" not in paths, (
                 rank, sorted(set(paths)))
     one, two = _records(one_process), _records(out)
@@ -287,7 +292,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
     for a, b in zip(one, two):
         for key in COMMANDS[command][1]:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    if command == "grpo":
+    if command in ("grpo", "rloo"):
         assert two[0]["completions/min_length"] < two[0]["completions/max_length"]  # decodes of different lengths
 
     lora = command.endswith("-lora")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo", "rloo")}
+             for name in ("grpo", "sft", "dpo", "rloo", "reward")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -279,6 +279,24 @@ _DPO_CHANGES.update(_reasons(_DPO_METRICS, _DPO_LOADER))
 DPO_ONLY = SFT_ONLY  # the same fields, the same behaviour
 DPO_COMPAT = [_DPO_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _DPO_CHANGES.get(c.name, c) is not None] + DPO_ONLY
 
+_REWARD_LOADER = "posttrain batches the tokenized pairs itself, with no DataLoader"
+_REWARD_CHANGES = dict(_SFT_CHANGES)
+_REWARD_CHANGES.update({
+    "label_smoothing_factor": unsupported(
+        "label_smoothing_factor", float, 0.0,
+        "the reward loss has no labels to smooth (TRL's RewardTrainer never reads it); remove it", range=FRACTION),
+    "neftune_noise_alpha": unsupported(
+        "neftune_noise_alpha", Optional[float], None,
+        "NEFTune noise is for supervised fine-tuning (SFTTrainer), not reward models; remove it", range=NON_NEGATIVE),
+    "label_names": same("label_names", Optional[list[str]], None, "the reward model's inputs are the pairs' sequences"),
+    "length_column_name": same("length_column_name", str, "length",
+                               "group_by_length sampling measures the tokenized pairs itself"),
+})
+_REWARD_CHANGES.update(_reasons(_SFT_METRICS, _REWARD_LOADER))
+REWARD_ONLY = SFT_ONLY  # the same fields, the same behaviour
+REWARD_COMPAT = [_REWARD_CHANGES.get(c.name, c) for c in TRAINING_ARGS
+                 if _REWARD_CHANGES.get(c.name, c) is not None] + REWARD_ONLY
+
 BY_NAME = {c.name: c for c in GRPO_COMPAT}
 
 
@@ -302,6 +320,7 @@ GRPOCompatConfig = compat_config("GRPOCompatConfig", GRPO_COMPAT)
 TRLCompatConfig = GRPOCompatConfig  # its first name
 SFTCompatConfig = compat_config("SFTCompatConfig", SFT_COMPAT)
 DPOCompatConfig = compat_config("DPOCompatConfig", DPO_COMPAT)
+RewardCompatConfig = compat_config("RewardCompatConfig", REWARD_COMPAT)
 
 
 def check_compat(config, table: list[Compat] = GRPO_COMPAT) -> None:
@@ -327,7 +346,8 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
         from transformers import TrainingArguments
     except ImportError:
         return None
-    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig"}[trainer]
+    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
+            "reward": "RewardConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

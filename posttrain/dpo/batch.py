@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from posttrain.dpo.data import PairRows
+from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.collate import SequenceBatch, collate
 
 

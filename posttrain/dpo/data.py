@@ -19,11 +19,10 @@ every process (the rule reads the prepared tokens alone, before the pairs are sh
       given or once truncated): every model gives both the same log-prob, so the preference is empty (sigmoid's loss
       is log 2 with no gradient).
 
-    PairRows    TokenRows (sequences/rows.py) holding 2 rows per pair, chosen at 2i and rejected at 2i + 1, plus each
-                pair's dataset index and, once computed, its reference log-probs [P, 2].
+    PairRows    (sequences/pairs.py) 2 token rows per pair, chosen at 2i and rejected at 2i + 1, each pair's dataset
+                index and, once computed, its reference log-probs [P, 2].
 """
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import numpy as np
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
+from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows, truncate
 
 logger = logging.getLogger("posttrain")
@@ -70,42 +70,6 @@ def extract_prompt(chosen, rejected):
     if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
         n -= 1
     return chosen[:n], chosen[n:], rejected[n:]
-
-
-@dataclass
-class PairRows:
-    """Token pairs: `rows` has 2 rows per pair (chosen 2i, rejected 2i + 1); `index` [P] the dataset row of each
-    pair; `ref` [P, 2] float64 reference log-probs (chosen, rejected) once precomputed, else None."""
-
-    rows: TokenRows
-    index: np.ndarray
-    ref: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Tokens of each pair (chosen + rejected sequence)."""
-        return self.rows.lengths.reshape(-1, 2).sum(1)
-
-    def select(self, pairs) -> "PairRows":
-        pairs = np.asarray(pairs, dtype=np.int64)
-        rows = np.stack([2 * pairs, 2 * pairs + 1], 1).reshape(-1)
-        return PairRows(self.rows.select(rows), self.index[pairs], None if self.ref is None else self.ref[pairs])
-
-    @classmethod
-    def concatenate(cls, parts: list["PairRows"]) -> "PairRows":
-        if not parts:
-            return cls(TokenRows.from_sequences([]), np.zeros(0, np.int64))
-        refs = [p.ref for p in parts]
-        ref = None if any(r is None for r in refs) else np.concatenate(refs)
-        return cls(TokenRows.concatenate([p.rows for p in parts]), np.concatenate([p.index for p in parts]), ref)
-
-    def fingerprint(self) -> str:
-        h = hashlib.sha256(self.rows.fingerprint().encode())
-        h.update(np.ascontiguousarray(self.index).tobytes())
-        return h.hexdigest()[:16]
 
 
 class PairEncoder:

@@ -22,7 +22,8 @@ import torch
 from posttrain.configs import ConfigError, DPOConfig
 from posttrain.data import DataError
 from posttrain.dpo.batch import PairBatch, collate_pairs
-from posttrain.dpo.data import PairEncoder, PairPreparation, PairRows, pairs_as_dataset, prepare_pairs
+from posttrain.dpo.data import PairEncoder, PairPreparation, pairs_as_dataset, prepare_pairs
+from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import SUMS, step_metrics
 from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached, weights_digest
