@@ -1,6 +1,8 @@
-"""posttrain: post-train language models with GRPO and its family, RLOO, SFT and DPO, a drop-in for TRL users.
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO and reward models, a drop-in for TRL
+users.
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
+    from posttrain import RewardConfig, RewardTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -25,6 +27,8 @@ _EXPORTS = {
     "DPOTrainer": "posttrain.dpo.trainer",
     "RLOOConfig": "posttrain.configs",
     "RLOOTrainer": "posttrain.rloo.trainer",
+    "RewardConfig": "posttrain.configs",
+    "RewardTrainer": "posttrain.reward.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

@@ -63,15 +63,29 @@ def tiny_config(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, kv
 
 def tiny_model(tokenizer=None, seed: int = 0, model_class=None, **config_kwargs):
     """A randomly initialised tiny causal LM (seeded), float32, with generation config set for `tokenizer`."""
+    return _tiny(tokenizer, seed, model_class, config_kwargs)
+
+
+def tiny_reward_model(tokenizer=None, seed: int = 0, **config_kwargs):
+    """A randomly initialised tiny reward model (seeded): a Qwen2 sequence classifier with one label, float32."""
+    from transformers import Qwen2ForSequenceClassification
+
+    return _tiny(tokenizer, seed, Qwen2ForSequenceClassification, config_kwargs, num_labels=1)
+
+
+def _tiny(tokenizer, seed: int, model_class, config_kwargs: dict, **config_fields):
     import torch
     from transformers import Qwen2ForCausalLM
 
     tokenizer = tokenizer or tiny_tokenizer()
     config = tiny_config(tokenizer, **config_kwargs)
+    for name, value in config_fields.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = (model_class or Qwen2ForCausalLM)(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:  # a sequence classifier generates nothing
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 

@@ -12,7 +12,7 @@ from test_sft_trainer import sft_config
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
-from posttrain.sft.templates import EMBEDDING_MULTIPLE
+from posttrain.sequences.templates import EMBEDDING_MULTIPLE
 from posttrain.sft.trainer import SFTTrainer
 from posttrain.testing import tiny_model, tiny_tokenizer
 

@@ -100,23 +100,57 @@ def load_causal_lm(model, init_kwargs: dict | None = None):
         model: a loaded model (returned as is) or a local path / hub id.
         init_kwargs: keyword arguments for `AutoModelForCausalLM.from_pretrained`.
     """
+    return _load("AutoModelForCausalLM", model, from_pretrained_kwargs(init_kwargs), init_kwargs)
+
+
+def load_sequence_classifier(model, init_kwargs: dict | None = None):
+    """A reward model: `AutoModelForSequenceClassification` with one label (a causal LM's checkpoint gets a new score
+    head, drawn from the seeded generator, as in TRL). A loaded model is returned as is."""
+    kwargs = {**from_pretrained_kwargs(init_kwargs), "num_labels": 1}
+    loaded = _load("AutoModelForSequenceClassification", model, dict(kwargs, output_loading_info=True), init_kwargs)
+    if not isinstance(model, str):
+        return loaded
+    loaded, info = loaded
+    new = [k for k in info.get("missing_keys", []) if not k.startswith(loaded.base_model_prefix + ".")]
+    if new:  # transformers' table of missing keys is kept quiet: this is what it means
+        logger.info("%s: a new score head (%s), drawn from the seeded generator, on the checkpoint's body.", model,
+                    ", ".join(sorted(new)))
+    return loaded
+
+
+def _load(auto_class: str, model, kwargs: dict, init_kwargs: dict | None):
     if not isinstance(model, str):
         return model
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     model = os.path.expanduser(model)
     _check_path(model)
-    kwargs = from_pretrained_kwargs(init_kwargs)
     hub_reachable_or_cached(model, "model", kwargs.get("revision"))
     try:
-        with without_progress_bars():
-            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        with without_progress_bars(), _quiet_transformers(auto_class != "AutoModelForCausalLM"):
+            return getattr(transformers, auto_class).from_pretrained(model, **kwargs)
     except TypeError as err:
         raise _unknown_init_kwarg(model, kwargs, err) from err
     except (ValueError, ImportError, AttributeError) as err:
         raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool):
+    """transformers' warnings off for the block (its report of a classifier's new head), when `quiet`."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _unknown_init_kwarg(model: str, kwargs: dict, err: TypeError) -> Exception:

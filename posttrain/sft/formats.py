@@ -96,7 +96,7 @@ class RowEncoder:
                               "prompt-completion data.")
         if self.format.startswith("conversational"):
             self._check_chat_template()
-        # without {% generation %} markers, TRL's training version of the template where it has one (sft/templates.py)
+        # without {% generation %} markers, TRL's training version of the template where it has one (sequences/templates.py)
         self.template = None
         if self.assistant_only and not has_generation_markers(tokenizer.chat_template):
             self.template = trl_training_template(tokenizer)

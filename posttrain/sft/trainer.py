@@ -144,8 +144,8 @@ class SFTTrainer(BatchedDataTrainer):
 
     def _apply_chat_template_path(self, model, peft_config) -> None:
         """chat_template_path onto the tokenizer, new tokens into the model and, with adapters, into what trains
-        (sft/templates.py); before the adapters wrap the model."""
-        from posttrain.sft.templates import apply_chat_template_path, train_added_tokens
+        (sequences/templates.py); before the adapters wrap the model."""
+        from posttrain.sequences.templates import apply_chat_template_path, train_added_tokens
 
         if self.args.chat_template_path is not None:
             added = apply_chat_template_path(self.args.chat_template_path, model, self.tokenizer,

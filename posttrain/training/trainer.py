@@ -148,11 +148,12 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         """The block to run a training forward in: activation_offloading's offloader, or nothing."""
         return self._offloader if self._offloader is not None else contextlib.nullcontext()
 
-    def _load_policy(self, model, processing_class, peft_config, adapt=None):
+    def _load_policy(self, model, processing_class, peft_config, adapt=None, load=None):
         """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
         dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`. `adapt(model,
         peft_config)` runs between the two (SFT's chat_template_path resizes the embeddings there, before adapters
-        wrap them).
+        wrap them). `load(model, init_kwargs)` loads a path (default: a causal LM; the reward model's is a sequence
+        classifier).
 
         Returns:
             (the prepared policy on this process's device, whether the model came with a peft adapter).
@@ -168,7 +169,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
                 os.path.expanduser(model)) == os.path.realpath(args.output_dir):
             raise ConfigError(f"output_dir {args.output_dir!r} is the model's own directory: the final save would "
                               "overwrite the model being trained; choose another output_dir.")
-        model = load_causal_lm(model, with_trl_default_dtype(
+        model = (load or load_causal_lm)(model, with_trl_default_dtype(
             {"trust_remote_code": self._trust_remote_code, **(args.model_init_kwargs or {})}))
         self.processing_class = (processing_class if processing_class is not None
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))

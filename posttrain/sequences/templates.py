@@ -1,5 +1,5 @@
-"""Chat templates for SFT: chat_template_path (a .jinja file, or another tokenizer's template with the tokens it needs),
-and which template assistant_only_loss renders with (TRL's training version: sequences/chat.py trl_training_template).
+"""Chat templates for SFT and the reward model: chat_template_path (a .jinja file, or another tokenizer's template
+with the tokens it needs), and which template SFT's assistant_only_loss renders with (TRL's training version: sequences/chat.py trl_training_template).
 
 chat_template_path, as TRL takes it:
 - a .jinja (or .j2) file replaces the template's text; a special token it uses that the vocabulary lacks is refused

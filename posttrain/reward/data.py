@@ -1,0 +1,216 @@
+"""Preference datasets -> the two token sequences a reward model scores, in TRL's formats and with TRL's preparation.
+
+    explicit, standard           {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    implicit, standard           {"chosen": "The sky is blue.", "rejected": "The sky is green."}
+    explicit, conversational     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+    implicit, conversational     {"chosen": [messages], "rejected": [messages]}
+    tokenized                    {"chosen_ids": [...], "rejected_ids": [...]} (TRL's earlier chosen_input_ids /
+                                 rejected_input_ids are read as these)
+    any of them, optionally      "margin": a number per pair (the Bradley-Terry loss subtracts it)
+
+As TRL's RewardTrainer: a standard chosen or rejected text gets the EOS appended unless it ends with it; the prompt
+is prepended to each (text, or messages), and the whole is tokenized at once (conversational: the chat template,
+with the row's `tools` and `chat_template_kwargs`); tokenized rows are used as they are. A pair whose chosen or
+rejected sequence is longer than max_length is dropped, not truncated (TRL filters them); posttrain says how many.
+
+The pairs are PairRows (sequences/pairs.py): rows 2i and 2i + 1 are pair i's chosen and rejected sequences, every
+token labelled (the labels are not used: a reward model has no token targets), `margin` the margin column.
+"""
+
+import logging
+
+import numpy as np
+
+from posttrain.configs import ConfigError
+from posttrain.data import DataError
+from posttrain.sequences.chat import check_messages, template_kwargs
+from posttrain.sequences.pairs import PairRows
+from posttrain.sequences.rows import TokenRows
+
+logger = logging.getLogger("posttrain")
+
+ACCEPTED = ("chosen + rejected (text or messages, with or without a prompt column), or chosen_ids + rejected_ids")
+LEGACY = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def detect_format(row: dict, name: str) -> str:
+    """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
+    if all(k in row for k in ("chosen_ids", "rejected_ids")) or all(k in row for k in LEGACY):
+        return "tokenized"
+    if "chosen" in row and "rejected" in row:
+        return "conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt")) else "standard"
+    found = ", ".join(row) or "none"
+    hint = ""
+    if "label" in row and "completion" in row:
+        hint = " (an unpaired dataset with labels is KTO's format)"
+    elif "prompt" in row and "completion" in row:
+        hint = " (prompt/completion is an SFT dataset; a reward model learns from a chosen and a rejected answer)"
+    elif "chosen" in row or "rejected" in row:
+        hint = f" (it has no {'rejected' if 'chosen' in row else 'chosen'!r} column)"
+    raise DataError(f"{name} is in no preference format: its columns are {found}; a reward model needs {ACCEPTED}"
+                    f"{hint}.")
+
+
+class RewardEncoder:
+    """Tokenizes a dataset's pairs in its format (TRL's RewardTrainer preparation).
+
+    Args:
+        tokenizer: the model's tokenizer (EOS and padding already set by the trainer).
+        first_row: the dataset's first row, which decides the format (as in TRL).
+        name: the dataset's name in messages.
+    """
+
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset"):
+        self.tokenizer, self.name = tokenizer, name
+        self.format = detect_format(first_row, name)
+        self.has_margin = "margin" in first_row
+        if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
+                              "messages: use a chat model's tokenizer, or set chat_template_path.")
+
+    def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list]]:
+        """[(chosen_ids, rejected_ids)] of each row, in order."""
+        if self.format == "tokenized":
+            return [self._tokenized(row, first_index + i) for i, row in enumerate(rows)]
+        texts = [self._texts(row, first_index + i) for i, row in enumerate(rows)]
+        if self.format == "standard":
+            eos = self.tokenizer.eos_token
+            chosen = [p + (c if c.endswith(eos) else c + eos) for p, c, _ in texts]
+            rejected = [p + (r if r.endswith(eos) else r + eos) for p, _, r in texts]
+            return list(zip(self.tokenizer(chosen)["input_ids"], self.tokenizer(rejected)["input_ids"]))
+        return [self._conversation(p + c, p + r, template_kwargs(row), first_index + i)
+                for i, ((p, c, r), row) in enumerate(zip(texts, rows))]
+
+    def margins(self, rows: list[dict], first_index: int) -> np.ndarray | None:
+        """[n] each row's margin (float64), when the dataset has the column."""
+        if not self.has_margin:
+            return None
+        out = np.zeros(len(rows), dtype=np.float64)
+        for i, row in enumerate(rows):
+            value = row.get("margin")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise DataError(f"Row {first_index + i} of {self.name} has margin {value!r}: every row's margin must "
+                                "be a finite number (the first row has one).")
+            out[i] = value
+        return out
+
+    def _texts(self, row: dict, index: int):
+        for column in ("chosen", "rejected"):
+            if column not in row:
+                raise DataError(f"Row {index} of {self.name} has no {column!r}: every row needs chosen and rejected.")
+        kind = list if self.format == "conversational" else str
+        prompt = row.get("prompt", [] if kind is list else "")
+        if prompt is None:
+            prompt = [] if kind is list else ""
+        for column, value in (("prompt", prompt), ("chosen", row["chosen"]), ("rejected", row["rejected"])):
+            if not isinstance(value, kind):
+                raise DataError(f"Row {index} of {self.name} has {type(value).__name__} in {column!r} where the "
+                                f"first row has {'messages' if kind is list else 'text'}: every row must be in the "
+                                "same format.")
+            if kind is list:
+                check_messages(value, f"Row {index} of {self.name}", column, allow_empty=column == "prompt")
+            elif column != "prompt" and not value:
+                raise DataError(f"Row {index} of {self.name} has an empty {column!r}: a pair needs two answers to "
+                                "compare; drop the row (dataset.filter) or fix it.")
+        return prompt, row["chosen"], row["rejected"]
+
+    def _tokenized(self, row: dict, index: int):
+        ids = []
+        for column in ("chosen_ids", "rejected_ids"):
+            value = row.get(column, row.get({v: k for k, v in LEGACY.items()}[column]))
+            if not value:
+                raise DataError(f"Row {index} of {self.name} has an empty {column}: a pair needs two answers to "
+                                "compare; drop the row (dataset.filter) or fix it.")
+            ids.append(list(value))
+        return tuple(ids)
+
+    def _conversation(self, chosen, rejected, kwargs: dict, index: int):
+        tok = self.tokenizer
+
+        def ids(messages):
+            return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+        try:
+            return ids(chosen), ids(rejected)
+        except Exception as err:  # a template's own error: say which row
+            raise DataError(f"Row {index} of {self.name} could not be rendered by the chat template ({err}); fix the "
+                            "row's messages, or use a template that accepts them.") from err
+
+
+def reward_pairs(encoded: list[tuple], margins: np.ndarray | None, first_index: int,
+                 max_length: int | None) -> tuple[PairRows, int]:
+    """(the pairs within max_length, how many were longer and dropped)."""
+    sequences, index, kept = [], [], []
+    for i, pair in enumerate(encoded):
+        if max_length is not None and max(len(pair[0]), len(pair[1])) > max_length:
+            continue
+        for ids in pair:
+            sequences.append((np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=bool)))
+        index.append(first_index + i)
+        kept.append(i)
+    margin = None if margins is None else margins[np.asarray(kept, dtype=np.int64)]
+    return (PairRows(TokenRows.from_sequences(sequences), np.asarray(index, dtype=np.int64), margin=margin),
+            len(encoded) - len(index))
+
+
+class RewardPreparation:
+    """Turns a dataset's rows into PairRows with one config; the interface sequences/batches.py's batchers use.
+    `announce`: this process says what is dropped (the main process; every process drops the same pairs)."""
+
+    def __init__(self, encoder: RewardEncoder, args, name: str, announce: bool = True):
+        self.encoder, self.args, self.name, self.announce = encoder, args, name, announce
+
+    def sequences(self, rows: list[dict], first_index: int):
+        return self.encoder.encode(rows, first_index), self.encoder.margins(rows, first_index), first_index
+
+    def rows(self, sequences) -> tuple[PairRows, int]:
+        """A block's pairs, and how many were dropped for their length (the stream batcher reports them)."""
+        encoded, margins, first_index = sequences
+        return reward_pairs(encoded, margins, first_index, self.args.max_length)
+
+    @staticmethod
+    def concatenate(parts: list[PairRows]) -> PairRows:
+        return PairRows.concatenate(parts)
+
+
+def prepare_reward_pairs(dataset, preparation: RewardPreparation, block: int = 1000) -> PairRows:
+    """Every row of a map-style dataset as token pairs; those dropped for their length counted in one warning (from
+    the announcing process), or one sentence when none is left."""
+    name, max_length = preparation.name, preparation.args.max_length
+    if len(dataset) == 0:
+        raise DataError(f"{name} is empty: it needs at least one pair.")
+    parts, dropped = [], 0
+    for start in range(0, len(dataset), block):
+        columns = dataset[start:start + block]
+        names = list(columns)
+        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        part, lost = preparation.rows(preparation.sequences(rows, start))
+        parts.append(part)
+        dropped += lost
+    pairs = PairRows.concatenate(parts)
+    if len(pairs) == 0:
+        raise DataError(f"{name} has no pair left: every one of its {len(dataset)} pairs has a chosen or rejected "
+                        f"sequence longer than max_length={max_length}; raise max_length (or set it to None).")
+    if preparation.announce:
+        if dropped:
+            logger.warning("%s: %d of %d pairs were dropped because their chosen or rejected sequence is longer than "
+                           "max_length=%s (as TRL filters them); raise max_length to keep them.", name, dropped,
+                           len(dataset), max_length)
+        logger.info("%s: %d pairs, %d tokens.", name, len(pairs), len(pairs.rows.tokens))
+    return pairs
+
+
+def pairs_as_dataset(pairs: PairRows):
+    """Prepared pairs as TRL shows its prepared dataset: chosen_ids, rejected_ids (and margin)."""
+    from datasets import Dataset
+
+    rows = pairs.rows
+    columns = {"chosen_ids": [rows.tokens[rows.row(2 * p)].tolist() for p in range(len(pairs))],
+               "rejected_ids": [rows.tokens[rows.row(2 * p + 1)].tolist() for p in range(len(pairs))]}
+    if pairs.margin is not None:
+        columns["margin"] = pairs.margin.tolist()
+    return Dataset.from_dict(columns)

@@ -1,0 +1,318 @@
+"""The reward model's trainer: preference pairs (data.py) scored by a sequence classifier with one label, the
+Bradley-Terry loss, on the shared loop (training/trainer.py).
+
+    step          = this process's pairs of gradient_accumulation_steps micro-batches
+    P             = pairs of the whole step, summed over processes
+    each micro-batch: one forward of its 2p sequences (chosen 2i, rejected 2i + 1; padded, or padding-free end to
+                      end); each sequence's reward r is the score head's output at its last non-pad token
+                      (models/scores.py)
+                      loss = sum_pairs [-log sigmoid(r_c - r_r - margin) + c * (r_c + r_r)^2] * num_processes / P
+                      (c: center_rewards_coefficient; TRL takes the mean of (r_c + r_r)^2 over the micro-batch's
+                      pairs, the same term per pair)
+so the update is that of the mean over the step's pairs, however the step is split into micro-batches and processes.
+
+Metrics, TRL's names: accuracy (share of pairs with r_c > r_r), margin (mean r_c - r_r), min_reward, mean_reward,
+max_reward (over the step's 2P rewards), num_tokens. TRL takes min and max per micro-batch and averages them over the
+logging window; posttrain takes them over the step (equal with one micro-batch a step, as in TRL's defaults).
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.configs import ConfigError, RewardConfig
+from posttrain.data import DataError
+from posttrain.models.loading import load_sequence_classifier
+from posttrain.models.scores import HEAD_NAMES, score_head, score_positions, sequence_scores
+from posttrain.reward.data import RewardEncoder, RewardPreparation, pairs_as_dataset, prepare_reward_pairs
+from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.collate import SequenceBatch, collate
+from posttrain.sequences.pairs import PairRows
+from posttrain.sequences.rows import EpochPlan
+from posttrain.training.batched import BatchedDataTrainer
+from posttrain.training.checkpoint import model_fingerprint
+from posttrain.training.distributed import guarded
+from posttrain.training.setup import take_quantization_config, trainer_config
+
+logger = logging.getLogger("posttrain")
+
+# the step's sums every micro-batch adds to; the metrics and the logged loss are read from them
+SUMS = ("loss", "pairs", "correct_pairs", "margin", "reward_sum", "rewards")
+_REFUSED = {
+    "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
+                     "the rows in the dataset instead (chosen_ids / rejected_ids columns work as they are)",
+    "compute_metrics": "the reward trainer logs TRL's eval_accuracy, eval_margin and eval_*_reward itself and takes "
+                       "no compute_metrics yet; remove it and read those",
+    "preprocess_logits_for_metrics": "it only serves compute_metrics, which the reward trainer does not take yet; "
+                                     "remove it",
+}
+
+
+class RewardBatch:
+    """A micro-batch of pairs: its 2p sequences collated (`sequences`), `last` [2p] the flat index each sequence's
+    reward is read at, `margin` [p] or None."""
+
+    def __init__(self, sequences: SequenceBatch, last: torch.Tensor, margin: torch.Tensor | None, pairs: int):
+        self.sequences, self.last, self.margin, self.pairs = sequences, last, margin, pairs
+
+    def to(self, device) -> "RewardBatch":
+        margin = self.margin.to(device) if self.margin is not None else None
+        return RewardBatch(self.sequences.to(device), self.last.to(device), margin, self.pairs)
+
+
+def collate_reward_pairs(pairs: PairRows, pad_id: int, padding_free: bool, pad_to_multiple_of: int | None) -> RewardBatch:
+    rows = pairs.rows
+    sequences = collate(rows, pad_id, padding_free, pad_to_multiple_of)
+    row_length = None if padding_free else sequences.input_ids.size(1)
+    last = score_positions(rows.tokens, rows.offsets, pad_id, row_length)
+    margin = torch.from_numpy(pairs.margin).float() if pairs.margin is not None else None
+    return RewardBatch(sequences, torch.from_numpy(last), margin, len(pairs))
+
+
+class RewardTrainer(BatchedDataTrainer):
+    """A reward model from preference pairs, with TRL's RewardTrainer signature.
+
+    Args:
+        model: a sequence classifier with num_labels=1, or the path / hub id of one or of a causal LM (loaded as
+            AutoModelForSequenceClassification with num_labels=1: a new score head, as in TRL).
+        args: the RewardConfig (default: TRL's defaults, output_dir `<model name>-Reward`).
+        train_dataset: a `datasets.Dataset` or `IterableDataset` of preference pairs (data.py's formats).
+        eval_dataset: a dataset (or a dict of them) for the eval_* metrics.
+        processing_class: the tokenizer; loaded from the model's path when None.
+        callbacks: transformers TrainerCallbacks (instances or classes).
+        optimizers: (optimizer, lr_scheduler); None entries are built from the config.
+        optimizer_cls_and_kwargs: (optimizer class, keyword arguments), instead of optim and optim_args.
+        quantization_config: a transformers quantization config for loading `model` from a path.
+        peft_config: a peft LoraConfig (needs `posttrain[peft]`); the score head is trained whole beside the
+            adapters (added to modules_to_save when the config leaves it out, as task_type SEQ_CLS does).
+    """
+
+    _title = "Reward"
+    _shown_metrics = ("loss", "accuracy", "margin")
+    _data_noun = "pairs"
+    _data_parts = "the pairs or their order"
+    _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "padding_free",
+                       "train_sampling_strategy", "dataloader_drop_last", "seed", "data_seed",
+                       "center_rewards_coefficient")
+
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None):
+        args = trainer_config(RewardConfig, args, model, "Reward")
+        for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics),
+                            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics)):
+            if value is not None:
+                raise ConfigError(f"RewardTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        take_quantization_config(model, args, quantization_config)
+        super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
+            model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
+        self._model_fingerprint = model_fingerprint(model)
+        self._prepare(model, self._total_steps())
+        self._tokens_seen = 0
+        self._call("on_init_end")
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, model, train_dataset, eval_dataset, processing_class, peft_config):
+        args = self.args
+        if train_dataset is None:
+            raise DataError("RewardTrainer needs a train_dataset of preference pairs (chosen, rejected).")
+        self._check_given_model(model)
+        model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._adapt,
+                                     load=load_sequence_classifier)
+        self._configure_tokenizer(model)
+        self.pad_to_multiple_of = self._padding_multiple()
+        self.train_preparation = self._preparation(train_dataset, "train_dataset")
+        self._train_source = train_dataset
+        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
+        if is_iterable(train_dataset):
+            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
+                                         processes, args.gradient_accumulation_steps, rank)
+            self.data_fingerprint = None
+        else:
+            pairs = prepare_reward_pairs(train_dataset, self.train_preparation)
+            plan = EpochPlan(pairs.lengths, args.per_device_train_batch_size, processes,
+                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
+                             args.dataloader_drop_last)
+            if plan.micro_batches == 0:
+                raise DataError(f"train_dataset gives {len(pairs)} pairs, fewer than one global batch "
+                                f"({args.per_device_train_batch_size} x {processes} processes) with "
+                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
+            self.data_fingerprint = pairs.fingerprint()
+            self.batches = MapBatches(pairs, plan, rank)
+        self.eval_dataset = eval_dataset
+        self._eval_pairs = {}
+        return model
+
+    @staticmethod
+    def _check_given_model(model) -> None:
+        """A model object must already be a reward model: one score per sequence, from a head posttrain can read."""
+        if isinstance(model, str):
+            return
+        labels = getattr(getattr(model, "config", None), "num_labels", None)
+        if labels != 1:
+            raise ConfigError(f"The model has num_labels={labels}, and a reward model gives one score per sequence: "
+                              "load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1), or "
+                              "pass its path and posttrain loads it so.")
+        if score_head(model) is None:
+            raise ConfigError(f"{type(model).__name__} has no classification head named {' or '.join(HEAD_NAMES)}, "
+                              "where posttrain reads the rewards: use a transformers "
+                              "AutoModelForSequenceClassification model.")
+
+    def _adapt(self, model, peft_config) -> None:
+        """chat_template_path (sequences/templates.py), and with adapters the score head trained whole."""
+        from posttrain.sequences.templates import apply_chat_template_path, train_added_tokens
+
+        if self.args.chat_template_path is not None:
+            added = apply_chat_template_path(self.args.chat_template_path, model, self.tokenizer,
+                                             self._trust_remote_code)
+            train_added_tokens(peft_config, added, tied=True)  # a classifier has no output embeddings to save
+        if peft_config is not None:
+            head, _ = score_head(model)
+            if head not in (peft_config.modules_to_save or []):
+                logger.info("The score head %r is trained whole beside the adapters (added to the LoRA config's "
+                            "modules_to_save, as task_type='SEQ_CLS' does): a new head left frozen would score at "
+                            "random.", head)
+                peft_config.modules_to_save = [*(peft_config.modules_to_save or []), head]
+
+    def _configure_tokenizer(self, model) -> None:
+        """eos_token and pad_token onto the tokenizer, pad_token_id onto the model's config (where it reads the
+        scores), as in TRL."""
+        args, tok = self.args, self.tokenizer
+        vocab = tok.get_vocab()
+        for field, token in (("eos_token", args.eos_token), ("pad_token", args.pad_token)):
+            if token is not None and token not in vocab:
+                raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
+                                  f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+        if args.eos_token is not None:
+            tok.eos_token = args.eos_token
+            model.config.get_text_config().eos_token_id = tok.eos_token_id
+        if tok.eos_token is None and tok.pad_token is None and args.pad_token is None:
+            raise ConfigError("The tokenizer has neither a pad nor an EOS token, and the reward is read at each "
+                              "sequence's last token that is not padding: set pad_token (or eos_token).")
+        self._set_pad_token(model)
+        model.config.get_text_config().pad_token_id = tok.pad_token_id
+
+    def _preparation(self, dataset, name: str) -> RewardPreparation:
+        if not is_iterable(dataset) and len(dataset) == 0:
+            raise DataError(f"{name} is empty: it needs at least one pair.")
+        return RewardPreparation(RewardEncoder(self.tokenizer, first_row(dataset), name), self.args, name,
+                                 announce=self.accelerator.is_main_process)
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def _no_grad_model(self):
+        return self.forward_policy
+
+    def _collate(self, pairs: PairRows) -> RewardBatch:
+        return collate_reward_pairs(pairs, self.tokenizer.pad_token_id, self.args.padding_free,
+                                    self.pad_to_multiple_of)
+
+    def _micro_loss(self, batch: RewardBatch, grad: bool):
+        """(the micro-batch's loss summed over its pairs, [len(SUMS)] statistics, [2p] detached rewards)."""
+        s = batch.sequences
+        with self.accelerator.autocast():
+            rewards = sequence_scores(self.model if grad else self._no_grad_model, s.input_ids, s.attention_mask,
+                                      s.position_ids, batch.last)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        difference = chosen - rejected
+        per_pair = -F.logsigmoid(difference - batch.margin if batch.margin is not None else difference)
+        coefficient = self.args.center_rewards_coefficient
+        if coefficient is not None:
+            per_pair = per_pair + coefficient * (chosen + rejected) ** 2
+        with torch.no_grad():
+            values = [per_pair.sum(), float(batch.pairs), (difference > 0).float().sum(), difference.sum(),
+                      rewards.sum(), float(rewards.numel())]
+            stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=rewards.device) for v in values])
+        return per_pair.sum(), stats, rewards.detach()
+
+    def _micro_step(self, batch: RewardBatch, pairs_total: float):
+        with self._offloading():
+            loss, stats, rewards = self._micro_loss(batch, grad=True)
+            self._backward(loss * (self.accelerator.num_processes / max(pairs_total, 1.0)))
+        stats = stats.clone()
+        stats[0] = stats[0] / max(pairs_total, 1.0)
+        return stats, rewards
+
+    def _optimizer_step(self) -> dict:
+        batches = [self._collate(pairs) for pairs in self.batches.next_step()]
+        acc = self.accelerator
+        local = torch.tensor([sum(b.pairs for b in batches), sum(b.sequences.tokens for b in batches)],
+                             dtype=torch.float64, device=acc.device)
+        pairs_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
+        results = self._accumulate(batches, lambda b: self._micro_step(b.to(acc.device), pairs_total))
+        metrics = self._metrics([r[0] for r in results], [r[1] for r in results])
+        metrics["grad_norm"] = self._apply_update(metrics["loss"])
+        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        self._tokens_seen += int(tokens)
+        metrics["num_tokens"] = float(self._tokens_seen)
+        self.state.total_flos += self._flops_per_token * tokens
+        return metrics
+
+    def _metrics(self, stats: list, rewards: list, prefix: str = "") -> dict:
+        """TRL's reward metrics from the micro-batches' sums and rewards, over every process."""
+        acc = self.accelerator
+        device = acc.device
+        totals = acc.reduce(torch.stack(stats).sum(0) if stats else torch.zeros(len(SUMS), dtype=torch.float64,
+                                                                                  device=device), reduction="sum")
+        every = torch.cat(rewards).double() if rewards else torch.zeros(0, dtype=torch.float64, device=device)
+        low, high = _smallest(every, acc.num_processes), -_smallest(-every, acc.num_processes)
+        s = dict(zip(SUMS, (float(x) for x in totals)))
+        pairs = max(s["pairs"], 1.0)
+        out = {"loss": s["loss"], "accuracy": s["correct_pairs"] / pairs, "margin": s["margin"] / pairs,
+               "min_reward": low, "mean_reward": s["reward_sum"] / max(s["rewards"], 1.0), "max_reward": high}
+        return {prefix + k: v for k, v in out.items()}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _prepared_eval(self, dataset) -> PairRows:
+        key = id(dataset)
+        if key not in self._eval_pairs:  # prepared once per dataset object, as TRL prepares it once
+            rows = read_whole(dataset)
+            self._eval_pairs[key] = (dataset, prepare_reward_pairs(rows, self._preparation(rows, "eval_dataset")))
+        return self._eval_pairs[key][1]
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        import time
+
+        start = time.time()
+        pairs = self._prepared_eval(dataset)
+        acc = self.accelerator
+        stats, rewards = [], []
+        with torch.no_grad():
+            for share in eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes,
+                                      acc.process_index):
+                _, batch_stats, batch_rewards = self._micro_loss(self._collate(share).to(acc.device), grad=False)
+                batch_stats[0] = batch_stats[0] / max(len(pairs), 1)
+                stats.append(batch_stats)
+                rewards.append(batch_rewards)
+        metrics = self._metrics(stats, rewards, f"{prefix}_")
+        runtime = time.time() - start
+        metrics.update({f"{prefix}_runtime": round(runtime, 4),
+                        f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
+                        f"{prefix}_num_tokens": float(self._tokens_seen)})
+        return metrics
+
+    @property
+    def train_dataset(self):
+        """The pairs as TRL shows its prepared dataset: chosen_ids, rejected_ids (and margin). Built on access."""
+        if not isinstance(self.batches, MapBatches):
+            return self._train_source
+        return pairs_as_dataset(self.batches.rows)
+
+    def _prepared_view(self, dataset):
+        return pairs_as_dataset(self._prepared_eval(dataset))
+
+
+def _smallest(values: torch.Tensor, processes: int) -> float:
+    """The smallest of `values` [n] float64 over every process (inf where none has a value)."""
+    low = torch.cat([values, torch.full((1,), float("inf"), dtype=values.dtype, device=values.device)]).min().view(1)
+    if processes > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return float(low)

@@ -1,0 +1,246 @@
+"""RewardTrainer on tiny in-process models: TRL's prepared rows for every preference format, TRL's loss and metrics at
+steps 1 and 2, the update for any split of a step, exact resume, LoRA with the score head trained, evaluation, the
+errors a user can cause, and the trained model scoring GRPO's and RLOO's completions as transformers loads it."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from conftest import StopAt, capture_gradients
+from datasets import Dataset
+
+from posttrain.configs import ConfigError, RewardConfig
+from posttrain.data import DataError
+from posttrain.reward.trainer import RewardTrainer
+from posttrain.testing import tiny_model, tiny_reward_model
+from posttrain.training.optim import make_scheduler
+
+# pairs of varied lengths (chosen longer or shorter than rejected), so a wrong pooling or normalisation would show
+PAIRS = {"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)],
+         "chosen": [str(a + b) * (1 + (a * b) % 3) for a in range(4) for b in range(4)],
+         "rejected": [str(a + b + 1) + "x" * (a % 3) for a in range(4) for b in range(4)]}
+METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm")
+
+
+def _conversational(implicit: bool = False) -> dict:
+    user = [[{"role": "user", "content": p}] for p in PAIRS["prompt"]]
+    answer = {c: [[{"role": "assistant", "content": t}] for t in PAIRS[c]] for c in ("chosen", "rejected")}
+    if implicit:
+        return {c: [u + a for u, a in zip(user, answer[c])] for c in ("chosen", "rejected")}
+    return {"prompt": user, **answer}
+
+
+def _implicit() -> dict:
+    return {c: [p + t for p, t in zip(PAIRS["prompt"], PAIRS[c])] for c in ("chosen", "rejected")}
+
+
+def reward_config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2,
+                  logging_steps=1, save_strategy="no", gradient_checkpointing=False, use_cpu=True, seed=0,
+                  report_to="none")
+    values.update(overrides)
+    return RewardConfig(**values)
+
+
+def _train(tokenizer, tmp_path, data=None, capture=False, sgd=False, model=None, callbacks=None, peft_config=None,
+           train=True, eval_dataset=None, **overrides):
+    model = model if model is not None else tiny_reward_model(tokenizer, hidden=32, layers=1)
+    dataset = data if data is not None else Dataset.from_dict(PAIRS)
+    trainer = RewardTrainer(model, args=reward_config(tmp_path, **overrides), train_dataset=dataset,
+                            eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
+                            peft_config=peft_config)
+    if sgd:  # an update linear in the gradient, so that updates compare to tolerance
+        sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
+                                        lr=trainer.args.learning_rate)
+        trainer.optimizer.optimizer = sgd_optimizer
+        trainer.scheduler.scheduler = make_scheduler(sgd_optimizer, trainer.args, trainer.total_steps)
+    grads = capture_gradients(trainer) if capture else []
+    if train:
+        trainer.train()
+    return trainer, {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads
+
+
+def _records(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _trl_trainer(tokenizer, tmp_path, data, **options):
+    trl = pytest.importorskip("trl")
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none",
+                            max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1,
+                            save_strategy="no", gradient_checkpointing=False, train_sampling_strategy="sequential",
+                            **options)
+    return trl.RewardTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1), args=args, train_dataset=data,
+                             processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("case", ["plain", "margin", "center", "pad_is_eos", "conversational", "padding_free"])
+def test_numbers_equal_trls(tokenizer, tmp_path, case):
+    """TRL 1.16's RewardTrainer and ours, same pairs, weights and optimizer (AdamW): the same loss and metrics at
+    steps 1 and 2 (step 2 tests the update too). pad_is_eos: the reward is read before the EOS that ends each
+    sequence, where transformers pools; padding_free: posttrain's packed rows score as TRL's padded ones."""
+    columns = _conversational() if case == "conversational" else dict(PAIRS)
+    if case == "margin":
+        columns["margin"] = [0.1 * (i % 5) - 0.2 for i in range(16)]
+    options = {"center_rewards_coefficient": 0.01} if case == "center" else {}
+    if case == "pad_is_eos":
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.pad_token = tokenizer.eos_token
+    theirs = _trl_trainer(tokenizer, tmp_path, Dataset.from_dict(columns), **options)
+    theirs.train()
+    ours_options = dict(options, padding_free=True) if case == "padding_free" else options
+    ours, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(columns), train_sampling_strategy="sequential",
+                        **ours_options)
+    assert len(_records(ours)) == len(_records(theirs)) == 2
+    for a, b in zip(_records(ours), _records(theirs)):
+        for key in METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize("fmt", ["standard", "implicit", "conversational", "conversational_implicit", "tokenized",
+                                 "legacy_tokenized", "margin", "max_length"])
+def test_prepared_rows_equal_trls(tokenizer, tmp_path, fmt):
+    """Each of TRL's preference formats prepared by TRL's own RewardTrainer._prepare_dataset and by posttrain: the
+    same chosen_ids, rejected_ids (and margins), the same pairs dropped by max_length."""
+    columns = {"standard": dict(PAIRS), "implicit": _implicit(), "conversational": _conversational(),
+               "conversational_implicit": _conversational(implicit=True), "margin": dict(PAIRS),
+               "max_length": dict(PAIRS)}.get(fmt)
+    if fmt.endswith("tokenized"):
+        ids = {c: [tokenizer(p + t + tokenizer.eos_token)["input_ids"] for p, t in zip(PAIRS["prompt"], PAIRS[c])]
+               for c in ("chosen", "rejected")}
+        prefix = "" if fmt == "tokenized" else "_input"
+        columns = {f"chosen{prefix}_ids": ids["chosen"], f"rejected{prefix}_ids": ids["rejected"]}
+    if fmt == "margin":
+        columns["margin"] = [float(i) for i in range(16)]
+    options = {"max_length": 7} if fmt == "max_length" else {}
+    theirs = _trl_trainer(tokenizer, tmp_path, Dataset.from_dict(columns), **options)
+    ours, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(columns), train=False, **options)
+    expected, prepared = theirs.train_dataset, ours.train_dataset
+    assert prepared["chosen_ids"] == expected["chosen_ids"] and prepared["rejected_ids"] == expected["rejected_ids"]
+    if fmt == "margin":
+        assert prepared["margin"] == expected["margin"]
+    if fmt == "max_length":
+        assert 0 < len(prepared) < 16
+
+
+@pytest.mark.parametrize("options", [{}, {"center_rewards_coefficient": 0.05}, {"padding_free": True}, {"margin": True}])
+def test_any_split_of_a_step_gives_the_same_update(tokenizer, tmp_path, options):
+    """8 pairs as 1 x 8, 2 x 4 or 8 x 1 micro-batches: the same gradient and update."""
+    options = dict(options)
+    columns = dict(PAIRS)
+    if options.pop("margin", False):
+        columns["margin"] = [0.25 * (i % 4) for i in range(16)]
+    results = {}
+    for micro, accum in ((8, 1), (4, 2), (1, 8)):
+        _, params, grads = _train(tokenizer, tmp_path / f"{micro}x{accum}", data=Dataset.from_dict(columns),
+                                  capture=True, sgd=True, max_steps=1, per_device_train_batch_size=micro,
+                                  gradient_accumulation_steps=accum, train_sampling_strategy="sequential", **options)
+        results[(micro, accum)] = (params, grads[0])
+    ref_params, ref_grads = results[(8, 1)]
+    for split, (params, grads) in results.items():
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
+            assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
+    assert ref_grads["score.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_resume_continues_bit_for_bit(tokenizer, tmp_path, iterable):
+    def data():
+        dataset = Dataset.from_dict(PAIRS)
+        return dataset.to_iterable_dataset() if iterable else dataset
+
+    common = dict(max_steps=6, per_device_train_batch_size=3, save_strategy="steps", save_steps=3,
+                  train_sampling_strategy="random")
+    _, straight, _ = _train(tokenizer, tmp_path / "straight", data=data(), **common)
+    _train(tokenizer, tmp_path / "cut", data=data(), callbacks=[StopAt(3)], **common)
+    _, resumed, _ = _train(tokenizer, tmp_path / "cut", data=data(), resume_from_checkpoint=True, **common)
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def test_a_run_from_a_causal_lm_path_learns_and_saves_a_reward_model(tokenizer, tmp_path, tiny_model_dir):
+    """A causal LM's path becomes a sequence classifier with a new score head (seeded, as TRL's from the same path),
+    learns the preference, and saves a model that AutoModelForSequenceClassification loads with its pad token."""
+    from transformers import AutoModelForSequenceClassification
+
+    trainer, params, _ = _train(tokenizer, tmp_path, model=tiny_model_dir, max_steps=8, per_device_train_batch_size=4,
+                                learning_rate=3e-3, eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=4,
+                                eval_dataset=Dataset.from_dict(PAIRS))
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9)) and all(math.isfinite(r["loss"]) for r in train)
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [4, 8]
+    assert train[-1]["accuracy"] >= 0.75 and train[-1]["loss"] < train[0]["loss"]
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert reloaded.config.num_labels == 1 and reloaded.config.pad_token_id == tokenizer.pad_token_id
+    assert all(torch.equal(p, params[n]) for n, p in reloaded.named_parameters())
+    evaluation = trainer.evaluate()
+    assert {"eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward",
+            "eval_max_reward"} <= set(evaluation)
+
+
+def test_a_trained_reward_model_scores_grpo_and_rloo_completions_as_transformers_loads_it(tokenizer, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain import GRPOConfig, RLOOConfig, RLOOTrainer
+    from posttrain.rewards import _model_scores
+    from posttrain.rewards.resolving import resolve_reward_funcs
+
+    trainer, _, _ = _train(tokenizer, tmp_path, max_steps=4, per_device_train_batch_size=4)
+    path = str(tmp_path / "out")
+    prompts, completions = ["1+2=", "3+3=", "0+1="], ["3", "66", "2x"]
+    model, tok = AutoModelForSequenceClassification.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    encoded = tok([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True,
+                  add_special_tokens=False)
+    with torch.no_grad():
+        expected = model(**encoded).logits[:, 0].tolist()
+    grpo_reward = resolve_reward_funcs([path], GRPOConfig(output_dir=str(tmp_path / "g")))[0]
+    assert _model_scores(grpo_reward, prompts, completions) == pytest.approx(expected, abs=1e-6)
+    rloo = RLOOTrainer(tiny_model(tokenizer, hidden=32, layers=1), reward_funcs=path, processing_class=tokenizer,
+                       args=RLOOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, report_to="none", max_steps=1,
+                                       per_device_train_batch_size=4, max_completion_length=4),
+                       train_dataset=Dataset.from_dict({"prompt": prompts + ["2+2="]}))
+    assert _model_scores(rloo.reward_funcs[0], prompts, completions) == pytest.approx(expected, abs=1e-6)
+    assert len({round(x, 6) for x in expected}) == 3  # the trained head tells the three apart
+
+
+@pytest.mark.peft
+def test_lora_trains_the_score_head_and_saves_it(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer, params, _ = _train(tokenizer, tmp_path, peft_config=config, max_steps=2)
+    head = [n for n in params if "score" in n and "modules_to_save" in n]
+    assert head and any(p.requires_grad for n, p in trainer.policy.named_parameters() if n in head)
+    initial = tiny_reward_model(tokenizer, hidden=32, layers=1).score.weight
+    assert not torch.equal(params[head[0]], initial)  # the head moved
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert any("score" in k for k in saved)
+
+
+def test_errors_a_user_can_cause(tokenizer, tmp_path):
+    with pytest.raises(ConfigError, match=r"^The model has num_labels=2, and a reward model gives one score per "):
+        model = tiny_reward_model(tokenizer, hidden=32, layers=1)
+        model.config.num_labels = 2
+        _train(tokenizer, tmp_path, model=model, train=False)
+    with pytest.raises(DataError, match=r"is in no preference format: its columns are prompt, completion; .* "
+                                        r"\(prompt/completion is an SFT dataset"):
+        _train(tokenizer, tmp_path, data=Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}), train=False)
+    with pytest.raises(DataError, match=r"has no pair left: every one of its 16 pairs has a chosen or rejected "
+                                        r"sequence longer than max_length=2"):
+        _train(tokenizer, tmp_path, max_length=2, train=False)
+    with pytest.raises(DataError, match=r"Row 1 of train_dataset has margin None: every row's margin must be a "
+                                        r"finite number"):
+        _train(tokenizer, tmp_path, data=Dataset.from_dict({**{k: v[:2] for k, v in PAIRS.items()},
+                                                            "margin": [0.5, None]}), train=False)
+    with pytest.raises(ConfigError, match=r"^RewardTrainer\(compute_metrics=\.\.\.\) is not supported"):
+        RewardTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1), args=reward_config(tmp_path),
+                      train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer,
+                      compute_metrics=lambda p: {})
+    with pytest.raises(ConfigError, match=r"^label_smoothing_factor=0.1 is not supported: the reward loss has no "
+                                          r"labels to smooth"):
+        reward_config(tmp_path, label_smoothing_factor=0.1)
