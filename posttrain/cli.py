@@ -1,4 +1,4 @@
-"""Command line: `posttrain grpo | rloo | sft | dpo | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | rloo | sft | dpo | reward | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -20,8 +20,8 @@ import time
 from posttrain._version import __version__
 from posttrain.cli_help import USAGE, add_fields, add_launch_flags, add_run_options, field_classes, help_topic, \
     trainer_help
-from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, RLOOConfig, SFTConfig, ScriptArguments,
-                               build, field_types, load_yaml, split_values, suggest)
+from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, RewardConfig, RLOOConfig, SFTConfig,
+                               ScriptArguments, build, field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
 
@@ -31,6 +31,8 @@ TRAINERS = {
     "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
     "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
     "rloo": (ScriptArguments, RLOOConfig, "Train with RLOO (REINFORCE leave-one-out) from a YAML config and flags."),
+    "reward": (BaseScriptArguments, RewardConfig, "Train a reward model on preference pairs from a YAML config and "
+               "flags."),
 }
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
@@ -40,7 +42,7 @@ def _hint(command: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT and DPO.",
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT, DPO and reward models.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -314,7 +316,17 @@ def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig)
                                 eval_dataset=eval_dataset, peft_config=peft_config))
 
 
-RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo}
+def run_reward(script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:
+    if lora.use_peft and lora.lora_task_type == "CAUSAL_LM":  # the default, which names the other trainers' models
+        lora.lora_task_type = "SEQ_CLS"
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.reward.trainer import RewardTrainer
+
+    _train_and_close(RewardTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                   eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo, "reward": run_reward}
 
 
 def run_command(command: str, argv: list[str]) -> int:

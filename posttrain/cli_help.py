@@ -1,4 +1,4 @@
-"""The trainers' flags, and their help: `posttrain grpo | rloo | sft | dpo --help`.
+"""The trainers' flags, and their help: `posttrain grpo | rloo | sft | dpo | reward --help`.
 
 Every field of the script arguments, LoRA and the trainer's config is a flag (`add_fields`), as are accelerate's
 launch settings (`add_launch_flags`); cli.py parses with all of them. The help shows them a page at a time:
@@ -32,6 +32,9 @@ COMMON = {
              "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
              "num_generations", "max_completion_length", "temperature", "beta", "normalize_advantages",
              "reward_clip_range", "use_vllm", "use_peft", "logging_steps", "save_steps"),
+    "reward": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
+               "gradient_accumulation_steps", "max_steps", "num_train_epochs", "max_length",
+               "center_rewards_coefficient", "eval_strategy", "use_peft", "logging_steps", "save_steps"),
     "dpo": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "max_length",
             "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
@@ -44,6 +47,7 @@ GROUP_NAMES = {
     "SamplingConfig": "generation", "GRPOObjectiveConfig": "loss", "GenerationServerConfig": "vllm",
     "SFTDataConfig": "data", "SFTLossConfig": "loss", "DPODataConfig": "data", "DPOReferenceConfig": "reference",
     "DPOLossConfig": "loss", "RLOOObjectiveConfig": "rloo",
+    "RewardDataConfig": "data", "RewardLossConfig": "loss",
 }
 LAUNCH_GROUP = "launch"
 USAGE = "posttrain {command} [--config FILE] [--FIELD VALUE ...] [launch flags]"

@@ -220,6 +220,10 @@ def test_lora_trains_the_score_head_and_saves_it(tokenizer, tmp_path):
 
     saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert any("score" in k for k in saved)
+    with pytest.raises(ConfigError, match=r"^peft_config has task_type='CAUSAL_LM', and a reward model is a sequence "
+                                          r"classifier: set task_type='SEQ_CLS'"):
+        _train(tokenizer, tmp_path / "causal", train=False, peft_config=LoraConfig(r=4, target_modules=["q_proj"],
+                                                                                     task_type="CAUSAL_LM"))
 
 
 def test_errors_a_user_can_cause(tokenizer, tmp_path):
@@ -244,3 +248,27 @@ def test_errors_a_user_can_cause(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match=r"^label_smoothing_factor=0.1 is not supported: the reward loss has no "
                                           r"labels to smooth"):
         reward_config(tmp_path, label_smoothing_factor=0.1)
+
+
+def test_posttrain_reward_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
+    """`posttrain reward` as TRL's `trl reward`: a causal LM's directory and a preference file in, a reward model out
+    (AutoModelForSequenceClassification loads it), TRL's metrics logged."""
+    import yaml
+    from conftest import run_posttrain
+    from transformers import AutoModelForSequenceClassification
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(dict(zip(PAIRS, row))) + "\n" for row in zip(*PAIRS.values())))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {data}\nper_device_train_batch_size: 4\n"
+                      "gradient_checkpointing: false\nuse_cpu: true\ncenter_rewards_coefficient: 0.01\n")
+    run = run_posttrain(["reward", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+                         "--logging_steps", "1", "--learning_rate", "1e-3"], capfd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all({"loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"} <= set(r)
+               for r in records)
+    written = yaml.safe_load((tmp_path / "out" / "posttrain_config.yaml").read_text())
+    assert (written["learning_rate"], written["center_rewards_coefficient"]) == (1e-3, 0.01)
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").config.num_labels == 1

@@ -200,7 +200,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward"])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
@@ -215,6 +215,8 @@ def test_trainer_snapshot_matches_the_installed_trl(trainer):
     ("rloo", 110, lambda cfg: (cfg.num_generations, cfg.beta, cfg.normalize_advantages, cfg.reward_clip_range,
                                cfg.loss_type, cfg.vllm_importance_sampling_correction) == (
         2, 0.05, False, None, "dapo", False)),
+    ("reward", 75, lambda cfg: (cfg.learning_rate, cfg.max_length, cfg.disable_dropout, cfg.center_rewards_coefficient,
+                                cfg.pad_to_multiple_of) == (1e-4, 1024, True, None, "auto")),
 ])
 def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
     from posttrain.configs.reference import TRAINERS
@@ -315,23 +317,26 @@ def test_dpo_v018_names_that_map():
 # ---------------------------------------------------------------------- RLOOConfig
 
 
-def test_every_trl_rloo_field_at_its_default_is_a_flag_and_grpo_only_fields_are_not():
+@pytest.mark.parametrize("trainer", ["rloo", "reward"])
+def test_every_trl_field_of_rloo_and_reward_at_its_default_is_a_flag(trainer):
     from posttrain.cli import parse_command
     from posttrain.configs.rloo import GRPO_ONLY
 
     trl_names = set()
-    for f in _trl_fields_of("rloo"):
+    for f in _trl_fields_of(trainer):
         trl_names.add(f["name"])
         default = _value(f["default"])
         if default == [] or default == "":
             continue
         text = ["none"] if default is None else [str(default).lower()] if isinstance(default, bool) else (
             [str(v) for v in default] if isinstance(default, list) else [str(default)])
-        cfg = parse_command("rloo", [f"--{f['name']}", *text])[2]
+        cfg = parse_command(trainer, [f"--{f['name']}", *text])[2]
         if f["name"] not in ("output_dir", "bf16", "epsilon_high", "steps_per_generation", "generation_batch_size",
                              "pad_to_multiple_of", "activation_checkpointing", "gradient_checkpointing_kwargs",
                              "report_to"):  # derived at construction
             assert getattr(cfg, f["name"]) == default, f["name"]
+    if trainer == "reward":
+        return
     assert not trl_names & set(GRPO_ONLY)  # what RLOOConfig refuses, TRL's RLOOConfig does not have
     cfg = parse_command("rloo", ["--reward_clip_range", "-1", "2.5"])[2]
     assert cfg.reward_clip_range == (-1.0, 2.5)

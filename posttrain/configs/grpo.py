@@ -209,7 +209,7 @@ class GRPOObjectiveConfig:
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations} leaves no group to compare against: "
-                "GRPO needs num_generations >= 2 (e.g. 8).")
+                f"{type(self).__name__.removesuffix('Config')} needs num_generations >= 2 (e.g. 8).")
         for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
                               ("multi_objective_aggregation", AGGREGATIONS),
                               ("importance_sampling_level", IS_LEVELS), ("on_bad_reward", ("stop", "skip"))):

@@ -101,7 +101,8 @@ class LoraArguments:
         "Parameter names to adapt directly (peft's target_parameters, e.g. the experts of a MoE layer).", default=None)
     lora_modules_to_save: Optional[list[str]] = _help(
         "Modules trained in full and saved beside the adapters (e.g. lm_head).", default=None)
-    lora_task_type: str = _help("peft's task type (CAUSAL_LM for these trainers).", default="CAUSAL_LM")
+    lora_task_type: str = _help("peft's task type: CAUSAL_LM for the policies; `posttrain reward` takes the default "
+                                "as SEQ_CLS, its model's.", default="CAUSAL_LM")
     use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
     use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
 

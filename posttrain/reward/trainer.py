@@ -171,6 +171,11 @@ class RewardTrainer(BatchedDataTrainer):
                                              self._trust_remote_code)
             train_added_tokens(peft_config, added, tied=True)  # a classifier has no output embeddings to save
         if peft_config is not None:
+            task = str(getattr(peft_config, "task_type", None) or "")
+            if task and task.split(".")[-1] != "SEQ_CLS":
+                raise ConfigError(f"peft_config has task_type={task.split('.')[-1]!r}, and a reward model is a "
+                                  "sequence classifier: set task_type='SEQ_CLS' (--lora_task_type SEQ_CLS), or leave "
+                                  "it unset.")
             head, _ = score_head(model)
             if head not in (peft_config.modules_to_save or []):
                 logger.info("The score head %r is trained whole beside the adapters (added to the LoRA config's "
