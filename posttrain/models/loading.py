@@ -111,11 +111,36 @@ def load_sequence_classifier(model, init_kwargs: dict | None = None):
     if not isinstance(model, str):
         return loaded
     loaded, info = loaded
-    new = [k for k in info.get("missing_keys", []) if not k.startswith(loaded.base_model_prefix + ".")]
+    new = sorted(k for k in info.get("missing_keys", []) if not k.startswith(loaded.base_model_prefix + "."))
     if new:  # transformers' table of missing keys is kept quiet: this is what it means
         logger.info("%s: a new score head (%s), drawn from the seeded generator, on the checkpoint's body.", model,
-                    ", ".join(sorted(new)))
+                    ", ".join(new))
+        _same_new_weights_everywhere(loaded, new)
     return loaded
+
+
+def _same_new_weights_everywhere(model, names: list[str]) -> None:
+    """The newly drawn weights `names` as the main process drew them, on every process: with FSDP's CPU-RAM-efficient
+    loading transformers leaves them on the meta device outside the main process (to be sent from it), and a process
+    that drew its own would train another head."""
+    import torch
+    import torch.distributed as dist
+
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        tensor = getattr(module, leaf)
+        if tensor.is_meta:
+            real = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            setattr(module, leaf, torch.nn.Parameter(real, tensor.requires_grad) if isinstance(
+                tensor, torch.nn.Parameter) else real)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for name in names:
+        tensor = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+        if not hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3's partitions are its own to keep in step
+            with torch.no_grad():
+                dist.broadcast(tensor.data, src=0)
 
 
 def _load(auto_class: str, model, kwargs: dict, init_kwargs: dict | None):

@@ -2,10 +2,12 @@
 
 transformers' sequence classifiers project every position's final hidden state to `num_labels` scores (`score`, a
 [H -> 1] linear for a reward model) and read each row's at its last token that is not the pad token (the argmax
-over positions of position * (token != pad_token_id)). So does this module, per sequence, which also lets the
-sequences of a micro-batch run end to end in one row (padding-free, position ids restarting per sequence): the
-scores come from the head's output, captured by a forward hook during the model's own forward (wrapped by DDP,
-FSDP, DeepSpeed or PEFT as it is), never from its pooled logits.
+over positions of position * (token != pad_token_id)). Padded rows (one sequence each) are scored by the model's own
+forward, its pooled logits. Padding-free, the sequences of a micro-batch run end to end in one row (position ids
+restarting per sequence), and each one's score is read from the head's output at its own last non-pad token,
+captured by a forward hook during the model's own forward (wrapped by DDP, FSDP, DeepSpeed or PEFT as it is); the
+pooled logits join the result with weight 0, so that the backward starts from the forward's output, where FSDP1's
+root wrapper waits for it.
 
     last  [S] long   flat index (row * T + position) of the position each sequence's score is read at
 """
@@ -43,13 +45,18 @@ def score_positions(tokens: np.ndarray, offsets: np.ndarray, pad_id: int, row_le
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     position_ids: torch.Tensor | None, last: torch.Tensor) -> torch.Tensor:
-    """[S] scores (float32) of the sequences in [B, T] `input_ids`, read at the flat positions `last`."""
+    """[S] scores (float32) of the sequences in [B, T] `input_ids`: padded rows (no `position_ids`), the model's
+    pooled logits; packed rows, the head's outputs at the flat positions `last`."""
+    if position_ids is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     **sequence_kwargs(model, None, 0)).logits[:, 0].float()
     _, head = score_head(model)
     captured = []
     handle = head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, **sequence_kwargs(model, position_ids, 0))
+        pooled = model(input_ids=input_ids, attention_mask=attention_mask,
+                       **sequence_kwargs(model, position_ids, 0)).logits
     finally:
         handle.remove()
-    scores = captured[-1]  # [B, T, 1]
-    return scores.reshape(-1)[last].float()
+    scores = captured[-1].reshape(-1)[last]  # [B, T, 1] -> [S]
+    return (scores + 0.0 * pooled.sum()).float()
