@@ -96,7 +96,7 @@ class Sharding:
 
         local = [local_tensor(p) for _, p in params]
         local = [t.to_local() if isinstance(t, DTensor) else t for t in local]
-        finite = torch.stack([torch.isfinite(t).all() for t in local]).to(torch.int32)  # [parameters]
+        finite = _finite_each(local).to(torch.int32)  # [parameters]
         if self.shards_parameters and torch.distributed.is_initialized():
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if bool(finite.all()):
@@ -233,3 +233,14 @@ def _fsdp2_unsharded(model: torch.nn.Module):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
+
+
+def _finite_each(tensors: list) -> torch.Tensor:
+    """[len(tensors)] bool: whether each tensor holds only finite values. A sum is NaN or infinite when any value is,
+    and one pass of it costs a fraction of isfinite's (which writes a mask of the tensor's size: 70 ms a step on a
+    152k x 128 embedding); the rare finite tensor whose sum overflows float32 is checked value by value."""
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    finite = torch.isfinite(sums)
+    for i in (~finite).nonzero().flatten().tolist():
+        finite[i] = torch.isfinite(tensors[i]).all()
+    return finite
