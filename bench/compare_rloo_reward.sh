@@ -3,7 +3,7 @@
 # (bench/rloo_step.py, bench/reward_step.py) on the 152k-vocabulary model, alternating TRL and posttrain REPEATS times
 # per row in one session (who goes first alternates too); print a JSON line per run (take the medians).
 #   REPEATS=3 TRL_PY=/tmp/venv/bin/python PT_PY=/tmp/venv/bin/python bash bench/compare_rloo_reward.sh /tmp/bench-models
-# ROWS picks rows by name: rloo (16 completions of 128 tokens a step, 8 per prompt, beta 0.05), reward (8 pairs a
+# ROWS picks rows by name: rloo (16 completions of 128 tokens a step, 8 per prompt, beta 0.05), reward (8 steps of 8 pairs a
 # step, prompt 192, chosen 64, rejected 64), reward-peft (the same with LoRA r16 on every linear layer).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -26,7 +26,7 @@ SHARED = os.environ.get("SHARED", os.path.join(HERE, "..", "..", "shared", "benc
 def parse_args(side: str):
     ap = argparse.ArgumentParser(description=f"{side}'s side of the reward-model benchmark")
     ap.add_argument("model")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=8, help="pairs per step (per_device_train_batch_size)")
     ap.add_argument("--prompt", type=int, default=192)
     ap.add_argument("--chosen", type=int, default=64, help="chosen tokens, EOS included")
@@ -79,11 +79,12 @@ def timed_train(trainer) -> tuple[float, float]:
     return time.perf_counter() - start, cpu_seconds() - cpu0
 
 
-def print_line(impl: str, args, wall: float, cpu: float, init_s: float, logs: list[dict]) -> None:
+def print_line(impl: str, args, wall: float, cpu: float, init_s: float, logs: list[dict], step_s) -> None:
     tokens = args.steps * args.pairs * (2 * args.prompt + args.chosen + args.rejected)
     first, last = logs[0], logs[-1]
     print(json.dumps({
         "impl": impl, "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "median_step_s": step_s,
         "tok_per_s": round(tokens / wall, 1), "cpu_s": round(cpu, 2), "init_s": round(init_s, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "loss_step1": first["loss"], "accuracy_step1": first["accuracy"], "margin_step1": first["margin"],
@@ -102,13 +103,36 @@ def main(impl: str) -> None:
     library = importlib.import_module(impl)
     tok = AutoTokenizer.from_pretrained(args.model)
     out_dir = tempfile.mkdtemp(prefix=f"{impl}-bench-reward-")
+    clock = step_clock()
     with contextlib.redirect_stdout(sys.stderr):  # the trainers' own output goes to stderr
         start = time.perf_counter()
         trainer = library.RewardTrainer(model=args.model, args=library.RewardConfig(**config_values(args, out_dir)),
                                         train_dataset=Dataset.from_dict(rows(args)), processing_class=tok,
-                                        peft_config=lora_config(args))
+                                        peft_config=lora_config(args), callbacks=[clock])
         init_s = time.perf_counter() - start
         check_prepared(trainer.train_dataset, args, tok.eos_token_id)
         wall, cpu = timed_train(trainer)
     shutil.rmtree(out_dir, ignore_errors=True)
-    print_line(impl, args, wall, cpu, init_s, [h for h in trainer.state.log_history if "loss" in h])
+    print_line(impl, args, wall, cpu, init_s, [h for h in trainer.state.log_history if "loss" in h],
+               median_step_s(clock))
+
+
+def step_clock():
+    """A TrainerCallback (both libraries take transformers' callbacks) that notes when each optimizer step ends;
+    `median_step_s(clock)` is the median of steps 2 .. N (the first holds one-time work: compilation of paths, caches),
+    the figure without what train() does once before and after its steps."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+def median_step_s(clock) -> float | None:
+    gaps = sorted(b - a for a, b in zip(clock.ends, clock.ends[1:]))
+    return round(gaps[len(gaps) // 2], 4) if gaps else None

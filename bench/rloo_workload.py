@@ -55,7 +55,8 @@ def config_values(args, output_dir: str) -> dict:
 
 def main(impl: str) -> None:
     """Run the workload with `impl`'s RLOOTrainer ("trl" or "posttrain") and print one JSON line: wall seconds of
-    train(), seconds/step, completion tokens/s, CPU seconds, peak RSS MiB, step-1 and last reward and loss."""
+    train(), seconds/step, the median step, completion tokens/s, CPU seconds, peak RSS MiB, step-1 and last reward and
+    loss."""
     args = parse_args(impl)
     import torch
 
@@ -67,10 +68,11 @@ def main(impl: str) -> None:
 
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     out_dir = tempfile.mkdtemp(prefix=f"{impl}-bench-rloo-")
+    clock = step_clock()
     with contextlib.redirect_stdout(sys.stderr):
         trainer = library.RLOOTrainer(model=args.model, reward_funcs=reward_digits,
                                       args=library.RLOOConfig(**config_values(args, out_dir)),
-                                      train_dataset=dataset(), peft_config=peft_config)
+                                      train_dataset=dataset(), peft_config=peft_config, callbacks=[clock])
         usage = resource.getrusage(resource.RUSAGE_SELF)
         cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
         trainer.train()
@@ -80,7 +82,29 @@ def main(impl: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     print(json.dumps({
         "impl": impl, "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
+        "median_step_s": median_step_s(clock),
         "completion_tok_per_s": round(args.steps * args.batch * args.completion / wall, 1),
         "cpu_s": round(usage.ru_utime + usage.ru_stime - cpu0, 2),
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "reward_step1": logs[0]["reward"],
         "reward_last": logs[-1]["reward"], "kl_last": logs[-1].get("kl"), "loss_last": logs[-1]["loss"]}))
+
+
+def step_clock():
+    """A TrainerCallback (both libraries take transformers' callbacks) that notes when each optimizer step ends;
+    `median_step_s(clock)` is the median of steps 2 .. N (the first holds one-time work: compilation of paths, caches),
+    the figure without what train() does once before and after its steps."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+def median_step_s(clock) -> float | None:
+    gaps = sorted(b - a for a, b in zip(clock.ends, clock.ends[1:]))
+    return round(gaps[len(gaps) // 2], 4) if gaps else None

@@ -1,6 +1,6 @@
 """Anchor run: TRL 1.16's RewardTrainer on CPU on a local tiny model, the workload of bench/reward_workload.py.
 
-Usage: python bench/trl_reward.py MODEL_DIR [--steps 4] [--pairs 8] [--prompt 192] [--chosen 64] [--rejected 64]
+Usage: python bench/trl_reward.py MODEL_DIR [--steps 8] [--pairs 8] [--prompt 192] [--chosen 64] [--rejected 64]
                                             [--peft] [--threads 2] [--gradient-checkpointing]
 Prints one JSON line on stdout (TRL's own logs go to stderr): wall seconds of train(), seconds/step, tokens/s, CPU
 seconds, trainer construction seconds, peak RSS MiB, step-1 loss, accuracy, margin and mean reward, last loss and
