@@ -179,6 +179,15 @@ def test_a_run_from_a_causal_lm_path_learns_and_saves_a_reward_model(tokenizer, 
     evaluation = trainer.evaluate()
     assert {"eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward",
             "eval_max_reward"} <= set(evaluation)
+    # `posttrain plot` and the report show the reward model's metrics
+    from posttrain.plotting import panels_with_data, read_runs
+    from posttrain.report.run import read_config, trainer_of
+    from posttrain.report.summary import HEADLINES
+
+    drawn = {key for _, keys in panels_with_data(read_runs([str(tmp_path / "out")])) for key in keys}
+    assert {"accuracy", "margin", "min_reward", "mean_reward", "max_reward", "eval_accuracy", "eval_margin"} <= drawn
+    assert trainer_of(read_config(str(tmp_path / "out"), []), set()) == "Reward"
+    assert trainer_of(None, {"loss", "max_reward"}) == "Reward" and HEADLINES["Reward"] == ("loss", "accuracy", "margin")
 
 
 def test_a_trained_reward_model_scores_grpo_and_rloo_completions_as_transformers_loads_it(tokenizer, tmp_path):
@@ -272,3 +281,27 @@ def test_posttrain_reward_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
     written = yaml.safe_load((tmp_path / "out" / "posttrain_config.yaml").read_text())
     assert (written["learning_rate"], written["center_rewards_coefficient"]) == (1e-3, 0.01)
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").config.num_labels == 1
+
+
+def test_the_rlhf_pipeline_example_runs_end_to_end(tmp_path, capsys):
+    """examples/rlhf_pipeline.py, shortened: `posttrain sft`, `posttrain reward` from its directory (evaluated on the
+    held-out pairs before and after), `posttrain rloo` from the SFT directory against the reward model; each stage's
+    plot written (docs/reward.md shows a full run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "rlhf_pipeline.py"
+    spec = importlib.util.spec_from_file_location("rlhf_pipeline", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "pipeline"
+    result = example.main(["--output-dir", str(out), "--sft-steps", "4", "--reward-steps", "6", "--rloo-steps", "3"])
+    assert all(0.0 <= a <= 1.0 for a in result["reward_model_held_out_accuracy"])
+    assert all(math.isfinite(r) for r in result["policy_reward"])
+    for stage in ("sft", "reward", "rloo"):
+        assert (out / f"{stage}.png").stat().st_size > 0
+    assert "reward model, held-out accuracy" in capsys.readouterr().out
+    from transformers import AutoConfig, AutoTokenizer
+
+    config, tokenizer = AutoConfig.from_pretrained(out / "reward"), AutoTokenizer.from_pretrained(out / "reward")
+    assert config.num_labels == 1 and config.pad_token_id == tokenizer.eos_token_id  # --pad_token <|im_end|>

@@ -243,3 +243,6 @@ def test_posttrain_rloo_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
 
     again = parse_command("rloo", ["--config", str(tmp_path / "out" / "posttrain_config.yaml")])[2]
     assert again.reward_clip_range == (-5.0, 5.0)  # the written config reads back as the same config
+    from posttrain.report.run import read_config, trainer_of
+
+    assert trainer_of(read_config(str(tmp_path / "out"), []), set()) == "RLOO"  # the report names the trainer

@@ -12,8 +12,10 @@ from posttrain.run_files import read_json_object, read_yaml_mapping
 SUMMARY_FILES = ("all_results.json", "train_results.json")  # the end-of-training summary (all: with evaluation's)
 CONFIG_FILE = "posttrain_config.yaml"
 # each trainer's own config fields (posttrain_config.yaml), then its own metrics: which trainer wrote the run
-TRAINER_FIELDS = (("GRPO", "num_generations"), ("DPO", "precompute_ref_log_probs"), ("SFT", "dataset_text_field"))
-TRAINER_METRICS = (("GRPO", "reward"), ("DPO", "rewards/margins"), ("SFT", "mean_token_accuracy"))
+TRAINER_FIELDS = (("RLOO", "reward_clip_range"), ("GRPO", "num_generations"), ("DPO", "precompute_ref_log_probs"),
+                  ("SFT", "dataset_text_field"), ("Reward", "center_rewards_coefficient"))
+TRAINER_METRICS = (("GRPO", "reward"), ("DPO", "rewards/margins"), ("SFT", "mean_token_accuracy"),
+                   ("Reward", "max_reward"))
 WEIGHT_FILES = ("model.safetensors", "model-*-of-*.safetensors", "adapter_model.safetensors", "pytorch_model*.bin",
                 "adapter_model.bin")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
@@ -51,7 +53,7 @@ def final_summary(output_dir: str) -> tuple[str | None, dict]:
 
 
 def trainer_of(config: dict | None, metric_names: set[str]) -> str | None:
-    """GRPO, SFT or DPO: from the config's own fields, else from the metrics logged; None where neither says."""
+    """GRPO, RLOO, SFT, DPO or Reward: from the config's own fields, else from the metrics logged; None where neither says."""
     for trainer, field in TRAINER_FIELDS:
         if config and field in config:
             return trainer

@@ -12,13 +12,16 @@ from posttrain.report.tables import change, clock, escape, link, markup_table, n
 HEADLINES = {"GRPO": ("reward", FUNCTION_MEAN, "kl", "entropy", "completions/mean_length"),
              "SFT": ("loss", "mean_token_accuracy"),
              "DPO": ("loss", "rewards/accuracies", "rewards/margins"),
-             None: ("reward", "loss")}
+             "Reward": ("loss", "accuracy", "margin")}
+HEADLINES["RLOO"], HEADLINES[None] = HEADLINES["GRPO"], ("reward", "loss")
 EVALUATION = {"GRPO": ("eval_reward", "eval_" + FUNCTION_MEAN),
               "SFT": ("eval_loss", "eval_mean_token_accuracy"),
               "DPO": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
-              None: ("eval_reward", "eval_loss")}
+              "Reward": ("eval_loss", "eval_accuracy", "eval_margin")}
+EVALUATION["RLOO"], EVALUATION[None] = EVALUATION["GRPO"], ("eval_reward", "eval_loss")
 LOWER_IS_BETTER = ("loss", "eval_loss")
-HIGHER_IS_BETTER = ("reward", FUNCTION_MEAN, "mean_token_accuracy", "rewards/accuracies", "rewards/margins")
+HIGHER_IS_BETTER = ("reward", FUNCTION_MEAN, "mean_token_accuracy", "rewards/accuracies", "rewards/margins", "accuracy",
+                    "margin")
 WINDOW = 0.1  # the share of the logged training records averaged at each end (at least one)
 
 
@@ -127,7 +130,7 @@ def _tokens(steps: dict[int, dict], trainer: str | None) -> str | None:
     xs, ys = series(steps, "num_tokens")
     if not xs:
         return None
-    return f"{number(int(ys[-1]))} tokens {'fed to the model' if trainer == 'GRPO' else 'trained on'}"
+    return f"{number(int(ys[-1]))} tokens {'fed to the model' if trainer in ('GRPO', 'RLOO') else 'trained on'}"
 
 
 def _length(steps: dict[int, dict], config: dict | None, summary: dict, trainer: str | None) -> str:

@@ -111,11 +111,8 @@ class RewardEncoder:
                 raise DataError(f"Row {index} of {self.name} has {type(value).__name__} in {column!r} where the "
                                 f"first row has {'messages' if kind is list else 'text'}: every row must be in the "
                                 "same format.")
-            if kind is list:
-                check_messages(value, f"Row {index} of {self.name}", column, allow_empty=column == "prompt")
-            elif column != "prompt" and not value:
-                raise DataError(f"Row {index} of {self.name} has an empty {column!r}: a pair needs two answers to "
-                                "compare; drop the row (dataset.filter) or fix it.")
+            if kind is list:  # an empty answer is one to score (standard text gets the EOS), as in TRL
+                check_messages(value, f"Row {index} of {self.name}", column, allow_empty=True)
         return prompt, row["chosen"], row["rejected"]
 
     def _tokenized(self, row: dict, index: int):

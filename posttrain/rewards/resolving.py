@@ -142,13 +142,15 @@ def _reward_model(source: str, trust_remote_code: bool, dtype=None):
     None: the checkpoint's own)."""
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.models.loading import ModelLoadError, from_pretrained_kwargs, hub_reachable_or_cached
+    from posttrain.models.loading import (ModelLoadError, from_pretrained_kwargs, hub_reachable_or_cached,
+                                          without_progress_bars)
 
     hub_reachable_or_cached(source, "reward model")
     kwargs = from_pretrained_kwargs({"trust_remote_code": trust_remote_code, "dtype": dtype})
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=1, output_loading_info=True, **kwargs)
+        with without_progress_bars():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=1, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Reward {source!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}), an importable "
                              f"dotted path, nor a loadable reward model ({str(err).splitlines()[0]})."
