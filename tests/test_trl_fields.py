@@ -343,3 +343,19 @@ def test_every_trl_field_of_rloo_and_reward_at_its_default_is_a_flag(trainer):
     for name in ("loss_type", "scale_rewards", "vllm_importance_sampling_correction"):
         with pytest.raises(ConfigError, match=f"Unknown argument '--{name}'"):
             parse_command("rloo", [f"--{name}", "x"])
+
+
+@pytest.mark.parametrize("trainer,name", [("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("rloo", "RLOOConfig"),
+                                          ("reward", "RewardConfig")])
+def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
+    import os
+
+    counts = {IMPLEMENTED: 0, SAME: 0, UNSUPPORTED: 0}
+    for f in trl_snapshot(trainer)["fields"]:
+        counts[trl_field_status(f["name"], trainer)[0]] += 1
+    readme = " ".join(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read().split())
+    found = re.search(rf"All (\d+) fields of TRL 1\.16's `{name}`.*?(\d+) implemented, (\d+) accepted at TRL's "
+                      rf"behaviour, (\d+) refused", readme)
+    assert found, f"README's count of {name}'s fields is missing"
+    assert tuple(map(int, found.groups())) == (len(trl_snapshot(trainer)["fields"]), counts[IMPLEMENTED],
+                                               counts[SAME], counts[UNSUPPORTED])
