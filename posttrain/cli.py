@@ -1,4 +1,5 @@
-"""Command line: `posttrain grpo | rloo | sft | dpo | reward | serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
+"""Command line: `posttrain grpo | rloo | sft | dpo | reward | serve | vllm-serve | demo | plot | report | env`,
+`posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -9,7 +10,7 @@ Arguments are parsed before torch is imported, so `--help` answers at once. Ever
 every script field (model, dataset or mixture, rewards for grpo, LoRA) is a flag (posttrain/cli_help.py, which shows
 them a page at a time: `--help`, `--help GROUP|FIELD`, `--help-all`); values given on the command line override the
 YAML file. accelerate's launch flags, `--accelerate_config NAME|PATH` and YAML `env:` are taken as in
-TRL's CLI (posttrain/launch.py).
+TRL's CLI (posttrain/launch.py). What each trainer command then runs is posttrain/runs.py.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments
                                ScriptArguments, build, field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
+from posttrain.runs import run_dpo, run_grpo, run_reward, run_rloo, run_sft
 
 # command -> (script arguments, trainer config, help line)
 TRAINERS = {
@@ -223,107 +225,9 @@ def parse_sft(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, SFTC
     return parse_command("sft", argv)[:3]
 
 
-def _model_init_kwargs(script, config) -> None:
-    """The script's dtype, attn_implementation, revision and trust_remote_code into config.model_init_kwargs."""
-    init = dict(config.model_init_kwargs or {})
-    for key in ("dtype", "attn_implementation"):
-        if getattr(script, key) is not None:
-            init.setdefault(key, getattr(script, key))
-    config.trust_remote_code = config.trust_remote_code or script.trust_remote_code
-    init.setdefault("trust_remote_code", config.trust_remote_code)
-    init.setdefault("revision", script.model_revision)
-    config.model_init_kwargs = init
-
-
-def _datasets(script, config):
-    """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture (one of them is set)."""
-    from posttrain.dataset_loading import load_mixture, load_prompt_dataset
-
-    wants_eval = config.eval_strategy != "no" or config.eval_on_start
-    if script.datasets is not None:
-        return load_mixture(script.datasets, script.streaming, script.test_split_size, config.seed, wants_eval)
-    train = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split,
-                                streaming=script.dataset_streaming)
-    evaluation = None
-    if wants_eval:
-        evaluation = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_test_split,
-                                         for_eval=True)
-    return train, evaluation
-
-
-def _prepare_run(script, lora, config):
-    """(peft config or None, train dataset, eval dataset or None), the model's init kwargs set in `config`; a missing
-    model or dataset stops first."""
-    if not script.model_name_or_path:
-        raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
-    if not script.dataset_name and script.datasets is None:
-        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
-                          "a datasets: mixture.")
-    peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
-    _model_init_kwargs(script, config)
-    train, evaluation = _datasets(script, config)
-    return peft_config, train, evaluation
-
-
-def _train_and_close(trainer) -> None:
-    try:
-        trainer.train()
-    except BaseException:
-        trainer.close(failed=True)  # no process waits for one that stopped
-        raise
-    trainer.close()
-
-
-def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
-    from posttrain.grpo.trainer import GRPOTrainer
-
-    _run_online(GRPOTrainer, script, lora, config)
-
-
-def run_rloo(script: ScriptArguments, lora: LoraArguments, config: RLOOConfig) -> None:
-    from posttrain.rloo.trainer import RLOOTrainer
-
-    _run_online(RLOOTrainer, script, lora, config)
-
-
-def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, config) -> None:
-    """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them."""
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
-        script.reward_funcs or [])
-    _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
-                                 eval_dataset=eval_dataset, peft_config=peft_config))
-
-
-def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.sft.trainer import SFTTrainer
-
-    _train_and_close(SFTTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                eval_dataset=eval_dataset, peft_config=peft_config))
-
-
 def parse_dpo(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, DPOConfig]:
     """The dpo command's configs (launch flags are parsed and left out)."""
     return parse_command("dpo", argv)[:3]
-
-
-def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.dpo.trainer import DPOTrainer
-
-    _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                eval_dataset=eval_dataset, peft_config=peft_config))
-
-
-def run_reward(script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:
-    if lora.use_peft and lora.lora_task_type == "CAUSAL_LM":  # the default, which names the other trainers' models
-        lora.lora_task_type = "SEQ_CLS"
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.reward.trainer import RewardTrainer
-
-    _train_and_close(RewardTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                   eval_dataset=eval_dataset, peft_config=peft_config))
 
 
 RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo, "reward": run_reward}

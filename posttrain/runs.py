@@ -1,0 +1,105 @@
+"""What each trainer command runs once its arguments are parsed (posttrain/cli.py): the model's init kwargs from the
+script's, the datasets (a name or a mixture, the test split when evaluating), the trainer, train() and close().
+Nothing heavy is imported before a command runs."""
+
+from posttrain.configs import ConfigError, DPOConfig, GRPOConfig, LoraArguments, RewardConfig, RLOOConfig, \
+    SFTConfig, ScriptArguments
+from posttrain.configs.script import BaseScriptArguments
+
+
+def _model_init_kwargs(script, config) -> None:
+    """The script's dtype, attn_implementation, revision and trust_remote_code into config.model_init_kwargs."""
+    init = dict(config.model_init_kwargs or {})
+    for key in ("dtype", "attn_implementation"):
+        if getattr(script, key) is not None:
+            init.setdefault(key, getattr(script, key))
+    config.trust_remote_code = config.trust_remote_code or script.trust_remote_code
+    init.setdefault("trust_remote_code", config.trust_remote_code)
+    init.setdefault("revision", script.model_revision)
+    config.model_init_kwargs = init
+
+
+def _datasets(script, config):
+    """(train dataset, eval dataset or None) from dataset_name or the `datasets` mixture (one of them is set)."""
+    from posttrain.dataset_loading import load_mixture, load_prompt_dataset
+
+    wants_eval = config.eval_strategy != "no" or config.eval_on_start
+    if script.datasets is not None:
+        return load_mixture(script.datasets, script.streaming, script.test_split_size, config.seed, wants_eval)
+    train = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_train_split,
+                                streaming=script.dataset_streaming)
+    evaluation = None
+    if wants_eval:
+        evaluation = load_prompt_dataset(script.dataset_name, script.dataset_config, script.dataset_test_split,
+                                         for_eval=True)
+    return train, evaluation
+
+
+def _prepare_run(script, lora, config):
+    """(peft config or None, train dataset, eval dataset or None), the model's init kwargs set in `config`; a missing
+    model or dataset stops first."""
+    if not script.model_name_or_path:
+        raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
+    if not script.dataset_name and script.datasets is None:
+        raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
+                          "a datasets: mixture.")
+    peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
+    _model_init_kwargs(script, config)
+    train, evaluation = _datasets(script, config)
+    return peft_config, train, evaluation
+
+
+def _train_and_close(trainer) -> None:
+    try:
+        trainer.train()
+    except BaseException:
+        trainer.close(failed=True)  # no process waits for one that stopped
+        raise
+    trainer.close()
+
+
+def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    _run_online(GRPOTrainer, script, lora, config)
+
+
+def run_rloo(script: ScriptArguments, lora: LoraArguments, config: RLOOConfig) -> None:
+    from posttrain.rloo.trainer import RLOOTrainer
+
+    _run_online(RLOOTrainer, script, lora, config)
+
+
+def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, config) -> None:
+    """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them."""
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
+        script.reward_funcs or [])
+    _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
+                                 eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.sft.trainer import SFTTrainer
+
+    _train_and_close(SFTTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.dpo.trainer import DPOTrainer
+
+    _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_reward(script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:
+    if lora.use_peft and lora.lora_task_type == "CAUSAL_LM":  # the default, which names the other trainers' models
+        lora.lora_task_type = "SEQ_CLS"
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.reward.trainer import RewardTrainer
+
+    _train_and_close(RewardTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                   eval_dataset=eval_dataset, peft_config=peft_config))
