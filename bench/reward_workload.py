@@ -19,6 +19,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_clock import median_step_s, step_clock  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.environ.get("SHARED", os.path.join(HERE, "..", "..", "shared", "bench"))
 
@@ -116,23 +120,3 @@ def main(impl: str) -> None:
     print_line(impl, args, wall, cpu, init_s, [h for h in trainer.state.log_history if "loss" in h],
                median_step_s(clock))
 
-
-def step_clock():
-    """A TrainerCallback (both libraries take transformers' callbacks) that notes when each optimizer step ends;
-    `median_step_s(clock)` is the median of steps 2 .. N (the first holds one-time work: compilation of paths, caches),
-    the figure without what train() does once before and after its steps."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-
-    return StepClock()
-
-
-def median_step_s(clock) -> float | None:
-    gaps = sorted(b - a for a, b in zip(clock.ends, clock.ends[1:]))
-    return round(gaps[len(gaps) // 2], 4) if gaps else None

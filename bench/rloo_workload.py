@@ -12,9 +12,14 @@ import importlib
 import json
 import resource
 import shutil
+import os
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_clock import median_step_s, step_clock  # noqa: E402
 
 
 def parse_args(side: str):
@@ -88,23 +93,3 @@ def main(impl: str) -> None:
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "reward_step1": logs[0]["reward"],
         "reward_last": logs[-1]["reward"], "kl_last": logs[-1].get("kl"), "loss_last": logs[-1]["loss"]}))
 
-
-def step_clock():
-    """A TrainerCallback (both libraries take transformers' callbacks) that notes when each optimizer step ends;
-    `median_step_s(clock)` is the median of steps 2 .. N (the first holds one-time work: compilation of paths, caches),
-    the figure without what train() does once before and after its steps."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-
-    return StepClock()
-
-
-def median_step_s(clock) -> float | None:
-    gaps = sorted(b - a for a, b in zip(clock.ends, clock.ends[1:]))
-    return round(gaps[len(gaps) // 2], 4) if gaps else None

@@ -31,8 +31,7 @@ from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
-from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
-from posttrain.sequences.rows import EpochPlan
+from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded
@@ -109,27 +108,10 @@ class DPOTrainer(BatchedDataTrainer):
         self.pad_to_multiple_of = self._padding_multiple()
         self._train_source = train_dataset
         self.train_preparation = self._preparation(train_dataset, "train_dataset")
-        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
-        if is_iterable(train_dataset):
-            if args.precompute_ref_log_probs:
-                raise ConfigError("precompute_ref_log_probs=True needs every pair up front, and train_dataset is an "
-                                  "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
-            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
-                                         processes, args.gradient_accumulation_steps, rank)
-            self.data_fingerprint = None
-        else:
-            pairs = prepare_pairs(train_dataset, self.train_preparation)
-            plan = EpochPlan(pairs.lengths, args.per_device_train_batch_size, processes,
-                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
-                             args.dataloader_drop_last)
-            if plan.micro_batches == 0:
-                dropped = len(train_dataset) - len(pairs)
-                left = f" ({dropped} of {len(train_dataset)} dropped: see the warning)" if dropped else ""
-                raise DataError(f"train_dataset gives {len(pairs)} pairs{left}, fewer than one global batch "
-                                f"({args.per_device_train_batch_size} x {processes} processes) with "
-                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
-            self.data_fingerprint = pairs.fingerprint()
-            self.batches = MapBatches(pairs, plan, rank)
+        if is_iterable(train_dataset) and args.precompute_ref_log_probs:
+            raise ConfigError("precompute_ref_log_probs=True needs every pair up front, and train_dataset is an "
+                              "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
+        self._set_batches(train_dataset, self.train_preparation, prepare_pairs)
         self.eval_dataset = eval_dataset
         self._eval_pairs = {}
         return model

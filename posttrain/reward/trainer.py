@@ -26,10 +26,9 @@ from posttrain.data import DataError
 from posttrain.models.loading import load_sequence_classifier
 from posttrain.models.scores import HEAD_NAMES, score_head, score_positions, sequence_scores
 from posttrain.reward.data import RewardEncoder, RewardPreparation, pairs_as_dataset, prepare_reward_pairs
-from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.collate import SequenceBatch, collate
 from posttrain.sequences.pairs import PairRows
-from posttrain.sequences.rows import EpochPlan
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
@@ -117,7 +116,6 @@ class RewardTrainer(BatchedDataTrainer):
     # ------------------------------------------------------------------ setup
 
     def _setup(self, model, train_dataset, eval_dataset, processing_class, peft_config):
-        args = self.args
         if train_dataset is None:
             raise DataError("RewardTrainer needs a train_dataset of preference pairs (chosen, rejected).")
         self._check_given_model(model)
@@ -127,22 +125,7 @@ class RewardTrainer(BatchedDataTrainer):
         self.pad_to_multiple_of = self._padding_multiple()
         self.train_preparation = self._preparation(train_dataset, "train_dataset")
         self._train_source = train_dataset
-        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
-        if is_iterable(train_dataset):
-            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
-                                         processes, args.gradient_accumulation_steps, rank)
-            self.data_fingerprint = None
-        else:
-            pairs = prepare_reward_pairs(train_dataset, self.train_preparation)
-            plan = EpochPlan(pairs.lengths, args.per_device_train_batch_size, processes,
-                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
-                             args.dataloader_drop_last)
-            if plan.micro_batches == 0:
-                raise DataError(f"train_dataset gives {len(pairs)} pairs, fewer than one global batch "
-                                f"({args.per_device_train_batch_size} x {processes} processes) with "
-                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
-            self.data_fingerprint = pairs.fingerprint()
-            self.batches = MapBatches(pairs, plan, rank)
+        self._set_batches(train_dataset, self.train_preparation, prepare_reward_pairs)
         self.eval_dataset = eval_dataset
         self._eval_pairs = {}
         return model
@@ -187,11 +170,7 @@ class RewardTrainer(BatchedDataTrainer):
         """eos_token and pad_token onto the tokenizer, pad_token_id onto the model's config (where it reads the
         scores), as in TRL."""
         args, tok = self.args, self.tokenizer
-        vocab = tok.get_vocab()
-        for field, token in (("eos_token", args.eos_token), ("pad_token", args.pad_token)):
-            if token is not None and token not in vocab:
-                raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
-                                  f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+        self._check_named_tokens()
         if args.eos_token is not None:
             tok.eos_token = args.eos_token
             model.config.get_text_config().eos_token_id = tok.eos_token_id

@@ -17,9 +17,8 @@ from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.collate import collate
-from posttrain.sequences.rows import EpochPlan
 from posttrain.sft.data import Preparation, prepare_map_dataset
 from posttrain.sft.formats import RowEncoder, check_formatting_func
 from posttrain.training.batched import BatchedDataTrainer
@@ -115,22 +114,8 @@ class SFTTrainer(BatchedDataTrainer):
         self.padding_free = args.padding_free or args.packing
         self._train_source = train_dataset
         self.train_preparation = self._preparation(train_dataset, args.packing, "train_dataset")
-        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
-        if is_iterable(train_dataset):
-            self.batches = StreamBatches(train_dataset, self.train_preparation, args.per_device_train_batch_size,
-                                         processes, args.gradient_accumulation_steps, rank)
-            self.data_fingerprint = None
-        else:
-            rows = prepare_map_dataset(train_dataset, self.train_preparation, self._data_seed)
-            plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, processes,
-                             args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
-                             args.dataloader_drop_last)
-            if plan.micro_batches == 0:
-                raise DataError(f"train_dataset gives {len(rows)} training rows, fewer than one global batch "
-                                f"({args.per_device_train_batch_size} x {processes} processes) with "
-                                "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
-            self.batches = MapBatches(rows, plan, rank)
-            self.data_fingerprint = rows.fingerprint()
+        self._set_batches(train_dataset, self.train_preparation,
+                          lambda dataset, preparation: prepare_map_dataset(dataset, preparation, self._data_seed))
         self.eval_dataset = eval_dataset
         self._eval_rows = {}
         return model
@@ -159,11 +144,7 @@ class SFTTrainer(BatchedDataTrainer):
     def _configure_tokenizer(self, model) -> None:
         """eos_token and pad_token onto the tokenizer (and the model's configs), as in TRL."""
         args, tok = self.args, self.tokenizer
-        vocab = tok.get_vocab()
-        for field, token in (("eos_token", args.eos_token), ("pad_token", args.pad_token)):
-            if token is not None and token not in vocab:
-                raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
-                                  f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+        self._check_named_tokens()
         if args.eos_token is not None:
             tok.eos_token = args.eos_token
             model.config.eos_token_id = tok.eos_token_id

@@ -10,6 +10,9 @@ and counts the tokens it trains on in self._tokens_seen.
 
 import math
 
+from posttrain.data import DataError
+from posttrain.sequences.batches import MapBatches, StreamBatches, is_iterable
+from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
 from posttrain.training.setup import run_length_unknown
 from posttrain.training.trainer import Trainer
@@ -28,6 +31,41 @@ class BatchedDataTrainer(Trainer):
         model.config.pad_token_id = tok.pad_token_id
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.pad_token_id = tok.pad_token_id
+
+    def _check_named_tokens(self) -> None:
+        """eos_token and pad_token, where the config names them, must be tokens of the tokenizer's vocabulary."""
+        from posttrain.configs import ConfigError
+
+        tok, vocab = self.tokenizer, self.tokenizer.get_vocab()
+        for field in ("eos_token", "pad_token"):
+            token = getattr(self.args, field, None)
+            if token is not None and token not in vocab:
+                raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
+                                  f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+
+    def _set_batches(self, train_dataset, preparation, prepare_all) -> None:
+        """self.batches and self.data_fingerprint: an IterableDataset's stream, prepared block by block, or a map-style
+        dataset's rows, prepared at once (`prepare_all(dataset, preparation)`, which has `lengths` and
+        `fingerprint()`) and taken in its EpochPlan's order; one sentence when not one global batch is left."""
+        args, acc = self.args, self.accelerator
+        if is_iterable(train_dataset):
+            self.batches = StreamBatches(train_dataset, preparation, args.per_device_train_batch_size,
+                                         acc.num_processes, args.gradient_accumulation_steps, acc.process_index)
+            self.data_fingerprint = None
+            return
+        rows = prepare_all(train_dataset, preparation)
+        plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, acc.num_processes,
+                         args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
+                         args.dataloader_drop_last)
+        if plan.micro_batches == 0:
+            dropped = len(train_dataset) - len(rows) if self._data_noun == "pairs" else 0
+            left = f" ({dropped} of {len(train_dataset)} dropped: see the warning)" if dropped > 0 else ""
+            noun = self._data_noun if self._data_noun == "pairs" else f"training {self._data_noun}"
+            raise DataError(f"train_dataset gives {len(rows)} {noun}{left}, fewer than one global batch "
+                            f"({args.per_device_train_batch_size} x {acc.num_processes} processes) with "
+                            "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
+        self.data_fingerprint = rows.fingerprint()
+        self.batches = MapBatches(rows, plan, acc.process_index)
 
     def _total_steps(self) -> int:
         args = self.args
