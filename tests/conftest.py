@@ -115,6 +115,19 @@ class StopAt:
         control.should_training_stop = state.global_step >= self.step
 
 
+def use_sgd(trainer) -> None:
+    """Swap the trainer's AdamW for plain SGD at its learning rate, whose update is linear in the gradient (Adam turns
+    noise-level gradients, 1e-12 of either sign, into full +-lr steps, so its updates cannot be compared to
+    tolerance); the schedule follows the optimizer that steps (else torch warns that it ran ahead of it)."""
+    import torch
+
+    from posttrain.training.optim import make_scheduler
+
+    sgd = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad], lr=trainer.args.learning_rate)
+    trainer.optimizer.optimizer = sgd
+    trainer.scheduler.scheduler = make_scheduler(sgd, trainer.args, trainer.total_steps)
+
+
 def capture_gradients(trainer) -> list:
     """Record, at every optimizer step, a copy of each parameter's gradient (one dict per step)."""
     steps = []

@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
-from conftest import StopAt, capture_gradients
+from conftest import StopAt, capture_gradients, use_sgd
 from datasets import Dataset
 
 from posttrain.configs import ConfigError, RewardConfig
 from posttrain.data import DataError
 from posttrain.reward.trainer import RewardTrainer
 from posttrain.testing import tiny_model, tiny_reward_model
-from posttrain.training.optim import make_scheduler
 
 # pairs of varied lengths (chosen longer or shorter than rejected), so a wrong pooling or normalisation would show
 PAIRS = {"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)],
@@ -52,10 +51,7 @@ def _train(tokenizer, tmp_path, data=None, capture=False, sgd=False, model=None,
                             eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
                             peft_config=peft_config)
     if sgd:  # an update linear in the gradient, so that updates compare to tolerance
-        sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
-                                        lr=trainer.args.learning_rate)
-        trainer.optimizer.optimizer = sgd_optimizer
-        trainer.scheduler.scheduler = make_scheduler(sgd_optimizer, trainer.args, trainer.total_steps)
+        use_sgd(trainer)
     grads = capture_gradients(trainer) if capture else []
     if train:
         trainer.train()

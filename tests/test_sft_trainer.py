@@ -6,14 +6,13 @@ import math
 
 import pytest
 import torch
-from conftest import StopAt, capture_gradients
+from conftest import StopAt, capture_gradients, use_sgd
 from datasets import Dataset
 
 from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
 from posttrain.sft.trainer import SFTTrainer
 from posttrain.testing import tiny_model
-from posttrain.training.optim import make_scheduler
 
 # rows of varied lengths (so that splits normalise differently if they were wrong)
 TEXTS = [("ab " * (1 + i % 7)) + str(i) for i in range(16)]
@@ -35,10 +34,7 @@ def _train(tokenizer, tmp_path, data=None, capture=False, sgd=False, model=None,
     trainer = SFTTrainer(model, args=sft_config(tmp_path, **overrides), train_dataset=dataset,
                          processing_class=tokenizer, callbacks=callbacks)
     if sgd:  # an update linear in the gradient, so that updates compare to tolerance (see tests/test_trainer.py)
-        sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
-                                        lr=trainer.args.learning_rate)
-        trainer.optimizer.optimizer = sgd_optimizer
-        trainer.scheduler.scheduler = make_scheduler(sgd_optimizer, trainer.args, trainer.total_steps)
+        use_sgd(trainer)
     grads = capture_gradients(trainer) if capture else []
     trainer.train()
     return trainer, {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads

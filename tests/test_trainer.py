@@ -5,13 +5,12 @@ import math
 
 import pytest
 import torch
-from conftest import (capture_gradients, last_train_record, length_reward, tiny_config, variable_length_fast_model,
-                      variable_length_model)
+from conftest import (capture_gradients, last_train_record, length_reward, tiny_config, use_sgd,
+                      variable_length_fast_model, variable_length_model)
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
 from posttrain.testing import tiny_model
-from posttrain.training.optim import make_scheduler
 
 
 def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, model=None, sgd=False, **overrides):
@@ -24,11 +23,7 @@ def _run(tokenizer, dataset, tmp_path, reward=length_reward, capture=False, mode
     trainer = GRPOTrainer(model, reward, tiny_config(tmp_path, **overrides), train_dataset=dataset,
                           processing_class=tokenizer)
     if sgd:
-        sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
-                                        lr=trainer.args.learning_rate)
-        trainer.optimizer.optimizer = sgd_optimizer
-        # the schedule follows the optimizer that steps (else torch warns that the scheduler ran ahead of it)
-        trainer.scheduler.scheduler = make_scheduler(sgd_optimizer, trainer.args, trainer.total_steps)
+        use_sgd(trainer)
     grads = capture_gradients(trainer) if capture else []
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
@@ -299,11 +294,7 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
                               train_dataset=addition_dataset, processing_class=tokenizer)
         if not predict:
             monkeypatch.setattr(trainer, "_loss_gradient", lambda mb, norm, bonus=0.0: None)
-        sgd_optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad],
-                                        lr=trainer.args.learning_rate)
-        trainer.optimizer.optimizer = sgd_optimizer
-        # the schedule follows the optimizer that steps (else torch warns that the scheduler ran ahead of it)
-        trainer.scheduler.scheduler = make_scheduler(sgd_optimizer, trainer.args, trainer.total_steps)
+        use_sgd(trainer)
         steps = capture_gradients(trainer)
         recomputed.clear()
         trainer.train()
