@@ -64,23 +64,26 @@ def _records(trainer):
 
 def _trl_trainer(tokenizer, tmp_path, data, **options):
     trl = pytest.importorskip("trl")
+    options = {"gradient_checkpointing": False, **options}
     args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none",
                             max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1,
-                            save_strategy="no", gradient_checkpointing=False, train_sampling_strategy="sequential",
-                            **options)
+                            save_strategy="no", train_sampling_strategy="sequential", **options)
     return trl.RewardTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1), args=args, train_dataset=data,
                              processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("case", ["plain", "margin", "center", "pad_is_eos", "conversational", "padding_free"])
+@pytest.mark.parametrize("case", ["plain", "margin", "center", "pad_is_eos", "conversational", "padding_free",
+                                  "checkpointing"])
 def test_numbers_equal_trls(tokenizer, tmp_path, case):
     """TRL 1.16's RewardTrainer and ours, same pairs, weights and optimizer (AdamW): the same loss and metrics at
     steps 1 and 2 (step 2 tests the update too). pad_is_eos: the reward is read before the EOS that ends each
-    sequence, where transformers pools; padding_free: posttrain's packed rows score as TRL's padded ones."""
+    sequence, where transformers pools; padding_free: posttrain's packed rows score as TRL's padded ones;
+    checkpointing: activation checkpointing on, TRL's default."""
     columns = _conversational() if case == "conversational" else dict(PAIRS)
     if case == "margin":
         columns["margin"] = [0.1 * (i % 5) - 0.2 for i in range(16)]
-    options = {"center_rewards_coefficient": 0.01} if case == "center" else {}
+    options = {"center": {"center_rewards_coefficient": 0.01},
+               "checkpointing": {"gradient_checkpointing": True}}.get(case, {})  # TRL's default: checkpointing on
     if case == "pad_is_eos":
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.pad_token = tokenizer.eos_token
@@ -209,6 +212,10 @@ def test_a_trained_reward_model_scores_grpo_and_rloo_completions_as_transformers
                        train_dataset=Dataset.from_dict({"prompt": prompts + ["2+2="]}))
     assert _model_scores(rloo.reward_funcs[0], prompts, completions) == pytest.approx(expected, abs=1e-6)
     assert len({round(x, 6) for x in expected}) == 3  # the trained head tells the three apart
+    # the trained model object itself, with its tokenizer as reward_processing_classes (TRL's arguments)
+    as_object = resolve_reward_funcs([trainer.policy], GRPOConfig(output_dir=str(tmp_path / "o")),
+                                     processing_classes=[tokenizer])[0]
+    assert _model_scores(as_object, prompts, completions) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.peft
