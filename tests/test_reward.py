@@ -308,3 +308,35 @@ def test_the_rlhf_pipeline_example_runs_end_to_end(tmp_path, capsys):
 
     config, tokenizer = AutoConfig.from_pretrained(out / "reward"), AutoTokenizer.from_pretrained(out / "reward")
     assert config.num_labels == 1 and config.pad_token_id == tokenizer.eos_token_id  # --pad_token <|im_end|>
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 1e-3])
+def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_norm):
+    """The input embedding's sparse gradient, updated row by row (training/sparse_rows.py), against torch's dense
+    AdamW on the same run: 6 steps over batches that touch different rows (a row touched once keeps moving on its
+    moments), clipped (1e-3 clips every step) or not; the same weights, moments and gradient norms to rounding
+    (AdamW turns rounding-level differences of a near-zero gradient, such as k_proj's bias, whose gradient is zero
+    but for rounding, into full steps of either sign: 3e-6 on that bias here, 1e-7 elsewhere)."""
+    runs = {}
+    for sparse in (True, False):
+        trainer, _, _ = _train(tokenizer, tmp_path / str(sparse), train=False, max_steps=6,
+                               per_device_train_batch_size=3, learning_rate=1e-2, max_grad_norm=max_grad_norm,
+                               train_sampling_strategy="sequential")
+        if not sparse:
+            trainer._sparse_rows.release()
+            trainer._sparse_rows = None
+        else:
+            assert trainer.policy.get_input_embeddings().sparse
+        trainer.train()
+        weight = trainer.policy.get_input_embeddings().weight
+        state = trainer.optimizer.optimizer.state[weight]
+        runs[sparse] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()},
+                        state["exp_avg"].clone(), state["exp_avg_sq"].clone(), float(state["step"]),
+                        [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h])
+    (rows, m, v, step, norms), (dense, m_dense, v_dense, step_dense, norms_dense) = runs[True], runs[False]
+    assert step == step_dense == 6 and norms == pytest.approx(norms_dense, rel=1e-5)
+    assert torch.allclose(m, m_dense, rtol=1e-4, atol=1e-7) and torch.allclose(v, v_dense, rtol=1e-4, atol=1e-10)
+    moved = (m != 0).any(1).sum()
+    assert 0 < moved < m.size(0)  # some rows moved, most never did
+    for name in dense:
+        assert torch.allclose(rows[name], dense[name], rtol=1e-5, atol=1e-5), name

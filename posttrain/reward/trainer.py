@@ -33,6 +33,7 @@ from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.training.sparse_rows import SparseRows
 
 logger = logging.getLogger("posttrain")
 
@@ -110,6 +111,7 @@ class RewardTrainer(BatchedDataTrainer):
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
+        self._sparse_rows = SparseRows.for_run(self)  # the embedding's rows that move, updated alone
         self._tokens_seen = 0
         self._call("on_init_end")
 

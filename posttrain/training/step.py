@@ -23,6 +23,8 @@ class TrainingError(UserError, RuntimeError):
 class StepMixin:
     """transformers' training_step and the update, shared by every trainer."""
 
+    _sparse_rows = None  # a trainer's row-wise embedding update (training/sparse_rows.py), set after _prepare
+
     def _accumulate(self, micro_batches: list, micro_step) -> list:
         """Run a step's micro-batches through `training_step`, which runs `micro_step(micro_batch)`, gradients
         synchronised across processes only on the last one; `on_substep_end` between them. Returns the micro-steps'
@@ -98,10 +100,20 @@ class StepMixin:
         Under DeepSpeed the engine's step clips and measures the norm itself, and skips an update whose norm is not
         finite: the norm is checked right after it, with the same outcome (no update applied, the run stops)."""
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else 0.0
-        grad_norm = self.sharding.clip_gradients(self.model, max_norm)
+        rows = self._sparse_rows
+        if rows is not None and not rows.serves(self.optimizer):  # an optimizer put in after construction
+            rows.release()
+            self._sparse_rows = rows = None
+        if rows is not None:  # the input embedding's sparse gradient, updated row by row (training/sparse_rows.py)
+            grad_norm = rows.clip([p for p in self.model.parameters() if p.requires_grad], max_norm)
+        else:
+            grad_norm = self.sharding.clip_gradients(self.model, max_norm)
         self._check_finite(loss, grad_norm)
         self._call("on_pre_optimizer_step")
-        stepped_norm = self.sharding.optimizer_step(self.model, self.optimizer)
+        if rows is not None:
+            stepped_norm = rows.step(lambda: self.sharding.optimizer_step(self.model, self.optimizer))
+        else:
+            stepped_norm = self.sharding.optimizer_step(self.model, self.optimizer)
         if grad_norm is None:
             grad_norm = stepped_norm
             self._check_finite(loss, grad_norm)

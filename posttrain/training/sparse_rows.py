@@ -1,0 +1,139 @@
+"""AdamW for the input embedding row by row: the same update as torch's dense AdamW, on the rows that move.
+
+A batch looks up a few rows of the input embedding (a few dozen of 152k in the reward benchmark), yet its dense
+gradient is the whole [V, H] table, zeroed and scattered into every step, and AdamW reads and writes every row of the
+weight and of its two moments. With weight decay 0, AdamW leaves a row whose gradient and moments are all zero exactly
+as it is (its moments stay 0, its update is 0 / (0 + eps)), so updating only the rows that ever had a gradient gives
+the dense update. Here the embedding gives a sparse gradient (nn.Embedding's sparse=True); its norm joins the other
+gradients' in the clipping; the optimizer steps every other parameter, and this module steps the embedding's active
+rows with the optimizer's own moments and step count (optimizer.state[weight]: exp_avg, exp_avg_sq, step, as torch
+keeps them, so a checkpoint reads back into either path).
+
+Used where that is exact and nothing else reads the embedding's gradient as a dense tensor: one process (no DDP,
+FSDP or DeepSpeed), the optimizer posttrain built (torch's AdamW or Adam, weight decay 0 for the embedding, no
+amsgrad), no fp16 loss scaling, a plain nn.Embedding whose weight is shared with no other layer (an output layer tied
+to it gets a dense gradient anyway).
+
+    active  bool [V]  rows with a non-zero moment: those the update runs over
+"""
+
+import math
+
+import torch
+
+
+class SparseRows:
+    def __init__(self, embedding: torch.nn.Embedding, optimizer: torch.optim.Optimizer):
+        self.embedding, self.weight = embedding, embedding.weight
+        self.optimizer = optimizer
+        self.active = None  # from the moments at the first step (a resumed run's included)
+        embedding.sparse = True
+
+    @classmethod
+    def for_run(cls, trainer) -> "SparseRows | None":
+        """The row-wise update for `trainer`'s policy, where it is exact (the module's docstring), else None."""
+        model, optimizer = trainer.policy, trainer.optimizer
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        args = trainer.args
+        if trainer.accelerator.num_processes != 1 or trainer.model is not trainer.policy or args.fp16:
+            return None
+        if trainer._optimizers != (None, None) or trainer._optimizer_cls_and_kwargs is not None:
+            return None
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+            return None
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if type(embedding) is not torch.nn.Embedding or not embedding.weight.requires_grad or embedding.max_norm:
+            return None
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if output is not None and getattr(output, "weight", None) is embedding.weight:
+            return None
+        groups = [g for g in optimizer.param_groups if any(p is embedding.weight for p in g["params"])]
+        if len(groups) != 1 or groups[0]["weight_decay"] != 0 or groups[0].get("amsgrad") or \
+                groups[0].get("maximize") or groups[0].get("capturable") or groups[0].get("differentiable"):
+            return None
+        return cls(embedding, optimizer)
+
+    def serves(self, optimizer) -> bool:
+        """Whether `optimizer` (accelerate's wrapper or not) is the one this update was built for."""
+        return getattr(optimizer, "optimizer", optimizer) is self.optimizer
+
+    def release(self) -> None:
+        """Back to the dense gradient (the optimizer was replaced): this step's sparse gradient made dense."""
+        self.embedding.sparse = False
+        if self.weight.grad is not None and self.weight.grad.is_sparse:
+            self.weight.grad = self.weight.grad.to_dense()
+
+    # ------------------------------------------------------------------ clipping
+
+    def clip(self, parameters, max_norm: float) -> float:
+        """Clip every gradient (the embedding's sparse one among them) to a total norm of `max_norm` (<= 0: no
+        clipping), as torch's clip_grad_norm_ does; returns the norm before clipping."""
+        dense = [p for p in parameters if p.grad is not None and p is not self.weight]
+        grad = self.weight.grad
+        squares = torch.zeros((), dtype=torch.float32)
+        if dense:
+            squares = torch.nn.utils.get_total_norm([p.grad for p in dense], 2.0).float() ** 2
+        if grad is not None:
+            grad = self.weight.grad = grad.coalesce()
+            squares = squares + grad.values().float().pow(2).sum()
+        total = squares.sqrt()
+        if max_norm > 0:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if dense:
+                torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+            if grad is not None:
+                self.weight.grad = torch.sparse_coo_tensor(grad.indices(), grad.values() * coefficient.to(
+                    grad.dtype), grad.shape, is_coalesced=True)
+        return float(total)
+
+    # ------------------------------------------------------------------ the update
+
+    def step(self, optimizer_step):
+        """`optimizer_step()` for every other parameter, then the embedding's active rows (AdamW's update)."""
+        grad = self.weight.grad
+        self.weight.grad = None  # the optimizer skips a parameter without a gradient
+        try:
+            result = optimizer_step()
+        finally:
+            self.weight.grad = grad
+        if grad is not None:
+            self._adamw_rows(grad.coalesce())
+        return result
+
+    @property
+    def group(self) -> dict:
+        """The embedding's parameter group, looked up at each step (loading a checkpoint replaces the groups)."""
+        return next(g for g in self.optimizer.param_groups if any(p is self.weight for p in g["params"]))
+
+    def _state(self) -> dict:
+        state = self.optimizer.state[self.weight]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(self.weight, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(self.weight, memory_format=torch.preserve_format)
+        if self.active is None:
+            self.active = (state["exp_avg"] != 0).any(1) | (state["exp_avg_sq"] != 0).any(1)
+        return state
+
+    @torch.no_grad()
+    def _adamw_rows(self, grad: torch.Tensor) -> None:
+        state, group = self._state(), self.group
+        touched = grad.indices()[0]
+        self.active[touched] = True
+        rows = self.active.nonzero().squeeze(1)  # [R]
+        dense = torch.zeros((len(rows), self.weight.size(1)), dtype=grad.dtype, device=grad.device)
+        dense[torch.searchsorted(rows, touched)] = grad.values()
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = float(state["step"])
+        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(dense, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(dense, dense, value=1 - beta2)
+        lr = float(group["lr"])
+        step_size = lr / (1 - beta1 ** step)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+        weight = self.weight.data
+        weight.index_copy_(0, rows, weight.index_select(0, rows).addcdiv_(exp_avg, denom, value=-step_size))
+        state["exp_avg"].index_copy_(0, rows, exp_avg)
+        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+        still = (exp_avg != 0).any(1) | (exp_avg_sq != 0).any(1)  # a row whose moments reached 0 moves no more
+        self.active[rows[~still]] = False
