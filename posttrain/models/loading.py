@@ -126,19 +126,16 @@ def _same_new_weights_everywhere(model, names: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    everywhere = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     for name in names:
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         tensor = getattr(module, leaf)
         if tensor.is_meta:
             real = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            setattr(module, leaf, torch.nn.Parameter(real, tensor.requires_grad) if isinstance(
-                tensor, torch.nn.Parameter) else real)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for name in names:
-        tensor = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
-        if not hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3's partitions are its own to keep in step
+            tensor = torch.nn.Parameter(real, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else real
+            setattr(module, leaf, tensor)
+        if everywhere and not hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3's partitions are its own to keep
             with torch.no_grad():
                 dist.broadcast(tensor.data, src=0)
 

@@ -9,7 +9,7 @@ captured by a forward hook during the model's own forward (wrapped by DDP, FSDP,
 pooled logits join the result with weight 0, so that the backward starts from the forward's output, where FSDP1's
 root wrapper waits for it.
 
-    last  [S] long   flat index (row * T + position) of the position each sequence's score is read at
+    last  [S] long   packed rows: the flat index of the position each sequence's score is read at
 """
 
 import numpy as np
@@ -31,22 +31,19 @@ def score_head(model) -> tuple[str, torch.nn.Module] | None:
     return None
 
 
-def score_positions(tokens: np.ndarray, offsets: np.ndarray, pad_id: int, row_length: int | None) -> np.ndarray:
-    """[S] flat index of each sequence's score position: its last token that is not `pad_id` (its first, when every
-    token is), as transformers pools. Padded (row_length T): sequence s is row s, index s * T + position;
-    padding-free (None): the sequences end to end, index offsets[s] + position."""
-    out = np.zeros(len(offsets) - 1, dtype=np.int64)
-    for s in range(len(out)):
-        real = np.flatnonzero(tokens[offsets[s]:offsets[s + 1]] != pad_id)
-        position = int(real[-1]) if len(real) else 0
-        out[s] = (s * row_length if row_length is not None else int(offsets[s])) + position
-    return out
+def score_positions(tokens: np.ndarray, offsets: np.ndarray, pad_id: int) -> np.ndarray:
+    """[S] flat index, in sequences laid end to end (sequence s is tokens[offsets[s]:offsets[s + 1]], none empty), of
+    each sequence's score position: its last token that is not `pad_id` (its first, when every token is), as
+    transformers pools."""
+    real = np.where(tokens != pad_id, np.arange(len(tokens)), -1)
+    last = np.maximum.reduceat(real, offsets[:-1]) if len(offsets) > 1 else np.zeros(0, dtype=np.int64)
+    return np.where(last >= 0, last, offsets[:-1]).astype(np.int64)
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, last: torch.Tensor) -> torch.Tensor:
+                    position_ids: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
     """[S] scores (float32) of the sequences in [B, T] `input_ids`: padded rows (no `position_ids`), the model's
-    pooled logits; packed rows, the head's outputs at the flat positions `last`."""
+    pooled logits; packed rows, the head's outputs at the flat positions `last` (score_positions)."""
     if position_ids is None:
         return model(input_ids=input_ids, attention_mask=attention_mask,
                      **sequence_kwargs(model, None, 0)).logits[:, 0].float()

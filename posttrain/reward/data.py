@@ -30,7 +30,7 @@ from posttrain.sequences.rows import TokenRows
 logger = logging.getLogger("posttrain")
 
 ACCEPTED = ("chosen + rejected (text or messages, with or without a prompt column), or chosen_ids + rejected_ids")
-LEGACY = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
+LEGACY = {"chosen_ids": "chosen_input_ids", "rejected_ids": "rejected_input_ids"}  # TRL's earlier names
 
 
 def _is_messages(value) -> bool:
@@ -39,7 +39,7 @@ def _is_messages(value) -> bool:
 
 def detect_format(row: dict, name: str) -> str:
     """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
-    if all(k in row for k in ("chosen_ids", "rejected_ids")) or all(k in row for k in LEGACY):
+    if all(k in row for k in ("chosen_ids", "rejected_ids")) or all(k in row for k in LEGACY.values()):
         return "tokenized"
     if "chosen" in row and "rejected" in row:
         return "conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt")) else "standard"
@@ -118,7 +118,7 @@ class RewardEncoder:
     def _tokenized(self, row: dict, index: int):
         ids = []
         for column in ("chosen_ids", "rejected_ids"):
-            value = row.get(column, row.get({v: k for k, v in LEGACY.items()}[column]))
+            value = row.get(column, row.get(LEGACY[column]))
             if not value:
                 raise DataError(f"Row {index} of {self.name} has an empty {column}: a pair needs two answers to "
                                 "compare; drop the row (dataset.filter) or fix it.")

@@ -17,6 +17,7 @@ logging window; posttrain takes them over the step (equal with one micro-batch a
 """
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -51,23 +52,24 @@ _REFUSED = {
 
 class RewardBatch:
     """A micro-batch of pairs: its 2p sequences collated (`sequences`), `last` [2p] the flat index each sequence's
-    reward is read at, `margin` [p] or None."""
+    reward is read at when they are packed (padded rows: None, the model pools them itself), `margin` [p] or None."""
 
-    def __init__(self, sequences: SequenceBatch, last: torch.Tensor, margin: torch.Tensor | None, pairs: int):
+    def __init__(self, sequences: SequenceBatch, last: torch.Tensor | None, margin: torch.Tensor | None, pairs: int):
         self.sequences, self.last, self.margin, self.pairs = sequences, last, margin, pairs
 
     def to(self, device) -> "RewardBatch":
-        margin = self.margin.to(device) if self.margin is not None else None
-        return RewardBatch(self.sequences.to(device), self.last.to(device), margin, self.pairs)
+        def move(t):
+            return t.to(device) if t is not None else None
+
+        return RewardBatch(self.sequences.to(device), move(self.last), move(self.margin), self.pairs)
 
 
 def collate_reward_pairs(pairs: PairRows, pad_id: int, padding_free: bool, pad_to_multiple_of: int | None) -> RewardBatch:
     rows = pairs.rows
     sequences = collate(rows, pad_id, padding_free, pad_to_multiple_of)
-    row_length = None if padding_free else sequences.input_ids.size(1)
-    last = score_positions(rows.tokens, rows.offsets, pad_id, row_length)
+    last = torch.from_numpy(score_positions(rows.tokens, rows.offsets, pad_id)) if padding_free else None
     margin = torch.from_numpy(pairs.margin).float() if pairs.margin is not None else None
-    return RewardBatch(sequences, torch.from_numpy(last), margin, len(pairs))
+    return RewardBatch(sequences, last, margin, len(pairs))
 
 
 class RewardTrainer(BatchedDataTrainer):
@@ -263,8 +265,6 @@ class RewardTrainer(BatchedDataTrainer):
         return self._eval_pairs[key][1]
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        import time
-
         start = time.time()
         pairs = self._prepared_eval(dataset)
         acc = self.accelerator
