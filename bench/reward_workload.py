@@ -83,14 +83,21 @@ def timed_train(trainer) -> tuple[float, float]:
     return time.perf_counter() - start, cpu_seconds() - cpu0
 
 
-def print_line(impl: str, args, wall: float, cpu: float, init_s: float, logs: list[dict], step_s) -> None:
+def peak_rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def print_line(impl: str, args, wall: float, cpu: float, init_s: float, logs: list[dict], step_s,
+               rss_before: float) -> None:
+    """One JSON line; `peak_rss_before_trainer_mib` is the process's peak before the trainer was built (Python,
+    torch, transformers, datasets, the library, the tokenizer and the rows): the floor both sides share."""
     tokens = args.steps * args.pairs * (2 * args.prompt + args.chosen + args.rejected)
     first, last = logs[0], logs[-1]
     print(json.dumps({
         "impl": impl, "steps": args.steps, "wall_s": round(wall, 2), "s_per_step": round(wall / args.steps, 3),
         "median_step_s": step_s,
         "tok_per_s": round(tokens / wall, 1), "cpu_s": round(cpu, 2), "init_s": round(init_s, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": peak_rss_mib(), "peak_rss_before_trainer_mib": rss_before,
         "loss_step1": first["loss"], "accuracy_step1": first["accuracy"], "margin_step1": first["margin"],
         "mean_reward_step1": first["mean_reward"], "loss_last": last["loss"], "margin_last": last["margin"]}))
 
@@ -109,14 +116,16 @@ def main(impl: str) -> None:
     out_dir = tempfile.mkdtemp(prefix=f"{impl}-bench-reward-")
     clock = step_clock()
     with contextlib.redirect_stdout(sys.stderr):  # the trainers' own output goes to stderr
+        dataset, config, peft_config = Dataset.from_dict(rows(args)), library.RewardConfig(**config_values(
+            args, out_dir)), lora_config(args)
+        rss_before = peak_rss_mib()
         start = time.perf_counter()
-        trainer = library.RewardTrainer(model=args.model, args=library.RewardConfig(**config_values(args, out_dir)),
-                                        train_dataset=Dataset.from_dict(rows(args)), processing_class=tok,
-                                        peft_config=lora_config(args), callbacks=[clock])
+        trainer = library.RewardTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tok,
+                                        peft_config=peft_config, callbacks=[clock])
         init_s = time.perf_counter() - start
         check_prepared(trainer.train_dataset, args, tok.eos_token_id)
         wall, cpu = timed_train(trainer)
     shutil.rmtree(out_dir, ignore_errors=True)
     print_line(impl, args, wall, cpu, init_s, [h for h in trainer.state.log_history if "loss" in h],
-               median_step_s(clock))
+               median_step_s(clock), rss_before)
 

@@ -205,13 +205,27 @@ def _labels(output_dirs: list[str]) -> list[str]:
 
 def plot_runs(output_dirs: list[str], out: str) -> str:
     """Draw every panel with data for the runs in `output_dirs` into `out` (.png, .svg or .html). Returns `out`."""
+    _draw_into(output_dirs, out, inline=False)
+    return out
+
+
+def plot_runs_with_svg(output_dirs: list[str], out: str) -> str:
+    """plot_runs(output_dirs, out), and the same figure as figure_svg gives it, drawn once (the end of a run writes
+    both: plots.png and the report's curves)."""
+    return _draw_into(output_dirs, out, inline=True)
+
+
+def _draw_into(output_dirs: list[str], out: str, inline: bool) -> str | None:
+    """The runs' figure saved to `out`; with `inline`, also returned as figure_svg's text."""
     extension = os.path.splitext(out)[1].lower()
     if extension not in FORMATS:
         raise PlotError(f"--out {out!r}: the plot is written as {', '.join(FORMATS)}; end the name with one of them.")
     figure = _figure(output_dirs, read_runs(output_dirs))
-    _save(figure, out, extension)
-    _close(figure)
-    return out
+    try:
+        _save(figure, out, extension)
+        return _svg_text(figure) if inline else None
+    finally:
+        _close(figure)
 
 
 def figure_svg(output_dirs: list[str], runs: list[dict[int, dict]]) -> str:

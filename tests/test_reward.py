@@ -329,7 +329,9 @@ def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_
             assert trainer.policy.get_input_embeddings().sparse
         trainer.train()
         weight = trainer.policy.get_input_embeddings().weight
-        state = trainer.optimizer.optimizer.state[weight]
+        params = [p for group in trainer.optimizer.optimizer.param_groups for p in group["params"]]
+        index = next(i for i, p in enumerate(params) if p is weight)
+        state = trainer.optimizer.state_dict()["state"][index]  # the compact moments shown whole
         runs[sparse] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()},
                         state["exp_avg"].clone(), state["exp_avg_sq"].clone(), float(state["step"]),
                         [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h])

@@ -34,7 +34,7 @@ from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, 
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packing import PackedRows, pack_rollouts
-from posttrain.models.prompt_sharing import SharedPrompts, distinct_prompts
+from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, distinct_prompts, every_process_agrees
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
@@ -245,42 +245,10 @@ def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, posit
     shared = None
     # transformers turns the cache off in a checkpointed module's training forward
     if not checkpointing(plain) and prompt_sharing_works(model):
-        min_saved = MIN_SHARED_SAVING_FLOP / (2 * max(_body_parameters(plain), 1))
+        min_saved = MIN_SHARED_SAVING_FLOP / (2 * max(body_parameters(plain), 1))
         shared = distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise,
                                   math.ceil(min_saved))
-    group = _group_in_step(model)
-    return shared if group is None or _on_every_process(model, group, shared is not None) else None
-
-
-def _group_in_step(model):
-    """The process group of a model wrapped for training across processes (DDP's group; the default one for
-    DeepSpeed's engine), else None. Its processes share prompts all or none: DDP broadcasts the model's buffers at
-    every forward, so each must run as many forwards as the others (two where the prompts are shared, one where
-    not); DeepSpeed's engine is kept in the same step alike."""
-    distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
-        return None
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.process_group
-    return distributed.group.WORLD if getattr(model, "module", None) is not None else None
-
-
-def _on_every_process(model, group, local: bool) -> bool:
-    """Whether `local` holds on every process of `group` (a collective)."""
-    flag = torch.tensor([int(local)], device=next(model.parameters()).device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _body_parameters(plain) -> int:
-    """Parameters of the model's body (all but the input embedding and the output layer), counted once per model: a
-    position's forward through the body's products costs 2 FLOPs per parameter."""
-    def count() -> int:
-        edges = {id(p) for module in (plain.get_input_embeddings(), output_layer(plain)) if module is not None
-                 for p in module.parameters()}
-        return sum(p.numel() for p in plain.parameters() if id(p) not in edges)
-
-    return fast_paths.remembered(plain, "body_parameters", count)
+    return shared if every_process_agrees(model, shared is not None) else None
 
 
 def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completion_mask) -> torch.Tensor:

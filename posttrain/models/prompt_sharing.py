@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.models import fast_paths
+from posttrain.models.forwards import output_layer
 from posttrain.models.packing import MIN_SAVING
 
 
@@ -45,3 +47,39 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comple
         return None
     # the distinct keys are the prompts: -1 marks padding (its id, 0 here, is never attended to)
     return SharedPrompts(distinct.clamp(min=0), (distinct >= 0).to(prompt_mask.dtype), source)
+
+
+def body_parameters(plain) -> int:
+    """Parameters of the model's body (all but the input embedding and the output layer), counted once per model: a
+    position's forward through the body's products costs 2 FLOPs per parameter."""
+    def count() -> int:
+        edges = {id(p) for module in (plain.get_input_embeddings(), output_layer(plain)) if module is not None
+                 for p in module.parameters()}
+        return sum(p.numel() for p in plain.parameters() if id(p) not in edges)
+
+    return fast_paths.remembered(plain, "body_parameters", count)
+
+
+def every_process_agrees(model, local: bool) -> bool:
+    """Whether `local` (sharing this micro-batch's prompts) holds on every process training `model` together: a
+    collective where the model is wrapped across processes (DDP; DeepSpeed's engine), else `local` itself. Their
+    processes share all or none: DDP broadcasts the model's buffers at every forward, so each must run as many
+    forwards as the others (two where the prompts are shared, one where not); DeepSpeed's engine is kept in the same
+    step alike."""
+    group = _group_in_step(model)
+    if group is None:
+        return local
+    flag = torch.tensor([int(local)], device=next(model.parameters()).device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _group_in_step(model):
+    """The process group of a model wrapped for training across processes (DDP's group; the default one for
+    DeepSpeed's engine), else None."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.process_group
+    return distributed.group.WORLD if getattr(model, "module", None) is not None else None

@@ -9,14 +9,23 @@ captured by a forward hook during the model's own forward (wrapped by DDP, FSDP,
 pooled logits join the result with weight 0, so that the backward starts from the forward's output, where FSDP1's
 root wrapper waits for it.
 
+Pairs that begin alike (a prompt and two answers) may run their common prefix once (sequences/prefixes.py): the
+prefixes' forward with a cache, its rows repeated for both sequences of each pair, then the continuations' forward
+against it, scored by the model's own pooling over the continuations' ids. Used where the model reproduces its
+unshared scores so, checked once per model (`prefix_sharing_works`).
+
     last  [S] long   packed rows: the flat index of the position each sequence's score is read at
 """
 
 import numpy as np
 import torch
 
-from posttrain.models.forwards import sequence_kwargs
-from posttrain.models.keywords import unwrap
+from posttrain.models import fast_paths
+from posttrain.models.forwards import in_eval_mode, positions_from_mask, sequence_kwargs
+from posttrain.models.keywords import cache_kwarg, missing_from_forward, returned_cache, unwrap
+from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
+
+PREFIX_SHARING_OFF = "its reward forwards run each pair's common prefix twice, not once"
 
 HEAD_NAMES = ("score", "classifier")  # transformers' names for a decoder's classification head
 
@@ -57,3 +66,57 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         handle.remove()
     scores = captured[-1].reshape(-1)[last]  # [B, T, 1] -> [S]
     return (scores + 0.0 * pooled.sum()).float()
+
+
+def prefix_shared_scores(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor,
+                         suffix_mask: torch.Tensor) -> torch.Tensor:
+    """[2P] scores (float32) of the pairs laid out by sequences/prefixes.py: [P, Lp] left-padded prefixes, [2P, C]
+    right-padded continuations (chosen 2i, rejected 2i + 1). Two forwards before one backward: the gradient that
+    reaches a prefix's cached keys and values flows back into its one forward, summed over both continuations."""
+    kwargs = {"use_cache": True}
+    prefixes = model(input_ids=prefix_ids, attention_mask=prefix_mask,
+                     position_ids=positions_from_mask(prefix_mask), **kwargs)
+    cache = returned_cache(prefixes)
+    cache.batch_repeat_interleave(2)
+    mask = torch.cat([prefix_mask.repeat_interleave(2, dim=0), suffix_mask], dim=1)  # [2P, Lp + C]
+    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions_from_mask(mask)[:, prefix_ids.size(1):],
+                **{cache_kwarg(model): cache}, **kwargs)
+    return out.logits[:, 0].float()
+
+
+def prefix_sharing_works(model) -> bool:
+    """Whether the model may score pairs with their common prefix run once: it trains without activation
+    checkpointing (transformers turns the cache off in a checkpointed training forward), its forward takes position
+    ids and a cache, and its scores so equal its unshared ones (a check decided once per model object)."""
+    if checkpointing(unwrap(model)):
+        return False
+    return fast_paths.decided(model, "shared_prefix_scores", lambda: _decide_prefix_sharing(unwrap(model)))
+
+
+def _decide_prefix_sharing(plain) -> bool:
+    missing = missing_from_forward(plain, ("position_ids", "cache", "use_cache"))
+    return fallback_said(plain, PREFIX_SHARING_OFF, missing) if missing else _check_prefix_sharing(plain)
+
+
+def _check_prefix_sharing(plain) -> bool:
+    """A pair of 5 and 3 tokens after a common 4-token prefix (the shorter continuation right-padded): its shared
+    scores against the two sequences' unshared ones, within 1e-4 (float32) or 3e-2 (16-bit) of the largest."""
+    device = next(plain.parameters()).device
+    vocab = plain.get_input_embeddings().num_embeddings
+    pad = plain.config.pad_token_id
+    ids = (torch.arange(3, 15, device=device) * 7919) % vocab  # [12]
+    ids = torch.where(ids == pad, (ids + 1) % vocab, ids) if pad is not None else ids
+    prefix = ids[None, :4]
+    suffix = torch.stack([ids[4:9], torch.cat([ids[9:12], ids.new_full((2,), pad if pad is not None else 0)])])
+    suffix_mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]], device=device)
+    whole = torch.cat([prefix.expand(2, 4), suffix], dim=1)
+    try:
+        with in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
+            together = prefix_shared_scores(plain, prefix, torch.ones_like(prefix), suffix, suffix_mask)
+            apart = plain(input_ids=whole, attention_mask=torch.cat([torch.ones_like(whole[:, :4]), suffix_mask], 1),
+                          **sequence_kwargs(plain, None, 0)).logits[:, 0].float()
+        precise = plain.get_input_embeddings().weight.dtype == torch.float32
+        tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
+        return bool((together - apart).abs().max() <= tolerance)
+    except CHECK_ERRORS as err:
+        return check_raised(plain, PREFIX_SHARING_OFF, err)

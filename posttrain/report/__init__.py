@@ -33,17 +33,18 @@ logger = logging.getLogger("posttrain")
 
 
 def write_report(output_dir: str, out: str | None = None, steps: list[int] | None = None,
-                 rows: int = DEFAULT_ROWS) -> str:
+                 rows: int = DEFAULT_ROWS, curves_svg: str | None = None) -> str:
     """Write the report of the run in `output_dir` to `out` (default output_dir/report.html); returns its path.
 
     Args:
         steps: the steps whose completions are shown (default: the first, middle and last logged ones).
         rows: completions shown per step.
+        curves_svg: the run's curves as plotting.figure_svg draws them, already drawn (None: drawn here).
     """
     if not os.path.isdir(output_dir):
         raise PlotError(f"{output_dir!r} is not a directory: give a run's output_dir.")
     out = out or os.path.join(output_dir, REPORT)
-    page = _page(os.path.abspath(output_dir), os.path.dirname(os.path.abspath(out)), steps, rows)
+    page = _page(os.path.abspath(output_dir), os.path.dirname(os.path.abspath(out)), steps, rows, curves_svg)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:
@@ -72,12 +73,12 @@ def _read_run(output_dir: str) -> tuple[dict[int, dict], dict]:
                     "completions": completions_by_step, "damage": damage}
 
 
-def _page(output_dir: str, page_dir: str, steps: list[int] | None, rows: int) -> str:
+def _page(output_dir: str, page_dir: str, steps: list[int] | None, rows: int, curves_svg: str | None) -> str:
     logged, run = _read_run(output_dir)
     name = (run["config"] or {}).get("run_name") or os.path.basename(os.path.normpath(output_dir))
     parts = ["<main>", _header(name, output_dir, run),
              summary_section(output_dir, page_dir, logged, run),
-             "<section id=\"curves\">", "<h2>Curves</h2>", curves(output_dir, logged), "</section>",
+             "<section id=\"curves\">", "<h2>Curves</h2>", curves(output_dir, logged, curves_svg), "</section>",
              "<section id=\"completions\">", "<h2>Completions</h2>", completions(run["completions"], steps, rows),
              "</section>",
              "<section id=\"details\">", "<h2>Details</h2>", details(output_dir, logged, run), "</section>",

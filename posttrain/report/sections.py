@@ -11,11 +11,11 @@ from posttrain.run_files import read_jsonl
 DEFAULT_ROWS = 8  # completions shown per chosen step
 
 
-def curves(output_dir: str, steps: dict[int, dict]) -> str:
-    """The curves of the logged `steps` as inline SVG, and a line naming what is not drawn: metrics constant over the
-    run (with their value) and the reward function that is the reward itself."""
+def curves(output_dir: str, steps: dict[int, dict], drawn: str | None = None) -> str:
+    """The curves of the logged `steps` as inline SVG (`drawn`: already drawn so), and a line naming what is not
+    drawn: metrics constant over the run (with their value) and the reward function that is the reward itself."""
     try:
-        figure = f"<div class=\"curves\">{figure_svg([output_dir], [steps])}</div>"
+        figure = f"<div class=\"curves\">{drawn or figure_svg([output_dir], [steps])}</div>"
     except PlotError as err:
         figure = f"<p class=\"note\">{escape(err)}</p>"
     notes = []

@@ -201,17 +201,18 @@ class OutputsMixin:
         says (None: when matplotlib is installed)."""
         import importlib.util
 
-        from posttrain.plotting import PlotError, plot_runs
+        from posttrain.plotting import PlotError, plot_runs_with_svg
         from posttrain.report import write_report
 
         if self.args.plot_on_end is False or (self.args.plot_on_end is None and
                                               importlib.util.find_spec("matplotlib") is None):
             return
-        try:
-            plot_runs([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
+        svg = None
+        try:  # one figure for both files
+            svg = plot_runs_with_svg([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
         except PlotError as err:  # nothing logged (logging_strategy=no): the run itself is fine
             logger.warning("No plots.png: %s", err)
-        write_report(self.args.output_dir)  # without logged steps, it says so in place of the curves
+        write_report(self.args.output_dir, curves_svg=svg)  # without logged steps, it says so in place of the curves
 
     def _train_summary(self, start_time: float, steps: int) -> dict:
         """transformers' end-of-training record, logged to log_history, trackers and callbacks, and written to

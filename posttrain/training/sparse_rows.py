@@ -1,20 +1,26 @@
-"""AdamW for the input embedding row by row: the same update as torch's dense AdamW, on the rows that move.
+"""AdamW for the input embedding row by row: the same update as torch's dense AdamW, on the rows that move, with
+moments kept for those rows only.
 
 A batch looks up a few rows of the input embedding (a few dozen of 152k in the reward benchmark), yet its dense
 gradient is the whole [V, H] table, zeroed and scattered into every step, and AdamW reads and writes every row of the
-weight and of its two moments. With weight decay 0, AdamW leaves a row whose gradient and moments are all zero exactly
-as it is (its moments stay 0, its update is 0 / (0 + eps)), so updating only the rows that ever had a gradient gives
-the dense update. Here the embedding gives a sparse gradient (nn.Embedding's sparse=True); its norm joins the other
-gradients' in the clipping; the optimizer steps every other parameter, and this module steps the embedding's active
-rows with the optimizer's own moments and step count (optimizer.state[weight]: exp_avg, exp_avg_sq, step, as torch
-keeps them, so a checkpoint reads back into either path).
+weight and of its two moments, which take twice the weight's memory. With weight decay 0, AdamW leaves a row whose
+gradient and moments are all zero exactly as it is (its moments stay 0, its update is 0 / (0 + eps)), so updating
+only the rows that ever had a gradient gives the dense update. Here the embedding gives a sparse gradient
+(nn.Embedding's sparse=True); its norm joins the other gradients' in the clipping; the optimizer steps every other
+parameter, and this module steps the embedding's touched rows, whose moments it keeps compact (`rows`, `exp_avg`,
+`exp_avg_sq` below) beside the optimizer's step count (optimizer.state[weight]["step"]). The optimizer's state_dict
+shows the moments whole, as torch's AdamW keeps them (exp_avg, exp_avg_sq [V, H]), and its load_state_dict takes them
+so (hooks on the optimizer), so a checkpoint reads back into either path.
 
 Used where that is exact and nothing else reads the embedding's gradient as a dense tensor: one process (no DDP,
 FSDP or DeepSpeed), the optimizer posttrain built (torch's AdamW or Adam, weight decay 0 for the embedding, no
 amsgrad), no fp16 loss scaling, a plain nn.Embedding whose weight is shared with no other layer (an output layer tied
 to it gets a dense gradient anyway).
 
-    active  bool [V]  rows with a non-zero moment: those the update runs over
+    slot        long [V]     each row's place in the compact moments, -1 for a row never touched
+    rows        long [R]     the row of each place in use
+    exp_avg     float [C, H] AdamW's moments of rows[i] in row i (C >= R: room to grow)
+    exp_avg_sq  float [C, H]
 """
 
 import math
@@ -26,7 +32,15 @@ class SparseRows:
     def __init__(self, embedding: torch.nn.Embedding, optimizer: torch.optim.Optimizer):
         self.embedding, self.weight = embedding, embedding.weight
         self.optimizer = optimizer
-        self.active = None  # from the moments at the first step (a resumed run's included)
+        vocab, width = self.weight.shape
+        self.slot = torch.full((vocab,), -1, dtype=torch.long, device=self.weight.device)
+        self.rows = torch.zeros(0, dtype=torch.long, device=self.weight.device)
+        self.exp_avg = self.weight.new_zeros((0, width))
+        self.exp_avg_sq = self.weight.new_zeros((0, width))
+        self.finite = True  # whether the rows the last update wrote are finite
+        self._hooks = [optimizer.register_state_dict_post_hook(self._whole_moments),
+                       optimizer.register_load_state_dict_post_hook(lambda opt: self._take_moments())]
+        self._take_moments()  # a state already in the optimizer (loaded before this was built)
         embedding.sparse = True
 
     @classmethod
@@ -58,10 +72,16 @@ class SparseRows:
         return getattr(optimizer, "optimizer", optimizer) is self.optimizer
 
     def release(self) -> None:
-        """Back to the dense gradient (the optimizer was replaced): this step's sparse gradient made dense."""
+        """Back to the dense gradient (the optimizer was replaced): this step's sparse gradient made dense, the
+        moments whole in the old optimizer's state, its hooks removed."""
         self.embedding.sparse = False
         if self.weight.grad is not None and self.weight.grad.is_sparse:
             self.weight.grad = self.weight.grad.to_dense()
+        for hook in self._hooks:
+            hook.remove()
+        state = self.optimizer.state[self.weight]
+        if "step" in state:
+            state["exp_avg"], state["exp_avg_sq"] = self._whole(self.exp_avg), self._whole(self.exp_avg_sq)
 
     # ------------------------------------------------------------------ clipping
 
@@ -105,35 +125,72 @@ class SparseRows:
         """The embedding's parameter group, looked up at each step (loading a checkpoint replaces the groups)."""
         return next(g for g in self.optimizer.param_groups if any(p is self.weight for p in g["params"]))
 
-    def _state(self) -> dict:
-        state = self.optimizer.state[self.weight]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(self.weight, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(self.weight, memory_format=torch.preserve_format)
-        if self.active is None:
-            self.active = (state["exp_avg"] != 0).any(1) | (state["exp_avg_sq"] != 0).any(1)
-        return state
+    # ------------------------------------------------------------------ the moments, compact and whole
+
+    def _whole(self, compact: torch.Tensor) -> torch.Tensor:
+        """[V, H] a moment as torch's AdamW keeps it: the compact rows in their places, 0 elsewhere."""
+        whole = torch.zeros_like(self.weight, memory_format=torch.preserve_format)
+        return whole.index_copy_(0, self.rows, compact[:len(self.rows)])
+
+    def _whole_moments(self, optimizer, state_dict: dict) -> dict:
+        """The optimizer's state_dict with the embedding's moments whole (a state_dict post hook)."""
+        if len(self.rows) == 0:
+            return state_dict
+        index = next(i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+                     if p is self.weight)
+        entry = state_dict["state"].get(index)
+        if entry is not None:
+            state_dict["state"][index] = {**entry, "exp_avg": self._whole(self.exp_avg),
+                                          "exp_avg_sq": self._whole(self.exp_avg_sq)}
+        return state_dict
+
+    @torch.no_grad()
+    def _take_moments(self) -> None:
+        """The compact moments from the optimizer's state (a loaded checkpoint's): its whole moments' rows where
+        either is not zero, taken out of the state; none where it holds none."""
+        state = self.optimizer.state.get(self.weight, {})
+        width = self.weight.size(1)
+        exp_avg = state.pop("exp_avg", self.weight.new_zeros((0, width)))
+        exp_avg_sq = state.pop("exp_avg_sq", self.weight.new_zeros((0, width)))
+        self.rows = ((exp_avg != 0).any(1) | (exp_avg_sq != 0).any(1)).nonzero().squeeze(1)
+        self.slot.fill_(-1)
+        self.slot[self.rows] = torch.arange(len(self.rows), device=self.slot.device)
+        self.exp_avg, self.exp_avg_sq = exp_avg.index_select(0, self.rows), exp_avg_sq.index_select(0, self.rows)
+
+    def _place(self, touched: torch.Tensor) -> None:
+        """Places in the compact moments for the rows in `touched` that have none (capacity grown by doubling)."""
+        new = touched[self.slot[touched] < 0]
+        if len(new) == 0:
+            return
+        used = len(self.rows)
+        if used + len(new) > len(self.exp_avg):
+            capacity = max(used + len(new), 2 * len(self.exp_avg))
+            for name in ("exp_avg", "exp_avg_sq"):
+                grown = self.weight.new_zeros((capacity, self.weight.size(1)))
+                grown[:used] = getattr(self, name)[:used]
+                setattr(self, name, grown)
+        self.slot[new] = torch.arange(used, used + len(new), device=self.slot.device)
+        self.rows = torch.cat([self.rows, new])
 
     @torch.no_grad()
     def _adamw_rows(self, grad: torch.Tensor) -> None:
-        state, group = self._state(), self.group
+        state, group = self.optimizer.state[self.weight], self.group
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
         touched = grad.indices()[0]
-        self.active[touched] = True
-        rows = self.active.nonzero().squeeze(1)  # [R]
-        dense = torch.zeros((len(rows), self.weight.size(1)), dtype=grad.dtype, device=grad.device)
-        dense[torch.searchsorted(rows, touched)] = grad.values()
+        self._place(touched)
+        used = len(self.rows)
+        dense = torch.zeros((used, self.weight.size(1)), dtype=grad.dtype, device=grad.device)  # [R, H]
+        dense[self.slot[touched]] = grad.values()
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = float(state["step"])
-        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(dense, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(dense, dense, value=1 - beta2)
+        exp_avg = self.exp_avg[:used].lerp_(dense, 1 - beta1)
+        exp_avg_sq = self.exp_avg_sq[:used].mul_(beta2).addcmul_(dense, dense, value=1 - beta2)
         lr = float(group["lr"])
         step_size = lr / (1 - beta1 ** step)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
         weight = self.weight.data
-        weight.index_copy_(0, rows, weight.index_select(0, rows).addcdiv_(exp_avg, denom, value=-step_size))
-        state["exp_avg"].index_copy_(0, rows, exp_avg)
-        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
-        still = (exp_avg != 0).any(1) | (exp_avg_sq != 0).any(1)  # a row whose moments reached 0 moves no more
-        self.active[rows[~still]] = False
+        updated = weight.index_select(0, self.rows).addcdiv_(exp_avg, denom, value=-step_size)
+        self.finite = bool(torch.isfinite(updated).all())  # the only rows that changed: the weight's check
+        weight.index_copy_(0, self.rows, updated)

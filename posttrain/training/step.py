@@ -141,7 +141,10 @@ class StepMixin:
     def _check_weights_finite(self) -> None:
         """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
         such weights are never saved as a good state."""
-        finite, name = self.sharding.all_finite(self.policy)
+        rows = self._sparse_rows  # the input embedding's updated rows were checked as they were written
+        finite, name = self.sharding.all_finite(self.policy, skip=rows.weight if rows is not None else None)
+        if finite and rows is not None and not rows.finite:
+            finite, name = False, next(n for n, p in self.policy.named_parameters() if p is rows.weight)
         if finite:
             return
         newest = checkpoints(self.args.output_dir)

@@ -86,10 +86,10 @@ class Sharding:
         optimizer.step()
         return None
 
-    def all_finite(self, model) -> tuple[bool, str | None]:
-        """(whether every trainable weight is finite on every process, None) or (False, the first non-finite
-        weight's name); a collective when the parameters are sharded."""
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def all_finite(self, model, skip: torch.Tensor | None = None) -> tuple[bool, str | None]:
+        """(whether every trainable weight but `skip` (one the caller checks itself) is finite on every process,
+        None) or (False, the first non-finite weight's name); a collective when the parameters are sharded."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p is not skip]
         if not params:
             return True, None
         from torch.distributed.tensor import DTensor

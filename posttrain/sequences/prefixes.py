@@ -1,0 +1,89 @@
+"""Preference pairs laid out with each pair's common prefix once: the reward model's forward runs the prefix with a
+cache and both continuations against it (models/scores.py `prefix_shared_scores`).
+
+A pair's chosen and rejected sequences usually begin with the same prompt. Under causal attention the prompt's keys,
+values and hidden states are the same in both sequences, so the body can run it once: P * Lp + 2P * C positions
+instead of the padded batch's 2P * T.
+
+A pair's shared prefix is the longest common prefix of its two sequences, cut so that both sequences' score
+positions (their last token that is not padding, where the reward is read) lie after it: each continuation then holds
+its own score position, found by the model's pooling over the continuation's ids as it would be over the whole
+sequence's. A micro-batch is laid out so only when every pair shares at least one token (a prefix row of padding
+alone would attend to nothing) and when it removes at least MIN_SAVING of the padded batch's positions and at least
+`min_saved` positions (what pays for the second forward).
+
+    prefix_ids   [P, Lp]  long  each pair's shared prefix, left-padded with pad_id (it ends at its last column)
+    prefix_mask  [P, Lp]  long  1 at the prefix's tokens
+    suffix_ids   [2P, C]  long  the rest of each sequence (chosen 2i, rejected 2i + 1), right-padded with pad_id
+    suffix_mask  [2P, C]  long  1 at the continuation's tokens
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posttrain.models.packing import MIN_SAVING
+from posttrain.models.scores import score_positions
+from posttrain.sequences.rows import TokenRows
+
+
+@dataclass
+class PrefixBatch:
+    prefix_ids: torch.Tensor
+    prefix_mask: torch.Tensor
+    suffix_ids: torch.Tensor
+    suffix_mask: torch.Tensor
+
+    def to(self, device) -> "PrefixBatch":
+        return PrefixBatch(*(t.to(device, non_blocking=True) for t in (self.prefix_ids, self.prefix_mask,
+                                                                      self.suffix_ids, self.suffix_mask)))
+
+
+def shared_prefix_lengths(rows: TokenRows, pad_id: int) -> np.ndarray:
+    """[P] the prefix each pair of `rows` (chosen 2i, rejected 2i + 1) can run once: its longest common prefix, no
+    longer than either sequence's score position (models/scores.py `score_positions`)."""
+    offsets = rows.offsets
+    last = score_positions(rows.tokens, offsets, pad_id) - offsets[:-1]  # [2P] within each sequence
+    shared = np.zeros(len(rows) // 2, dtype=np.int64)
+    for i in range(len(shared)):
+        reach = int(min(last[2 * i], last[2 * i + 1]))
+        chosen = rows.tokens[offsets[2 * i]:offsets[2 * i] + reach]
+        rejected = rows.tokens[offsets[2 * i + 1]:offsets[2 * i + 1] + reach]
+        differ = np.flatnonzero(chosen != rejected)
+        shared[i] = differ[0] if len(differ) else reach
+    return shared
+
+
+def prefix_batch(rows: TokenRows, pad_id: int, padded_width: int, min_saved: int) -> PrefixBatch | None:
+    """The pairs of `rows` laid out with their shared prefixes once, or None where that does not pay (the module's
+    docstring); `padded_width` is the padded batch's width, the layout it would replace."""
+    if len(rows) < 2:
+        return None
+    shared = shared_prefix_lengths(rows, pad_id)
+    if not shared.all():
+        return None
+    lengths = rows.lengths
+    suffix = lengths - np.repeat(shared, 2)  # [2P]
+    width, suffix_width = int(shared.max()), int(suffix.max())
+    otherwise = len(rows) * padded_width
+    saved = otherwise - (len(shared) * width + len(rows) * suffix_width)
+    if saved < MIN_SAVING * otherwise or saved < min_saved:
+        return None
+    prefix_ids = np.full((len(shared), width), pad_id, dtype=np.int64)
+    prefix_real = np.arange(width)[None, :] >= (width - shared)[:, None]  # left padding
+    starts = rows.offsets[:-1]
+    chosen_starts = starts[0::2]
+    prefix_ids[prefix_real] = rows.tokens[_ranges(chosen_starts, shared)]
+    suffix_ids = np.full((len(rows), suffix_width), pad_id, dtype=np.int64)
+    suffix_real = np.arange(suffix_width)[None, :] < suffix[:, None]  # right padding
+    suffix_ids[suffix_real] = rows.tokens[_ranges(starts + np.repeat(shared, 2), suffix)]
+    return PrefixBatch(torch.from_numpy(prefix_ids), torch.from_numpy(prefix_real.astype(np.int64)),
+                       torch.from_numpy(suffix_ids), torch.from_numpy(suffix_real.astype(np.int64)))
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The flat indices starts[k] .. starts[k] + counts[k] - 1, for each k in turn."""
+    total = int(counts.sum())
+    begins = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return begins + np.arange(total)

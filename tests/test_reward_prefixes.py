@@ -1,0 +1,145 @@
+"""The reward model's pairs with their common prefix run once (sequences/prefixes.py, models/scores.py
+`prefix_shared_scores`): the layout, the scores against the model's own unshared forward, TRL's numbers through the
+shared path, and where the path is not taken."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from test_reward import METRICS, PAIRS, _conversational, _records, _train, _trl_trainer
+
+from posttrain.models.scores import prefix_shared_scores, prefix_sharing_works
+from posttrain.reward import trainer as reward_trainer
+from posttrain.sequences.collate import collate
+from posttrain.sequences.prefixes import prefix_batch, shared_prefix_lengths
+from posttrain.sequences.rows import TokenRows
+from posttrain.testing import tiny_reward_model
+
+PAD = 0
+
+
+def _rows(*sequences) -> TokenRows:
+    return TokenRows.from_sequences([(np.asarray(s, dtype=np.int64), np.ones(len(s), dtype=bool))
+                                     for s in sequences])
+
+
+def test_each_pair_shares_its_common_prefix_up_to_its_score_positions():
+    """The longest common prefix, cut before either sequence's last token that is not padding (the pad id 0 here
+    stands for an EOS that is also the pad token, read past as transformers pools)."""
+    rows = _rows([5, 6, 7, 8, 9], [5, 6, 7, 3],       # prompt 5 6 7: shared 3
+                 [5, 6, 7], [5, 6, 7, 8, 9],          # chosen a prefix of rejected: cut before its last token
+                 [5, 6, 7, 0], [5, 6, 7, 8, 0],       # pad = EOS: chosen is scored at 7, so 2 are shared
+                 [4, 6], [5, 6])                      # nothing in common
+    assert shared_prefix_lengths(rows, PAD).tolist() == [3, 2, 2, 0]
+
+
+def test_the_layout_holds_every_sequence_and_saves_positions():
+    rows = _rows([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 3], [4, 6, 2, 1], [4, 6, 2, 9, 9, 9])
+    batch = prefix_batch(rows, PAD, padded_width=6, min_saved=0)
+    assert batch.prefix_ids.tolist() == [[5, 6, 7, 8], [PAD, 4, 6, 2]]  # left-padded, ending at the last column
+    assert batch.prefix_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert batch.suffix_ids.tolist() == [[9, 10, PAD], [3, PAD, PAD], [1, PAD, PAD], [9, 9, 9]]
+    assert batch.suffix_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]]
+    # 2 x 4 + 4 x 3 = 20 positions against the padded batch's 4 x 6 = 24: too few for a floor of 5, and a pair
+    # without a common token is never laid out so
+    assert prefix_batch(rows, PAD, padded_width=6, min_saved=5) is None
+    assert prefix_batch(_rows([5, 6, 7], [5, 6, 8], [4, 6], [5, 6]), PAD, padded_width=3, min_saved=0) is None
+
+
+def test_shared_scores_equal_the_models_own(tokenizer):
+    """Pairs whose prompts differ in length (left-padded prefixes) and answers of different lengths (right-padded
+    continuations), pad = EOS: the same scores as the model's forward over the whole padded sequences, with the
+    same gradient."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token
+    model = tiny_reward_model(tokenizer, hidden=32, layers=2)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    texts = [("12+3=", "15", "16 or so"), ("1+1=", "2", "3"), ("100+200=", "300", "30")]
+    sequences = [tokenizer(p + a)["input_ids"] + [eos] for p, c, r in texts for a in (c, r)]
+    rows = _rows(*sequences)
+    padded = collate(rows, eos, padding_free=False, pad_to_multiple_of=None)
+    batch = prefix_batch(rows, eos, padded.input_ids.size(1), min_saved=0)
+    # one token a character: each prompt, and the answers' common first digit where they have one
+    assert batch is not None and batch.prefix_mask.sum(1).tolist() == [len("12+3=1"), len("1+1="), len("100+200=3")]
+    assert prefix_sharing_works(model)
+    shared = prefix_shared_scores(model, batch.prefix_ids, batch.prefix_mask, batch.suffix_ids, batch.suffix_mask)
+    (grad_shared,) = torch.autograd.grad(shared.square().sum(), model.score.weight)
+    whole = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[:, 0]
+    (grad_whole,) = torch.autograd.grad(whole.square().sum(), model.score.weight)
+    assert torch.allclose(shared, whole, atol=1e-5) and torch.allclose(grad_shared, grad_whole, atol=1e-5)
+
+
+def _counting_shared_passes(monkeypatch) -> list:
+    """Shared prefixes on the tiny test model (no FLOP floor); the list gets a True per shared pass."""
+    monkeypatch.setattr(reward_trainer, "MIN_PREFIX_SAVING_FLOP", 0)
+    passes = []
+    original = reward_trainer.prefix_shared_scores
+
+    def counted(*args):
+        passes.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(reward_trainer, "prefix_shared_scores", counted)
+    return passes
+
+
+@pytest.mark.parametrize("case", ["plain", "margin", "pad_is_eos", "conversational", "checkpointing"])
+def test_shared_prefixes_give_trls_numbers(tokenizer, tmp_path, monkeypatch, case):
+    """TRL 1.16's RewardTrainer against ours with every step's pairs run through their shared prompts: the same
+    loss and metrics at steps 1 and 2 (step 2 tests the update). checkpointing: activation checkpointing on
+    (transformers turns the cache off in its training forward), so the pairs run whole."""
+    columns = _conversational() if case == "conversational" else dict(PAIRS)
+    if case == "margin":
+        columns["margin"] = [0.1 * (i % 5) - 0.2 for i in range(16)]
+    options = {"gradient_checkpointing": True} if case == "checkpointing" else {}
+    if case == "pad_is_eos":
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.pad_token = tokenizer.eos_token
+    theirs = _trl_trainer(tokenizer, tmp_path, Dataset.from_dict(columns), **options)
+    theirs.train()
+    passes = _counting_shared_passes(monkeypatch)
+    ours, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(columns), train_sampling_strategy="sequential",
+                        **options)
+    assert len(passes) == (0 if case == "checkpointing" else 2)
+    for a, b in zip(_records(ours), _records(theirs), strict=True):
+        for key in METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_evaluation_through_shared_prefixes_gives_the_unshared_metrics(tokenizer, tmp_path, monkeypatch):
+    """Prompts of different lengths and implicit prompts (the common prefix found in the tokens): training and
+    evaluation with the prefixes shared give the metrics and weights of the same run without."""
+    columns = {"chosen": [f"{a * 37}+{b}={a * 37 + b}" for a in range(4) for b in range(4)],
+               "rejected": [f"{a * 37}+{b}={a * 37 + b + 1}x" for a in range(4) for b in range(4)]}
+    runs = {}
+    for shared in (False, True):
+        passes = _counting_shared_passes(monkeypatch) if shared else []
+        trainer, params, _ = _train(tokenizer, tmp_path / str(shared), data=Dataset.from_dict(columns),
+                                    train_sampling_strategy="sequential", eval_dataset=Dataset.from_dict(columns),
+                                    per_device_eval_batch_size=4)
+        runs[shared] = (_records(trainer), trainer.evaluate(), params, len(passes))
+    (records, evaluated, params, _), (records_shared, evaluated_shared, params_shared, passes) = runs[False], runs[True]
+    assert passes == 2 + 4  # the two steps, then the evaluation's 4 batches
+    for a, b in zip(records, records_shared, strict=True):
+        for key in METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    for key, value in evaluated.items():
+        if not key.endswith(("runtime", "per_second")):
+            assert evaluated_shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name in params:
+        assert torch.allclose(params[name], params_shared[name], atol=1e-6), name
+
+
+def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch):
+    """At the shipped floor the tiny model's pairs save far too few FLOPs to pay for a second forward; padding-free
+    rows keep their own layout whatever the floor."""
+    trainer, _, _ = _train(tokenizer, tmp_path / "floor", train=False)
+    pairs = trainer.batches.rows.select(np.arange(8))
+    batch = trainer._collate(pairs)
+    assert trainer._min_shared > batch.sequences.input_ids.numel() and batch.prefixes is None
+    monkeypatch.setattr(reward_trainer, "MIN_PREFIX_SAVING_FLOP", 0)
+    trainer, _, _ = _train(tokenizer, tmp_path / "packed", train=False, padding_free=True)
+    assert trainer._min_shared is None and trainer._collate(pairs).prefixes is None
