@@ -36,16 +36,25 @@ def test_each_pair_shares_its_common_prefix_up_to_its_score_positions():
 
 
 def test_the_layout_holds_every_sequence_and_saves_positions():
-    rows = _rows([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 3], [4, 6, 2, 1], [4, 6, 2, 9, 9, 9])
+    rows = _rows([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 3], [4, 6, 1], [4, 6, 9, 9])
     batch = prefix_batch(rows, PAD, padded_width=6, min_saved=0)
-    assert batch.prefix_ids.tolist() == [[5, 6, 7, 8], [PAD, 4, 6, 2]]  # left-padded, ending at the last column
-    assert batch.prefix_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
-    assert batch.suffix_ids.tolist() == [[9, 10, PAD], [3, PAD, PAD], [1, PAD, PAD], [9, 9, 9]]
-    assert batch.suffix_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]]
-    # 2 x 4 + 4 x 3 = 20 positions against the padded batch's 4 x 6 = 24: too few for a floor of 5, and a pair
-    # without a common token is never laid out so
-    assert prefix_batch(rows, PAD, padded_width=6, min_saved=5) is None
+    assert batch.prefix_ids.tolist() == [[5, 6, 7, 8], [PAD, PAD, 4, 6]]  # left-padded, ending at the last column
+    assert batch.prefix_mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    assert batch.suffix_ids.tolist() == [[9, 10], [3, PAD], [1, PAD], [9, 9]]
+    assert batch.suffix_mask.tolist() == [[1, 1], [1, 0], [1, 0], [1, 1]]
+    # 2 x 4 + 4 x 2 = 16 positions (both prefixes cut to 2 would run 2 x 2 + 4 x 4 = 20) against the padded batch's
+    # 4 x 6 = 24: too few for a floor of 9, and a pair without a common token is never laid out so
+    assert prefix_batch(rows, PAD, padded_width=6, min_saved=9) is None
     assert prefix_batch(_rows([5, 6, 7], [5, 6, 8], [4, 6], [5, 6]), PAD, padded_width=3, min_saved=0) is None
+
+
+def test_prefixes_are_cut_to_one_length_where_that_runs_no_more_positions():
+    """Prompts of one length, one pair's answers beginning alike: cut to the shortest prefix, 2 x 3 + 4 x 3
+    positions against 2 x 4 + 4 x 3 for each pair's own (padded) prefix, and no padding in the prefix rows."""
+    rows = _rows([5, 6, 7, 8, 9], [5, 6, 7, 8, 3], [4, 6, 2, 1, 1, 1], [4, 6, 2, 9, 9, 9])
+    batch = prefix_batch(rows, PAD, padded_width=6, min_saved=0)
+    assert batch.prefix_ids.tolist() == [[5, 6, 7], [4, 6, 2]] and bool(batch.prefix_mask.all())
+    assert batch.suffix_ids.tolist() == [[8, 9, PAD], [8, 3, PAD], [1, 1, 1], [9, 9, 9]]
 
 
 def test_shared_scores_equal_the_models_own(tokenizer):
@@ -57,7 +66,7 @@ def test_shared_scores_equal_the_models_own(tokenizer):
     model = tiny_reward_model(tokenizer, hidden=32, layers=2)
     model.config.pad_token_id = tokenizer.pad_token_id
     eos = tokenizer.eos_token_id
-    texts = [("12+3=", "15", "16 or so"), ("1+1=", "2", "3"), ("100+200=", "300", "30")]
+    texts = [("12+3=", "15", "16"), ("1+1=", "2", "3"), ("100+200=", "300", "30")]
     sequences = [tokenizer(p + a)["input_ids"] + [eos] for p, c, r in texts for a in (c, r)]
     rows = _rows(*sequences)
     padded = collate(rows, eos, padding_free=False, pad_to_multiple_of=None)

@@ -10,7 +10,9 @@ positions (their last token that is not padding, where the reward is read) lie a
 its own score position, found by the model's pooling over the continuation's ids as it would be over the whole
 sequence's. A micro-batch is laid out so only when every pair shares at least one token (a prefix row of padding
 alone would attend to nothing) and when it removes at least MIN_SAVING of the padded batch's positions and at least
-`min_saved` positions (what pays for the second forward).
+`min_saved` positions (what pays for the second forward). Where every pair's prefix cut to the shortest of them runs
+no more positions, the prefixes are cut so: rows of one length need no padding, and so no mask, in their forward
+(as where all prompts have one length and some pairs' answers also begin alike).
 
     prefix_ids   [P, Lp]  long  each pair's shared prefix, left-padded with pad_id (it ends at its last column)
     prefix_mask  [P, Lp]  long  1 at the prefix's tokens
@@ -63,11 +65,11 @@ def prefix_batch(rows: TokenRows, pad_id: int, padded_width: int, min_saved: int
     shared = shared_prefix_lengths(rows, pad_id)
     if not shared.all():
         return None
-    lengths = rows.lengths
-    suffix = lengths - np.repeat(shared, 2)  # [2P]
+    shared = min((shared, np.full_like(shared, shared.min())), key=lambda s: _positions(rows, s))
+    suffix = rows.lengths - np.repeat(shared, 2)  # [2P]
     width, suffix_width = int(shared.max()), int(suffix.max())
     otherwise = len(rows) * padded_width
-    saved = otherwise - (len(shared) * width + len(rows) * suffix_width)
+    saved = otherwise - _positions(rows, shared)
     if saved < MIN_SAVING * otherwise or saved < min_saved:
         return None
     prefix_ids = np.full((len(shared), width), pad_id, dtype=np.int64)
@@ -80,6 +82,12 @@ def prefix_batch(rows: TokenRows, pad_id: int, padded_width: int, min_saved: int
     suffix_ids[suffix_real] = rows.tokens[_ranges(starts + np.repeat(shared, 2), suffix)]
     return PrefixBatch(torch.from_numpy(prefix_ids), torch.from_numpy(prefix_real.astype(np.int64)),
                        torch.from_numpy(suffix_ids), torch.from_numpy(suffix_real.astype(np.int64)))
+
+
+def _positions(rows: TokenRows, shared: np.ndarray) -> int:
+    """The positions the layout with these [P] prefixes runs: the prefixes padded to the longest, each sequence's
+    rest padded to the longest rest."""
+    return len(shared) * int(shared.max()) + len(rows) * int((rows.lengths - np.repeat(shared, 2)).max())
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
