@@ -2,6 +2,7 @@
 `prefix_shared_scores`): the layout, the scores against the model's own unshared forward, TRL's numbers through the
 shared path, and where the path is not taken."""
 
+import contextlib
 import copy
 
 import numpy as np
@@ -152,3 +153,30 @@ def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch
     monkeypatch.setattr(reward_trainer, "MIN_PREFIX_SAVING_FLOP", 0)
     trainer, _, _ = _train(tokenizer, tmp_path / "packed", train=False, padding_free=True)
     assert trainer._min_shared is None and trainer._collate(pairs).prefixes is None
+
+
+def test_masked_grouped_query_attention_whole_gives_the_same_scores(tokenizer):
+    """Within masked_gqa_on_cpu (the reward passes' attention: key and value heads not repeated), a padded batch
+    scores as transformers' default path scores it, with the same gradient; the switch is unset again after, and
+    never set for a model that checkpoints activations (its recomputation runs outside the block)."""
+    import os
+
+    from posttrain.models.forwards import SDPA_FORCE_GQA, masked_gqa_on_cpu
+
+    model = tiny_reward_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2)
+    model.config.pad_token_id = 0
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    mask = (ids != 0).long()
+    results = []
+    for whole in (False, True):
+        with masked_gqa_on_cpu(model) if whole else contextlib.nullcontext():
+            assert (os.environ.get(SDPA_FORCE_GQA) == "1") == whole
+            scores = model(input_ids=ids, attention_mask=mask).logits[:, 0]
+        results.append((scores, torch.autograd.grad(scores.sum(), model.score.weight)[0]))
+    assert SDPA_FORCE_GQA not in os.environ
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+    model.gradient_checkpointing_enable()
+    model.train()
+    with masked_gqa_on_cpu(model):
+        assert SDPA_FORCE_GQA not in os.environ

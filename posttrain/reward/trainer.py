@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from posttrain.configs import ConfigError, RewardConfig
 from posttrain.data import DataError
 from posttrain.models.loading import load_sequence_classifier
+from posttrain.models.forwards import masked_gqa_on_cpu
 from posttrain.models.keywords import unwrap
 from posttrain.models.prompt_sharing import body_parameters, every_process_agrees
 from posttrain.models.scores import (HEAD_NAMES, prefix_shared_scores, prefix_sharing_works, score_head,
@@ -233,12 +234,13 @@ class RewardTrainer(BatchedDataTrainer):
         """[2p] rewards, the common prefixes run once where the batch has them laid out so and the model allows it
         (on every process training together, or on none)."""
         shared = batch.prefixes
-        if self._min_shared is not None and every_process_agrees(model, shared is not None and
-                                                                 prefix_sharing_works(model)):
-            return prefix_shared_scores(model, shared.prefix_ids, shared.prefix_mask, shared.suffix_ids,
-                                        shared.suffix_mask)
-        s = batch.sequences
-        return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last)
+        with masked_gqa_on_cpu(model):
+            if self._min_shared is not None and every_process_agrees(model, shared is not None and
+                                                                     prefix_sharing_works(model)):
+                return prefix_shared_scores(model, shared.prefix_ids, shared.prefix_mask, shared.suffix_ids,
+                                            shared.suffix_mask)
+            s = batch.sequences
+            return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last)
 
     def _micro_loss(self, batch: RewardBatch, grad: bool):
         """(the micro-batch's loss summed over its pairs, [len(SUMS)] statistics, [2p] detached rewards)."""
