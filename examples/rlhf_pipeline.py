@@ -19,8 +19,8 @@ stage's output directory, as a user chains `trl sft`, `trl reward` and `trl rloo
 
 It prints the reward model's held-out accuracy before and after, and the policy's reward (and its sampled answers'
 accuracy by exact match, which the policy never sees: the accuracy reward at weight 0) over the first and the last
-10 steps, then draws each stage's curves (`posttrain plot`) into OUTPUT_DIR/<stage>.png. About a minute and a half on
-2 CPU cores.
+10 steps. Each stage's run draws its curves and its report as every posttrain run does: OUTPUT_DIR/<stage>/plots.png
+and report.html. About a minute and a half on 2 CPU cores.
 """
 
 import argparse
@@ -120,14 +120,12 @@ def main(argv=None) -> dict:
     result = {"reward_model_held_out_accuracy": (evaluations[0]["eval_accuracy"], evaluations[-1]["eval_accuracy"]),
               "policy_reward": (mean(steps[:10], "reward"), mean(steps[-10:], "reward")),
               "policy_accuracy": (mean(steps[:10], "rewards/accuracy/mean"), mean(steps[-10:], "rewards/accuracy/mean"))}
-    for stage in (sft, reward, policy):
-        posttrain("plot", stage, "--out", f"{stage}.png")
     print(f"reward model, held-out accuracy: {result['reward_model_held_out_accuracy'][0]:.2f} before training, "
           f"{result['reward_model_held_out_accuracy'][1]:.2f} after")
     print(f"{args.trainer}, reward from the reward model: {result['policy_reward'][0]:.2f} over the first 10 steps, "
           f"{result['policy_reward'][1]:.2f} over the last 10 (answers right: {result['policy_accuracy'][0]:.0%} -> "
           f"{result['policy_accuracy'][1]:.0%})")
-    print(f"plots: {', '.join(f'{s}.png' for s in (sft, reward, policy))}")
+    print(f"plots: {', '.join(os.path.join(s, 'plots.png') for s in (sft, reward, policy))}")
     return result
 
 

@@ -96,16 +96,17 @@ def _counting_shared_passes(monkeypatch) -> list:
     return passes
 
 
-@pytest.mark.parametrize("case", ["plain", "margin", "pad_is_eos", "conversational", "checkpointing"])
+@pytest.mark.parametrize("case", ["plain", "margin_pad_is_eos", "conversational", "checkpointing"])
 def test_shared_prefixes_give_trls_numbers(tokenizer, tmp_path, monkeypatch, case):
     """TRL 1.16's RewardTrainer against ours with every step's pairs run through their shared prompts: the same
-    loss and metrics at steps 1 and 2 (step 2 tests the update). checkpointing: activation checkpointing on
-    (transformers turns the cache off in its training forward), so the pairs run whole."""
+    loss and metrics at steps 1 and 2 (step 2 tests the update). margin_pad_is_eos: a margin column, and the EOS as
+    the pad token (each reward read before the final EOS); checkpointing: activation checkpointing on (transformers
+    turns the cache off in its training forward), so the pairs run whole."""
     columns = _conversational() if case == "conversational" else dict(PAIRS)
-    if case == "margin":
+    if case == "margin_pad_is_eos":
         columns["margin"] = [0.1 * (i % 5) - 0.2 for i in range(16)]
     options = {"gradient_checkpointing": True} if case == "checkpointing" else {}
-    if case == "pad_is_eos":
+    if case == "margin_pad_is_eos":
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.pad_token = tokenizer.eos_token
     theirs = _trl_trainer(tokenizer, tmp_path, Dataset.from_dict(columns), **options)
