@@ -30,7 +30,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
-from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs
+from posttrain.sequences.chat import check_messages, common_prefix_length, extract_prompt, template_kwargs
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows, truncate
 
@@ -61,15 +61,6 @@ def detect_format(row: dict, name: str) -> str:
         missing = "rejected" if "chosen" in row else "chosen"
         hint = f" (it has no {missing!r} column)"
     raise DataError(f"{name} is in no preference format: its columns are {found}; DPO needs {ACCEPTED}{hint}.")
-
-
-def extract_prompt(chosen, rejected):
-    """(prompt, chosen, rejected) from an implicit-prompt pair: their longest common prefix of whole messages, or of
-    characters (ending before a space, so the completions keep their leading space, as in TRL)."""
-    n = common_prefix_length(chosen, rejected)
-    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
-        n -= 1
-    return chosen[:n], chosen[n:], rejected[n:]
 
 
 class PairEncoder:

@@ -49,6 +49,15 @@ def common_prefix_length(a: list, b: list) -> int:
     return n
 
 
+def extract_prompt(chosen, rejected):
+    """(prompt, chosen, rejected) from an implicit-prompt pair: their longest common prefix of whole messages, or of
+    characters (ending before a space, so the completions keep their leading space, as in TRL)."""
+    n = common_prefix_length(chosen, rejected)
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
 def template_kwargs(row: dict) -> dict:
     """The chat template's keyword arguments of a row: its `chat_template_kwargs` and `tools` (a JSON string or a
     list) columns."""

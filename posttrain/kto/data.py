@@ -1,0 +1,246 @@
+"""KTO's datasets -> (prompt, completion, label) token rows, in TRL's formats and with TRL's preparation.
+
+    unpaired, standard         {"prompt": "The sky is", "completion": " blue.", "label": True}
+    unpaired, conversational   {"prompt": [messages], "completion": [messages], "label": False}
+    paired                     a preference dataset ({"prompt": ..., "chosen": ..., "rejected": ...}, standard or
+                               conversational; without a prompt column the prompt is chosen's and rejected's common
+                               start, as DPO reads it), unpaired as TRL's unpair_preference_dataset unpairs it: each
+                               block of 1000 pairs gives its chosen completions (label True), then its rejected ones
+                               (label False)
+
+As TRL's KTOTrainer: a standard completion gets the EOS appended unless it ends with it; the prompt is tokenized alone
+(conversational: with the generation prompt) and with the completion (the row's `tools` and `chat_template_kwargs`
+reach the chat template), and the completion starts where the two stop agreeing. A row whose prompt alone has
+max_length tokens or more is dropped (TRL filters them, whatever the truncation mode); posttrain says how many.
+
+    UnpairedRows  rows: TokenRows, one per example, prompt + completion, labels True on the completion's tokens;
+                  desirable [N] bool, the example's label; index [N] its row in the unpaired dataset
+"""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from posttrain.configs import ConfigError
+from posttrain.data import DataError
+from posttrain.sequences.chat import check_messages, common_prefix_length, extract_prompt, template_kwargs
+from posttrain.sequences.rows import TokenRows
+
+logger = logging.getLogger("posttrain")
+
+ACCEPTED = ("prompt + completion + label (text or messages), or a preference dataset (chosen + rejected, with or "
+            "without a prompt column), which is unpaired")
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def detect_format(row: dict, name: str) -> tuple[str, bool]:
+    """(standard or conversational, whether the rows are preference pairs to unpair); a DataError naming the columns
+    found and the formats accepted."""
+    if "chosen" in row and "rejected" in row:
+        return ("conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt"))
+                else "standard"), True
+    if "completion" in row and "label" in row:
+        return ("conversational" if _is_messages(row["completion"]) or _is_messages(row.get("prompt"))
+                else "standard"), False
+    found = ", ".join(row) or "none"
+    hint = ""
+    if "completion" in row:
+        hint = " (prompt/completion without a label is an SFT dataset; KTO needs each completion's label: True for " \
+               "desirable, False for undesirable)"
+    elif "chosen" in row or "rejected" in row:
+        hint = f" (it has no {'rejected' if 'chosen' in row else 'chosen'!r} column)"
+    raise DataError(f"{name} is in no KTO format: its columns are {found}; KTO needs {ACCEPTED}{hint}.")
+
+
+@dataclass
+class UnpairedRows:
+    rows: TokenRows
+    desirable: np.ndarray
+    index: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @classmethod
+    def concatenate(cls, parts: list["UnpairedRows"]) -> "UnpairedRows":
+        if not parts:
+            return cls(TokenRows.from_sequences([]), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64))
+        return cls(TokenRows.concatenate([p.rows for p in parts]), np.concatenate([p.desirable for p in parts]),
+                   np.concatenate([p.index for p in parts]))
+
+
+class KTOEncoder:
+    """Tokenizes a dataset's examples in its format (TRL's KTOTrainer preparation).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        first_row: the dataset's first row, which decides the format (as in TRL).
+        name: the dataset's name in messages.
+    """
+
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset"):
+        self.tokenizer, self.name = tokenizer, name
+        self.format, self.paired = detect_format(first_row, name)
+        self.implicit = self.paired and "prompt" not in first_row
+        if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
+                              "messages: use a chat model's tokenizer, or set chat_template_path.")
+        self._warned_prefix = False
+
+    def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list, bool, int]]:
+        """[(prompt_ids, completion_ids, label, unpaired index)] of a block of the dataset's rows (starting at row
+        `first_index`), in the unpaired dataset's order."""
+        examples = self._unpaired(rows, first_index)
+        if self.format == "standard":
+            return self._standard(examples)
+        return [self._conversation(prompt, completion, label, index, kwargs)
+                for prompt, completion, label, index, kwargs in examples]
+
+    # ------------------------------------------------------------------ rows
+
+    def _unpaired(self, rows: list[dict], first_index: int) -> list[tuple]:
+        """[(prompt, completion, label, unpaired index, template kwargs)]: a block of pairs gives its chosen
+        completions, then its rejected ones (TRL's unpairing of a map batch)."""
+        if not self.paired:
+            return [self._example(row, first_index + i) for i, row in enumerate(rows)]
+        pairs = [self._pair(row, first_index + i) for i, row in enumerate(rows)]
+        start, n = 2 * first_index, len(rows)
+        chosen = [(p, c, True, start + i, template_kwargs(row)) for i, ((p, c, _), row) in enumerate(zip(pairs, rows))]
+        rejected = [(p, r, False, start + n + i, template_kwargs(row))
+                    for i, ((p, _, r), row) in enumerate(zip(pairs, rows))]
+        return chosen + rejected
+
+    def _example(self, row: dict, index: int) -> tuple:
+        for column in ("completion", "label"):
+            if column not in row:
+                raise DataError(f"Row {index} of {self.name} has no {column!r}: every row needs a completion and its "
+                                "label.")
+        label = row["label"]
+        if not isinstance(label, (bool, np.bool_)) and label not in (0, 1):
+            raise DataError(f"Row {index} of {self.name} has label {label!r}: a label is True (a desirable "
+                            "completion) or False (an undesirable one).")
+        prompt = self._checked(row.get("prompt"), "prompt", index)
+        completion = self._checked(row["completion"], "completion", index)
+        return prompt, completion, bool(label), index, template_kwargs(row)
+
+    def _pair(self, row: dict, index: int) -> tuple:
+        for column in ("chosen", "rejected"):
+            if column not in row:
+                raise DataError(f"Row {index} of {self.name} has no {column!r}: every row needs chosen and rejected.")
+        chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+        if self.implicit:
+            prompt, chosen, rejected = extract_prompt(chosen, rejected)
+        return (self._checked(prompt, "prompt", index), self._checked(chosen, "chosen", index),
+                self._checked(rejected, "rejected", index))
+
+    def _checked(self, value, column: str, index: int):
+        kind = list if self.format == "conversational" else str
+        if value is None and column == "prompt":
+            return kind()
+        if not isinstance(value, kind):
+            raise DataError(f"Row {index} of {self.name} has {type(value).__name__} in {column!r} where the first row "
+                            f"has {'messages' if kind is list else 'text'}: every row must be in the same format.")
+        if kind is list:
+            check_messages(value, f"Row {index} of {self.name}", column, allow_empty=True)
+        return value
+
+    # ------------------------------------------------------------------ tokens
+
+    def _split(self, prompt_ids: list, full_ids: list) -> tuple[list, list]:
+        n = common_prefix_length(prompt_ids, full_ids)
+        if n < len(prompt_ids) and not self._warned_prefix:
+            self._warned_prefix = True
+            logger.warning("%s: the tokenized prompt is not a prefix of the tokenized prompt + completion (the chat "
+                           "template renders the prompt alone differently, or tokens merge across the boundary); the "
+                           "completion starts where they differ, as in TRL. Shown once.", self.name)
+        return prompt_ids[:n], full_ids[n:]
+
+    def _standard(self, examples: list[tuple]) -> list[tuple]:
+        eos, tok = self.tokenizer.eos_token, self.tokenizer
+        prompts = [p for p, *_ in examples]
+        full = [p + (c if c.endswith(eos) else c + eos) for p, c, *_ in examples]
+        prompt_ids, full_ids = tok(prompts)["input_ids"], tok(full)["input_ids"]
+        return [(*self._split(list(p), list(f)), label, index)
+                for p, f, (_, _, label, index, _) in zip(prompt_ids, full_ids, examples)]
+
+    def _conversation(self, prompt, completion, label: bool, index: int, kwargs: dict) -> tuple:
+        tok = self.tokenizer
+
+        def ids(messages, **extra):
+            return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs,
+                                                **extra)["input_ids"])
+
+        try:
+            prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
+            return (*self._split(prompt_ids, ids(prompt + completion)), label, index)
+        except Exception as err:  # a template's own error: say which row
+            raise DataError(f"Row {index} of {self.name} could not be rendered by the chat template ({err}); fix the "
+                            "row's messages, or use a template that accepts them.") from err
+
+
+def unpaired_rows(encoded: list[tuple], max_length: int | None) -> tuple[UnpairedRows, int]:
+    """(the examples whose prompt is shorter than max_length, how many were not and are dropped): each example one
+    token row, prompt + completion, labelled on the completion."""
+    sequences, desirable, index = [], [], []
+    for prompt_ids, completion_ids, label, row in encoded:
+        if max_length is not None and len(prompt_ids) >= max_length:
+            continue
+        tokens = np.asarray(prompt_ids + completion_ids, dtype=np.int64)
+        labels = np.zeros(len(tokens), dtype=bool)
+        labels[len(prompt_ids):] = True
+        sequences.append((tokens, labels))
+        desirable.append(label)
+        index.append(row)
+    rows = UnpairedRows(TokenRows.from_sequences(sequences), np.asarray(desirable, dtype=bool),
+                        np.asarray(index, dtype=np.int64))
+    return rows, len(encoded) - len(index)
+
+
+def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, announce: bool = True,
+                     block: int = 1000) -> UnpairedRows:
+    """Every row of a map-style dataset as unpaired token rows (a paired dataset unpaired a block of `block` pairs
+    at a time, TRL's map batch); those dropped for their prompt's length counted in one warning (from the announcing
+    process), or one sentence when none is left."""
+    name = encoder.name
+    if len(dataset) == 0:
+        raise DataError(f"{name} is empty: it needs at least one example.")
+    parts, dropped, total = [], 0, 0
+    for start in range(0, len(dataset), block):
+        columns = dataset[start:start + block]
+        names = list(columns)
+        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        encoded = encoder.encode(rows, start)
+        part, lost = unpaired_rows(encoded, max_length)
+        parts.append(part)
+        dropped, total = dropped + lost, total + len(encoded)
+    examples = UnpairedRows.concatenate(parts)
+    if len(examples) == 0:
+        raise DataError(f"{name} has no example left: the prompt of every one of its {total} examples has "
+                        f"max_length={max_length} tokens or more, leaving no room for its completion; raise max_length "
+                        "(or set it to None).")
+    if announce and dropped:
+        logger.warning("%s: %d of %d examples were dropped because their prompt alone has max_length=%s tokens or "
+                       "more (as TRL filters them); raise max_length to keep them.", name, dropped, total, max_length)
+    return examples
+
+
+def balance_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str | None:
+    """TRL's advice when the classes are unbalanced and neither weight lies in the range Eq. (8) of the KTO paper
+    (arXiv 2402.01306) recommends for them: desirable_weight * desirable / (undesirable_weight * undesirable) in
+    [1, 4/3]. None where the classes are balanced or a weight is in its range."""
+    desirable, undesirable = max(desirable, 1), max(undesirable, 1)
+    if desirable == undesirable:
+        return None
+    des_low = round(undesirable * undesirable_weight / desirable, 2)
+    des_high = round(undesirable * undesirable_weight / desirable * 1.33, 2)
+    und_low = round(desirable * desirable_weight / undesirable / 1.33, 2)
+    und_high = round(desirable * desirable_weight / undesirable, 2)
+    if des_low <= desirable_weight <= des_high or und_low <= undesirable_weight <= und_high:
+        return None
+    return (f"The data has {desirable} desirable and {undesirable} undesirable examples, and neither weight is in "
+            f"the range the KTO paper recommends for that balance: set desirable_weight in [{des_low}, {des_high}] or "
+            f"undesirable_weight in [{und_low}, {und_high}] (not both).")

@@ -1,0 +1,123 @@
+"""KTO's data preparation (posttrain/kto/data.py) against TRL 1.16's own: KTOTrainer._prepare_dataset called on the
+same rows with the same tokenizer gives the same prompt_ids, completion_ids and labels, in the same order, for every
+format; the rows a long prompt drops; the errors a user can cause; TRL's class-balance advice."""
+
+import copy
+import types
+
+import numpy as np
+import pytest
+from datasets import Dataset
+
+from posttrain.data import DataError
+from posttrain.kto.data import KTOEncoder, balance_advice, prepare_unpaired
+
+PROMPTS = [f"{a}+{b * 11}=" for a in range(3) for b in range(3)]  # of 4 and 5 tokens
+UNPAIRED = {"prompt": PROMPTS, "completion": [str(i) * (1 + i % 3) for i in range(9)],
+            "label": [i % 3 != 0 for i in range(9)]}
+PAIRED = {"prompt": PROMPTS, "chosen": [str(i) for i in range(9)], "rejected": [str(i + 1) + "x" * (i % 2)
+                                                                                 for i in range(9)]}
+
+
+def _conversational(columns: dict) -> dict:
+    out = {"prompt": [[{"role": "user", "content": p}] for p in columns["prompt"]]}
+    for name in ("completion", "chosen", "rejected"):
+        if name in columns:
+            out[name] = [[{"role": "assistant", "content": t}] for t in columns[name]]
+    if "label" in columns:
+        out["label"] = columns["label"]
+    return out
+
+
+def _implicit(columns: dict) -> dict:
+    return {c: [p + t for p, t in zip(columns["prompt"], columns[c])] for c in ("chosen", "rejected")}
+
+
+def _trls(tokenizer, columns: dict, max_length=None) -> list[tuple]:
+    """TRL's KTOTrainer._prepare_dataset on the rows, called with a stand-in for the trainer (the attributes the
+    method reads; the KL completions are not asked for: posttrain pairs them per micro-batch)."""
+    trl = pytest.importorskip("trl")
+    stand_in = types.SimpleNamespace(_tokenizer=tokenizer, calculate_KL=False, desirable_weight=1.0,
+                                     undesirable_weight=1.0)
+    args = trl.KTOConfig(output_dir="unused", max_length=max_length, report_to="none", use_cpu=True, bf16=False)
+    prepared = trl.KTOTrainer._prepare_dataset(stand_in, Dataset.from_dict(columns), tokenizer, args, "eval")
+    return [(list(r["prompt_ids"]), list(r["completion_ids"]), bool(r["label"])) for r in prepared]
+
+
+def _ours(tokenizer, columns: dict, max_length=None, block: int = 1000) -> list[tuple]:
+    dataset = Dataset.from_dict(columns)
+    examples = prepare_unpaired(dataset, KTOEncoder(tokenizer, dataset[0]), max_length, block=block)
+    rows = examples.rows
+    out = []
+    for i in range(len(examples)):
+        tokens, labels = rows.tokens[rows.row(i)], rows.labels[rows.row(i)]
+        out.append((tokens[~labels].tolist(), tokens[labels].tolist(), bool(examples.desirable[i])))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["unpaired", "unpaired_conversational", "paired", "paired_implicit",
+                                 "paired_conversational", "max_length"])
+def test_prepared_examples_equal_trls(tokenizer, fmt):
+    columns = {"unpaired": UNPAIRED, "unpaired_conversational": _conversational(UNPAIRED), "paired": PAIRED,
+               "paired_implicit": _implicit(PAIRED), "paired_conversational": _conversational(PAIRED),
+               "max_length": UNPAIRED}[fmt]
+    max_length = 5 if fmt == "max_length" else None  # prompts of 4 and 5 tokens: those of 5 are dropped
+    theirs, ours = _trls(tokenizer, columns, max_length), _ours(tokenizer, columns, max_length)
+    assert ours == theirs
+    if fmt == "max_length":
+        assert 0 < len(ours) < len(UNPAIRED["label"])
+    if fmt.startswith("paired"):  # chosen completions first, then the rejected ones, as TRL unpairs a map batch
+        assert [label for _, _, label in ours] == [True] * 9 + [False] * 9
+
+
+def test_pairs_unpair_a_block_at_a_time_with_their_dataset_index(tokenizer):
+    """Blocks of 4 pairs: each block's chosen completions, then its rejected ones; the index is the row in the
+    unpaired dataset (TRL's map batches are 1000 pairs: the order within a block is TRL's)."""
+    dataset = Dataset.from_dict(PAIRED)
+    examples = prepare_unpaired(dataset, KTOEncoder(tokenizer, dataset[0]), None, block=4)
+    assert examples.index.tolist() == list(range(18))
+    assert examples.desirable.tolist() == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 4 + [True, False]
+
+
+def test_the_eos_is_appended_once_and_the_rows_label_their_completion(tokenizer):
+    eos = tokenizer.eos_token
+    columns = {"prompt": ["1+1=", "2+2="], "completion": ["2", "4" + eos], "label": [True, False]}
+    ours = _ours(tokenizer, columns)
+    assert all(completion[-1] == tokenizer.eos_token_id for _, completion, _ in ours)
+    assert all(tokenizer.eos_token_id not in completion[:-1] for _, completion, _ in ours)
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"prompt": ["a"], "completion": ["b"]}, "KTO needs prompt + completion + label"),
+    ({"prompt": ["a"], "chosen": ["b"]}, "it has no 'rejected' column"),
+    ({"prompt": ["a", "b"], "completion": ["c", "d"], "label": [True, 2]}, "Row 1 of train_dataset has label 2"),
+    ({"prompt": ["a", "b"], "completion": ["c", ["d"]], "label": [True, False]}, "every row must be in the same"),
+])
+def test_bad_rows_are_one_sentence(tokenizer, columns, message):
+    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    with pytest.raises(DataError) as err:
+        encoder = KTOEncoder(tokenizer, rows[0])
+        encoder.encode(rows, 0)
+    assert message in str(err.value) and str(err.value).count(". ") == 0
+
+
+def test_a_prompt_that_fills_max_length_everywhere_is_one_sentence(tokenizer):
+    with pytest.raises(DataError, match="has no example left: the prompt of every one of its 9 examples"):
+        _ours(tokenizer, UNPAIRED, max_length=2)
+
+
+def test_the_class_balance_advice_is_trls():
+    """TRL 1.16 warns when the classes differ in size and neither weight is in Eq. (8)'s range: the same ranges."""
+    assert balance_advice(10, 10, 1.0, 1.0) is None
+    assert balance_advice(30, 10, 1.0, 1.0) == (
+        "The data has 30 desirable and 10 undesirable examples, and neither weight is in the range the KTO paper "
+        "recommends for that balance: set desirable_weight in [0.33, 0.44] or undesirable_weight in [2.26, 3.0] "
+        "(not both).")
+    assert balance_advice(30, 10, 0.4, 1.0) is None and balance_advice(30, 10, 1.0, 2.5) is None
+
+
+def test_the_tokenizer_is_not_changed(tokenizer):
+    before = copy.deepcopy(tokenizer)
+    _ours(tokenizer, _conversational(UNPAIRED))
+    assert tokenizer.get_vocab() == before.get_vocab() and np.array_equal(
+        tokenizer("1+1=2")["input_ids"], before("1+1=2")["input_ids"])
