@@ -1,6 +1,8 @@
-"""KTO's data preparation (posttrain/kto/data.py) against TRL 1.16's own: KTOTrainer._prepare_dataset called on the
-same rows with the same tokenizer gives the same prompt_ids, completion_ids and labels, in the same order, for every
-format; the rows a long prompt drops; the errors a user can cause; TRL's class-balance advice."""
+"""KTO so far (issue 36): its data preparation (posttrain/kto/data.py) and its losses (kto/losses.py) against TRL
+1.16's own code. KTOTrainer._prepare_dataset called on the same rows with the same tokenizer gives the same
+prompt_ids, completion_ids and labels, in the same order, for every format; the rows a long prompt drops; the errors a
+user can cause; TRL's class-balance advice. KTOTrainer._compute_loss called on the same log-probs gives the same loss,
+gradient, KL estimate and rewards, for both loss types."""
 
 import copy
 import types
@@ -121,3 +123,67 @@ def test_the_tokenizer_is_not_changed(tokenizer):
     _ours(tokenizer, _conversational(UNPAIRED))
     assert tokenizer.get_vocab() == before.get_vocab() and np.array_equal(
         tokenizer("1+1=2")["input_ids"], before("1+1=2")["input_ids"])
+
+
+# ---------------------------------------------------------------------- the loss against TRL's own
+
+
+def _trl_loss(policy_logps, ref_logps, labels, kl_logps, ref_kl_logps, **options):
+    """TRL 1.16's KTOTrainer._compute_loss on these log-probs: a stand-in trainer (the attributes the method reads,
+    reference log-probs precomputed, its KL log-probs given) and a stand-in model whose per-token log-probs sum to
+    `policy_logps`. Returns (loss, TRL's logged metrics)."""
+    import collections
+
+    import torch
+    trl = pytest.importorskip("trl")
+    n = len(labels)
+
+    class Model(torch.nn.Module):
+        def forward(self, **kwargs):
+            per_token = torch.zeros(n, 3).index_put((torch.arange(n), torch.zeros(n, dtype=torch.long)), policy_logps)
+            return types.SimpleNamespace(log_probs=per_token, entropy=torch.zeros(n, 3), mean_logits=torch.zeros(n, 3))
+
+    model = Model().train()
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
+    stand_in = types.SimpleNamespace(model=model, accelerator=accelerator, calculate_KL=True, precompute_ref_logps=True,
+                                     aux_loss_enabled=False, _metrics={"train": collections.defaultdict(list)},
+                                     _total_train_tokens=0, _tp_size=1, **options)
+    stand_in._compute_kl_logps = lambda model, batch: kl_logps
+    batch = {"label": torch.tensor(labels), "input_ids": torch.ones(n, 4, dtype=torch.long),
+             "attention_mask": torch.ones(n, 4, dtype=torch.long), "completion_mask": torch.ones(n, 4, dtype=torch.long),
+             "ref_logps": ref_logps, "ref_KL_logps": ref_kl_logps}
+    loss = trl.KTOTrainer._compute_loss(stand_in, model, batch, return_outputs=False)
+    return loss, {k: v[-1] for k, v in stand_in._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.3, 0.7)])
+@pytest.mark.parametrize("kl_shift", [0.4, -3.0])  # a positive KL estimate, and a negative one (clamped at 0)
+@pytest.mark.parametrize("labels", [[True, False, True, True, False], [True, True, True]])
+def test_the_loss_and_its_gradient_equal_trls(loss_type, weights, kl_shift, labels):
+    import torch
+
+    from posttrain.kto.losses import example_losses, kl_reference_point
+
+    g = torch.Generator().manual_seed(len(labels))
+    n = len(labels)
+    ref = -5 - torch.rand(n, generator=g) * 3
+    policy = (ref + torch.randn(n, generator=g)).requires_grad_()
+    ref_kl = -6 - torch.rand(n, generator=g)
+    kl_logps = ref_kl + kl_shift + 0.1 * torch.randn(n, generator=g)
+    options = dict(loss_type=loss_type, beta=0.3, desirable_weight=weights[0], undesirable_weight=weights[1])
+    theirs, metrics = _trl_loss(policy, ref, labels, kl_logps, ref_kl, **options)
+    (their_grad,) = torch.autograd.grad(theirs, policy)
+
+    kl = kl_reference_point((kl_logps - ref_kl).sum(), torch.tensor(float(n)))
+    desirable = torch.tensor(labels)
+    losses, rewards = example_losses(policy, ref, desirable, kl, **options)
+    ours = losses.mean()
+    (our_grad,) = torch.autograd.grad(ours, policy)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    assert torch.allclose(our_grad, their_grad, rtol=1e-5, atol=1e-8)
+    assert float(kl) == pytest.approx(metrics["kl"], rel=1e-6, abs=1e-7)
+    assert float(rewards[desirable].mean()) == pytest.approx(metrics["rewards/chosen"], rel=1e-5)
+    if not all(labels):
+        assert float(rewards[~desirable].mean()) == pytest.approx(metrics["rewards/rejected"], rel=1e-5)
+        assert metrics["rewards/margins"] == pytest.approx(metrics["rewards/chosen"] - metrics["rewards/rejected"])
