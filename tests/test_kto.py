@@ -12,7 +12,7 @@ import pytest
 from datasets import Dataset
 
 from posttrain.data import DataError
-from posttrain.kto.data import KTOEncoder, balance_advice, prepare_unpaired
+from posttrain.kto.data import KTOEncoder, balance_advice, kl_completions, prepare_unpaired
 
 PROMPTS = [f"{a}+{b * 11}=" for a in range(3) for b in range(3)]  # of 4 and 5 tokens
 UNPAIRED = {"prompt": PROMPTS, "completion": [str(i) * (1 + i % 3) for i in range(9)],
@@ -70,6 +70,25 @@ def test_prepared_examples_equal_trls(tokenizer, fmt):
         assert 0 < len(ours) < len(UNPAIRED["label"])
     if fmt.startswith("paired"):  # chosen completions first, then the rejected ones, as TRL unpairs a map batch
         assert [label for _, _, label in ours] == [True] * 9 + [False] * 9
+
+
+@pytest.mark.parametrize("batch_size", [4, 9, 1])
+def test_the_kl_completions_are_trls(tokenizer, batch_size):
+    """TRL pairs each prompt with the completion before it in its block of per_device_train_batch_size examples
+    (the first with the block's last): its KL_completion_ids against ours, the last block short (9 = 4 + 4 + 1)."""
+    trl = pytest.importorskip("trl")
+    stand_in = types.SimpleNamespace(_tokenizer=tokenizer, calculate_KL=True, desirable_weight=1.0,
+                                     undesirable_weight=1.0)
+    args = trl.KTOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False,
+                         per_device_train_batch_size=batch_size)
+    prepared = trl.KTOTrainer._prepare_dataset(stand_in, Dataset.from_dict(UNPAIRED), tokenizer, args, "eval")
+    dataset = Dataset.from_dict(UNPAIRED)
+    examples = prepare_unpaired(dataset, KTOEncoder(tokenizer, dataset[0]), None)
+    rows = kl_completions(examples, batch_size)
+    for i, expected in enumerate(prepared):
+        tokens, labels = rows.tokens[rows.row(i)], rows.labels[rows.row(i)]
+        assert tokens[~labels].tolist() == expected["prompt_ids"]
+        assert tokens[labels].tolist() == expected["KL_completion_ids"], i
 
 
 def test_pairs_unpair_a_block_at_a_time_with_their_dataset_index(tokenizer):

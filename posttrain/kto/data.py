@@ -228,6 +228,28 @@ def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, annou
     return examples
 
 
+def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
+    """The mismatched (prompt, completion) pairs KTO's KL reference point is estimated from, as TRL 1.16 builds them:
+    the examples in blocks of `batch_size` (per_device_train_batch_size) in the prepared order, each example's prompt
+    with the completion of the one before it in its block (the first with the block's last). One token row each,
+    prompt + that completion, labelled on the completion. A block of one pairs its example with its own completion."""
+    rows = examples.rows
+    n = len(examples)
+    position = np.arange(n)
+    block_start = position - position % batch_size
+    block_len = np.minimum(block_start + batch_size, n) - block_start
+    source = block_start + (position - block_start - 1) % block_len  # [N] whose completion each example takes
+    sequences = []
+    for i, j in enumerate(source):
+        own, other = rows.row(i), rows.row(int(j))
+        prompt = rows.tokens[own][~rows.labels[own]]
+        completion = rows.tokens[other][rows.labels[other]]
+        labels = np.zeros(len(prompt) + len(completion), dtype=bool)
+        labels[len(prompt):] = True
+        sequences.append((np.concatenate([prompt, completion]), labels))
+    return TokenRows.from_sequences(sequences)
+
+
 def balance_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str | None:
     """TRL's advice when the classes are unbalanced and neither weight lies in the range Eq. (8) of the KTO paper
     (arXiv 2402.01306) recommends for them: desirable_weight * desirable / (undesirable_weight * undesirable) in
