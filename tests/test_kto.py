@@ -168,8 +168,8 @@ def _trl_loss(policy_logps, ref_logps, labels, kl_logps, ref_kl_logps, **options
                                      aux_loss_enabled=False, _metrics={"train": collections.defaultdict(list)},
                                      _total_train_tokens=0, _tp_size=1, **options)
     stand_in._compute_kl_logps = lambda model, batch: kl_logps
-    batch = {"label": torch.tensor(labels), "input_ids": torch.ones(n, 4, dtype=torch.long),
-             "attention_mask": torch.ones(n, 4, dtype=torch.long), "completion_mask": torch.ones(n, 4, dtype=torch.long),
+    ones = torch.ones(n, 4, dtype=torch.long)
+    batch = {"label": torch.tensor(labels), "input_ids": ones, "attention_mask": ones, "completion_mask": ones,
              "ref_logps": ref_logps, "ref_KL_logps": ref_kl_logps}
     loss = trl.KTOTrainer._compute_loss(stand_in, model, batch, return_outputs=False)
     return loss, {k: v[-1] for k, v in stand_in._metrics["train"].items()}

@@ -79,8 +79,9 @@ def prefix_shared_scores(model, prefix_ids: torch.Tensor, prefix_mask: torch.Ten
     cache = returned_cache(prefixes)
     cache.batch_repeat_interleave(2)
     mask = torch.cat([prefix_mask.repeat_interleave(2, dim=0), suffix_mask], dim=1)  # [2P, Lp + C]
-    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions_from_mask(mask)[:, prefix_ids.size(1):],
-                **{cache_kwarg(model): cache}, **kwargs)
+    positions = positions_from_mask(mask)[:, prefix_ids.size(1):]  # each continuation from its prefix's length
+    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions, **{cache_kwarg(model): cache},
+                **kwargs)
     return out.logits[:, 0].float()
 
 
