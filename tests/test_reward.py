@@ -342,3 +342,23 @@ def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_
     assert 0 < moved < m.size(0)  # some rows moved, most never did
     for name in dense:
         assert torch.allclose(rows[name], dense[name], rtol=1e-5, atol=1e-5), name
+
+
+def test_the_embedding_rows_written_non_finite_stop_the_run(tokenizer, tmp_path):
+    """The row-wise update checks the rows it writes (the rest of the embedding did not change): a learning rate
+    that overflows float32 makes them infinite, and the run's weight check names the embedding."""
+    from posttrain.training.sparse_rows import SparseRows
+    from posttrain.training.step import TrainingError
+
+    embedding = torch.nn.Embedding(10, 4)
+    optimizer = torch.optim.AdamW(embedding.parameters(), lr=1e39, weight_decay=0.0)
+    rows = SparseRows(embedding, optimizer)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    rows.step(optimizer.step)
+    assert not rows.finite and not torch.isfinite(embedding.weight[1:3]).all()
+    assert torch.isfinite(embedding.weight[3:]).all()  # rows never looked up are untouched
+
+    trainer, _, _ = _train(tokenizer, tmp_path, train=False)
+    trainer._sparse_rows.finite = False
+    with pytest.raises(TrainingError, match=r"non-finite \(first: model\.embed_tokens\.weight\)"):
+        trainer._check_weights_finite()

@@ -102,8 +102,9 @@ class SparseRows:
             if dense:
                 torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
             if grad is not None:
+                # the indices are the coalesced gradient's own: valid, so torch's check (and its warning) is skipped
                 self.weight.grad = torch.sparse_coo_tensor(grad.indices(), grad.values() * coefficient.to(
-                    grad.dtype), grad.shape, is_coalesced=True)
+                    grad.dtype), grad.shape, is_coalesced=True, check_invariants=False)
         return float(total)
 
     # ------------------------------------------------------------------ the update
@@ -191,6 +192,9 @@ class SparseRows:
         step_size = lr / (1 - beta1 ** step)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
         weight = self.weight.data
-        updated = weight.index_select(0, self.rows).addcdiv_(exp_avg, denom, value=-step_size)
+        if abs(step_size) < torch.finfo(weight.dtype).max:
+            updated = weight.index_select(0, self.rows).addcdiv_(exp_avg, denom, value=-step_size)
+        else:  # a step size beyond the weight's dtype (a huge learning rate): the rows go non-finite, and the run stops
+            updated = weight.index_select(0, self.rows) - exp_avg / denom * torch.tensor(step_size, dtype=weight.dtype)
         self.finite = bool(torch.isfinite(updated).all())  # the only rows that changed: the weight's check
         weight.index_copy_(0, self.rows, updated)
