@@ -1,0 +1,158 @@
+"""The generalized Jensen-Shannon divergence between a student's and a teacher's next-token distributions (on-policy
+distillation's loss), through both output layers a chunk of positions at a time: neither model's [positions, V]
+logits are ever kept, on a CPU as on a GPU.
+
+Per position, with z = transform(h W^T + b) (the model's own logit scale and soft-capping: scale * z, then
+softcap * tanh(z / softcap)) and the temperature T:
+
+    p_s = softmax(z_s / T)        p_t = softmax(z_t / T)
+    beta = 0      KL(p_t || p_s)                                   (forward KL)
+    beta = 1      KL(p_s || p_t)                                   (reverse KL)
+    otherwise     beta KL(p_t || m) + (1 - beta) KL(p_s || m),     m = (1 - beta) p_s + beta p_t
+
+as TRL 1.16's DistillationTrainer defines it (no T^2 factor), and the student's entropy H(p_s). Only the student
+gets a gradient. Forward: for each chunk of positions, both logits, the divergence and the entropy; the
+per-position term the backward needs (the divergence, or KL(p_s || m) for the JSD). Backward: each chunk's logits
+again, d div / d u with u = z_s / T:
+
+    beta = 0      p_s - p_t
+    beta = 1      p_s (log p_s - log p_t - div)
+    otherwise     (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+
+then through the temperature and the transform to the student's logits, and dh = dz W, dW = dz^T h, db = sum dz.
+Peak extra memory: a few chunks of [rows, V] float32 (CHUNK_ELEMENTS each side), whatever the sequence length.
+"""
+
+import math
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 23  # 32 MiB of float32 logits per model per chunk (the forward holds about 6 such tensors)
+
+
+class Head:
+    """An output layer as the divergence reads it: weight [V, H], bias [V] or None, the logit scale and the final
+    soft-capping (None: none) the model applies to its logits."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: float = 1.0,
+                 softcap: float | None = None):
+        self.weight, self.bias, self.scale, self.softcap = weight, bias, float(scale), softcap
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[r, V] the transformed logits z of hidden states [r, H] (weight and bias given in float32)."""
+        z = h @ weight.t()
+        if bias is not None:
+            z = z + bias
+        z = z * self.scale if self.scale != 1.0 else z
+        return self.softcap * torch.tanh(z / self.softcap) if self.softcap else z
+
+    def slope(self, z: torch.Tensor) -> torch.Tensor | float:
+        """d z / d (h W^T + b) at transformed logits z: the scale, times 1 - tanh^2 under soft-capping."""
+        if not self.softcap:
+            return self.scale
+        return self.scale * (1 - (z / self.softcap) ** 2)
+
+
+def _log_probs(head: Head, h: torch.Tensor, weight, bias, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z = head.logits(h, weight, bias)
+    return z, torch.log_softmax(z / temperature, dim=-1)
+
+
+def _terms(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([r] the divergence, [r] the term its gradient needs: the divergence itself, or KL(p_s || m) for the JSD)."""
+    if beta == 0.0:
+        div = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+        return div, div
+    if beta == 1.0:
+        div = (log_ps.exp() * (log_ps - log_pt)).sum(-1)
+        return div, div
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    kl_student = (log_ps.exp() * (log_ps - log_m)).sum(-1)
+    div = beta * (log_pt.exp() * (log_pt - log_m)).sum(-1) + (1 - beta) * kl_student
+    return div, kl_student
+
+
+def _grad_u(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, aux: torch.Tensor) -> torch.Tensor:
+    """[r, V] d div / d u, u = z_s / T (the module's docstring)."""
+    ps = log_ps.exp()
+    if beta == 0.0:
+        return ps - log_pt.exp()
+    if beta == 1.0:
+        return ps * (log_ps - log_pt - aux[:, None])
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    return (1 - beta) * ps * (log_ps - log_m - aux[:, None])
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float):
+        rows = max(1, CHUNK_ELEMENTS // max(w_s.size(0), 1))
+        ws, bs = w_s.float(), (b_s.float() if b_s is not None else None)
+        wt, bt = w_t.float(), (b_t.float() if b_t is not None else None)
+        n = h_s.size(0)
+        div = h_s.new_zeros(n, dtype=torch.float32)
+        aux, entropy = torch.zeros_like(div), torch.zeros_like(div)
+        for start in range(0, n, rows):
+            chunk = slice(start, min(start + rows, n))
+            _, log_ps = _log_probs(student, h_s[chunk].float(), ws, bs, temperature)
+            _, log_pt = _log_probs(teacher, h_t[chunk].float(), wt, bt, temperature)
+            div[chunk], aux[chunk] = _terms(log_ps, log_pt, beta)
+            entropy[chunk] = -(log_ps.exp() * log_ps).sum(-1)
+        ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, aux)
+        ctx.student, ctx.teacher, ctx.beta, ctx.temperature, ctx.rows = student, teacher, beta, temperature, rows
+        ctx.mark_non_differentiable(entropy)
+        return div, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_div, _):
+        h_s, w_s, b_s, h_t, w_t, b_t, aux = ctx.saved_tensors
+        student, teacher, beta, temperature = ctx.student, ctx.teacher, ctx.beta, ctx.temperature
+        ws, bs = w_s.float(), (b_s.float() if b_s is not None else None)
+        wt, bt = w_t.float(), (b_t.float() if b_t is not None else None)
+        grad_h = torch.zeros_like(h_s, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(ws) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros_like(bs) if bs is not None and ctx.needs_input_grad[2] else None
+        n = h_s.size(0)
+        for start in range(0, n, ctx.rows):
+            chunk = slice(start, min(start + ctx.rows, n))
+            g = grad_div[chunk].float()
+            if not bool((g != 0).any()):
+                continue  # masked positions: no gradient to recompute
+            h = h_s[chunk].float()
+            z, log_ps = _log_probs(student, h, ws, bs, temperature)
+            _, log_pt = _log_probs(teacher, h_t[chunk].float(), wt, bt, temperature)
+            dz = _grad_u(log_ps, log_pt, beta, aux[chunk]) * (g[:, None] / temperature) * student.slope(z)
+            if grad_h is not None:
+                grad_h[chunk] = dz @ ws
+            if grad_w is not None:
+                grad_w += dz.t() @ h
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        cast = (lambda grad, like: grad.to(like.dtype) if grad is not None else None)
+        return (cast(grad_h, h_s), cast(grad_w, w_s), cast(grad_b, b_s) if b_s is not None else None,
+                None, None, None, None, None, None, None)
+
+
+def chunked_divergence(student_hidden: torch.Tensor, student: Head, teacher_hidden: torch.Tensor, teacher: Head,
+                       beta: float, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(divergence [N] float32, student entropy [N] float32 without gradient) at N positions (the module's
+    docstring).
+
+    Args:
+        student_hidden: [N, Hs] the student's final hidden states at the positions (its gradient flows back).
+        student: the student's output layer (its weight and bias get gradients).
+        teacher_hidden: [N, Ht] the teacher's, at the same positions (no gradient; its width may differ).
+        teacher: the teacher's output layer, over the same vocabulary.
+        beta: 0 forward KL, 1 reverse KL, between them the generalized JSD.
+        temperature: both distributions are softmax(z / temperature).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta} is outside [0, 1]")
+    if student.weight.size(0) != teacher.weight.size(0):
+        raise ValueError(f"the student's vocabulary ({student.weight.size(0)}) is not the teacher's "
+                         f"({teacher.weight.size(0)})")
+    return _ChunkedDivergence.apply(student_hidden, student.weight, student.bias, teacher_hidden.detach(),
+                                    teacher.weight.detach(),
+                                    teacher.bias.detach() if teacher.bias is not None else None, student, teacher,
+                                    float(beta), float(temperature))
