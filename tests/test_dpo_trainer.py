@@ -182,7 +182,7 @@ def test_resume_continues_bit_for_bit(tokenizer, tmp_path, monkeypatch, options)
 def test_resume_uses_the_checkpoints_reference_logps(tokenizer, tmp_path, monkeypatch):
     """The reference log-probs a run trained against are in its checkpoints, and a resumed run trains against them,
     whatever the cache now holds."""
-    from posttrain.dpo.reference import save_cached
+    from posttrain.training.reference import save_cached
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     common = dict(max_steps=4, per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
@@ -221,7 +221,7 @@ def test_the_reference_cache_is_keyed_by_every_weight(tokenizer, tmp_path, monke
 def test_a_cached_file_changed_after_writing_is_recomputed(tokenizer, tmp_path, monkeypatch, caplog):
     import numpy as np
 
-    from posttrain.dpo.reference import load_cached, save_cached
+    from posttrain.training.reference import load_cached, save_cached
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     common = dict(max_steps=1, per_device_train_batch_size=4, precompute_ref_log_probs=True, train=False)
@@ -236,11 +236,12 @@ def test_a_cached_file_changed_after_writing_is_recomputed(tokenizer, tmp_path, 
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"The cached reference log-probs at {path} do not match the digest stored with them (the file was changed "
         "after it was written): computing them again."]
-    assert (load_cached(path.stem, len(right)) == right).all()  # rewritten whole
+    assert (load_cached(path.stem, (len(right), 2)) == right).all()  # rewritten whole
     path.write_bytes(path.read_bytes()[:-10])  # cut short
-    assert load_cached(path.stem, len(right)) is None and "cannot be read" in caplog.records[-1].getMessage()
+    assert load_cached(path.stem, (len(right), 2)) is None and "cannot be read" in caplog.records[-1].getMessage()
     save_cached(path.stem, right)
-    assert load_cached(path.stem, len(right) + 1) is None and "not the finite [17, 2]" in caplog.records[-1].message
+    assert load_cached(path.stem, (len(right) + 1, 2)) is None
+    assert "not the finite [17, 2]" in caplog.records[-1].message
 
 
 def test_a_reference_of_another_vocabulary_is_refused(tokenizer, tmp_path):

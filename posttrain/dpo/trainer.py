@@ -26,7 +26,7 @@ from posttrain.dpo.data import PairEncoder, PairPreparation, pairs_as_dataset, p
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import SUMS, step_metrics
-from posttrain.dpo.reference import cache_key, load_cached, make_reference, save_cached, weights_digest
+from posttrain.training.reference import cache_key, load_cached, make_reference, save_cached, weights_digest
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
@@ -186,8 +186,9 @@ class DPOTrainer(BatchedDataTrainer):
         with guarded(acc):
             if self.reference_adapter is None:
                 reference = self.ref_model if self.ref_model is not None else model
-                key = cache_key(pairs.fingerprint(), weights_digest(reference), self.tokenizer, self.args)
-                cached = load_cached(key, len(pairs), announce=acc.is_main_process)
+                settings = (self.args.max_length, self.args.truncation_mode, self.args.ld_alpha)
+                key = cache_key(pairs.fingerprint(), weights_digest(reference), self.tokenizer, settings)
+                cached = load_cached(key, (len(pairs), 2), announce=acc.is_main_process)
         hits = torch.tensor([float(cached is not None)], device=acc.device)
         if acc.num_processes > 1:  # every process takes the cache, or every process computes
             hits = acc.reduce(hits, reduction="sum")

@@ -1,7 +1,8 @@
-"""The reference model of a DPO run, and reference log-probs computed once before training.
+"""The reference model of a run that trains its policy against a frozen one (DPO; KTO's reference fields are the
+same), and reference log-probs computed once before training.
 
 Which reference (in this order):
-    reference_free            none: its log-probs are 0
+    reference_free            none: its log-probs are 0 (DPO's field; a config without it has a reference)
     ref_model given           that model (a path or hub id is loaded with ref_model_init_kwargs or model_init_kwargs)
     LoRA                      the policy with adapters off, or with a frozen copy of the adapter it came with
     precompute_ref_log_probs  the policy itself, before its first update (no copy is kept)
@@ -12,10 +13,11 @@ tokenizer has tokens, or whose own tokenizer (beside it on disk) gives an id ano
 embedding (more rows than tokens, as resize_token_embeddings(pad_to_multiple_of=64) leaves it) is the same vocabulary.
 
 Precomputed log-probs are cached under $POSTTRAIN_CACHE/ref_logps (default ~/.cache/posttrain), one file per key:
-the prepared pairs (which already reflect the data, the chat template, max_length and truncation_mode), a digest of
-every byte of the reference's weights and its config (weights_digest), the chat template, max_length,
-truncation_mode and ld_alpha. Each file holds the log-probs and a SHA-256 of them; a file whose content does not match
-its digest (corrupted, or edited) is recomputed, with a warning, and rewritten.
+the prepared rows (which already reflect the data, the chat template, max_length and truncation), a digest of every
+byte of the reference's weights and its config (weights_digest), the chat template, and the trainer's settings that
+change the log-probs (DPO: max_length, truncation_mode and ld_alpha). Each file holds the log-probs and a SHA-256 of
+them; a file whose content does not match its digest (corrupted, or edited) is recomputed, with a warning, and
+rewritten.
 """
 
 import hashlib
@@ -48,14 +50,14 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
                                                            policy.get_base_model())):
         raise ConfigError("model and ref_model are the same object: omit ref_model and a frozen copy of the model "
                           "is made for you.")
-    if args.reference_free:
+    if getattr(args, "reference_free", False):
         return None, None
     if ref_model is not None:
         source = _tokenizer_source(ref_model, policy)
         if isinstance(ref_model, str):
             from posttrain.models.loading import load_causal_lm, with_trl_default_dtype
 
-            kwargs = args.ref_model_init_kwargs or args.model_init_kwargs or {}
+            kwargs = getattr(args, "ref_model_init_kwargs", None) or args.model_init_kwargs or {}
             ref_model = load_causal_lm(ref_model, with_trl_default_dtype({"trust_remote_code": trust_remote_code,
                                                                           **kwargs}))
         check_vocabulary(ref_model, policy, tokenizer, _tokenizer_beside(source, trust_remote_code), source)
@@ -195,10 +197,12 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def cache_key(pairs_fingerprint: str, reference_digest: str, tokenizer, args) -> str:
+def cache_key(rows_fingerprint: str, reference_digest: str, tokenizer, settings: tuple) -> str:
+    """The cache's key of the log-probs of these prepared rows under this reference, with the tokenizer's chat
+    template and the trainer's `settings` that change them."""
     h = hashlib.sha256()
-    for part in (pairs_fingerprint, reference_digest, str(getattr(tokenizer, "chat_template", None)),
-                 str(args.max_length), args.truncation_mode, str(args.ld_alpha)):
+    for part in (rows_fingerprint, reference_digest, str(getattr(tokenizer, "chat_template", None)),
+                 *map(str, settings)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -216,11 +220,12 @@ def _content_digest(ref: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def load_cached(key: str, pairs: int, announce: bool = True) -> np.ndarray | None:
-    """The cached [P, 2] log-probs under `key`, or None: none cached, or (with a warning, from the `announce`ing
-    process) a file that does not hold what was written (its content does not match the digest stored with it),
-    which is then recomputed and rewritten. A cache is not a store of record: recomputing costs one pass over the
-    pairs, while refusing would leave the user to find and delete the file."""
+def load_cached(key: str, shape: tuple, announce: bool = True) -> np.ndarray | None:
+    """The cached log-probs of `shape` (DPO: [P, 2], each pair's chosen and rejected) under `key`, or None: none
+    cached, or (with a warning, from the `announce`ing process) a file that does not hold what was written (its
+    content does not match the digest stored with it), which is then recomputed and rewritten. A cache is not a
+    store of record: recomputing costs one pass over the rows, while refusing would leave the user to find and
+    delete the file."""
     path = cache_path(key)
     if not os.path.exists(path):
         return None
@@ -234,8 +239,8 @@ def load_cached(key: str, pairs: int, announce: bool = True) -> np.ndarray | Non
         return None
     if digest != _content_digest(ref):
         problem = "do not match the digest stored with them (the file was changed after it was written)"
-    elif ref.shape != (pairs, 2) or not np.isfinite(ref).all():
-        problem = f"are {ref.shape} values, not the finite [{pairs}, 2] this data needs"
+    elif ref.shape != tuple(shape) or not np.isfinite(ref).all():
+        problem = f"are {ref.shape} values, not the finite {list(shape)} this data needs"
     else:
         return ref
     if announce:
