@@ -49,7 +49,7 @@ def test_the_layout_holds_every_sequence_and_saves_positions():
     assert prefix_batch(_rows([5, 6, 7], [5, 6, 8], [4, 6], [5, 6]), PAD, padded_width=3, min_saved=0) is None
 
 
-def test_prefixes_are_cut_to_one_length_where_that_runs_no_more_positions():
+def test_prefixes_are_cut_to_one_length_where_that_runs_fewer_positions():
     """Prompts of one length, one pair's answers beginning alike: cut to the shortest prefix, 2 x 3 + 4 x 3
     positions against 2 x 4 + 4 x 3 for each pair's own (padded) prefix, and no padding in the prefix rows."""
     rows = _rows([5, 6, 7, 8, 9], [5, 6, 7, 8, 3], [4, 6, 2, 1, 1, 1], [4, 6, 2, 9, 9, 9])

@@ -34,7 +34,7 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
-def _float32(weight, bias):
+def float32_layer(weight, bias):
     """The output layer in float32, cast once per call (not once per chunk) when stored in another dtype."""
     return weight.float(), (bias.float() if bias is not None else None)
 
@@ -149,7 +149,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad, with_stats):
-        w32, b32 = _float32(weight, bias)
+        w32, b32 = float32_layer(weight, bias)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
@@ -214,7 +214,7 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
     """
     if rows.numel() == 0:
         return
-    w32, b32 = _float32(weight, bias)
+    w32, b32 = float32_layer(weight, bias)
     step = max(1, min(_rows_per_chunk(weight.size(0)), rows.numel()))
     own = _logits_buffers(h, w32, b32)
     buffers = _workspace(step, weight.size(0), h.device, own + int(grad_entropy is not None))

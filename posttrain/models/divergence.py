@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from posttrain.models.chunked import float32_layer
+
 CHUNK_ELEMENTS = 1 << 23  # 32 MiB of float32 logits per model per chunk (the forward holds about 6 such tensors)
 
 
@@ -87,8 +89,7 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float):
         rows = max(1, CHUNK_ELEMENTS // max(w_s.size(0), 1))
-        ws, bs = w_s.float(), (b_s.float() if b_s is not None else None)
-        wt, bt = w_t.float(), (b_t.float() if b_t is not None else None)
+        (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
         n = h_s.size(0)
         div = h_s.new_zeros(n, dtype=torch.float32)
         aux, entropy = torch.zeros_like(div), torch.zeros_like(div)
@@ -108,8 +109,7 @@ class _ChunkedDivergence(torch.autograd.Function):
     def backward(ctx, grad_div, _):
         h_s, w_s, b_s, h_t, w_t, b_t, aux = ctx.saved_tensors
         student, teacher, beta, temperature = ctx.student, ctx.teacher, ctx.beta, ctx.temperature
-        ws, bs = w_s.float(), (b_s.float() if b_s is not None else None)
-        wt, bt = w_t.float(), (b_t.float() if b_t is not None else None)
+        (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
         grad_h = torch.zeros_like(h_s, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(ws) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bs) if bs is not None and ctx.needs_input_grad[2] else None

@@ -108,6 +108,15 @@ def whole_in_model_forward(layer: torch.nn.Module) -> bool:
     return getattr(layer, WHOLE_ONLY_IN_FORWARD, False) or is_fully_shard_unit(layer)
 
 
+def agree_within_rounding(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:
+    """Whether two computations of the same values (a fast path's one-time check against the model's own forward)
+    agree within what the model's own rounding allows: 1e-4 in float32, 3e-2 in a 16-bit dtype, relative to the
+    largest value; a position that sees other tokens misses."""
+    precise = plain.get_input_embeddings().weight.dtype == torch.float32
+    tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
+    return bool((together - apart).abs().max() <= tolerance)
+
+
 @contextlib.contextmanager
 def in_eval_mode(plain: torch.nn.Module):
     """The model in eval mode for the block (dropout would make two forwards of a check differ), then as it was."""

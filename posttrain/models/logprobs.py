@@ -26,9 +26,9 @@ import torch
 from posttrain.models import fast_paths
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.chunked_check import fast_path_available
-from posttrain.models.forwards import (completion_logits, final_hidden, in_eval_mode, mask_positions, output_layer,
-                                       positions_from_mask, sequence_kwargs, whole_in_model_forward,
-                                       whole_only_in_forward)
+from posttrain.models.forwards import (agree_within_rounding, completion_logits, final_hidden, in_eval_mode,
+                                       mask_positions, output_layer, positions_from_mask, sequence_kwargs,
+                                       whole_in_model_forward, whole_only_in_forward)
 from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
@@ -231,7 +231,7 @@ def _check_packing(runner, plain) -> bool:
             apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
                            **sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
                            ).hidden_states[-1].float()
-        return _agree(plain, together, torch.cat([apart[0, :3], apart[1]]))
+        return agree_within_rounding(plain, together, torch.cat([apart[0, :3], apart[1]]))
     except CHECK_ERRORS as err:
         return check_raised(plain, PACKING_OFF, err)
 
@@ -286,7 +286,7 @@ def _decide_prompt_sharing(plain) -> bool:
 
 def _check_prompt_sharing(plain) -> bool:
     """Completions of 3 and 2 tokens of one 4-token prompt: shared against unshared hidden states, within
-    `_agree`'s tolerance."""
+    agree_within_rounding's tolerance."""
     device = next(plain.parameters()).device
     vocab = plain.get_input_embeddings().num_embeddings
     ids = (torch.arange(3, 10, device=device) * 7919) % vocab  # [7]
@@ -299,17 +299,9 @@ def _check_prompt_sharing(plain) -> bool:
             mask = torch.cat([torch.ones((2, 4), dtype=torch.long, device=device), completion_mask], dim=1)
             apart = final_hidden(plain, torch.cat([prompt.expand(2, 4), completions], dim=1), mask)[:, 3:-1]
         real = completion_mask.bool()
-        return _agree(plain, together[real].float(), apart[real].float())
+        return agree_within_rounding(plain, together[real].float(), apart[real].float())
     except CHECK_ERRORS as err:
         return check_raised(plain, SHARING_OFF, err)
-
-
-def _agree(plain, together: torch.Tensor, apart: torch.Tensor) -> bool:
-    """Whether two computations of the same hidden states agree within what the model's own rounding allows: 1e-4
-    in float32, 3e-2 in a 16-bit dtype, relative to the largest value; a position that sees other tokens misses."""
-    precise = plain.get_input_embeddings().weight.dtype == torch.float32
-    tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
-    return bool((together - apart).abs().max() <= tolerance)
 
 
 def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from posttrain.models import fast_paths
-from posttrain.models.forwards import in_eval_mode, positions_from_mask, sequence_kwargs
+from posttrain.models.forwards import agree_within_rounding, in_eval_mode, positions_from_mask, sequence_kwargs
 from posttrain.models.keywords import cache_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
 
@@ -101,7 +101,7 @@ def _decide_prefix_sharing(plain) -> bool:
 
 def _check_prefix_sharing(plain) -> bool:
     """A pair of 5 and 3 tokens after a common 4-token prefix (the shorter continuation right-padded): its shared
-    scores against the two sequences' unshared ones, within 1e-4 (float32) or 3e-2 (16-bit) of the largest."""
+    scores against the two sequences' unshared ones (agree_within_rounding)."""
     device = next(plain.parameters()).device
     vocab = plain.get_input_embeddings().num_embeddings
     pad = plain.config.pad_token_id
@@ -116,8 +116,6 @@ def _check_prefix_sharing(plain) -> bool:
             together = prefix_shared_scores(plain, prefix, torch.ones_like(prefix), suffix, suffix_mask)
             apart = plain(input_ids=whole, attention_mask=torch.cat([torch.ones_like(whole[:, :4]), suffix_mask], 1),
                           **sequence_kwargs(plain, None, 0)).logits[:, 0].float()
-        precise = plain.get_input_embeddings().weight.dtype == torch.float32
-        tolerance = (1e-4 if precise else 3e-2) * max(1.0, float(apart.abs().max()))
-        return bool((together - apart).abs().max() <= tolerance)
+        return agree_within_rounding(plain, together, apart)
     except CHECK_ERRORS as err:
         return check_raised(plain, PREFIX_SHARING_OFF, err)

@@ -11,7 +11,7 @@ its own score position, found by the model's pooling over the continuation's ids
 sequence's. A micro-batch is laid out so only when every pair shares at least one token (a prefix row of padding
 alone would attend to nothing) and when it removes at least MIN_SAVING of the padded batch's positions and at least
 `min_saved` positions (what pays for the second forward). Where every pair's prefix cut to the shortest of them runs
-no more positions, the prefixes are cut so: rows of one length need no padding, and so no mask, in their forward
+fewer positions, the prefixes are cut so: rows of one length need no padding, and so no mask, in their forward
 (as where all prompts have one length and some pairs' answers also begin alike).
 
     prefix_ids   [P, Lp]  long  each pair's shared prefix, left-padded with pad_id (it ends at its last column)
@@ -65,11 +65,14 @@ def prefix_batch(rows: TokenRows, pad_id: int, padded_width: int, min_saved: int
     shared = shared_prefix_lengths(rows, pad_id)
     if not shared.all():
         return None
-    shared = min((shared, np.full_like(shared, shared.min())), key=lambda s: _positions(rows, s))
+    cut = np.full_like(shared, shared.min())  # every prefix as long as the shortest: rows of one length
+    positions, cut_positions = _positions(rows, shared), _positions(rows, cut)
+    if cut_positions < positions:
+        shared, positions = cut, cut_positions
     suffix = rows.lengths - np.repeat(shared, 2)  # [2P]
     width, suffix_width = int(shared.max()), int(suffix.max())
     otherwise = len(rows) * padded_width
-    saved = otherwise - _positions(rows, shared)
+    saved = otherwise - positions
     if saved < MIN_SAVING * otherwise or saved < min_saved:
         return None
     prefix_ids = np.full((len(shared), width), pad_id, dtype=np.int64)
