@@ -30,7 +30,8 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
-from posttrain.sequences.chat import check_messages, common_prefix_length, extract_prompt, template_kwargs
+from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
+                                      template_kwargs)
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows, truncate
 
@@ -41,16 +42,12 @@ ACCEPTED = ("prompt + chosen + rejected (text or messages), chosen + rejected wi
             "start, or prompt_ids + chosen_ids + rejected_ids")
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
 def detect_format(row: dict, name: str) -> str:
     """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
     if all(k in row for k in ("prompt_ids", "chosen_ids", "rejected_ids")):
         return "tokenized"
     if "chosen" in row and "rejected" in row:
-        return "conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt")) else "standard"
+        return "conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt")) else "standard"
     found = ", ".join(row) or "none"
     hint = ""
     if "label" in row and "completion" in row:
@@ -81,7 +78,7 @@ class PairEncoder:
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
                               "messages: use a chat model's tokenizer, or set tokenizer.chat_template before passing "
                               "it.")
-        self._warned_prefix = False
+        self._boundary = PromptBoundary(name)
 
     def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list, list]]:
         """[(prompt_ids, chosen_ids, rejected_ids)] of each row, in order."""
@@ -132,12 +129,7 @@ class PairEncoder:
         return ids
 
     def _split(self, prompt_ids: list, chosen_full: list, rejected_full: list):
-        n = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
-        if n < len(prompt_ids) and not self._warned_prefix:
-            self._warned_prefix = True
-            logger.warning("%s: the tokenized prompt is not a prefix of the tokenized prompt + completion (the chat "
-                           "template renders the prompt alone differently, or tokens merge across the boundary); the "
-                           "completion starts where they differ, as in TRL. Shown once.", self.name)
+        n = self._boundary.length(prompt_ids, chosen_full, rejected_full)
         return prompt_ids[:n], chosen_full[n:], rejected_full[n:]
 
     def _standard(self, pairs):
@@ -150,18 +142,13 @@ class PairEncoder:
         return [self._split(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)]
 
     def _conversation(self, prompt, chosen, rejected, kwargs: dict, index: int):
-        tok = self.tokenizer
+        row = f"Row {index} of {self.name}"
 
         def ids(messages, **extra):
-            out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs, **extra)
-            return list(out["input_ids"])
+            return chat_ids(self.tokenizer, messages, kwargs, row, **extra)
 
-        try:
-            prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
-            return self._split(prompt_ids, ids(prompt + chosen), ids(prompt + rejected))
-        except Exception as err:  # a template's own error: say which row
-            raise DataError(f"Row {index} of {self.name} could not be rendered by the chat template ({err}); fix the "
-                            "row's messages, or use a template that accepts them.") from err
+        prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
+        return self._split(prompt_ids, ids(prompt + chosen), ids(prompt + rejected))
 
 
 @dataclass

@@ -24,7 +24,8 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
-from posttrain.sequences.chat import check_messages, common_prefix_length, extract_prompt, template_kwargs
+from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
+                                      template_kwargs)
 from posttrain.sequences.rows import TokenRows
 
 logger = logging.getLogger("posttrain")
@@ -33,18 +34,14 @@ ACCEPTED = ("prompt + completion + label (text or messages), or a preference dat
             "without a prompt column), which is unpaired")
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
 def detect_format(row: dict, name: str) -> tuple[str, bool]:
     """(standard or conversational, whether the rows are preference pairs to unpair); a DataError naming the columns
     found and the formats accepted."""
     if "chosen" in row and "rejected" in row:
-        return ("conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt"))
+        return ("conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt"))
                 else "standard"), True
     if "completion" in row and "label" in row:
-        return ("conversational" if _is_messages(row["completion"]) or _is_messages(row.get("prompt"))
+        return ("conversational" if is_messages(row["completion"]) or is_messages(row.get("prompt"))
                 else "standard"), False
     found = ", ".join(row) or "none"
     hint = ""
@@ -89,7 +86,7 @@ class KTOEncoder:
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
                               "messages: use a chat model's tokenizer, or set chat_template_path.")
-        self._warned_prefix = False
+        self._boundary = PromptBoundary(name)
 
     def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list, bool, int]]:
         """[(prompt_ids, completion_ids, label, unpaired index)] of a block of the dataset's rows (starting at row
@@ -151,12 +148,7 @@ class KTOEncoder:
     # ------------------------------------------------------------------ tokens
 
     def _split(self, prompt_ids: list, full_ids: list) -> tuple[list, list]:
-        n = common_prefix_length(prompt_ids, full_ids)
-        if n < len(prompt_ids) and not self._warned_prefix:
-            self._warned_prefix = True
-            logger.warning("%s: the tokenized prompt is not a prefix of the tokenized prompt + completion (the chat "
-                           "template renders the prompt alone differently, or tokens merge across the boundary); the "
-                           "completion starts where they differ, as in TRL. Shown once.", self.name)
+        n = self._boundary.length(prompt_ids, full_ids)
         return prompt_ids[:n], full_ids[n:]
 
     def _standard(self, examples: list[tuple]) -> list[tuple]:
@@ -168,18 +160,9 @@ class KTOEncoder:
                 for p, f, (_, _, label, index, _) in zip(prompt_ids, full_ids, examples)]
 
     def _conversation(self, prompt, completion, label: bool, index: int, kwargs: dict) -> tuple:
-        tok = self.tokenizer
-
-        def ids(messages, **extra):
-            return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs,
-                                                **extra)["input_ids"])
-
-        try:
-            prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
-            return (*self._split(prompt_ids, ids(prompt + completion)), label, index)
-        except Exception as err:  # a template's own error: say which row
-            raise DataError(f"Row {index} of {self.name} could not be rendered by the chat template ({err}); fix the "
-                            "row's messages, or use a template that accepts them.") from err
+        row = f"Row {index} of {self.name}"
+        prompt_ids = chat_ids(self.tokenizer, prompt, kwargs, row, add_generation_prompt=True) if prompt else []
+        return (*self._split(prompt_ids, chat_ids(self.tokenizer, prompt + completion, kwargs, row)), label, index)
 
 
 def unpaired_rows(encoded: list[tuple], max_length: int | None) -> tuple[UnpairedRows, int]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
-from posttrain.sequences.chat import check_messages, template_kwargs
+from posttrain.sequences.chat import chat_ids, check_messages, is_messages, template_kwargs
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows
 
@@ -33,16 +33,12 @@ ACCEPTED = ("chosen + rejected (text or messages, with or without a prompt colum
 LEGACY = {"chosen_ids": "chosen_input_ids", "rejected_ids": "rejected_input_ids"}  # TRL's earlier names
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
 def detect_format(row: dict, name: str) -> str:
     """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
     if all(k in row for k in ("chosen_ids", "rejected_ids")) or all(k in row for k in LEGACY.values()):
         return "tokenized"
     if "chosen" in row and "rejected" in row:
-        return "conversational" if _is_messages(row["chosen"]) or _is_messages(row.get("prompt")) else "standard"
+        return "conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt")) else "standard"
     found = ", ".join(row) or "none"
     hint = ""
     if "label" in row and "completion" in row:
@@ -126,16 +122,8 @@ class RewardEncoder:
         return tuple(ids)
 
     def _conversation(self, chosen, rejected, kwargs: dict, index: int):
-        tok = self.tokenizer
-
-        def ids(messages):
-            return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
-
-        try:
-            return ids(chosen), ids(rejected)
-        except Exception as err:  # a template's own error: say which row
-            raise DataError(f"Row {index} of {self.name} could not be rendered by the chat template ({err}); fix the "
-                            "row's messages, or use a template that accepts them.") from err
+        row = f"Row {index} of {self.name}"
+        return chat_ids(self.tokenizer, chosen, kwargs, row), chat_ids(self.tokenizer, rejected, kwargs, row)
 
 
 def reward_pairs(encoded: list[tuple], margins: np.ndarray | None, first_index: int,

@@ -1,7 +1,28 @@
-"""What chat data of every trainer shares: message checks, a row's chat template keyword arguments, where two
-token lists part, and TRL's training versions of chat templates."""
+"""What chat data of every trainer shares: message checks, a row's chat template keyword arguments, its messages
+rendered to token ids, where two token lists part, and TRL's training versions of chat templates."""
+
+import logging
 
 from posttrain.data import VALID_ROLES, DataError
+
+logger = logging.getLogger("posttrain")
+
+
+def is_messages(value) -> bool:
+    """Whether a column's value is a conversation: a non-empty list of message dicts."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def chat_ids(tokenizer, messages: list, kwargs: dict, row: str, **extra) -> list:
+    """The token ids of `messages` through the tokenizer's chat template, with the row's template keyword arguments
+    (template_kwargs) and `extra` (add_generation_prompt, ...); a template's own error as one sentence naming `row`
+    (e.g. "Row 3 of train_dataset")."""
+    try:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs,
+                                                  **extra)["input_ids"])
+    except Exception as err:  # a template's own error: say which row
+        raise DataError(f"{row} could not be rendered by the chat template ({err}); fix the row's messages, or use a "
+                        "template that accepts them.") from err
 
 
 def check_messages(messages, row: str, column: str, allow_empty: bool = False) -> None:
@@ -38,6 +59,25 @@ def check_content(message: dict, subject: str, where: str) -> None:
         return
     raise DataError(f"{subject} content of type {type(content).__name__} in {where}: write it as a string (or a list "
                     "of typed parts, {'type': 'text', 'text': ...}).")
+
+
+class PromptBoundary:
+    """Where each row's completion starts in its tokens (DPO's and KTO's tokenization, TRL's rule): after the longest
+    start of the tokenized prompt that the tokenized prompt + completion (every one of them) shares. Said once per
+    dataset, as a warning, when a prompt is not a whole prefix."""
+
+    def __init__(self, name: str):
+        self.name, self._warned = name, False
+
+    def length(self, prompt_ids: list, *full_ids: list) -> int:
+        n = min(common_prefix_length(prompt_ids, ids) for ids in full_ids)
+        if n < len(prompt_ids) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "%s: the tokenized prompt is not a prefix of the tokenized prompt + completion (the chat template "
+                "renders the prompt alone differently, or tokens merge across the boundary); the completion starts "
+                "where they differ, as in TRL. Shown once.", self.name)
+        return n
 
 
 def common_prefix_length(a: list, b: list) -> int:

@@ -3,6 +3,7 @@ dataset gives None (null) to a column a row lacks, so a row of a file that mixes
 most of them null, and a null is a missing value, never a format."""
 
 from posttrain.data import DataError
+from posttrain.sequences.chat import is_messages
 
 FORMATS = ("text", "prompt-completion", "conversational", "conversational prompt-completion", "tokenized")
 ACCEPTED = ("a text column (dataset_text_field), prompt + completion, messages (or conversations), or input_ids; "
@@ -25,10 +26,6 @@ def from_sharegpt(messages: list) -> list:
     return out
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
 def has_value(row: dict, column: str) -> bool:
     """Whether the row has a value (not None, null) in `column`."""
     return row.get(column) is not None
@@ -41,7 +38,7 @@ def format_of(row: dict, text_field: str) -> str | None:
     if has_value(row, "input_ids"):
         return "tokenized"
     if has_value(row, "prompt") and has_value(row, "completion"):
-        return "conversational prompt-completion" if _is_messages(row["prompt"]) else "prompt-completion"
+        return "conversational prompt-completion" if is_messages(row["prompt"]) else "prompt-completion"
     if has_value(row, "messages") or has_value(row, "conversations"):
         return "conversational"
     if has_value(row, text_field):
