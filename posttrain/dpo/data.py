@@ -32,6 +32,7 @@ from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
+from posttrain.sequences.batches import BLOCK, block_rows
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows, truncate
 
@@ -271,7 +272,7 @@ class PairPreparation:
         return PairRows.concatenate(parts)
 
 
-def prepare_pairs(dataset, preparation: PairPreparation, block: int = 1000) -> PairRows:
+def prepare_pairs(dataset, preparation: PairPreparation, block: int = BLOCK) -> PairRows:
     """Every row of a map-style dataset as token pairs; those dropped counted in one warning per cause (from the
     announcing process), or one sentence when none is left."""
     name, args = preparation.name, preparation.args
@@ -279,9 +280,7 @@ def prepare_pairs(dataset, preparation: PairPreparation, block: int = 1000) -> P
         raise DataError(f"{name} is empty: it needs at least one pair.")
     parts, dropped = [], DroppedPairs()
     for start in range(0, len(dataset), block):
-        columns = dataset[start:start + block]
-        names = list(columns)
-        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        rows = block_rows(dataset[start:start + block])
         part, lost = preparation.pairs(preparation.sequences(rows, start))
         parts.append(part)
         dropped = dropped + lost

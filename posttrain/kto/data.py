@@ -26,10 +26,14 @@ from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
+from posttrain.sequences.batches import block_rows
 from posttrain.sequences.rows import TokenRows
 
 logger = logging.getLogger("posttrain")
 
+# datasets.map's batch size, the unit in which TRL's unpair_preference_dataset puts a block's chosen completions before
+# its rejected ones: the order (and the KL pairs it gives) depends on it
+UNPAIR_BLOCK = 1000
 ACCEPTED = ("prompt + completion + label (text or messages), or a preference dataset (chosen + rejected, with or "
             "without a prompt column), which is unpaired")
 
@@ -184,7 +188,7 @@ def unpaired_rows(encoded: list[tuple], max_length: int | None) -> tuple[Unpaire
 
 
 def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, announce: bool = True,
-                     block: int = 1000) -> UnpairedRows:
+                     block: int = UNPAIR_BLOCK) -> UnpairedRows:
     """Every row of a map-style dataset as unpaired token rows (a paired dataset unpaired a block of `block` pairs
     at a time, TRL's map batch); those dropped for their prompt's length counted in one warning (from the announcing
     process), or one sentence when none is left."""
@@ -193,9 +197,7 @@ def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, annou
         raise DataError(f"{name} is empty: it needs at least one example.")
     parts, dropped, total = [], 0, 0
     for start in range(0, len(dataset), block):
-        columns = dataset[start:start + block]
-        names = list(columns)
-        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        rows = block_rows(dataset[start:start + block])
         encoded = encoder.encode(rows, start)
         part, lost = unpaired_rows(encoded, max_length)
         parts.append(part)

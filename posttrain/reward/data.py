@@ -24,6 +24,7 @@ import numpy as np
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.sequences.chat import chat_ids, check_messages, is_messages, template_kwargs
+from posttrain.sequences.batches import BLOCK, block_rows
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.rows import TokenRows
 
@@ -162,7 +163,7 @@ class RewardPreparation:
         return PairRows.concatenate(parts)
 
 
-def prepare_reward_pairs(dataset, preparation: RewardPreparation, block: int = 1000) -> PairRows:
+def prepare_reward_pairs(dataset, preparation: RewardPreparation, block: int = BLOCK) -> PairRows:
     """Every row of a map-style dataset as token pairs; those dropped for their length counted in one warning (from
     the announcing process), or one sentence when none is left."""
     name, max_length = preparation.name, preparation.args.max_length
@@ -170,9 +171,7 @@ def prepare_reward_pairs(dataset, preparation: RewardPreparation, block: int = 1
         raise DataError(f"{name} is empty: it needs at least one pair.")
     parts, dropped = [], 0
     for start in range(0, len(dataset), block):
-        columns = dataset[start:start + block]
-        names = list(columns)
-        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        rows = block_rows(dataset[start:start + block])
         part, lost = preparation.rows(preparation.sequences(rows, start))
         parts.append(part)
         dropped += lost
