@@ -110,9 +110,9 @@ class KTOEncoder:
             return [self._example(row, first_index + i) for i, row in enumerate(rows)]
         pairs = [self._pair(row, first_index + i) for i, row in enumerate(rows)]
         start, n = 2 * first_index, len(rows)
-        chosen = [(p, c, True, start + i, template_kwargs(row)) for i, ((p, c, _), row) in enumerate(zip(pairs, rows))]
-        rejected = [(p, r, False, start + n + i, template_kwargs(row))
-                    for i, ((p, _, r), row) in enumerate(zip(pairs, rows))]
+        kwargs = [self._template_kwargs(row) for row in rows]
+        chosen = [(p, c, True, start + i, k) for i, ((p, c, _), k) in enumerate(zip(pairs, kwargs))]
+        rejected = [(p, r, False, start + n + i, k) for i, ((p, _, r), k) in enumerate(zip(pairs, kwargs))]
         return chosen + rejected
 
     def _example(self, row: dict, index: int) -> tuple:
@@ -126,7 +126,11 @@ class KTOEncoder:
                             "completion) or False (an undesirable one).")
         prompt = self._checked(row.get("prompt"), "prompt", index)
         completion = self._checked(row["completion"], "completion", index)
-        return prompt, completion, bool(label), index, template_kwargs(row)
+        return prompt, completion, bool(label), index, self._template_kwargs(row)
+
+    def _template_kwargs(self, row: dict) -> dict:
+        """The row's chat template keyword arguments (its tools read once per row), for conversational rows only."""
+        return template_kwargs(row) if self.format == "conversational" else {}
 
     def _pair(self, row: dict, index: int) -> tuple:
         for column in ("chosen", "rejected"):
