@@ -1,8 +1,8 @@
-"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO and reward models, a drop-in for TRL
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO and reward models, a drop-in for TRL
 users.
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
-    from posttrain import RewardConfig, RewardTrainer
+    from posttrain import RewardConfig, RewardTrainer, KTOConfig, KTOTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -29,6 +29,8 @@ _EXPORTS = {
     "RLOOTrainer": "posttrain.rloo.trainer",
     "RewardConfig": "posttrain.configs",
     "RewardTrainer": "posttrain.reward.trainer",
+    "KTOConfig": "posttrain.configs",
+    "KTOTrainer": "posttrain.kto.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

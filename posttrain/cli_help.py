@@ -35,6 +35,9 @@ COMMON = {
     "reward": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
                "gradient_accumulation_steps", "max_steps", "num_train_epochs", "max_length",
                "center_rewards_coefficient", "eval_strategy", "use_peft", "logging_steps", "save_steps"),
+    "kto": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
+            "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "desirable_weight",
+            "undesirable_weight", "max_length", "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
     "dpo": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "max_length",
             "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
@@ -47,7 +50,7 @@ GROUP_NAMES = {
     "SamplingConfig": "generation", "GRPOObjectiveConfig": "loss", "GenerationServerConfig": "vllm",
     "SFTDataConfig": "data", "SFTLossConfig": "loss", "DPODataConfig": "data", "DPOReferenceConfig": "reference",
     "DPOLossConfig": "loss", "RLOOObjectiveConfig": "rloo",
-    "RewardDataConfig": "data", "RewardLossConfig": "loss",
+    "RewardDataConfig": "data", "RewardLossConfig": "loss", "KTODataConfig": "data", "KTOLossConfig": "loss",
 }
 LAUNCH_GROUP = "launch"
 USAGE = "posttrain {command} [--config FILE] [--FIELD VALUE ...] [launch flags]"

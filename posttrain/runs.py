@@ -2,7 +2,7 @@
 script's, the datasets (a name or a mixture, the test split when evaluating), the trainer, train() and close().
 Nothing heavy is imported before a command runs."""
 
-from posttrain.configs import ConfigError, DPOConfig, GRPOConfig, LoraArguments, RewardConfig, RLOOConfig, \
+from posttrain.configs import ConfigError, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, \
     SFTConfig, ScriptArguments
 from posttrain.configs.script import BaseScriptArguments
 
@@ -92,6 +92,14 @@ def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig)
     from posttrain.dpo.trainer import DPOTrainer
 
     _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig) -> None:
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.kto.trainer import KTOTrainer
+
+    _train_and_close(KTOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
                                 eval_dataset=eval_dataset, peft_config=peft_config))
 
 

@@ -200,7 +200,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto"])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
@@ -217,6 +217,9 @@ def test_trainer_snapshot_matches_the_installed_trl(trainer):
         2, 0.05, False, None, "dapo", False)),
     ("reward", 75, lambda cfg: (cfg.learning_rate, cfg.max_length, cfg.disable_dropout, cfg.center_rewards_coefficient,
                                 cfg.pad_to_multiple_of) == (1e-4, 1024, True, None, "auto")),
+    ("kto", 84, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout,
+                             cfg.train_sampling_strategy, cfg.desirable_weight, cfg.undesirable_weight) == (
+        1e-6, 0.1, "kto", 1024, True, "sequential", 1.0, 1.0)),
 ])
 def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
     from posttrain.configs.reference import TRAINERS
@@ -317,8 +320,8 @@ def test_dpo_v018_names_that_map():
 # ---------------------------------------------------------------------- RLOOConfig
 
 
-@pytest.mark.parametrize("trainer", ["rloo", "reward"])
-def test_every_trl_field_of_rloo_and_reward_at_its_default_is_a_flag(trainer):
+@pytest.mark.parametrize("trainer", ["rloo", "reward", "kto"])
+def test_every_trl_field_of_rloo_reward_and_kto_at_its_default_is_a_flag(trainer):
     from posttrain.cli import parse_command
     from posttrain.configs.rloo import GRPO_ONLY
 
@@ -335,7 +338,7 @@ def test_every_trl_field_of_rloo_and_reward_at_its_default_is_a_flag(trainer):
                              "pad_to_multiple_of", "activation_checkpointing", "gradient_checkpointing_kwargs",
                              "report_to"):  # derived at construction
             assert getattr(cfg, f["name"]) == default, f["name"]
-    if trainer == "reward":
+    if trainer != "rloo":
         return
     assert not trl_names & set(GRPO_ONLY)  # what RLOOConfig refuses, TRL's RLOOConfig does not have
     cfg = parse_command("rloo", ["--reward_clip_range", "-1", "2.5"])[2]
@@ -346,7 +349,7 @@ def test_every_trl_field_of_rloo_and_reward_at_its_default_is_a_flag(trainer):
 
 
 @pytest.mark.parametrize("trainer,name", [("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("rloo", "RLOOConfig"),
-                                          ("reward", "RewardConfig")])
+                                          ("reward", "RewardConfig"), ("kto", "KTOConfig")])
 def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
     import os
 

@@ -13,8 +13,9 @@ from posttrain.configs.script import LoraArguments, ScriptArguments
 from posttrain.configs.dpo import DPOConfig, DPODataConfig, DPOLegacyConfig, DPOLossConfig, DPOReferenceConfig
 from posttrain.configs.rloo import GRPO_ONLY, RLOOConfig, RLOOObjectiveConfig
 from posttrain.configs.reward import RewardConfig, RewardDataConfig, RewardLossConfig
+from posttrain.configs.kto import KTOConfig, KTODataConfig, KTOLossConfig
 from posttrain.configs.sft import SFTConfig, SFTDataConfig, SFTLossConfig
-from posttrain.configs.trl_compat import DPO_COMPAT, GRPO_COMPAT, REWARD_COMPAT, RLOO_COMPAT, SAME, SFT_COMPAT, UNSUPPORTED, \
+from posttrain.configs.trl_compat import DPO_COMPAT, GRPO_COMPAT, KTO_COMPAT, REWARD_COMPAT, RLOO_COMPAT, SAME, SFT_COMPAT, UNSUPPORTED, \
     trl_snapshot
 
 SHARED_GROUPS = [("Training loop", TrainingLoopConfig), ("Model", ModelConfig),
@@ -27,19 +28,21 @@ DPO_GROUPS = [("DPO: data", DPODataConfig), ("DPO: reference", DPOReferenceConfi
               ("DPO: TRL 0.18 names", DPOLegacyConfig)]
 RLOO_GROUPS = [("RLOO: advantage", RLOOObjectiveConfig)]
 REWARD_GROUPS = [("Reward: data", RewardDataConfig), ("Reward: loss", RewardLossConfig)]
+KTO_GROUPS = [("KTO: data", KTODataConfig), ("KTO: loss", KTOLossConfig)]
 SCRIPT_GROUPS = [("Command-line script", ScriptArguments), ("LoRA (command line)", LoraArguments)]
-GROUPS = SHARED_GROUPS + GRPO_GROUPS + RLOO_GROUPS + SFT_GROUPS + DPO_GROUPS + REWARD_GROUPS + SCRIPT_GROUPS
+GROUPS = SHARED_GROUPS + GRPO_GROUPS + RLOO_GROUPS + SFT_GROUPS + DPO_GROUPS + REWARD_GROUPS + KTO_GROUPS + SCRIPT_GROUPS
 
 # Defaults of implemented TRL fields that differ from TRL 1.16's, and why.
 DEFAULT_DIFFERENCES = {
     "output_dir": "TRL's None becomes `trainer_output` (or `<model>-GRPO` / `<model>-RLOO` / `<model>-SFT` / "
-                  "`<model>-DPO` / `<model>-Reward` when no args are given); posttrain writes `trainer_output` either way",
+                  "`<model>-DPO` / `<model>-Reward` / `<model>-KTO` when no args are given); posttrain writes `trainer_output` either way",
     "bf16": "TRL 1.16 turns bf16 on everywhere, CPU included; posttrain's None turns it on only on a CUDA device that "
             "supports it (bf16 autocast on CPU is slower and changes the numbers)",
 }
 # What each trainer's config is, and the TRL table it answers for.
 TRAINERS = {"grpo": (GRPOConfig, GRPO_COMPAT), "sft": (SFTConfig, SFT_COMPAT), "dpo": (DPOConfig, DPO_COMPAT),
-            "rloo": (RLOOConfig, RLOO_COMPAT), "reward": (RewardConfig, REWARD_COMPAT)}
+            "rloo": (RLOOConfig, RLOO_COMPAT), "reward": (RewardConfig, REWARD_COMPAT),
+            "kto": (KTOConfig, KTO_COMPAT)}
 
 IMPLEMENTED = "implemented"
 
@@ -99,11 +102,13 @@ def config_reference() -> str:
              f"TRL's RLOOConfig lacks, {', '.join(f'`{n}`' for n in GRPO_ONLY[:3])} and the rest, are refused at any "
              "value but their default); the command-line groups are the script's. SFTConfig's `learning_rate` defaults to 2e-5 (TRL's SFT default), GRPOConfig's and "
              "DPOConfig's to 1e-6, RewardConfig's to 1e-4; DPOConfig's and RewardConfig's `disable_dropout` to True (TRL's "
-             "defaults). `RewardConfig` is the shared groups plus the Reward ones. On the command line every field is a flag "
+             "defaults). `RewardConfig` is the shared groups plus the Reward ones; `KTOConfig` the shared groups, DPO's "
+             "reference group and the KTO ones (learning_rate 1e-6, disable_dropout True, train_sampling_strategy "
+             "sequential: TRL's KTO defaults). On the command line every field is a flag "
              "(`--name value`) and a YAML key. A step interval (`logging_steps`, `save_steps`, `eval_steps`, "
              "`warmup_steps`) may be a fraction in (0, 1) of the run's total steps. Every number has the range shown, "
              "checked when the config is built: a value outside it stops with one sentence.", ""]
     for title, cls in GROUPS:
         lines += _group_table(title, cls)
     return "\n".join(lines + trl_table("grpo") + trl_table("sft") + trl_table("dpo") + trl_table("rloo")
-                     + trl_table("reward"))
+                     + trl_table("reward") + trl_table("kto"))

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo", "rloo", "reward")}
+             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -297,6 +297,23 @@ REWARD_ONLY = SFT_ONLY  # the same fields, the same behaviour
 REWARD_COMPAT = [_REWARD_CHANGES.get(c.name, c) for c in TRAINING_ARGS
                  if _REWARD_CHANGES.get(c.name, c) is not None] + REWARD_ONLY
 
+_KTO_CHANGES = dict(_SFT_CHANGES)
+_KTO_CHANGES.update({
+    "label_smoothing_factor": unsupported(
+        "label_smoothing_factor", float, 0.0,
+        "KTO's labels are each example's desirable / undesirable flag, which TRL's KTOTrainer never smooths; remove "
+        "it", range=FRACTION),
+    "neftune_noise_alpha": unsupported(
+        "neftune_noise_alpha", Optional[float], None,
+        "NEFTune noise is for supervised fine-tuning (SFTTrainer), not KTO; remove it", range=NON_NEGATIVE),
+    "label_names": same("label_names", Optional[list[str]], None, "KTO builds its labels from the completion boundaries"),
+    "length_column_name": same("length_column_name", str, "length",
+                               "group_by_length sampling measures the tokenized examples itself"),
+})
+_KTO_CHANGES.update(_reasons(_SFT_METRICS, "posttrain batches the tokenized examples itself, with no DataLoader"))
+KTO_ONLY = SFT_ONLY
+KTO_COMPAT = [_KTO_CHANGES.get(c.name, c) for c in TRAINING_ARGS if _KTO_CHANGES.get(c.name, c) is not None] + KTO_ONLY
+
 BY_NAME = {c.name: c for c in GRPO_COMPAT}
 
 
@@ -321,6 +338,7 @@ TRLCompatConfig = GRPOCompatConfig  # its first name
 SFTCompatConfig = compat_config("SFTCompatConfig", SFT_COMPAT)
 DPOCompatConfig = compat_config("DPOCompatConfig", DPO_COMPAT)
 RewardCompatConfig = compat_config("RewardCompatConfig", REWARD_COMPAT)
+KTOCompatConfig = compat_config("KTOCompatConfig", KTO_COMPAT)
 
 
 def check_compat(config, table: list[Compat] = GRPO_COMPAT) -> None:
@@ -347,7 +365,7 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
     except ImportError:
         return None
     name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
-            "reward": "RewardConfig"}[trainer]
+            "reward": "RewardConfig", "kto": "KTOConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

@@ -26,7 +26,7 @@ from posttrain.dpo.data import PairEncoder, PairPreparation, pairs_as_dataset, p
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import SUMS, step_metrics
-from posttrain.training.reference import cache_key, load_cached, make_reference, save_cached, weights_digest
+from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.models.peft import is_peft_model, reference_mode
@@ -177,46 +177,16 @@ class DPOTrainer(BatchedDataTrainer):
 
     def _precomputed_reference(self, model, pairs: PairRows, name: str, batch_size: int) -> np.ndarray:
         """[P, 2] reference log-probs of every pair, from the cache or computed (each process a share, gathered)."""
-        from accelerate.utils import gather_object
+        def compute(part):
+            batch = self._collate(pairs.select(part)).to(self.accelerator.device)
+            return self._reference_logps(batch).double().cpu().numpy()
 
-        # Each block that can fail on one process alone is guarded, and the collectives sit between them, so a
-        # failure never leaves a process waiting in a collective the others do not reach.
-        acc = self.accelerator
-        key, cached = None, None
-        with guarded(acc):
-            if self.reference_adapter is None:
-                reference = self.ref_model if self.ref_model is not None else model
-                settings = (self.args.max_length, self.args.truncation_mode, self.args.ld_alpha)
-                key = cache_key(pairs.fingerprint(), weights_digest(reference), self.tokenizer, settings)
-                cached = load_cached(key, (len(pairs), 2), announce=acc.is_main_process)
-        hits = torch.tensor([float(cached is not None)], device=acc.device)
-        if acc.num_processes > 1:  # every process takes the cache, or every process computes
-            hits = acc.reduce(hits, reduction="sum")
-        if int(hits.item()) == acc.num_processes:
-            logger.info("%s: reference log-probs of %d pairs read from the cache.", name, len(pairs))
-            return cached
-        start = time.time()
-        mine = np.arange(acc.process_index, len(pairs), acc.num_processes)
-        out = []
-        with guarded(acc):
-            was_training = model.training
-            model.eval()
-            try:
-                for i in range(0, len(mine), batch_size):
-                    part = mine[i:i + batch_size]
-                    batch = self._collate(pairs.select(part)).to(acc.device)
-                    ref = self._reference_logps(batch).double().cpu().numpy()
-                    out.extend(zip(part.tolist(), ref.tolist()))
-            finally:
-                model.train(was_training)
-        gathered = gather_object(out) if acc.num_processes > 1 else out
-        ref = np.zeros((len(pairs), 2), dtype=np.float64)
-        for index, values in gathered:
-            ref[index] = values
-        logger.info("%s: reference log-probs of %d pairs computed in %.1f s.", name, len(pairs), time.time() - start)
-        if key is not None and acc.is_main_process:
-            save_cached(key, ref)
-        return ref
+        reference = None
+        if self.reference_adapter is None:
+            reference = self.ref_model if self.ref_model is not None else model
+        settings = (self.args.max_length, self.args.truncation_mode, self.args.ld_alpha)
+        return precompute_logps(self.accelerator, model, reference, pairs, 2, settings, self.tokenizer, name, "pairs",
+                                compute, batch_size)
 
     # ------------------------------------------------------------------ the step
 

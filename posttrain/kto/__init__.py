@@ -1,2 +1,3 @@
-"""KTO: unpaired (prompt, completion, label) examples. Built so far: its data preparation (data.py) and its losses
-(losses.py); the trainer is issue 36's next step."""
+"""KTO: unpaired (prompt, completion, label) examples. data.py prepares them as TRL does, batch.py collates a
+micro-batch with its KL pairs, losses.py holds the kto and apo_zero_unpaired losses, metrics.py TRL's metric names,
+trainer.py the KTOTrainer on the shared loop."""

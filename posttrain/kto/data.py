@@ -17,6 +17,7 @@ max_length tokens or more is dropped (TRL filters them, whatever the truncation 
                   desirable [N] bool, the example's label; index [N] its row in the unpaired dataset
 """
 
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -59,19 +60,42 @@ def detect_format(row: dict, name: str) -> tuple[str, bool]:
 
 @dataclass
 class UnpairedRows:
+    """Unpaired examples as token rows: `rows` one row per example, prompt + completion (untruncated: max_length cuts
+    each sequence when it is batched, the KL pairs' too); `desirable` [N] bool; `index` [N] each example's row in the
+    unpaired dataset; `ref` [N, 2] float64 (reference log-prob of the completion, of the example's KL pair) once
+    precomputed, else None."""
+
     rows: TokenRows
     desirable: np.ndarray
     index: np.ndarray
+    ref: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.rows.lengths
+
+    def select(self, examples) -> "UnpairedRows":
+        examples = np.asarray(examples, dtype=np.int64)
+        return UnpairedRows(self.rows.select(examples), self.desirable[examples], self.index[examples],
+                            None if self.ref is None else self.ref[examples])
 
     @classmethod
     def concatenate(cls, parts: list["UnpairedRows"]) -> "UnpairedRows":
         if not parts:
             return cls(TokenRows.from_sequences([]), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64))
+        refs = [p.ref for p in parts]
         return cls(TokenRows.concatenate([p.rows for p in parts]), np.concatenate([p.desirable for p in parts]),
-                   np.concatenate([p.index for p in parts]))
+                   np.concatenate([p.index for p in parts]),
+                   None if any(r is None for r in refs) else np.concatenate(refs))
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.rows.fingerprint().encode())
+        h.update(np.ascontiguousarray(self.desirable).tobytes())
+        h.update(np.ascontiguousarray(self.index).tobytes())
+        return h.hexdigest()[:16]
 
 
 class KTOEncoder:
@@ -217,26 +241,60 @@ def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, annou
     return examples
 
 
-def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
-    """The mismatched (prompt, completion) pairs KTO's KL reference point is estimated from, as TRL 1.16 builds them:
-    the examples in blocks of `batch_size` (per_device_train_batch_size) in the prepared order, each example's prompt
-    with the completion of the one before it in its block (the first with the block's last). One token row each,
-    prompt + that completion, labelled on the completion. A block of one pairs its example with its own completion."""
-    rows = examples.rows
-    n = len(examples)
-    position = np.arange(n)
-    block_start = position - position % batch_size
-    block_len = np.minimum(block_start + batch_size, n) - block_start
-    source = block_start + (position - block_start - 1) % block_len  # [N] whose completion each example takes
+def rotated(n: int) -> np.ndarray:
+    """[n] the example before each of n examples, the first taking the last (TRL's rotation by one); one example is
+    its own."""
+    return np.roll(np.arange(n), 1)
+
+
+def kl_rows(examples: UnpairedRows, partners: UnpairedRows) -> TokenRows:
+    """The mismatched (prompt, completion) pairs: example i's prompt with partners' example i's completion, one token
+    row each, labelled on the completion."""
+    rows, other_rows = examples.rows, partners.rows
     sequences = []
-    for i, j in enumerate(source):
-        own, other = rows.row(i), rows.row(int(j))
+    for i in range(len(examples)):
+        own, other = rows.row(i), other_rows.row(i)
         prompt = rows.tokens[own][~rows.labels[own]]
-        completion = rows.tokens[other][rows.labels[other]]
+        completion = other_rows.tokens[other][other_rows.labels[other]]
         labels = np.zeros(len(prompt) + len(completion), dtype=bool)
         labels[len(prompt):] = True
         sequences.append((np.concatenate([prompt, completion]), labels))
     return TokenRows.from_sequences(sequences)
+
+
+def block_sources(n: int, batch_size: int) -> np.ndarray:
+    """[n] the rotation by one within consecutive blocks of `batch_size` examples (the last block possibly shorter)."""
+    position = np.arange(n)
+    block_start = position - position % batch_size
+    block_len = np.minimum(block_start + batch_size, n) - block_start
+    return block_start + (position - block_start - 1) % block_len
+
+
+def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
+    """The KL pairs as TRL 1.16 builds them in its prepared dataset: the examples in blocks of `batch_size`
+    (per_device_train_batch_size) in the prepared order, each prompt with the completion of the example before it in
+    its block. posttrain pairs within each optimizer step's examples (every process's micro-batches in turn), which
+    is the same pairing where a step is one such block (one process, one micro-batch a step, sequential sampling)."""
+    return kl_rows(examples, examples.select(block_sources(len(examples), batch_size)))
+
+
+class UnpairedPreparation:
+    """Turns a dataset's rows into UnpairedRows with one config; the interface sequences/batches.py's batchers use.
+    `announce`: this process says what is dropped (the main process; every process drops the same examples)."""
+
+    def __init__(self, encoder: KTOEncoder, max_length: int | None, name: str, announce: bool = True):
+        self.encoder, self.max_length, self.name, self.announce = encoder, max_length, name, announce
+
+    def sequences(self, rows: list[dict], first_index: int) -> list[tuple]:
+        return self.encoder.encode(rows, first_index)
+
+    def rows(self, encoded: list[tuple]) -> tuple[UnpairedRows, int]:
+        """A stream's block: its examples, and how many were dropped for their prompt's length."""
+        return unpaired_rows(encoded, self.max_length)
+
+    @staticmethod
+    def concatenate(parts: list[UnpairedRows]) -> UnpairedRows:
+        return UnpairedRows.concatenate(parts)
 
 
 def balance_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str | None:

@@ -72,7 +72,18 @@ class MapBatches:
         step = self.plan.step_micro_batches(self.micro // self.plan.accumulation)
         shares = [self.rows.select(self.plan.share(self._order, m, self.rank)) for m in step]
         self.micro = step.stop
+        self._step = step
         return shares
+
+    def step_predecessors(self) -> list:
+        """For each share of the last next_step(), the rows of the example before each of its examples in the whole
+        step's order (every process's micro-batches, in turn; the step's first is preceded by its last): KTO's KL
+        pairs, the same however the step is split."""
+        if getattr(self, "_before", None) is None:  # the plan's steps are the same every epoch
+            self._before = predecessor_positions(self.plan, len(self._order))
+        positions = np.arange(len(self._order))
+        return [self.rows.select(self._order[self._before[self.plan.share(positions, m, self.rank)]])
+                for m in self._step]
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.micro = epoch, 0
@@ -90,6 +101,18 @@ class MapBatches:
     def restore(self, position: dict) -> None:
         self._start_epoch(position["epoch"])
         self.micro = position["micro_batch"]
+
+
+def predecessor_positions(plan: EpochPlan, n: int) -> np.ndarray:
+    """[n] for each position of an epoch's order, the position before it within its optimizer step (the step's first
+    takes its last); positions no step trains (dropped with drop_last) are their own."""
+    per_global = plan.size * plan.processes
+    before = np.arange(n)
+    for step in range(plan.steps):
+        micro = plan.step_micro_batches(step)
+        first, end = micro.start * per_global, min(micro.stop * per_global, n)
+        before[first:end] = first + (np.arange(first, end) - first - 1) % (end - first)
+    return before
 
 
 class StreamBatches:
@@ -147,7 +170,7 @@ class StreamBatches:
 
     def next_step(self) -> list[TokenRows]:
         per_global = self.size * self.processes
-        shares = []
+        shares, self._step_rows, self._step_shares = [], [], []
         for _ in range(self.accumulation):
             rows = self._take(per_global)
             if len(rows) == 0:
@@ -158,11 +181,20 @@ class StreamBatches:
                 self._reset(self.epoch + 1)
                 rows = self._take(per_global)
             if len(rows) == per_global:
-                shares.append(rows.select(np.arange(self.rank * self.size, (self.rank + 1) * self.size)))
+                mine = np.arange(self.rank * self.size, (self.rank + 1) * self.size)
             else:
-                shares.append(rows.select(np.array_split(np.arange(len(rows)), self.processes)[self.rank]))
+                mine = np.array_split(np.arange(len(rows)), self.processes)[self.rank]
+            shares.append(rows.select(mine))
+            self._step_shares.append(mine + sum(len(r) for r in self._step_rows))
+            self._step_rows.append(rows)
+            if len(rows) < per_global:
                 break  # the epoch's last micro-batch
         return shares
+
+    def step_predecessors(self) -> list:
+        """As MapBatches.step_predecessors: the rows before each of this process's examples in the step's order."""
+        rows = self.preparation.concatenate(self._step_rows)
+        return [rows.select((mine - 1) % len(rows)) for mine in self._step_shares]
 
     def skip_rest_of_epoch(self) -> None:
         self._reset(self.epoch + 1)

@@ -27,7 +27,7 @@ class BatchedDataTrainer(Trainer):
         """pad_token (default: the tokenizer's, else its EOS) onto the tokenizer and the model's configs, as TRL
         does."""
         tok = self.tokenizer
-        tok.pad_token = self.args.pad_token or tok.pad_token or tok.eos_token
+        tok.pad_token = getattr(self.args, "pad_token", None) or tok.pad_token or tok.eos_token
         model.config.pad_token_id = tok.pad_token_id
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.pad_token_id = tok.pad_token_id

@@ -259,3 +259,56 @@ def save_cached(key: str, ref: np.ndarray) -> None:
         os.replace(tmp, path)
     except OSError as err:  # a read-only cache costs a recomputation next time, never the run
         logger.warning("Could not cache the reference log-probs at %s (%s).", path, err)
+
+
+# ---------------------------------------------------------------------- the pass that precomputes them
+
+
+def precompute_logps(accelerator, model, reference, rows, width: int, settings: tuple, tokenizer, name: str,
+                     noun: str, compute, batch_size: int) -> np.ndarray:
+    """[len(rows), width] float64 reference log-probs of prepared rows (DPO: each pair's chosen and rejected; KTO:
+    each example's completion and its KL pair): from the cache when every process finds them there, else computed,
+    each process a strided share in batches of `batch_size` (`compute(indices) -> [k, width]` with `model` in eval
+    mode), gathered, and cached by the main process. `reference` is the model whose weights key the cache, None where
+    the reference is an adapter (not cached).
+
+    Each block that can fail on one process alone is guarded, and the collectives sit between them, so a failure never
+    leaves a process waiting in a collective the others do not reach."""
+    import time
+
+    from accelerate.utils import gather_object
+
+    from posttrain.training.distributed import guarded
+
+    acc = accelerator
+    key, cached = None, None
+    with guarded(acc):
+        if reference is not None:
+            key = cache_key(rows.fingerprint(), weights_digest(reference), tokenizer, settings)
+            cached = load_cached(key, (len(rows), width), announce=acc.is_main_process)
+    hits = torch.tensor([float(cached is not None)], device=acc.device)
+    if acc.num_processes > 1:  # every process takes the cache, or every process computes
+        hits = acc.reduce(hits, reduction="sum")
+    if int(hits.item()) == acc.num_processes:
+        logger.info("%s: reference log-probs of %d %s read from the cache.", name, len(rows), noun)
+        return cached
+    start = time.time()
+    mine = np.arange(acc.process_index, len(rows), acc.num_processes)
+    out = []
+    with guarded(acc):
+        was_training = model.training
+        model.eval()
+        try:
+            for i in range(0, len(mine), batch_size):
+                part = mine[i:i + batch_size]
+                out.extend(zip(part.tolist(), compute(part).tolist()))
+        finally:
+            model.train(was_training)
+    gathered_rows = gather_object(out) if acc.num_processes > 1 else out
+    ref = np.zeros((len(rows), width), dtype=np.float64)
+    for index, values in gathered_rows:
+        ref[index] = values
+    logger.info("%s: reference log-probs of %d %s computed in %.1f s.", name, len(rows), noun, time.time() - start)
+    if key is not None and acc.is_main_process:
+        save_cached(key, ref)
+    return ref
