@@ -265,3 +265,33 @@ def test_the_class_balance_advice_is_logged(tokenizer, tmp_path, caplog):
     data = dict(UNPAIRED, label=[i % 4 == 0 for i in range(16)])  # 4 desirable, 12 undesirable
     _train(tokenizer, tmp_path, data=Dataset.from_dict(data), train=False)
     assert "4 desirable and 12 undesirable" in caplog.text
+
+
+@pytest.mark.plots
+def test_posttrain_kto_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
+    """`posttrain kto` as TRL's `trl kto`: a model directory and a preference file in (unpaired as TRL unpairs it),
+    TRL's metrics logged, an evaluation, the curves and the report written with KTO's panels and headlines."""
+    import yaml
+    from conftest import run_posttrain
+
+    from datasets import DatasetDict
+
+    data = tmp_path / "pairs"
+    DatasetDict(train=Dataset.from_dict(PAIRED), test=Dataset.from_dict(PAIRED).select(range(4))).save_to_disk(data)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {data}\nper_device_train_batch_size: 3\n"
+                      "gradient_accumulation_steps: 2\ngradient_checkpointing: false\nuse_cpu: true\n"
+                      "desirable_weight: 1.2\neval_strategy: steps\neval_steps: 2\n")
+    run = run_posttrain(["kto", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+                         "--logging_steps", "1", "--learning_rate", "1e-3"], capfd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all({"loss", "kl", "logps/chosen", "entropy", "num_tokens"} <= set(r) for r in train)
+    assert any("eval_loss" in r and "eval_kl" in r for r in records)
+    written = yaml.safe_load((tmp_path / "out" / "posttrain_config.yaml").read_text())
+    assert (written["learning_rate"], written["desirable_weight"]) == (1e-3, 1.2)
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert "KTO" in report and "rewards/margins" in report
+    assert (tmp_path / "out" / "plots.png").stat().st_size > 0

@@ -51,7 +51,7 @@ def test_each_trainers_panels_are_drawn_and_no_empty_one(tmp_path):
                               "completions cut at max length", "clip ratios", "grad norm", "learning rate",
                               "step time (s)"]
     assert titles["sft"] == ["loss", "entropy", "token accuracy (SFT)", "grad norm", "learning rate", "step time (s)"]
-    assert titles["dpo"] == ["loss", "DPO rewards", "DPO accuracy", "DPO log-probs", "grad norm", "learning rate",
+    assert titles["dpo"] == ["loss", "DPO / KTO rewards", "DPO accuracy", "DPO / KTO log-probs", "grad norm", "learning rate",
                              "step time (s)"]
     keys = dict((panel.title, keys) for panel, keys in panels_with_data([read_metrics(str(tmp_path / "grpo"))]))
     assert keys["reward"] == ["reward"]  # its one function's mean is the reward itself: one series (not the std)

@@ -1,6 +1,6 @@
 """Sharded training through accelerate's own FSDP1, FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
 
-Each case runs `posttrain grpo|rloo|sft|dpo` as a user launches it (`accelerate launch --config_file <shipped config>`),
+Each case runs `posttrain grpo|rloo|sft|dpo|reward|kto` as a user launches it (`accelerate launch --config_file <shipped config>`),
 with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP or DeepSpeed without a GPU.
 ZeRO-3 runs with the shipped zero3.yaml's settings and, in `zero3-all`, with every parameter partitioned
 (`stage3_param_persistence_threshold: 0`: DeepSpeed keeps parameters under 100k elements whole by default, which
@@ -8,7 +8,7 @@ is every parameter of the tiny test model). FSDP1 runs as `fsdp1-cpu`: the shipp
 RAM-efficient loading (torch's FSDP1 builds the other processes' weights from the main one's only on a GPU,
 sync_module_states). GRPO's two
 processes sample completions of different lengths (the model's EOS is likely at some positions: one process's
-decode ends long before the other's); GRPO and RLOO (beta > 0) and DPO have a reference model, sharded as the policy (mixed
+decode ends long before the other's); GRPO and RLOO (beta > 0) DPO and KTO have a reference model, sharded as the policy (mixed
 toward the policy every step, sync_ref_model, and restored from the checkpoint). `grpo-lora` trains a LoRA adapter
 (no dropout, so that the runs compare), its weights sharded with the rest: the saved adapter holds all 8 LoRA
 weights whole, and resuming loads it back into the shards.
@@ -60,7 +60,9 @@ def workload(tmp_path_factory, tokenizer):
             "dpo": lambda a, b, i: {"prompt": f"{a}+{b}=", "chosen": str(a + b) * (1 + i % 3),
                                     "rejected": str(a + b + 1)},
             "reward": lambda a, b, i: {"prompt": f"{a}+{b}=", "chosen": str(a + b) * (1 + i % 3),
-                                       "rejected": str(a + b + 1) + "x" * (i % 2)}}
+                                       "rejected": str(a + b + 1) + "x" * (i % 2)},
+            "kto": lambda a, b, i: {"prompt": f"{a}+{b}=", "completion": str(a + b + i % 3) * (1 + i % 2),
+                                    "label": i % 3 == 0}}
     for command, row in rows.items():
         with open(root / f"{command}.jsonl", "w") as f:
             for i in range(16):
@@ -93,6 +95,9 @@ COMMANDS = {
     # the reward model: the causal LM's body under a new score head (seeded), the Bradley-Terry loss over the pairs
     "reward": (["--train_sampling_strategy", "sequential", "--center_rewards_coefficient", "0.01"],
                ["loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"]),
+    # KTO: a sharded reference synced every step; the KL pairs and z0 over the whole step, every process's examples
+    "kto": (["--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
+            ["loss", "kl", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens"]),
 }
 
 
@@ -266,13 +271,13 @@ def _weights(path, lora: bool = False) -> dict:
 
 
 CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
-         for command in ("grpo", "sft", "dpo", "rloo", "reward")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
+         for command in ("grpo", "sft", "dpo", "rloo", "reward", "kto")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
                                                      for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
                                                      ("deepspeed-field", "grpo"), ("multi_gpu.yaml", "rloo"),
-                                                     ("multi_gpu.yaml", "reward")])
+                                                     ("multi_gpu.yaml", "reward"), ("multi_gpu.yaml", "kto")])
 def test_sharded_training_saves_and_resumes_like_one_process(config, command, launches, one_process, tokenizer,
                                                             workload):
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as

@@ -12,12 +12,14 @@ from posttrain.report.tables import change, clock, escape, link, markup_table, n
 HEADLINES = {"GRPO": ("reward", FUNCTION_MEAN, "kl", "entropy", "completions/mean_length"),
              "SFT": ("loss", "mean_token_accuracy"),
              "DPO": ("loss", "rewards/accuracies", "rewards/margins"),
-             "Reward": ("loss", "accuracy", "margin")}
+             "Reward": ("loss", "accuracy", "margin"),
+             "KTO": ("loss", "rewards/margins", "kl")}
 HEADLINES["RLOO"], HEADLINES[None] = HEADLINES["GRPO"], ("reward", "loss")
 EVALUATION = {"GRPO": ("eval_reward", "eval_" + FUNCTION_MEAN),
               "SFT": ("eval_loss", "eval_mean_token_accuracy"),
               "DPO": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
-              "Reward": ("eval_loss", "eval_accuracy", "eval_margin")}
+              "Reward": ("eval_loss", "eval_accuracy", "eval_margin"),
+              "KTO": ("eval_loss", "eval_rewards/margins", "eval_kl")}
 EVALUATION["RLOO"], EVALUATION[None] = EVALUATION["GRPO"], ("eval_reward", "eval_loss")
 LOWER_IS_BETTER = ("loss", "eval_loss")
 HIGHER_IS_BETTER = ("reward", FUNCTION_MEAN, "mean_token_accuracy", "rewards/accuracies", "rewards/margins", "accuracy",
