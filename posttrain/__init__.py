@@ -1,8 +1,9 @@
-"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO and reward models, a drop-in for TRL
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO, reward models and on-policy
+distillation, a drop-in for TRL
 users.
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
-    from posttrain import RewardConfig, RewardTrainer, KTOConfig, KTOTrainer
+    from posttrain import RewardConfig, RewardTrainer, KTOConfig, KTOTrainer, DistillationConfig, DistillationTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -31,6 +32,8 @@ _EXPORTS = {
     "RewardTrainer": "posttrain.reward.trainer",
     "KTOConfig": "posttrain.configs",
     "KTOTrainer": "posttrain.kto.trainer",
+    "DistillationConfig": "posttrain.configs",
+    "DistillationTrainer": "posttrain.distillation.trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

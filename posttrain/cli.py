@@ -21,11 +21,11 @@ import time
 from posttrain._version import __version__
 from posttrain.cli_help import USAGE, add_fields, add_launch_flags, add_run_options, field_classes, help_topic, \
     trainer_help
-from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, SFTConfig,
+from posttrain.configs import (ConfigError, DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, SFTConfig,
                                ScriptArguments, build, field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
-from posttrain.runs import run_dpo, run_grpo, run_kto, run_reward, run_rloo, run_sft
+from posttrain.runs import run_distillation, run_dpo, run_grpo, run_kto, run_reward, run_rloo, run_sft
 
 # command -> (script arguments, trainer config, help line)
 TRAINERS = {
@@ -37,6 +37,8 @@ TRAINERS = {
                "flags."),
     "kto": (BaseScriptArguments, KTOConfig, "Train with KTO on unpaired (prompt, completion, label) examples from a "
             "YAML config and flags."),
+    "distillation": (BaseScriptArguments, DistillationConfig, "Distil a teacher into the student on the student's own "
+                     "completions from a YAML config and flags."),
 }
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
@@ -46,7 +48,7 @@ def _hint(command: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT, DPO, KTO and reward models.",
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT, DPO, KTO, reward models and distillation.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -232,7 +234,8 @@ def parse_dpo(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, DPOC
     return parse_command("dpo", argv)[:3]
 
 
-RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo, "reward": run_reward, "kto": run_kto}
+RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo, "reward": run_reward, "kto": run_kto,
+        "distillation": run_distillation}
 
 
 def run_command(command: str, argv: list[str]) -> int:

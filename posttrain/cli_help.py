@@ -38,6 +38,10 @@ COMMON = {
     "kto": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "desirable_weight",
             "undesirable_weight", "max_length", "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
+    "distillation": ("model_name_or_path", "teacher_model_name_or_path", "dataset_name", "output_dir",
+                     "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps",
+                     "num_train_epochs", "beta", "temperature", "max_completion_length", "use_vllm", "use_peft",
+                     "logging_steps", "save_steps"),
     "dpo": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
             "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "max_length",
             "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
@@ -51,6 +55,7 @@ GROUP_NAMES = {
     "SFTDataConfig": "data", "SFTLossConfig": "loss", "DPODataConfig": "data", "DPOReferenceConfig": "reference",
     "DPOLossConfig": "loss", "RLOOObjectiveConfig": "rloo",
     "RewardDataConfig": "data", "RewardLossConfig": "loss", "KTODataConfig": "data", "KTOLossConfig": "loss",
+    "DistillationObjectiveConfig": "distillation",
 }
 LAUNCH_GROUP = "launch"
 USAGE = "posttrain {command} [--config FILE] [--FIELD VALUE ...] [launch flags]"

@@ -2,7 +2,7 @@
 script's, the datasets (a name or a mixture, the test split when evaluating), the trainer, train() and close().
 Nothing heavy is imported before a command runs."""
 
-from posttrain.configs import ConfigError, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, \
+from posttrain.configs import ConfigError, DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, \
     SFTConfig, ScriptArguments
 from posttrain.configs.script import BaseScriptArguments
 
@@ -101,6 +101,16 @@ def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig)
 
     _train_and_close(KTOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
                                 eval_dataset=eval_dataset, peft_config=peft_config))
+
+
+def run_distillation(script: BaseScriptArguments, lora: LoraArguments, config: DistillationConfig) -> None:
+    """The teacher is the config's teacher_model_name_or_path (with teacher_model_init_kwargs), as in `trl
+    distillation`."""
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    from posttrain.distillation.trainer import DistillationTrainer
+
+    _train_and_close(DistillationTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
+                                         eval_dataset=eval_dataset, peft_config=peft_config))
 
 
 def run_reward(script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:

@@ -200,7 +200,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto", "distillation"])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
@@ -220,6 +220,9 @@ def test_trainer_snapshot_matches_the_installed_trl(trainer):
     ("kto", 84, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.loss_type, cfg.max_length, cfg.disable_dropout,
                              cfg.train_sampling_strategy, cfg.desirable_weight, cfg.undesirable_weight) == (
         1e-6, 0.1, "kto", 1024, True, "sequential", 1.0, 1.0)),
+    ("distillation", 100, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.max_completion_length, cfg.disable_dropout,
+                                       cfg.temperature, cfg.num_generations, cfg.teacher_model_name_or_path) == (
+        1e-6, 1.0, 512, False, 1.0, 1, None)),
 ])
 def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
     from posttrain.configs.reference import TRAINERS
@@ -320,8 +323,8 @@ def test_dpo_v018_names_that_map():
 # ---------------------------------------------------------------------- RLOOConfig
 
 
-@pytest.mark.parametrize("trainer", ["rloo", "reward", "kto"])
-def test_every_trl_field_of_rloo_reward_and_kto_at_its_default_is_a_flag(trainer):
+@pytest.mark.parametrize("trainer", ["rloo", "reward", "kto", "distillation"])
+def test_every_trl_field_of_rloo_reward_kto_and_distillation_at_its_default_is_a_flag(trainer):
     from posttrain.cli import parse_command
     from posttrain.configs.rloo import GRPO_ONLY
 
@@ -349,7 +352,8 @@ def test_every_trl_field_of_rloo_reward_and_kto_at_its_default_is_a_flag(trainer
 
 
 @pytest.mark.parametrize("trainer,name", [("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("rloo", "RLOOConfig"),
-                                          ("reward", "RewardConfig"), ("kto", "KTOConfig")])
+                                          ("reward", "RewardConfig"), ("kto", "KTOConfig"),
+                                          ("distillation", "DistillationConfig")])
 def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
     import os
 

@@ -2,7 +2,7 @@
 
 This package imports no torch and no transformers, so that `posttrain --help` stays fast.
 
-Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `RLOOConfig`, `RewardConfig` and `KTOConfig` (and the
+Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `RLOOConfig`, `RewardConfig`, `KTOConfig` and `DistillationConfig` (and the
 `transformers.TrainingArguments` fields they inherit): every TRL field is either implemented or listed in
 `trl_compat.py` with what posttrain does instead.
 
@@ -14,6 +14,7 @@ Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `R
     rloo.py        RLOOConfig: GRPOConfig's fields with RLOO's advantage options and defaults
     reward.py      reward-model data and loss; RewardConfig
     kto.py         KTO data and loss (DPO's reference group); KTOConfig
+    distillation.py  the teacher and the divergence on GRPOConfig's sampling; DistillationConfig
     trl_compat.py  TRL fields accepted at posttrain's behaviour; the snapshot of TRL's field list
     script.py      ScriptArguments, LoraArguments (the command line)
     parsing.py     YAML, typed conversion of flags, unknown names with their real near-misses
@@ -27,6 +28,7 @@ from posttrain.configs.dpo import DPOConfig
 from posttrain.configs.rloo import RLOOConfig
 from posttrain.configs.reward import RewardConfig
 from posttrain.configs.kto import KTOConfig
+from posttrain.configs.distillation import DistillationConfig
 from posttrain.configs.parsing import UNKNOWN_HINT, build, coerce, load_yaml, split_values, suggest
 from posttrain.configs.script import LoraArguments, ScriptArguments
 
@@ -37,6 +39,6 @@ def config_reference() -> str:
     return reference()
 
 
-__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "KTOConfig", "RLOOConfig", "RewardConfig", "SFTConfig", "LoraArguments", "ScriptArguments",
+__all__ = ["ConfigError", "DistillationConfig", "DPOConfig", "GRPOConfig", "KTOConfig", "RLOOConfig", "RewardConfig", "SFTConfig", "LoraArguments", "ScriptArguments",
            "UNKNOWN_HINT", "build", "coerce",
            "config_reference", "field_help", "field_types", "load_yaml", "resolve_steps", "split_values", "suggest"]

@@ -206,7 +206,7 @@ class GRPOObjectiveConfig:
         if self.dynamic_sampling_filter is not None and not self.dynamic_sampling:
             raise ConfigError("dynamic_sampling_filter is set but dynamic_sampling is False, so it would filter "
                               "nothing: set dynamic_sampling=True, or remove dynamic_sampling_filter.")
-        if self.num_generations < 2:
+        if self.num_generations < self.MIN_GENERATIONS:
             raise ConfigError(
                 f"num_generations={self.num_generations} leaves no group to compare against: "
                 f"{type(self).__name__.removesuffix('Config')} needs num_generations >= 2 (e.g. 8).")
@@ -350,6 +350,7 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
               PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig)
     COMPAT = GRPOCompatConfig
+    MIN_GENERATIONS = 2  # a group to compare against (distillation samples one completion per prompt)
     NOT_FLAGS = ()  # fields that are not flags of the trainer's command
 
     def __post_init__(self):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto")}
+             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -203,6 +203,7 @@ GRPO_ONLY: list[Compat] = [
 GRPO_COMPAT = TRAINING_ARGS + GRPO_ONLY
 COMPAT = GRPO_COMPAT  # the GRPO table under its first name
 RLOO_COMPAT = GRPO_COMPAT  # RLOOConfig is GRPOConfig's fields (configs/rloo.py): the same table answers for it
+DISTILLATION_COMPAT = GRPO_COMPAT  # so is DistillationConfig (configs/distillation.py)
 
 _SFT_LOADER = "posttrain batches the tokenized rows itself, with no DataLoader"
 _SFT_METRICS = ("honoured as in transformers when compute_metrics is given (training/prediction.py); the eval loss "
@@ -365,7 +366,8 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
     except ImportError:
         return None
     name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
-            "reward": "RewardConfig", "kto": "KTOConfig"}[trainer]
+            "reward": "RewardConfig", "kto": "KTOConfig",
+            "distillation": "DistillationConfig"}[trainer]
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

@@ -40,7 +40,7 @@ from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
-from posttrain.training.distributed import guarded
+from posttrain.training.distributed import guarded, run_name
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
 from posttrain.training.trainer import Trainer
 from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
@@ -103,7 +103,7 @@ class GRPOTrainer(Trainer):
                                 reward_processing_classes, peft_config, agents)
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
         self._prepare(model, self._total_steps())
-        rank, run_id = self.accelerator.process_index, self._run_id()
+        rank, run_id = self.accelerator.process_index, run_name(self.accelerator)
         with guarded(self.accelerator):  # a server one process cannot reach stops every process
             # one seed on every process: each row's key (its index in the round) tells the rows apart, so the
             # completions do not depend on the number of processes
@@ -162,17 +162,6 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
 
-    def _run_id(self) -> str:
-        """A name for this run's weight versions on a generation server, the same on every process."""
-        import uuid
-
-        from accelerate.utils import broadcast_object_list
-
-        name = [uuid.uuid4().hex[:12]]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(name, from_process=0)
-        return name[0]
-
     def _setup(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
                peft_config, agents: Agents):
         """Load the model and tokenizer, the reference, the agents, the rewards and the data; returns the prepared
@@ -181,7 +170,7 @@ class GRPOTrainer(Trainer):
         train_dataset, placeholder_prompts = agent_dataset(train_dataset, agents, args)
         refuse_prefix_tuning_for_sampling(peft_config, model)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
-        self.ref_model, self.reference_adapter = make_reference(model, args, came_with_adapter)
+        self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
         context = getattr(model.config, "max_position_embeddings", None)
         # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
@@ -190,8 +179,7 @@ class GRPOTrainer(Trainer):
         self.agents = agent_rollouts(agents, args, self.encoder, model, chat_template, context,
                                      placeholder_prompts, trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
-        user_funcs = (resolve_reward_funcs(reward_funcs, args, self._trust_remote_code, reward_processing_classes)
-                      if reward_funcs is not None or not sources else [])
+        user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes, sources)
         self.reward_weights = self._reward_weights(len(user_funcs), len(sources))
         # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
         self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
@@ -211,6 +199,18 @@ class GRPOTrainer(Trainer):
         self.eval_dataset = eval_dataset
         check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
         return model
+
+    def _reference(self, model, came_with_adapter: bool) -> tuple:
+        """(a separate frozen model the round reads, sharded as the policy; or None, and the reference adapter or
+        None): GRPO's KL reference (models/preparation.py), none at beta 0."""
+        return make_reference(model, self.args, came_with_adapter)
+
+    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, sources: list) -> list:
+        """The reward functions the user gave, resolved (posttrain/rewards); one is needed unless the environments
+        bring theirs."""
+        if reward_funcs is None and sources:
+            return []
+        return resolve_reward_funcs(reward_funcs, self.args, self._trust_remote_code, reward_processing_classes)
 
     def _gradients_besides_rewards(self) -> list[str]:
         """What trains the model when every advantage is 0 (grpo/flat_rewards.py names it)."""

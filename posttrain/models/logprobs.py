@@ -136,7 +136,7 @@ def _at_positions(values: torch.Tensor, positions: torch.Tensor, shape: torch.Si
     return full.index_copy(0, positions, values.float()).view(shape)
 
 
-def _through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable):
+def through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable):
     """`compute(h)` on the final hidden states [B, n_keep, H] of the last `n_keep` positions (every position when
     n_keep is 0), from the model's own forward: as the output layer's forward where its weight is whole only there
     (see `_computing_in`), else on the hidden states of a forward that computes one position of logits."""
@@ -156,7 +156,7 @@ def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completi
     position_ids = mask_positions(model, attention_mask)
 
     def run(rows):  # the model may keep more positions than asked (>= C + 1): C of them predict the C tokens
-        return _through_output_layer(model, input_ids, attention_mask, position_ids, n + 1,
+        return through_output_layer(model, input_ids, attention_mask, position_ids, n + 1,
                                      lambda hidden: rows(hidden[:, -n - 1:-1]))
 
     return _at_completions(model, run, completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
@@ -191,7 +191,7 @@ def _packed_logprobs(model, packed: PackedRows, shape: torch.Size, temperature, 
         return chunked_token_logprobs(hidden[packed.source_mask], layer.weight, layer.bias, packed.targets,
                                       temperature, with_entropy, predictor, entropy_grad)
 
-    logps, entropy = _through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows)
+    logps, entropy = through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows)
     full = _at_positions(logps, packed.positions, shape)
     return full, (_at_positions(entropy, packed.positions, shape) if with_entropy else None)
 
@@ -344,7 +344,7 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
                                           predict_grad, with_top1=True, with_stats=with_stats)
 
-        out = _through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows)
+        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows)
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result

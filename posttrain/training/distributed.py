@@ -100,3 +100,16 @@ def mark_agreed(error: BaseException) -> BaseException:
 def reported_elsewhere(error: BaseException, is_main: bool) -> bool:
     """Whether this process should stay quiet about `error`: every process raised it, and the main one reports it."""
     return getattr(error, AGREED, False) and not is_main
+
+
+def run_name(accelerator) -> str:
+    """A short random name, the same on every process (the main process's, broadcast): a run's weight versions on a
+    generation server."""
+    import uuid
+
+    from accelerate.utils import broadcast_object_list
+
+    name = [uuid.uuid4().hex[:12]]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(name, from_process=0)
+    return name[0]

@@ -69,6 +69,35 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
     return reference_of(policy, args.sync_ref_model, came_with_adapter)
 
 
+def make_teacher(teacher, policy, args, device, trust_remote_code: bool, tokenizer):
+    """On-policy distillation's teacher, frozen: `teacher` (a model, or a path or hub id) or the config's
+    teacher_model_name_or_path, loaded with teacher_model_init_kwargs and teacher_model_revision. It must predict over
+    the student's vocabulary (TRL compares the configs' vocab_size) and read its token ids (check_vocabulary)."""
+    if teacher is None:
+        teacher = args.teacher_model_name_or_path
+    if teacher is None:
+        raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model=<a model or its path>, or set "
+                          "teacher_model_name_or_path.")
+    source = _tokenizer_source(teacher, policy)
+    if isinstance(teacher, str):
+        from posttrain.models.loading import load_causal_lm, with_trl_default_dtype
+
+        kwargs = {"trust_remote_code": trust_remote_code, **(args.teacher_model_init_kwargs or {})}
+        if args.teacher_model_revision is not None:
+            kwargs.setdefault("revision", args.teacher_model_revision)
+        teacher = load_causal_lm(teacher, with_trl_default_dtype(kwargs))
+    elif args.teacher_model_init_kwargs is not None:
+        raise ConfigError("teacher_model_init_kwargs is set, and the teacher is a model already loaded, so they would "
+                          "be ignored: load the teacher with them yourself, or pass its path instead.")
+    mine, theirs = (getattr(unwrap(m).config.get_text_config(), "vocab_size", None) for m in (policy, teacher))
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ConfigError(f"The student's vocab_size is {mine} and the teacher's {theirs}: distillation compares the "
+                          f"two models' next-token distributions, which needs one vocabulary: "
+                          f"{_FIX['teacher']}.")
+    check_vocabulary(teacher, policy, tokenizer, _tokenizer_beside(source, trust_remote_code), source, "teacher")
+    return teacher.to(device).eval().requires_grad_(False)
+
+
 # ---------------------------------------------------------------------- a given ref_model's vocabulary
 
 
@@ -127,22 +156,28 @@ def _id_conflict(mine: dict, theirs: dict) -> tuple[int, str, str] | None:
     return None
 
 
-def check_vocabulary(ref_model, policy, tokenizer, ref_tokenizer, source: str | None) -> None:
-    """Refuse, in one sentence, a ref_model that cannot read the policy's token ids: an embedding with fewer rows than
-    the tokenizer's tokens (and the policy's rows), or a tokenizer saved with it that names an id another token.
-    More rows than tokens is padding (resize_token_embeddings' pad_to_multiple_of), not another vocabulary."""
-    fix = "pass a ref_model that uses the policy's tokenizer, or omit ref_model for a frozen copy of the model"
+_FIX = {"ref_model": "pass a ref_model that uses the policy's tokenizer, or omit ref_model for a frozen copy of the "
+                     "model",
+        "teacher": "distil from a teacher of the student's tokenizer (TRL's GOLD trainer maps between tokenizers)"}
+
+
+def check_vocabulary(ref_model, policy, tokenizer, ref_tokenizer, source: str | None, role: str = "ref_model") -> None:
+    """Refuse, in one sentence, a ref_model (or a distillation `teacher`) that cannot read the policy's token ids: an
+    embedding with fewer rows than the tokenizer's tokens (and the policy's rows), or a tokenizer saved with it that
+    names an id another token. More rows than tokens is padding (resize_token_embeddings' pad_to_multiple_of), not
+    another vocabulary."""
+    fix = _FIX[role]
     rows, policy_rows, tokens = _rows(ref_model), _rows(policy), len(tokenizer)
     if rows is not None and rows < min(tokens, policy_rows or tokens):
-        raise ConfigError(f"ref_model's embedding has {rows} rows and the tokenizer (processing_class) has {tokens} "
-                          f"tokens, so ref_model was built for another vocabulary: {fix}.")
+        raise ConfigError(f"{role}'s embedding has {rows} rows and the tokenizer (processing_class) has {tokens} "
+                          f"tokens, so {role} was built for another vocabulary: {fix}.")
     if ref_tokenizer is None:
         return
     conflict = _id_conflict(tokenizer.get_vocab(), ref_tokenizer.get_vocab())
     if conflict is not None:
         i, mine, theirs = conflict
-        raise ConfigError(f"ref_model's tokenizer ({source}) gives id {i} to {theirs!r} where the processing_class "
-                          f"gives it to {mine!r}, so the reference would score other tokens than the policy: {fix}.")
+        raise ConfigError(f"{role}'s tokenizer ({source}) gives id {i} to {theirs!r} where the processing_class "
+                          f"gives it to {mine!r}, so {role} would score other tokens than the policy: {fix}.")
 
 
 def _check_same_shapes(ref_model, policy) -> None:

@@ -1,0 +1,111 @@
+"""DistillationTrainer: TRL 1.16's on-policy DistillationTrainer on GRPO's trainer, which it shares its data (the
+prompt stream, the generation buffer), its generation paths, its loop, checkpoints and tools with.
+
+    round      = next(prompt rounds)                         # B unique prompts
+    rollouts   = generator.generate(my share, 1 each)        # the student's completions (rollout.py)
+    each optimizer step: gradient_accumulation_steps micro-batches of the round (shuffled), each
+               loss = sum over its loss tokens of D_beta(student || teacher) / (step's loss tokens / processes)
+               the teacher's final hidden states without gradient, the student's with, both output layers in chunks
+               (models/teacher.py, models/divergence.py): no [tokens, vocabulary] logits on either side
+
+The teacher is the round's frozen model (`ref_model`, as GRPO's reference): loaded from teacher_model_name_or_path
+or given, checked against the student's vocabulary, and sharded as the policy under FSDP and ZeRO-3.
+"""
+
+import torch
+
+from posttrain.configs.distillation import DistillationConfig
+from posttrain.distillation.rollout import DistillationRollout, evaluation_metrics
+from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.training.reference import make_teacher
+
+
+class DistillationTrainer(GRPOTrainer):
+    """TRL's DistillationTrainer: `DistillationTrainer(model, teacher_model, args=DistillationConfig(...),
+    train_dataset=...)`, with TRL's arguments.
+
+    Args:
+        model: the student, a causal LM or the path / hub id of one.
+        teacher_model: the teacher, a model or a path / hub id (default: args.teacher_model_name_or_path); it must
+            share the student's vocabulary.
+        args: the DistillationConfig (default: TRL's defaults, output_dir `<model name>-Distillation`).
+        train_dataset: a `datasets.Dataset` or `IterableDataset` with a `prompt` column.
+        eval_dataset: prompts for evaluation (a dataset, or a dict of them).
+        processing_class, callbacks, optimizers, quantization_config, peft_config: as GRPOTrainer's.
+        tools: functions the student may call while it samples (docs/tools.md); their results carry no loss.
+    """
+
+    _title = "Distillation"
+    _config_class = DistillationConfig
+    _rollout_class = DistillationRollout
+    _shown_metrics = ("loss", "entropy", "completions/mean_length")
+    _nonfinite_hint = "Lower the learning_rate."
+    _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length",
+                       "seed", "shuffle_dataset", "beta", "temperature")
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None):
+        self._teacher_given = teacher_model
+        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
+                         optimizers, quantization_config, peft_config, tools=tools)
+
+    @property
+    def teacher_model(self):
+        """The teacher, as prepared (sharded as the student under FSDP and ZeRO-3)."""
+        return self.ref_model
+
+    # ------------------------------------------------------------------ GRPO's hooks
+
+    def _reference(self, model, came_with_adapter: bool) -> tuple:
+        teacher = make_teacher(self._teacher_given, model, self.args, self.accelerator.device,
+                               self._trust_remote_code, self.tokenizer)
+        self._teacher_given = None  # the prepared one is self.ref_model
+        return teacher, None
+
+    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, sources: list) -> list:
+        return []  # the teacher is the signal
+
+    def _needs_old_logps(self, args) -> bool:
+        return False
+
+    def _gradients_besides_rewards(self) -> list[str]:
+        return []
+
+    def _watch_rewards(self, scored) -> None:
+        pass  # no reward
+
+    def _log_completions(self, scored) -> None:
+        if self.args.log_completions:
+            rows = scored.scored
+            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in rows.rows], rows.texts,
+                                    rows.rewards, scored.advantages, rows.extra)
+
+    # ------------------------------------------------------------------ the step
+
+    def _micro_step(self, mb, norm, bonus: float, share: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch: [3] its divergence sum, entropy sum and loss tokens."""
+        mb = mb.padded(self.pad_to_multiple_of)
+        with self._offloading():
+            divergence, entropy = self.rollout.divergence(self.model, mb)
+            self._backward(divergence.sum() / max(norm.tokens_per_process, 1.0))
+        return torch.stack([divergence.detach().double().sum(), entropy.double().sum(),
+                            torch.tensor(float(mb.loss_mask.sum()), dtype=torch.float64, device=entropy.device)])
+
+    def _optimizer_step(self) -> dict:
+        micro, round_metrics = self._step_micro_batches()
+        norm, seen_tokens = self._step_counts(micro)
+        self.state.total_flos += self._flops_per_token * seen_tokens
+        sums = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, 0.0, 1.0 / len(micro)))
+        totals = self.accelerator.reduce(torch.stack(sums).sum(0), reduction="sum")
+        tokens = max(float(totals[2]), 1.0)
+        loss = float(totals[0]) / tokens
+        metrics = {"loss": loss, "grad_norm": self._apply_update(loss), "entropy": float(totals[1]) / tokens,
+                   "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+        metrics.update(round_metrics)
+        return metrics
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        metrics = evaluation_metrics(self.rollout, self.encoder, dataset, prefix,
+                                     lambda: self._call("on_prediction_step"))
+        return {**metrics, f"{prefix}_num_tokens": float(self.state.num_input_tokens_seen)}

@@ -1,0 +1,172 @@
+"""DistillationTrainer on tiny in-process models (a student of 1 layer, a wider teacher of 2 over the same
+vocabulary): the loss, entropy and gradient equal TRL 1.16's DistillationTrainer._compute_loss called on the same
+sampled completions; the update for any split of a step; exact resume; evaluation; the teacher's checks; the errors a
+user can cause."""
+
+import functools
+import inspect
+import json
+import math
+import types
+
+import pytest
+import torch
+from conftest import StopAt, capture_gradients, use_sgd
+from datasets import Dataset
+
+from posttrain.configs import ConfigError, DistillationConfig
+from posttrain.distillation.trainer import DistillationTrainer
+from posttrain.testing import tiny_model
+
+PROMPTS = {"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}
+
+
+def _student(tokenizer):
+    return tiny_model(tokenizer, hidden=32, layers=1)
+
+
+def _teacher(tokenizer):
+    return tiny_model(tokenizer, seed=7, hidden=64, layers=2)
+
+
+def distill_config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8,
+                  max_completion_length=6, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+                  gradient_checkpointing=False, use_cpu=True, seed=0, report_to="none")
+    values.update(overrides)
+    return DistillationConfig(**values)
+
+
+def _trainer(tokenizer, tmp_path, teacher=None, data=None, callbacks=None, **overrides):
+    return DistillationTrainer(_student(tokenizer), teacher if teacher is not None else _teacher(tokenizer),
+                               args=distill_config(tmp_path, **overrides),
+                               train_dataset=data if data is not None else Dataset.from_dict(PROMPTS),
+                               processing_class=tokenizer, callbacks=callbacks)
+
+
+def _records(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+
+
+def _trl_loss(trainer, batch, beta, temperature):
+    """TRL 1.16's DistillationTrainer._compute_loss on the batch, called with a stand-in for the trainer (the
+    attributes the method reads; its own _get_last_hidden_state)."""
+    trl = pytest.importorskip("trl")
+    student, teacher = trainer.policy, trainer.teacher_model
+    stand_in = types.SimpleNamespace(_is_vlm=False, teacher_model=teacher, beta=beta, temperature=temperature,
+                                     model_kwarg_keys=inspect.signature(student.forward).parameters.keys(),
+                                     accelerator=types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True),
+                                     _forward_redirection=lambda wrapper, plain, fn, *a, **k: fn(*a, **k))
+    stand_in._get_last_hidden_state = functools.partial(trl.DistillationTrainer._get_last_hidden_state, stand_in)
+    r = batch.rollouts
+    inputs = {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask, "completion_ids": r.completion_ids,
+              "completion_mask": r.completion_mask}
+    return trl.DistillationTrainer._compute_loss(stand_in, student, inputs, r.completion_mask.sum())
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer, tmp_path, beta, temperature):
+    trainer = _trainer(tokenizer, tmp_path, beta=beta, temperature=temperature)
+    batch = trainer.rollout.scored_batch(trainer._next_round, 1).batch
+    assert 0 < int(batch.loss_mask.sum()) < batch.loss_mask.numel()  # completions of different lengths
+
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    loss, entropy_sum, valid = _trl_loss(trainer, batch, beta, temperature)
+    theirs = torch.autograd.grad(loss, params, allow_unused=True)
+    divergence, entropy = trainer.rollout.divergence(trainer.model, batch)
+    ours_loss = divergence.sum() / batch.loss_mask.sum()
+    ours = torch.autograd.grad(ours_loss, params, allow_unused=True)
+    assert int(valid) == divergence.numel() == int(batch.loss_mask.sum())
+    assert float(ours_loss) == pytest.approx(float(loss), rel=1e-5)
+    assert float(entropy.sum()) == pytest.approx(float(entropy_sum), rel=1e-5)
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_run_trains_logs_and_saves(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tokenizer, tmp_path, max_steps=4, per_device_train_batch_size=4, beta=0.5)
+    trainer.train()
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "entropy", "grad_norm", "learning_rate", "num_tokens", "completions/mean_length"):
+        assert math.isfinite(records[-1][key]), key
+    assert records[-1]["loss"] < records[0]["loss"]  # the student moves towards the teacher
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(p, dict(trainer.policy.named_parameters())[n]) for n, p in reloaded.named_parameters())
+    assert all(not p.requires_grad for p in trainer.teacher_model.parameters())
+
+
+def test_any_split_of_a_step_gives_the_same_update(tokenizer, tmp_path):
+    """8 prompts as 1 x 8, 2 x 4 or 4 x 2 micro-batches: the same completions, gradient and update."""
+    results = {}
+    for micro, accum in ((8, 1), (4, 2), (2, 4)):
+        trainer = _trainer(tokenizer, tmp_path / f"{micro}x{accum}", max_steps=1, per_device_train_batch_size=micro,
+                           gradient_accumulation_steps=accum)
+        use_sgd(trainer)
+        grads = capture_gradients(trainer)
+        trainer.train()
+        results[(micro, accum)] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads[0],
+                                   _records(trainer)[0])
+    ref_params, ref_grads, ref_record = results[(8, 1)]
+    for split, (params, grads, record) in results.items():
+        for key in ("loss", "entropy", "completions/mean_length"):
+            assert record[key] == pytest.approx(ref_record[key], rel=1e-5), (split, key)
+        for name in ref_grads:
+            assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
+            assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
+
+
+def test_resume_continues_bit_for_bit(tokenizer, tmp_path):
+    common = dict(max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, save_strategy="steps",
+                  save_steps=2)
+    straight = _trainer(tokenizer, tmp_path / "straight", **common)
+    straight.train()
+    _trainer(tokenizer, tmp_path / "cut", callbacks=[StopAt(2)], **common).train()
+    resumed = _trainer(tokenizer, tmp_path / "cut", **common)
+    resumed.train(resume_from_checkpoint=True)
+    by_step = {r["step"]: r for r in _records(resumed)}
+    for record in _records(straight)[2:]:
+        assert record["loss"] == by_step[record["step"]]["loss"]
+    for (name, a), b in zip(straight.policy.named_parameters(), resumed.policy.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_evaluation_is_the_mean_divergence_over_the_eval_tokens(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path, max_steps=1, per_device_eval_batch_size=5)
+    metrics = trainer.evaluate(Dataset.from_dict(PROMPTS))
+    assert {"eval_loss", "eval_entropy", "eval_completions/mean_length", "eval_runtime"} <= set(metrics)
+    assert metrics["eval_loss"] > 0 and math.isfinite(metrics["eval_entropy"])
+
+
+def test_a_teacher_from_its_path_and_the_teachers_checks(tokenizer, tmp_path):
+    from posttrain.testing import save_tiny, tiny_tokenizer
+
+    path = save_tiny(str(tmp_path / "teacher"), tokenizer, seed=7, hidden=64, layers=2)
+    trainer = DistillationTrainer(_student(tokenizer), args=distill_config(
+        tmp_path, teacher_model_name_or_path=path, teacher_model_init_kwargs={"dtype": "float32"}),
+        train_dataset=Dataset.from_dict(PROMPTS), processing_class=tokenizer)
+    assert trainer.teacher_model.config.hidden_size == 64
+    with pytest.raises(ConfigError, match="needs a teacher"):
+        DistillationTrainer(_student(tokenizer), args=distill_config(tmp_path), train_dataset=Dataset.from_dict(
+            PROMPTS), processing_class=tokenizer)
+    other = tiny_model(tiny_tokenizer(), hidden=32, layers=1)  # the full byte alphabet: another vocab_size
+    with pytest.raises(ConfigError, match=r"The student's vocab_size is \d+ and the teacher's \d+"):
+        _trainer(tokenizer, tmp_path, teacher=other)
+    with pytest.raises(ConfigError, match="teacher_model_init_kwargs is set, and the teacher is a model"):
+        _trainer(tokenizer, tmp_path, teacher_model_init_kwargs={"dtype": "float32"})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(loss_type="grpo"), "loss_type='grpo' is a GRPOConfig field that TRL's DistillationConfig does not have"),
+    (dict(num_generations=4), "num_generations=4: on-policy distillation samples one completion per prompt"),
+    (dict(steps_per_generation=4), "distillation generates once per optimizer step"),
+    (dict(beta=1.5), "beta=1.5"),
+])
+def test_config_errors_are_one_sentence(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        DistillationConfig(output_dir="unused", **kwargs)
