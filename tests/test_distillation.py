@@ -170,3 +170,67 @@ def test_a_teacher_from_its_path_and_the_teachers_checks(tokenizer, tmp_path):
 def test_config_errors_are_one_sentence(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         DistillationConfig(output_dir="unused", **kwargs)
+
+
+def test_with_tools_the_results_carry_no_loss(tmp_path):
+    """tools= as TRL's DistillationTrainer takes them: the student's multi-turn rollouts (scripted, as in
+    tests/test_agents_grpo.py) with the tool results' tokens masked out of the divergence, TRL's tool metrics."""
+    from pathlib import Path
+
+    trl = pytest.importorskip("trl")
+    from agent_script import TOOLS, Script, ScriptedEngine
+
+    from posttrain.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    prompts = [[{"role": "user", "content": f"Please help. case:{case}"}] for case in ("one", "none", "parallel",
+                                                                                       "iterate")]
+    config = distill_config(tmp_path, max_steps=1, per_device_train_batch_size=4, max_completion_length=1000,
+                            max_tool_calling_iterations=2, shuffle_dataset=False)
+    trainer = DistillationTrainer(tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096),
+                                  tiny_model(tokenizer, seed=7, hidden=64, layers=1, max_positions=4096), args=config,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                                  tools=TOOLS)
+    trainer.generator = ScriptedEngine(Script(tokenizer), tokenizer.pad_token_id, [tokenizer.eos_token_id], 1000,
+                                       vary=True)
+    scored = trainer.rollout.scored_batch(trainer._next_round, 1)
+    batch = scored.batch
+    assert not bool(batch.rollouts.tool_mask.all())
+    assert torch.equal(batch.loss_mask, batch.rollouts.completion_mask & batch.rollouts.tool_mask)
+    divergence, _ = trainer.rollout.divergence(trainer.model, batch)
+    assert divergence.numel() == int(batch.loss_mask.sum())
+    assert scored.metrics["tools/call_frequency"] == pytest.approx(8 / 4)
+    trainer.train()
+    logged = _records(trainer)[0]
+    assert logged["tools/call_frequency"] > 0 and math.isfinite(logged["loss"])
+
+
+@pytest.mark.plots
+def test_posttrain_distillation_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd, tokenizer):
+    """`posttrain distillation` as TRL's `trl distillation`: the student's and the teacher's directories and a prompt
+    file in, TRL's metrics logged, an evaluation, the curves and the report written with the run's headlines."""
+    from conftest import run_posttrain
+    from datasets import DatasetDict
+
+    from posttrain.testing import save_tiny
+
+    teacher = save_tiny(str(tmp_path / "teacher"), tokenizer, seed=7, hidden=64, layers=2)
+    data = tmp_path / "prompts"
+    DatasetDict(train=Dataset.from_dict(PROMPTS), test=Dataset.from_dict(PROMPTS).select(range(4))).save_to_disk(data)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\nteacher_model_name_or_path: {teacher}\n"
+                      f"dataset_name: {data}\nper_device_train_batch_size: 4\nmax_completion_length: 6\n"
+                      "gradient_checkpointing: false\nuse_cpu: true\nbeta: 0.5\neval_strategy: steps\neval_steps: 2\n")
+    run = run_posttrain(["distillation", "--config", str(config), "--output_dir", str(tmp_path / "out"),
+                         "--max_steps", "2", "--logging_steps", "1", "--learning_rate", "1e-3"], capfd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert any("eval_loss" in r and "eval_entropy" in r for r in records)
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert "Distillation" in report and "entropy" in report
+    with pytest.raises(ConfigError, match="Unknown argument '--loss_type'"):
+        from posttrain.cli import parse_command
+
+        parse_command("distillation", ["--loss_type", "grpo"])

@@ -67,6 +67,32 @@ def test_value_entropy_and_gradient_equal_the_whole_logits_formula(monkeypatch, 
     assert ours[0][3].abs().max() == 0  # a masked position gets no gradient
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("heads", ["plain", "bias_scale_softcap"])
+@pytest.mark.parametrize("incoming", ["as_predicted", "scaled", "per_position"])
+def test_the_gradient_computed_in_the_forward_is_the_recomputed_one(monkeypatch, beta, heads, incoming):
+    """grad_scale: the student's gradients come from the forward's chunks; the loss that gives every position
+    grad_scale, twice that (scaled), or a gradient of its own per position (recomputed) gets the exact gradient."""
+    monkeypatch.setattr(divergence, "CHUNK_ELEMENTS", 4 * V)
+    extra = heads != "plain"
+    h_s, w_s, b_s, h_t, w_t, b_t, weights = _inputs(11, bias=extra)
+    student = Head(w_s, b_s, 0.8 if extra else 1.0, 3.0 if extra else None)
+    teacher = Head(w_t, b_t, 1.3 if extra else 1.0, 5.0 if extra else None)
+    params = [h_s, w_s] + ([b_s] if extra else [])
+
+    def loss(div):
+        if incoming == "per_position":
+            return (div * weights).sum()
+        return div.sum() * (0.25 if incoming == "as_predicted" else 0.5)
+
+    plain = torch.autograd.grad(loss(chunked_divergence(h_s, student, h_t, teacher, beta, 0.7)[0]), params)
+    div, _ = chunked_divergence(h_s, student, h_t, teacher, beta, 0.7, grad_scale=0.25)
+    predicted = torch.autograd.grad(loss(div), params)
+    for a, b in zip(predicted, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert predicted[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_loss_entropy_and_gradient_equal_trls(beta, temperature):

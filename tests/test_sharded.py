@@ -1,6 +1,6 @@
 """Sharded training through accelerate's own FSDP1, FSDP2 and DeepSpeed ZeRO-2/ZeRO-3 paths, on 2 gloo processes (CPU).
 
-Each case runs `posttrain grpo|rloo|sft|dpo|reward|kto` as a user launches it (`accelerate launch --config_file <shipped config>`),
+Each case runs `posttrain grpo|rloo|sft|dpo|reward|kto|distillation` as a user launches it (`accelerate launch --config_file <shipped config>`),
 with the test-only patch of tests/accelerate_on_cpu.py that lets accelerate select FSDP or DeepSpeed without a GPU.
 ZeRO-3 runs with the shipped zero3.yaml's settings and, in `zero3-all`, with every parameter partitioned
 (`stage3_param_persistence_threshold: 0`: DeepSpeed keeps parameters under 100k elements whole by default, which
@@ -55,7 +55,11 @@ def workload(tmp_path_factory, tokenizer):
         row.mul_(4.0 / row.norm())
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
+    teacher = tiny_model(tokenizer, seed=7, hidden=64, layers=2)  # distillation's: wider, the same vocabulary
+    teacher.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
     rows = {"grpo": lambda a, b, i: {"prompt": f"{a}+{b}="}, "rloo": lambda a, b, i: {"prompt": f"{a}+{b}="},
+            "distillation": lambda a, b, i: {"prompt": f"{a}+{b}="},
             "sft": lambda a, b, i: {"prompt": f"{a}+{b}=", "completion": str(a + b) * (1 + i % 3)},
             "dpo": lambda a, b, i: {"prompt": f"{a}+{b}=", "chosen": str(a + b) * (1 + i % 3),
                                     "rejected": str(a + b + 1)},
@@ -98,6 +102,10 @@ COMMANDS = {
     # KTO: a sharded reference synced every step; the KL pairs and z0 over the whole step, every process's examples
     "kto": (["--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
             ["loss", "kl", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens"]),
+    # distillation: the student's completions (1 to 16 tokens), a wider teacher sharded as the student, both output
+    # layers in chunks
+    "distillation": (["--teacher_model_name_or_path", "{workload}/teacher", "--max_completion_length", "16",
+                      "--beta", "0.5"], ["loss", "entropy", "completions/mean_length", "completions/max_length"]),
 }
 
 
@@ -109,7 +117,8 @@ LEARNING_RATE = {"grpo-shared": 0.01}
 def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
     cli = command.split("-")[0]
     return [cli, "--model_name_or_path", str(workload / "model"), "--dataset_name",
-            str(workload / f"{cli}.jsonl"), *COMMANDS[command][0], "--per_device_train_batch_size",
+            str(workload / f"{cli}.jsonl"), *(a.format(workload=workload) for a in COMMANDS[command][0]),
+            "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",
             "momentum=0.9", "--learning_rate", str(LEARNING_RATE.get(command, 0.5)), "--use_cpu", "true",
@@ -271,13 +280,14 @@ def _weights(path, lora: bool = False) -> dict:
 
 
 CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
-         for command in ("grpo", "sft", "dpo", "rloo", "reward", "kto")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
+         for command in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
                                                      for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
                                                      ("deepspeed-field", "grpo"), ("multi_gpu.yaml", "rloo"),
-                                                     ("multi_gpu.yaml", "reward"), ("multi_gpu.yaml", "kto")])
+                                                     ("multi_gpu.yaml", "reward"), ("multi_gpu.yaml", "kto"),
+                                                     ("multi_gpu.yaml", "distillation")])
 def test_sharded_training_saves_and_resumes_like_one_process(config, command, launches, one_process, tokenizer,
                                                             workload):
     """`deepspeed-field`: a DDP launch (multi_gpu) whose config's `deepspeed` field names the ZeRO-3 JSON, as
@@ -297,6 +307,9 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
         paths = log.read_text().split() if log.exists() else []
         if command == "reward":  # no output layer over the vocabulary; whole weights: each pair's prompt run once
             assert set(paths) == ({"prefix-shared"} if config in ("zero2.yaml", "multi_gpu.yaml") else set()), paths
+            continue
+        if command == "distillation":  # both output layers in chunks; never either model's whole logits
+            assert "divergence" in paths and "logits" not in paths and "lean-decoder" in paths, (rank, sorted(set(paths)))
             continue
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
         if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows

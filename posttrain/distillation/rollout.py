@@ -20,7 +20,7 @@ from posttrain.grpo.completions import RewardLogs
 from posttrain.grpo.dynamic_sampling import ScoredRound
 from posttrain.grpo.metrics import completion_metrics, tool_metrics
 from posttrain.grpo.rollout import Rollout, ScoredBatch
-from posttrain.models.teacher import completion_divergence, teacher_head, teacher_hidden
+from posttrain.models.teacher import completion_divergence, teacher_pass
 from posttrain.training.distributed import guarded
 
 
@@ -60,17 +60,17 @@ class DistillationRollout(Rollout):
         metrics = {"input_tokens": float(lengths.sum()), **completions, **tool_metrics(tool_counts, acc)}
         return ScoredBatch(batch, scored, zeros, metrics)
 
-    def divergence(self, model, batch: TrainingBatch, mask: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def divergence(self, model, batch: TrainingBatch, mask: torch.Tensor | None = None,
+                   grad_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """([M] divergence from the teacher with `model`'s gradient, [M] the student's entropy) at the batch's loss
-        tokens (or `mask`'s)."""
+        tokens (or `mask`'s); `grad_scale`: the gradient the loss gives each position's divergence."""
         r, args = batch.rollouts, self.args
         mask = batch.loss_mask if mask is None else mask
-        with self.accelerator.autocast(), teacher_head(self.ref_model) as head:
-            hidden = teacher_hidden(self.ref_model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                                    mask)
+        with self.accelerator.autocast():
+            hidden, head = teacher_pass(self.ref_model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                        r.completion_mask, mask)
             return completion_divergence(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, mask,
-                                         hidden, head, args.beta, args.temperature)
+                                         hidden, head, args.beta, args.temperature, grad_scale)
 
 
 def evaluation_metrics(rollout: DistillationRollout, encoder, dataset, prefix: str = "eval",

@@ -86,9 +86,10 @@ class DistillationTrainer(GRPOTrainer):
     def _micro_step(self, mb, norm, bonus: float, share: float) -> torch.Tensor:
         """Forward and backward of one micro-batch: [3] its divergence sum, entropy sum and loss tokens."""
         mb = mb.padded(self.pad_to_multiple_of)
+        per_token = 1.0 / max(norm.tokens_per_process, 1.0)
         with self._offloading():
-            divergence, entropy = self.rollout.divergence(self.model, mb)
-            self._backward(divergence.sum() / max(norm.tokens_per_process, 1.0))
+            divergence, entropy = self.rollout.divergence(self.model, mb, grad_scale=per_token)
+            self._backward(divergence.sum() * per_token)
         return torch.stack([divergence.detach().double().sum(), entropy.double().sum(),
                             torch.tensor(float(mb.loss_mask.sum()), dtype=torch.float64, device=entropy.device)])
 

@@ -60,20 +60,6 @@ def _log_probs(head: Head, h: torch.Tensor, weight, bias, temperature: float) ->
     return z, torch.log_softmax(z / temperature, dim=-1)
 
 
-def _terms(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """([r] the divergence, [r] the term its gradient needs: the divergence itself, or KL(p_s || m) for the JSD)."""
-    if beta == 0.0:
-        div = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
-        return div, div
-    if beta == 1.0:
-        div = (log_ps.exp() * (log_ps - log_pt)).sum(-1)
-        return div, div
-    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
-    kl_student = (log_ps.exp() * (log_ps - log_m)).sum(-1)
-    div = beta * (log_pt.exp() * (log_pt - log_m)).sum(-1) + (1 - beta) * kl_student
-    return div, kl_student
-
-
 def _grad_u(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, aux: torch.Tensor) -> torch.Tensor:
     """[r, V] d div / d u, u = z_s / T (the module's docstring)."""
     ps = log_ps.exp()
@@ -85,22 +71,101 @@ def _grad_u(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, aux: torch.
     return (1 - beta) * ps * (log_ps - log_m - aux[:, None])
 
 
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[r] sum over the vocabulary of a * b ([r, V] each): a dot per row makes no [r, V] temporary (vecdot and
+    (a * b).sum make one; a batched bmm is 10x slower on a CPU)."""
+    return torch.stack([x @ y for x, y in zip(a, b)]) if a.size(0) else a.new_zeros(0)
+
+
+def _log_softmax_into(head: Head, h: torch.Tensor, weight, bias, temperature: float, out: torch.Tensor,
+                      slope: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """[r, V] log softmax(transform(h W^T + b) / T) written into `out` (a workspace buffer); with `slope` (another
+    one, for a soft-capped head) the transform's derivative d z / d (h W^T + b) is written there, with `probs` the
+    softmax itself."""
+    z = torch.mm(h, weight.t(), out=out[:h.size(0)])
+    if bias is not None:
+        z += bias
+    if head.scale != 1.0:
+        z *= head.scale
+    if head.softcap:
+        z.div_(head.softcap).tanh_()
+        if slope is not None:  # scale * (1 - tanh^2)
+            torch.mul(z, z, out=slope[:h.size(0)]).neg_().add_(1.0).mul_(head.scale)
+        z.mul_(head.softcap)
+    if temperature != 1.0:
+        z /= temperature
+    z.sub_(z.amax(dim=-1, keepdim=True))  # max, exp, sum: 2x logsumexp's speed on a CPU, and the exp serves twice
+    e = torch.exp(z, out=probs[:h.size(0)]) if probs is not None else z.exp()
+    total = e.sum(dim=-1, keepdim=True)
+    if probs is not None:
+        e.div_(total)
+    return z.sub_(total.log_())
+
+
+def _chunk_terms(log_ps, ps, log_pt, beta: float, with_grad: bool):
+    """(divergence [r], entropy [r], aux [r], d div / d u [r, V] or None) of one chunk, u = z_s / T, from the
+    student's log-probs and probabilities and the teacher's log-probs. Overwrites log_pt; d div / d u, when asked
+    for, is left in its buffer."""
+    entropy = -_row_dot(ps, log_ps)
+    if beta == 0.0:  # KL(p_t || p_s) = sum p_t (log p_t - log p_s); d/du = p_s - p_t
+        diff = log_pt - log_ps  # one [r, V] temporary: log_pt is needed for p_t below
+        div = _row_dot(log_pt.exp_(), diff)
+        return div, entropy, div, (torch.sub(ps, log_pt, out=log_pt) if with_grad else None)
+    if beta == 1.0:  # KL(p_s || p_t); d/du = p_s (log p_s - log p_t - div)
+        diff = torch.sub(log_ps, log_pt, out=log_pt)
+        div = _row_dot(ps, diff)
+        return div, entropy, div, (diff.sub_(div[:, None]).mul_(ps) if with_grad else None)
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    kl_teacher = _row_dot(log_pt.exp(), log_pt - log_m)
+    diff = torch.sub(log_ps, log_m, out=log_pt)
+    kl_student = _row_dot(ps, diff)
+    div = beta * kl_teacher + (1 - beta) * kl_student
+    grad = diff.sub_(kl_student[:, None]).mul_(ps).mul_(1 - beta) if with_grad else None
+    return div, entropy, kl_student, grad
+
+
 class _ChunkedDivergence(torch.autograd.Function):
+    """Forward: each chunk's two log-softmaxes in workspace buffers, the divergence and entropy by batched dots.
+    With `grad_scale` (the caller's d loss / d div, the same at every position), the student's gradients are computed
+    from each chunk while it is in memory, and the backward, given that gradient, only scales them: no chunk is
+    recomputed (three products over V per chunk instead of five). Any other incoming gradient recomputes."""
+
     @staticmethod
-    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float):
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float,
+                grad_scale):
         rows = max(1, CHUNK_ELEMENTS // max(w_s.size(0), 1))
         (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
-        n = h_s.size(0)
+        n, vocab = h_s.size(0), w_s.size(0)
+        width = min(rows, max(n, 1))
+        buffers = [torch.empty((width, vocab), dtype=torch.float32, device=h_s.device)
+                   for _ in range(3 + bool(student.softcap))]
         div = h_s.new_zeros(n, dtype=torch.float32)
         aux, entropy = torch.zeros_like(div), torch.zeros_like(div)
+        grads = None
+        if grad_scale is not None:
+            grads = (torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if ctx.needs_input_grad[0]
+                     else None, torch.zeros_like(ws) if ctx.needs_input_grad[1] else None,
+                     torch.zeros_like(bs) if bs is not None and ctx.needs_input_grad[2] else None)
         for start in range(0, n, rows):
             chunk = slice(start, min(start + rows, n))
-            _, log_ps = _log_probs(student, h_s[chunk].float(), ws, bs, temperature)
-            _, log_pt = _log_probs(teacher, h_t[chunk].float(), wt, bt, temperature)
-            div[chunk], aux[chunk] = _terms(log_ps, log_pt, beta)
-            entropy[chunk] = -(log_ps.exp() * log_ps).sum(-1)
+            h = h_s[chunk].float()
+            slope = buffers[3] if student.softcap and grads is not None else None
+            log_ps = _log_softmax_into(student, h, ws, bs, temperature, buffers[0], slope, buffers[2])
+            log_pt = _log_softmax_into(teacher, h_t[chunk].float(), wt, bt, temperature, buffers[1])
+            ps = buffers[2][:h.size(0)]
+            div[chunk], entropy[chunk], aux[chunk], du = _chunk_terms(log_ps, ps, log_pt, beta, grads is not None)
+            if grads is not None:
+                dz = du.mul_(grad_scale / temperature)
+                dz = dz.mul_(slope[:dz.size(0)]) if slope is not None else dz.mul_(student.slope(dz))
+                if grads[0] is not None:
+                    torch.mm(dz, ws, out=grads[0][chunk])
+                if grads[1] is not None:
+                    grads[1].addmm_(dz.t(), h)
+                if grads[2] is not None:
+                    grads[2].add_(dz.sum(0))
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, aux)
         ctx.student, ctx.teacher, ctx.beta, ctx.temperature, ctx.rows = student, teacher, beta, temperature, rows
+        ctx.grads, ctx.grad_scale = grads, grad_scale
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
@@ -108,6 +173,12 @@ class _ChunkedDivergence(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_div, _):
         h_s, w_s, b_s, h_t, w_t, b_t, aux = ctx.saved_tensors
+        if ctx.grads is not None and grad_div.numel() and bool((grad_div == grad_div[0]).all()):
+            factor = float(grad_div[0]) / ctx.grad_scale  # the gradient is linear in the incoming one
+            grads, ctx.grads = ctx.grads, None
+            out = [None if g is None else (g if factor == 1.0 else g * factor).to(like.dtype)
+                   for g, like in zip(grads, (h_s, w_s, b_s))]
+            return (*out, None, None, None, None, None, None, None, None)
         student, teacher, beta, temperature = ctx.student, ctx.teacher, ctx.beta, ctx.temperature
         (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
         grad_h = torch.zeros_like(h_s, dtype=torch.float32) if ctx.needs_input_grad[0] else None
@@ -131,11 +202,12 @@ class _ChunkedDivergence(torch.autograd.Function):
                 grad_b += dz.sum(0)
         cast = (lambda grad, like: grad.to(like.dtype) if grad is not None else None)
         return (cast(grad_h, h_s), cast(grad_w, w_s), cast(grad_b, b_s) if b_s is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def chunked_divergence(student_hidden: torch.Tensor, student: Head, teacher_hidden: torch.Tensor, teacher: Head,
-                       beta: float, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       beta: float, temperature: float = 1.0, grad_scale: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(divergence [N] float32, student entropy [N] float32 without gradient) at N positions (the module's
     docstring).
 
@@ -146,6 +218,9 @@ def chunked_divergence(student_hidden: torch.Tensor, student: Head, teacher_hidd
         teacher: the teacher's output layer, over the same vocabulary.
         beta: 0 forward KL, 1 reverse KL, between them the generalized JSD.
         temperature: both distributions are softmax(z / temperature).
+        grad_scale: the gradient the loss will give every position's divergence (a loss of sum(div) / N: 1 / N),
+            when the caller knows it: the student's gradients are then computed in the forward (exact for any
+            incoming gradient: another one is recomputed).
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta} is outside [0, 1]")
@@ -155,4 +230,5 @@ def chunked_divergence(student_hidden: torch.Tensor, student: Head, teacher_hidd
     return _ChunkedDivergence.apply(student_hidden, student.weight, student.bias, teacher_hidden.detach(),
                                     teacher.weight.detach(),
                                     teacher.bias.detach() if teacher.bias is not None else None, student, teacher,
-                                    float(beta), float(temperature))
+                                    float(beta), float(temperature),
+                                    None if grad_scale is None else float(grad_scale))

@@ -8,19 +8,16 @@ they are trained on, and the divergence between their next-token distributions t
 
 Each body runs in the model's own forward (through the output layer's forward where the layer's weight is whole only
 there: FSDP, ZeRO-3; models/logprobs.py through_output_layer), so sharded weights are gathered as for any forward.
-A teacher's output weight sharded so is gathered whole for the step (it is frozen: a copy, read again by the
-student's backward).
+A teacher's output weight sharded so is copied whole inside its forward, for the student's pass and backward (it is
+frozen).
 """
-
-import contextlib
 
 import torch
 
 from posttrain.models.divergence import Head, chunked_divergence
-from posttrain.models.forwards import mask_positions, output_layer
+from posttrain.models.forwards import mask_positions, output_layer, whole_only_in_forward
 from posttrain.models.keywords import unwrap
 from posttrain.models.logprobs import through_output_layer
-from posttrain.models.partitioned import gathered
 
 
 def logit_transform(model) -> tuple[float, float | None]:
@@ -46,26 +43,30 @@ def _plain_output_layer(model, role: str) -> torch.nn.Linear:
     return layer
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """A parameter's whole value: an FSDP2 DTensor gathered (a collective), anything else as it is."""
-    if tensor is not None and hasattr(tensor, "full_tensor"):
-        return tensor.full_tensor()
-    return tensor
-
-
-@contextlib.contextmanager
-def teacher_head(teacher):
-    """The teacher's output layer as the divergence reads it, its weight whole (gathered from ZeRO-3's or FSDP2's
-    shards into a copy for the block; as it is otherwise)."""
+def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask
+                 ) -> tuple[torch.Tensor, Head]:
+    """([M, Ht] the teacher's final hidden states at the positions that predict the M tokens of `loss_mask` [N, C]
+    (row-major), its output layer as the divergence reads it), without gradient. Where the layer's weight is whole
+    only inside the model's forward (ZeRO-3, FSDP), it is copied there: the student's pass and backward read it
+    after the teacher's forward has put it back in shards."""
+    input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    width, mask = completion_ids.size(1), loss_mask.bool()
     layer = _plain_output_layer(teacher, "teacher")
-    scale, softcap = logit_transform(teacher)
-    sharded = any(hasattr(p, "ds_tensor") or hasattr(p, "full_tensor") for p in (layer.weight, layer.bias)
-                  if p is not None)
-    with gathered([p for p in (layer.weight, layer.bias) if p is not None]):
-        weight, bias = _full(layer.weight), _full(layer.bias)
-        if sharded:  # a gathered value does not outlive its block, and the student's backward reads it again
-            weight, bias = weight.detach().clone(), None if bias is None else bias.detach().clone()
-    yield Head(weight.detach(), None if bias is None else bias.detach(), scale, softcap)
+    sharded = whole_only_in_forward(layer)
+    weights = []
+
+    def select(hidden):
+        if sharded:  # whole here, in the layer's own forward
+            weights.append((layer.weight.detach().clone(),
+                            None if layer.bias is None else layer.bias.detach().clone()))
+        return hidden[:, -width - 1:-1][mask].detach().clone()
+
+    with torch.no_grad():
+        hidden = through_output_layer(teacher, input_ids, attention_mask, mask_positions(teacher, attention_mask),
+                                      width + 1, select)
+    weight, bias = weights[0] if sharded else (layer.weight.detach(),
+                                                None if layer.bias is None else layer.bias.detach())
+    return hidden, Head(weight, bias, *logit_transform(teacher))
 
 
 def _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -74,21 +75,12 @@ def _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     return input_ids, attention_mask
 
 
-def teacher_hidden(teacher, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask) -> torch.Tensor:
-    """[M, Ht] the teacher's final hidden states at the positions that predict the M tokens of `loss_mask` [N, C]
-    (row-major), without gradient."""
-    input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    width, mask = completion_ids.size(1), loss_mask.bool()
-    with torch.no_grad():
-        return through_output_layer(teacher, input_ids, attention_mask, mask_positions(teacher, attention_mask),
-                                    width + 1, lambda hidden: hidden[:, -width - 1:-1][mask].detach().clone())
-
-
 def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
-                          hidden_t: torch.Tensor, head_t: Head, beta: float, temperature: float
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          hidden_t: torch.Tensor, head_t: Head, beta: float, temperature: float,
+                          grad_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """([M] divergence with the student's gradient, [M] student entropy) at the M tokens of `loss_mask` [N, C]
-    against the teacher's hidden states there (teacher_hidden) and its head (teacher_head)."""
+    against the teacher's hidden states there (teacher_hidden) and its head (teacher_head); `grad_scale`: the
+    gradient the loss gives each divergence, when known (models/divergence.py)."""
     input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
     width, mask = completion_ids.size(1), loss_mask.bool()
     layer = _plain_output_layer(student, "student")
@@ -96,7 +88,8 @@ def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, comp
 
     def divergence(hidden):
         head = Head(layer.weight, layer.bias, scale, softcap)
-        return chunked_divergence(hidden[:, -width - 1:-1][mask], head, hidden_t, head_t, beta, temperature)
+        return chunked_divergence(hidden[:, -width - 1:-1][mask], head, hidden_t, head_t, beta, temperature,
+                                  grad_scale)
 
     return through_output_layer(student, input_ids, attention_mask, mask_positions(student, attention_mask),
                                 width + 1, divergence)

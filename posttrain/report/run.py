@@ -12,7 +12,8 @@ from posttrain.run_files import read_json_object, read_yaml_mapping
 SUMMARY_FILES = ("all_results.json", "train_results.json")  # the end-of-training summary (all: with evaluation's)
 CONFIG_FILE = "posttrain_config.yaml"
 # each trainer's own config fields (posttrain_config.yaml), then its own metrics: which trainer wrote the run
-TRAINER_FIELDS = (("RLOO", "reward_clip_range"), ("GRPO", "num_generations"), ("KTO", "desirable_weight"),
+TRAINER_FIELDS = (("RLOO", "reward_clip_range"), ("Distillation", "teacher_model_name_or_path"),
+                  ("GRPO", "num_generations"), ("KTO", "desirable_weight"),
                   ("DPO", "precompute_ref_log_probs"),
                   ("SFT", "dataset_text_field"), ("Reward", "center_rewards_coefficient"))
 TRAINER_METRICS = (("GRPO", "reward"), ("DPO", "rewards/accuracies"), ("KTO", "rewards/margins"), ("SFT", "mean_token_accuracy"),

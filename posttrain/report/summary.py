@@ -13,13 +13,15 @@ HEADLINES = {"GRPO": ("reward", FUNCTION_MEAN, "kl", "entropy", "completions/mea
              "SFT": ("loss", "mean_token_accuracy"),
              "DPO": ("loss", "rewards/accuracies", "rewards/margins"),
              "Reward": ("loss", "accuracy", "margin"),
-             "KTO": ("loss", "rewards/margins", "kl")}
+             "KTO": ("loss", "rewards/margins", "kl"),
+             "Distillation": ("loss", "entropy", "completions/mean_length")}
 HEADLINES["RLOO"], HEADLINES[None] = HEADLINES["GRPO"], ("reward", "loss")
 EVALUATION = {"GRPO": ("eval_reward", "eval_" + FUNCTION_MEAN),
               "SFT": ("eval_loss", "eval_mean_token_accuracy"),
               "DPO": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
               "Reward": ("eval_loss", "eval_accuracy", "eval_margin"),
-              "KTO": ("eval_loss", "eval_rewards/margins", "eval_kl")}
+              "KTO": ("eval_loss", "eval_rewards/margins", "eval_kl"),
+              "Distillation": ("eval_loss", "eval_entropy")}
 EVALUATION["RLOO"], EVALUATION[None] = EVALUATION["GRPO"], ("eval_reward", "eval_loss")
 LOWER_IS_BETTER = ("loss", "eval_loss")
 HIGHER_IS_BETTER = ("reward", FUNCTION_MEAN, "mean_token_accuracy", "rewards/accuracies", "rewards/margins", "accuracy",
