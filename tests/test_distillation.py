@@ -89,8 +89,11 @@ def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer,
 def test_a_run_trains_logs_and_saves(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer = _trainer(tokenizer, tmp_path, max_steps=4, per_device_train_batch_size=4, beta=0.5)
+    trainer = _trainer(tokenizer, tmp_path, max_steps=4, per_device_train_batch_size=4, beta=0.5,
+                       log_completions=True)
     trainer.train()
+    logged = [json.loads(line) for line in open(tmp_path / "out" / "completions.jsonl")]
+    assert len(logged) == 16 and all(row["prompt"] in PROMPTS["prompt"] and row["rewards"] == {} for row in logged)
     records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("loss", "entropy", "grad_norm", "learning_rate", "num_tokens", "completions/mean_length"):
@@ -234,3 +237,23 @@ def test_posttrain_distillation_from_yaml_and_flags(tmp_path, tiny_model_dir, ca
         from posttrain.cli import parse_command
 
         parse_command("distillation", ["--loss_type", "grpo"])
+
+
+@pytest.mark.plots
+def test_the_example_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """examples/distil_addition.py, shortened: the teacher's SFT, the distillation, the before/after line, the plot
+    (docs/distillation.md shows a full run)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "distil_addition.py"
+    spec = importlib.util.spec_from_file_location("distil_addition", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["distil_addition.py", "--output-dir", str(tmp_path), "--steps", "10",
+                                      "--teacher-steps", "10"])
+    example.main()
+    line = [out for out in capsys.readouterr().out.splitlines() if out.startswith("held-out sums:")]
+    assert len(line) == 1 and "agreement with the teacher" in line[0]
+    assert (tmp_path / "distil_addition.png").stat().st_size > 0
