@@ -2311,8 +2311,8 @@ def distil_other_vocabulary(tmp):
 
 @case("Distillation", "a teacher whose tokenizer gives the same ids to other tokens, at the same vocab_size (TRL: "
       "trains on, each model scoring other tokens)", ConfigError,
-      r"^teacher's tokenizer \(.*\) gives id \d+ to .* where the processing_class gives it to .*, so teacher would "
-      r"score other tokens than the policy: distil from a teacher of the student's tokenizer",
+      r"^teacher's tokenizer \(.*\) gives id \d+ to .* where the processing_class gives it to .*, so the teacher "
+      r"would score other tokens than the policy: distil from a teacher of the student's tokenizer",
       kind="silently wrong")
 def distil_other_tokenizer(tmp):
     from posttrain.testing import DEFAULT_CHARS, save_tiny, tiny_tokenizer

@@ -117,7 +117,7 @@ LEARNING_RATE = {"grpo-shared": 0.01}
 def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
     cli = command.split("-")[0]
     return [cli, "--model_name_or_path", str(workload / "model"), "--dataset_name",
-            str(workload / f"{cli}.jsonl"), *(a.format(workload=workload) for a in COMMANDS[command][0]),
+            str(workload / f"{cli}.jsonl"), *(a.replace("{workload}", str(workload)) for a in COMMANDS[command][0]),
             "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",

@@ -177,7 +177,8 @@ def check_vocabulary(ref_model, policy, tokenizer, ref_tokenizer, source: str | 
     if conflict is not None:
         i, mine, theirs = conflict
         raise ConfigError(f"{role}'s tokenizer ({source}) gives id {i} to {theirs!r} where the processing_class "
-                          f"gives it to {mine!r}, so {role} would score other tokens than the policy: {fix}.")
+                          f"gives it to {mine!r}, so the {'teacher' if role == 'teacher' else 'reference'} would score "
+                          f"other tokens than the policy: {fix}.")
 
 
 def _check_same_shapes(ref_model, policy) -> None:
