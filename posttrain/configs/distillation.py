@@ -9,11 +9,11 @@ distillation --help`); a GRPO objective field set to anything but its default is
 ignored, and is not a flag.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from posttrain.configs.base import FRACTION, ConfigError, _help
-from posttrain.configs.grpo import GRPOConfig
+from posttrain.configs.grpo import GRPOConfig, refuse_grpo_only
 
 # GRPOConfig fields that TRL 1.16's DistillationConfig does not have: its objective and its groups have no such knob
 GRPO_ONLY = ("num_iterations", "use_bias_correction_kl", "epsilon", "delta", "sapo_temperature_neg",
@@ -92,10 +92,5 @@ class DistillationConfig(DistillationObjectiveConfig, GRPOConfig):
                               "micro-batches (TRL's DistillationConfig has no such field); remove it.")
 
     def _refuse_grpo_only(self):
-        defaults = {f.name: f.default for f in fields(DistillationConfig)}
-        for name in GRPO_ONLY:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is a GRPOConfig field that TRL's DistillationConfig does not "
-                    f"have, and distillation has no use for it (its loss is the divergence from the teacher on the "
-                    f"student's own completions): remove {name}, or use GRPOConfig and GRPOTrainer.")
+        refuse_grpo_only(self, GRPO_ONLY, "DistillationConfig", "distillation", "its loss is the divergence from the "
+                         "teacher on the student's own completions")

@@ -422,3 +422,18 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     def prompts_per_generation(self) -> int:
         """Unique prompts in one generation batch, across all processes."""
         return self.generation_batch_size // self.num_generations
+
+
+def refuse_grpo_only(config, names: tuple, trl_config: str, trainer: str, why: str) -> None:
+    """One sentence for a GRPOConfig field among `names`, which TRL's `trl_config` (RLOOConfig, DistillationConfig)
+    lacks, set to anything but its default in `config` (a GRPOConfig subclass that keeps them as fields so that a
+    written config reads back)."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(type(config))}
+    for name in names:
+        if getattr(config, name) != defaults[name]:
+            raise ConfigError(f"{name}={getattr(config, name)!r} is a GRPOConfig field that TRL's {trl_config} does "
+                              f"not have, and {trainer} has no use for it ({why}): remove {name}, or use GRPOConfig "
+                              "and GRPOTrainer.")
+

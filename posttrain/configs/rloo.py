@@ -7,11 +7,11 @@ num_generations 2 and beta 0.05 by default. RLOOConfig is GRPOConfig with RLOOOb
 sentence rather than ignored.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 from posttrain.configs.base import NON_NEGATIVE, ConfigError, Range, _help
-from posttrain.configs.grpo import GRPOConfig
+from posttrain.configs.grpo import GRPOConfig, refuse_grpo_only
 
 # GRPOConfig fields that TRL 1.16's RLOOConfig does not have: RLOO's objective has no such knob
 GRPO_ONLY = ("loss_type", "importance_sampling_level", "scale_rewards", "multi_objective_aggregation", "delta",
@@ -77,10 +77,5 @@ class RLOOConfig(RLOOObjectiveConfig, GRPOConfig):
         super().__post_init__()
 
     def _refuse_grpo_only(self):
-        defaults = {f.name: f.default for f in fields(RLOOConfig)}
-        for name in GRPO_ONLY:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is a GRPOConfig field that TRL's RLOOConfig does not have, and "
-                    f"RLOO has no use for it (its loss is the clipped surrogate of each sequence's probability ratio, "
-                    f"its advantage the leave-one-out baseline): remove {name}, or use GRPOConfig and GRPOTrainer.")
+        refuse_grpo_only(self, GRPO_ONLY, "RLOOConfig", "RLOO", "its loss is the clipped surrogate of each sequence's "
+                         "probability ratio, its advantage the leave-one-out baseline")

@@ -33,13 +33,11 @@ from posttrain.kto.losses import example_losses, kl_reference_point
 from posttrain.kto.metrics import SUMS, step_metrics
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.models.peft import is_peft_model, reference_mode
-from posttrain.models.preparation import mix_reference
 from posttrain.sequences.batches import (MapBatches, eval_batches, first_row, is_iterable, predecessor_positions,
                                          read_whole)
 from posttrain.sequences.rows import EpochPlan
-from posttrain.training.batched import BatchedDataTrainer
-from posttrain.training.checkpoint import CheckpointError, CheckpointExtras, model_fingerprint
+from posttrain.training.against_reference import AgainstReferenceTrainer
+from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.reference import make_reference, precompute_logps
@@ -48,7 +46,7 @@ from posttrain.training.setup import take_quantization_config, trainer_config
 logger = logging.getLogger("posttrain")
 
 
-class KTOTrainer(BatchedDataTrainer):
+class KTOTrainer(AgainstReferenceTrainer):
     """Kahneman-Tversky optimisation on unpaired examples, with TRL's KTOTrainer signature.
 
     Args:
@@ -134,20 +132,6 @@ class KTOTrainer(BatchedDataTrainer):
                                    announce=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the reference
-
-    def _reference_context(self):
-        if self.reference_adapter is not None or (self.ref_model is None and is_peft_model(self.policy_or_model)):
-            return reference_mode(self.policy_or_model, self.reference_adapter)
-        return contextlib.nullcontext()
-
-    @property
-    def policy_or_model(self):
-        """The unwrapped policy, also before the accelerator has prepared it."""
-        return self.policy if self.policy is not None else self._setup_model
-
-    @property
-    def _no_grad_model(self):
-        return self.forward_policy if self.forward_policy is not None else self._setup_model
 
     def _sequence_logps(self, model, sequences, target_seq, n: int) -> torch.Tensor:
         """[n] completion log-probs of n sequences under `model`, without gradient."""
@@ -287,10 +271,7 @@ class KTOTrainer(BatchedDataTrainer):
         self._tokens_seen += int(tokens)
         metrics["num_tokens"] = float(self._tokens_seen)
         self.state.total_flos += self._flops_per_token * tokens
-        args = self.args
-        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
-            self.sharding.at_rest(self.ref_model, self.model)
-            mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
+        self._sync_reference()
         return metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -302,12 +283,7 @@ class KTOTrainer(BatchedDataTrainer):
             rows = read_whole(dataset)  # an IterableDataset once, to its end
             examples = prepare_unpaired_rows(rows, self._preparation(rows, "eval_dataset"))
             if args.precompute_ref_log_probs:
-                if model is None and self.ref_model is None and self.reference_adapter is None and \
-                        not is_peft_model(self.policy) and self.state.global_step > 0:
-                    raise ConfigError("Cannot compute reference log-probs for a dataset passed to evaluate() after "
-                                      "training started: with precompute_ref_log_probs=True and full fine-tuning no "
-                                      "reference model is kept. Pass it as eval_dataset to the trainer, pass a "
-                                      "ref_model, or set precompute_ref_log_probs=False.")
+                self._check_reference_computable(model)
                 size = args.per_device_eval_batch_size
                 sources = self._eval_sources(examples, size, self.accelerator.num_processes)
                 examples.ref = self._precomputed_reference(model if model is not None else self.policy, examples,
@@ -365,25 +341,6 @@ class KTOTrainer(BatchedDataTrainer):
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
-    def _checkpoint_extras(self) -> CheckpointExtras:
-        """The batched trainers' data position; the precomputed reference log-probs of a map-style dataset (what the
-        run trains against), and a synced reference."""
-        extras = super()._checkpoint_extras()
-        if isinstance(self.batches, MapBatches) and self.batches.rows.ref is not None:
-            extras.tensors["ref_logps"] = torch.from_numpy(self.batches.rows.ref)
-        if self.args.sync_ref_model:
-            extras.models["ref_model"] = self.ref_model
-        return extras
-
-    def _restore_position(self, state: dict, tensors: dict) -> None:
-        super()._restore_position(state, tensors)
-        if "ref_logps" in tensors and isinstance(self.batches, MapBatches):
-            saved = tensors["ref_logps"].cpu().numpy()
-            if saved.shape != (len(self.batches.rows), 2):
-                raise CheckpointError(f"Cannot resume: the checkpoint's reference log-probs are for {saved.shape[0]} "
-                                      f"examples and this run has {len(self.batches.rows)}; resume with the same "
-                                      "data.")
-            self.batches.rows.ref = saved  # what the interrupted run trained against
 
 
 def _inputs(s) -> tuple:
