@@ -263,16 +263,7 @@ class KTOTrainer(AgainstReferenceTrainer):
         stats = self._accumulate(batches, lambda b: self._micro_step(b, kl, examples_total, 1.0 / len(batches)))
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
         metrics = step_metrics(totals, float(kl))
-        router = self._router_metrics()
-        metrics.update(router)
-        metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
-        metrics["grad_norm"] = self._apply_update(metrics["loss"])
-        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-        self._tokens_seen += int(tokens)
-        metrics["num_tokens"] = float(self._tokens_seen)
-        self.state.total_flos += self._flops_per_token * tokens
-        self._sync_reference()
-        return metrics
+        return self._finish_step(metrics, tokens)
 
     # ------------------------------------------------------------------ evaluation
 

@@ -43,6 +43,21 @@ class AgainstReferenceTrainer(BatchedDataTrainer):
             self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
 
+    def _finish_step(self, metrics: dict, tokens: float) -> dict:
+        """The step's update after its backward passes, from its metrics (its loss among them) and the tokens its
+        forwards saw on every process: the router's load-balancing term, the update (grad_norm), the learning rate,
+        num_tokens and total_flos, TR-DPO's sync; the metrics to log."""
+        router = self._router_metrics()
+        metrics.update(router)
+        metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
+        metrics["grad_norm"] = self._apply_update(metrics["loss"])
+        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        self._tokens_seen += int(tokens)
+        metrics["num_tokens"] = float(self._tokens_seen)
+        self.state.total_flos += self._flops_per_token * tokens
+        self._sync_reference()
+        return metrics
+
     def _check_reference_computable(self, model) -> None:
         """With precompute_ref_log_probs and full fine-tuning, no reference is kept once training has started."""
         if model is None and self.ref_model is None and self.reference_adapter is None and \
