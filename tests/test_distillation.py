@@ -257,3 +257,25 @@ def test_the_example_runs_end_to_end(tmp_path, capsys, monkeypatch):
     line = [out for out in capsys.readouterr().out.splitlines() if out.startswith("held-out sums:")]
     assert len(line) == 1 and "agreement with the teacher" in line[0]
     assert (tmp_path / "distil_addition.png").stat().st_size > 0
+
+
+def test_the_student_samples_through_posttrain_serve_as_in_process(tokenizer, tmp_path):
+    """GRPO's generation paths are the student's: through a `posttrain serve` server (the student's weights pushed
+    and verified before every round) the same seed gives the same completions, losses and final weights as the
+    in-process sampler."""
+    from test_serve import running
+
+    from posttrain.serving.engine import TransformersEngine
+
+    local = _trainer(tokenizer, tmp_path / "local", max_steps=2)
+    local.train()
+    engine = TransformersEngine(tiny_model(tokenizer, seed=9, hidden=32, layers=1), tokenizer, name="tiny")
+    with running(engine) as url:
+        served = _trainer(tokenizer, tmp_path / "served", max_steps=2, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=url, vllm_server_timeout=10.0)
+        served.train()
+    for a, b in zip(_records(local), _records(served)):
+        for key in ("loss", "entropy", "completions/mean_length"):
+            assert a[key] == b[key], (a["step"], key)
+    for (name, p), (_, q) in zip(local.policy.named_parameters(), served.policy.named_parameters()):
+        assert torch.equal(p, q), name

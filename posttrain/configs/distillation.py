@@ -77,6 +77,9 @@ class DistillationConfig(DistillationObjectiveConfig, GRPOConfig):
     MIN_GENERATIONS = 1
 
     learning_rate: float = _help("Peak learning rate (TRL's distillation default).", default=1e-6)
+    vllm_importance_sampling_correction: bool = _help(
+        "Not a distillation field (the loss reads the teacher's distributions, not sampled log-probs): kept False.",
+        default=False)
     num_generations: int = _help("One completion per prompt (distillation compares distributions, not samples).",
                                  default=1)
 
