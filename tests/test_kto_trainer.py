@@ -177,8 +177,8 @@ def test_precomputed_reference_trains_the_same_and_is_cached(tokenizer, tmp_path
         assert torch.allclose(p, first_params[name], rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.peft
 def test_lora_reference_is_the_base_and_a_given_reference_is_used(tokenizer, tmp_path):
-    pytest.importorskip("peft")
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
