@@ -295,3 +295,25 @@ def test_posttrain_kto_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
     report = (tmp_path / "out" / "report.html").read_text()
     assert "KTO" in report and "rewards/margins" in report
     assert (tmp_path / "out" / "plots.png").stat().st_size > 0
+
+
+def test_compute_metrics_gets_the_examples_logits_and_input_ids(tokenizer, tmp_path):
+    """compute_metrics as TRL's KTOTrainer feeds it (deprecated there, as here): the eval examples' logits and, as
+    labels, their input ids; prediction_loss_only leaves it out."""
+    seen = []
+
+    def compute_metrics(prediction):
+        seen.append(prediction)
+        return {"my_metric": 0.25}
+
+    rows = Dataset.from_dict(UNPAIRED).select(range(6))
+    trainer = KTOTrainer(_model(tokenizer), args=kto_config(tmp_path), train_dataset=Dataset.from_dict(UNPAIRED),
+                         processing_class=tokenizer, compute_metrics=compute_metrics)
+    metrics = trainer.evaluate(rows)
+    assert metrics["eval_my_metric"] == 0.25 and math.isfinite(metrics["eval_loss"])
+    prediction = seen[0]
+    assert prediction.predictions.shape[:2] == prediction.label_ids.shape and len(prediction.label_ids) == 6
+    first = tokenizer(UNPAIRED["prompt"][0] + UNPAIRED["completion"][0] + tokenizer.eos_token)["input_ids"]
+    assert list(prediction.label_ids[0][:len(first)]) == first
+    trainer.args.prediction_loss_only = True
+    assert "eval_my_metric" not in trainer.evaluate(rows)
