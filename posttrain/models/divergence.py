@@ -83,10 +83,9 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _log_softmax_into(head: Head, h: torch.Tensor, weight, bias, temperature: float, out: torch.Tensor,
-                      slope: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """[r, V] log softmax(transform(h W^T + b) / T) written into `out` (a workspace buffer); with `slope` (another
-    one, for a soft-capped head) the transform's derivative d z / d (h W^T + b) is written there, with `probs` the
-    softmax itself."""
+                      probs: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
+    """[r, V] log softmax(transform(h W^T + b) / T) written into `out` and the softmax itself into `probs` (workspace
+    buffers); with `slope` (another one, for a soft-capped head) the transform's derivative d z / d (h W^T + b)."""
     z = torch.mm(h, weight.t(), out=out[:h.size(0)])
     if bias is not None:
         z += bias
@@ -100,10 +99,9 @@ def _log_softmax_into(head: Head, h: torch.Tensor, weight, bias, temperature: fl
     if temperature != 1.0:
         z /= temperature
     z.sub_(z.amax(dim=-1, keepdim=True))  # max, exp, sum: 2x logsumexp's speed on a CPU, and the exp serves twice
-    e = torch.exp(z, out=probs[:h.size(0)]) if probs is not None else z.exp()
+    e = torch.exp(z, out=probs[:h.size(0)])
     total = e.sum(dim=-1, keepdim=True)
-    if probs is not None:
-        e.div_(total)
+    e.div_(total)
     return z.sub_(total.log_())
 
 
@@ -130,7 +128,7 @@ def _chunk_terms(log_ps, ps, log_pt, beta: float, with_grad: bool):
 
 
 class _ChunkedDivergence(torch.autograd.Function):
-    """Forward: each chunk's two log-softmaxes in workspace buffers, the divergence and entropy by batched dots.
+    """Forward: each chunk's two log-softmaxes in workspace buffers, the divergence and entropy by a dot per row.
     With `grad_scale` (the caller's d loss / d div, the same at every position), the student's gradients are computed
     from each chunk while it is in memory, and the backward, given that gradient, only scales them: no chunk is
     recomputed (three products over V per chunk instead of five). Any other incoming gradient recomputes."""
@@ -142,8 +140,9 @@ class _ChunkedDivergence(torch.autograd.Function):
         (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
         n, vocab = h_s.size(0), w_s.size(0)
         width = min(rows, max(n, 1))
+        with_slope = bool(student.softcap) and grad_scale is not None  # the soft-cap's derivative, for the gradient
         buffers = [torch.empty((width, vocab), dtype=torch.float32, device=h_s.device)
-                   for _ in range(3 + bool(student.softcap))]
+                   for _ in range(3 + with_slope)]
         div = h_s.new_zeros(n, dtype=torch.float32)
         aux, entropy = torch.zeros_like(div), torch.zeros_like(div)
         grads = None
@@ -154,14 +153,17 @@ class _ChunkedDivergence(torch.autograd.Function):
         for start in range(0, n, rows):
             chunk = slice(start, min(start + rows, n))
             h = h_s[chunk].float()
-            slope = buffers[3] if student.softcap and grads is not None else None
-            log_ps = _log_softmax_into(student, h, ws, bs, temperature, buffers[0], slope, buffers[2])
-            log_pt = _log_softmax_into(teacher, h_t[chunk].float(), wt, bt, temperature, buffers[1])
+            slope = buffers[3] if with_slope else None
+            # the teacher's first, its exp in the probabilities' buffer (no [rows, V] temporary), then the student's
+            log_pt = _log_softmax_into(teacher, h_t[chunk].float(), wt, bt, temperature, buffers[1], buffers[2])
+            log_ps = _log_softmax_into(student, h, ws, bs, temperature, buffers[0], buffers[2], slope)
             ps = buffers[2][:h.size(0)]
             div[chunk], entropy[chunk], aux[chunk], du = _chunk_terms(log_ps, ps, log_pt, beta, grads is not None)
             if grads is not None:
-                dz = du.mul_(grad_scale / temperature)
-                dz = dz.mul_(slope[:dz.size(0)]) if slope is not None else dz.mul_(student.slope(dz))
+                # d div / d u -> d loss / d (h W^T + b): the incoming gradient, 1 / T and the transform's slope
+                dz = du.mul_(grad_scale / temperature * (1.0 if slope is not None else student.scale))
+                if slope is not None:
+                    dz.mul_(slope[:dz.size(0)])
                 if grads[0] is not None:
                     torch.mm(dz, ws, out=grads[0][chunk])
                 if grads[1] is not None:

@@ -59,7 +59,7 @@ def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_ma
         if sharded:  # whole here, in the layer's own forward
             weights.append((layer.weight.detach().clone(),
                             None if layer.bias is None else layer.bias.detach().clone()))
-        return hidden[:, -width - 1:-1][mask].detach().clone()
+        return hidden[:, -width - 1:-1][mask]  # boolean indexing copies: nothing of the forward is kept
 
     with torch.no_grad():
         hidden = through_output_layer(teacher, input_ids, attention_mask, mask_positions(teacher, attention_mask),
@@ -79,7 +79,7 @@ def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, comp
                           hidden_t: torch.Tensor, head_t: Head, beta: float, temperature: float,
                           grad_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """([M] divergence with the student's gradient, [M] student entropy) at the M tokens of `loss_mask` [N, C]
-    against the teacher's hidden states there (teacher_hidden) and its head (teacher_head); `grad_scale`: the
+    against the teacher's hidden states there and its head (teacher_pass); `grad_scale`: the
     gradient the loss gives each divergence, when known (models/divergence.py)."""
     input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
     width, mask = completion_ids.size(1), loss_mask.bool()
