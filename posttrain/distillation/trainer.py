@@ -75,12 +75,6 @@ class DistillationTrainer(GRPOTrainer):
     def _watch_rewards(self, scored) -> None:
         pass  # no reward
 
-    def _log_completions(self, scored) -> None:
-        if self.args.log_completions:
-            rows = scored.scored
-            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in rows.rows], rows.texts,
-                                    rows.rewards, scored.advantages, rows.extra)
-
     # ------------------------------------------------------------------ the step
 
     def _micro_step(self, mb, norm, bonus: float, share: float) -> torch.Tensor:

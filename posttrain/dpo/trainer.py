@@ -31,8 +31,6 @@ from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.training.against_reference import AgainstReferenceTrainer
-from posttrain.training.checkpoint import model_fingerprint
-from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
@@ -82,14 +80,7 @@ class DPOTrainer(AgainstReferenceTrainer):
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
         check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args)  # before any slow work
-        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
-            model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
-        if args.precompute_ref_log_probs:  # collectives of its own: outside the guarded set-up
-            self._precompute_references(model)
-        self._model_fingerprint = model_fingerprint(model)
-        self._prepare(model, self._total_steps())
-        self._tokens_seen = 0
-        self._call("on_init_end")
+        self._build(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
 
     # ------------------------------------------------------------------ setup
 

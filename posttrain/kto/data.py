@@ -27,8 +27,8 @@ from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
-from posttrain.sequences.batches import block_rows
-from posttrain.sequences.rows import TokenRows
+from posttrain.sequences.batches import block_rows, predecessor_positions
+from posttrain.sequences.rows import EpochPlan, TokenRows
 
 logger = logging.getLogger("posttrain")
 
@@ -262,20 +262,14 @@ def kl_rows(examples: UnpairedRows, partners: UnpairedRows) -> TokenRows:
     return TokenRows.from_sequences(sequences)
 
 
-def block_sources(n: int, batch_size: int) -> np.ndarray:
-    """[n] the rotation by one within consecutive blocks of `batch_size` examples (the last block possibly shorter)."""
-    position = np.arange(n)
-    block_start = position - position % batch_size
-    block_len = np.minimum(block_start + batch_size, n) - block_start
-    return block_start + (position - block_start - 1) % block_len
-
-
 def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
     """The KL pairs as TRL 1.16 builds them in its prepared dataset: the examples in blocks of `batch_size`
     (per_device_train_batch_size) in the prepared order, each prompt with the completion of the example before it in
-    its block. posttrain pairs within each optimizer step's examples (every process's micro-batches in turn), which
-    is the same pairing where a step is one such block (one process, one micro-batch a step, sequential sampling)."""
-    return kl_rows(examples, examples.select(block_sources(len(examples), batch_size)))
+    its block. posttrain's trainer pairs within each optimizer step's examples (every process's micro-batches in turn,
+    sequences/batches.py predecessor_positions), which is this pairing where a step is one such block: one process,
+    one micro-batch a step, sequential sampling, as here."""
+    plan = EpochPlan(examples.lengths, batch_size, 1, 1, strategy="sequential")
+    return kl_rows(examples, examples.select(predecessor_positions(plan, len(examples))))
 
 
 class UnpairedPreparation:

@@ -37,8 +37,6 @@ from posttrain.sequences.batches import (MapBatches, eval_batches, first_row, is
                                          read_whole)
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.against_reference import AgainstReferenceTrainer
-from posttrain.training.checkpoint import model_fingerprint
-from posttrain.training.distributed import guarded
 from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.training.setup import take_quantization_config, trainer_config
@@ -84,14 +82,7 @@ class KTOTrainer(AgainstReferenceTrainer):
         _check_settings(args, self.accelerator.num_processes)
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, None
         check_metric_functions(compute_metrics, None, args)  # before any slow work
-        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
-            model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
-        if args.precompute_ref_log_probs:  # collectives of its own: outside the guarded set-up
-            self._precompute_references(model)
-        self._model_fingerprint = model_fingerprint(model)
-        self._prepare(model, self._total_steps())
-        self._tokens_seen = 0
-        self._call("on_init_end")
+        self._build(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
 
     # ------------------------------------------------------------------ setup
 
@@ -330,8 +321,6 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _prepared_view(self, dataset):
         return examples_as_dataset(self._prepared_eval(dataset))
 
-    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
-
 
 
 def _inputs(s) -> tuple:
@@ -369,7 +358,5 @@ def examples_as_dataset(examples: UnpairedRows):
         columns["prompt_ids"].append(tokens[~labels].tolist())
         columns["completion_ids"].append(tokens[labels].tolist())
     if examples.ref is not None:
-        columns["ref_logps"] = examples.ref[:, 0].tolist()
-        if examples.ref.shape[1] > 1:
-            columns["ref_KL_logps"] = examples.ref[:, 1].tolist()
+        columns["ref_logps"], columns["ref_KL_logps"] = examples.ref[:, 0].tolist(), examples.ref[:, 1].tolist()
     return Dataset.from_dict(columns)

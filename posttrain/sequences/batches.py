@@ -60,6 +60,7 @@ class MapBatches:
         self.rank = rank
         self.epoch, self.micro = 0, 0
         self._order = plan.order(0)
+        self._before = None  # predecessor_positions of the plan, on first use (the same every epoch)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -79,7 +80,7 @@ class MapBatches:
         """For each share of the last next_step(), the rows of the example before each of its examples in the whole
         step's order (every process's micro-batches, in turn; the step's first is preceded by its last): KTO's KL
         pairs, the same however the step is split."""
-        if getattr(self, "_before", None) is None:  # the plan's steps are the same every epoch
+        if self._before is None:
             self._before = predecessor_positions(self.plan, len(self._order))
         positions = np.arange(len(self._order))
         return [self.rows.select(self._order[self._before[self.plan.share(positions, m, self.rank)]])

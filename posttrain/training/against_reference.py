@@ -16,10 +16,24 @@ from posttrain.models.peft import is_peft_model, reference_mode
 from posttrain.models.preparation import mix_reference
 from posttrain.sequences.batches import MapBatches
 from posttrain.training.batched import BatchedDataTrainer
-from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
+from posttrain.training.checkpoint import CheckpointError, CheckpointExtras, model_fingerprint
+from posttrain.training.distributed import guarded
 
 
 class AgainstReferenceTrainer(BatchedDataTrainer):
+    def _build(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config) -> None:
+        """The end of construction, once the config and the accelerator exist: the subclass's `_setup` (the policy,
+        the reference, the data; a failure on one process stops them all before DDP's first collective), the
+        precomputed reference log-probs (collectives of their own: outside the guarded set-up), the optimizer."""
+        with guarded(self.accelerator):
+            model = self._setup(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
+        if self.args.precompute_ref_log_probs:
+            self._precompute_references(model)
+        self._model_fingerprint = model_fingerprint(model)
+        self._prepare(model, self._total_steps())
+        self._tokens_seen = 0
+        self._call("on_init_end")
+
     def _reference_context(self):
         if self.reference_adapter is not None or (self.ref_model is None and is_peft_model(self.policy_or_model)):
             return reference_mode(self.policy_or_model, self.reference_adapter)
