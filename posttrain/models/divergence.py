@@ -24,8 +24,8 @@ the per-position term the gradient needs (the divergence, or KL(p_s || m) for th
 gradient its loss gives every position (`grad_scale`: a loss of sum(div) / N gives 1 / N), the chunk's student
 gradients are computed there too, and the backward only scales them: three products over V per chunk instead of
 five. Otherwise (or when the incoming gradient is not the same at every position) the backward recomputes each
-chunk's logits. Peak extra memory: three [rows, V] float32 buffers of CHUNK_ELEMENTS (four with a soft-capped
-student), whatever the sequence length.
+chunk's logits. Peak extra memory: three [rows, V] float32 buffers of CHUNK_ELEMENTS (four for a soft-capped
+student's gradient in the forward), whatever the sequence length.
 """
 
 import math
