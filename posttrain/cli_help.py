@@ -52,6 +52,7 @@ GROUP_NAMES = {
     "TrainingLoopConfig": "training", "ModelConfig": "model", "DeviceConfig": "devices", "LoggingConfig": "logging",
     "EvaluationConfig": "evaluation", "CheckpointConfig": "saving", "PromptDataConfig": "prompts",
     "SamplingConfig": "generation", "GRPOObjectiveConfig": "loss", "GenerationServerConfig": "vllm",
+    "AsyncGenerationConfig": "async",
     "SFTDataConfig": "data", "SFTLossConfig": "loss", "DPODataConfig": "data", "DPOReferenceConfig": "reference",
     "DPOLossConfig": "loss", "RLOOObjectiveConfig": "rloo",
     "RewardDataConfig": "data", "RewardLossConfig": "loss", "KTODataConfig": "data", "KTOLossConfig": "loss",

@@ -12,6 +12,7 @@ from typing import Optional, Union
 from posttrain.configs.base import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range, _help,
                                     check_choice, check_padding_multiple, check_positive, check_ranges,
                                     check_types)
+from posttrain.configs.async_generation import AsyncGenerationConfig
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
 from posttrain.configs.trl_compat import GRPO_COMPAT, GRPOCompatConfig, check_compat
@@ -285,7 +286,8 @@ class GenerationServerConfig:
     vllm_importance_sampling_correction: bool = _help(
         "Correct for the engine's sampling distribution differing from the trainer's: each sample is weighted by "
         "the ratio of the trainer's log-probs (over the tokens the sampler's filters kept) to the sampler's, "
-        "truncated or masked by vllm_importance_sampling_mode. Applies with use_vllm.", default=True)
+        "truncated or masked by vllm_importance_sampling_mode. Applies with use_vllm, and with async_generation at "
+        "max_staleness > 0 (the sampler's weights may then be older than the trainer's).", default=True)
     vllm_importance_sampling_mode: str = _help(
         "token_truncate / sequence_truncate: clamp the per-token / per-sequence ratio into [clip_min, clip_max]; "
         "token_mask / sequence_mask: zero it outside.", default="sequence_mask")
@@ -326,8 +328,10 @@ class GenerationServerConfig:
 
     @property
     def corrects_sampling(self) -> bool:
-        """Whether the importance-sampling correction applies (TRL: with use_vllm only)."""
-        return self.use_vllm and self.vllm_importance_sampling_correction
+        """Whether the importance-sampling correction applies: with use_vllm (TRL's rule), and with async_generation
+        when a round may be sampled by older weights than it trains (max_staleness > 0)."""
+        may_differ = self.use_vllm or (self.async_generation and self.max_staleness > 0)
+        return may_differ and self.vllm_importance_sampling_correction
 
     @property
     def server_url(self) -> str:
@@ -340,7 +344,8 @@ def _world_size() -> int:
 
 @dataclass
 class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-                 PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig, GRPOCompatConfig):
+                 PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig, AsyncGenerationConfig,
+                 GRPOCompatConfig):
     """Everything that configures a GRPO run (TRL's `GRPOConfig` names and defaults).
 
     Derived values are filled in at construction: `steps_per_generation`, `generation_batch_size`,
@@ -348,7 +353,7 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
     """
 
     GROUPS = (TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, EvaluationConfig, CheckpointConfig,
-              PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig)
+              PromptDataConfig, SamplingConfig, GRPOObjectiveConfig, GenerationServerConfig, AsyncGenerationConfig)
     COMPAT = GRPOCompatConfig
     MIN_GENERATIONS = 2  # a group to compare against (distillation samples one completion per prompt)
     NOT_FLAGS = ()  # fields that are not flags of the trainer's command

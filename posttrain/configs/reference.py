@@ -8,6 +8,7 @@ import dataclasses
 from posttrain.configs.base import field_range
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
+from posttrain.configs.async_generation import AsyncGenerationConfig
 from posttrain.configs.grpo import GRPOConfig, GRPOObjectiveConfig, PromptDataConfig, SamplingConfig
 from posttrain.configs.script import LoraArguments, ScriptArguments
 from posttrain.configs.dpo import DPOConfig, DPODataConfig, DPOLegacyConfig, DPOLossConfig, DPOReferenceConfig
@@ -23,7 +24,7 @@ SHARED_GROUPS = [("Training loop", TrainingLoopConfig), ("Model", ModelConfig),
                  ("Devices and precision", DeviceConfig), ("Logging", LoggingConfig), ("Evaluation", EvaluationConfig),
                  ("Checkpoints and the Hub", CheckpointConfig)]
 GRPO_GROUPS = [("GRPO: prompts and completions", PromptDataConfig), ("GRPO: sampling", SamplingConfig),
-               ("GRPO: objective", GRPOObjectiveConfig)]
+               ("GRPO: objective", GRPOObjectiveConfig), ("GRPO: asynchronous generation", AsyncGenerationConfig)]
 SFT_GROUPS = [("SFT: data", SFTDataConfig), ("SFT: loss", SFTLossConfig)]
 DPO_GROUPS = [("DPO: data", DPODataConfig), ("DPO: reference", DPOReferenceConfig), ("DPO: loss", DPOLossConfig),
               ("DPO: TRL 0.18 names", DPOLegacyConfig)]

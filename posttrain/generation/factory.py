@@ -8,7 +8,8 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                    num_processes: int = 1, local_process_index: int = 0) -> Generator:
     """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
     (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
-    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself."""
+    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself (from a copy of it, loaded at each
+    sync, with async_generation)."""
     from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
     params = SamplingParams.from_config(config)
@@ -32,5 +33,10 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                                model_fingerprint=fingerprint(export_weights(policy)),
                                pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device,
                                max_length=max_length, needs_processed_logprobs=config.corrects_sampling,
-                               group_port=config.vllm_group_port)
+                               group_port=config.vllm_group_port,
+                               versions_advance=getattr(config, "async_generation", False))
+    if getattr(config, "async_generation", False):  # sampling while the policy trains: a copy of its own
+        from posttrain.generation.transformers_backend import generation_copy
+
+        return TransformersGenerator(generation_copy(policy), tokenizer, params, seed=seed, shares_policy=False)
     return TransformersGenerator(policy, tokenizer, params, seed=seed)

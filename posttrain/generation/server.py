@@ -241,7 +241,8 @@ class ServerGenerator:
 
     def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
                  model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu",
-                 max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216):
+                 max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216,
+                 versions_advance: bool = False):
         self.client = client
         self.params = params
         self.pad_id = pad_id
@@ -249,6 +250,9 @@ class ServerGenerator:
         self.rng = torch.Generator().manual_seed(seed)
         self._round_seed: int | None = None  # the last round's (generate's new_round)
         self.pushes = pushes  # one process pushes; the others wait until the server holds that version
+        # async_generation: pushes land between a round's requests, so a row may be sampled by a newer version than
+        # the round started with (the rollout worker records the version it started with)
+        self.versions_advance = versions_advance
         self.run_id = run_id
         self.device = device
         self.syncs = 0
@@ -356,7 +360,7 @@ class ServerGenerator:
             return [f.result() for f in futures]
 
     def _check_version(self, choice: dict) -> None:
-        if self.version is None:
+        if self.version is None or self.versions_advance:
             return
         spans = choice.get("weight_versions")
         if spans is None:

@@ -5,6 +5,7 @@ log-prob without keeping [steps, N, V] scores, samples without `torch.multinomia
 soon as every row has ended.
 """
 
+import copy
 from dataclasses import fields
 from typing import Iterable
 
@@ -36,6 +37,24 @@ def draw_seed(rng: torch.Generator) -> int:
 # rows that have finished leave the decode batch once they are at least 1/COMPACT_FRACTION of it: with 16 rows at
 # once, with 256 rows in groups of 8 (each removal copies the KV cache)
 COMPACT_FRACTION = 32
+
+
+def generation_copy(policy):
+    """A plain model of the policy's architecture and dtype for a generator that samples while the policy trains
+    (async_generation): weights of its own, loaded from the policy's export at each sync (a LoRA policy's merged),
+    so an optimizer step never lands mid-decode. Built from the config: a sharded policy's modules hold shards."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.keywords import unwrap
+    from posttrain.models.peft import is_peft_model
+
+    while hasattr(policy, "module") and not is_peft_model(policy):  # DDP and similar wrappers
+        policy = policy.module
+    base = unwrap(policy.get_base_model() if is_peft_model(policy) else policy)
+    first = next(base.parameters())
+    model = AutoModelForCausalLM.from_config(base.config)
+    model.generation_config = copy.deepcopy(base.generation_config)
+    return model.to(dtype=first.dtype, device=first.device).eval().requires_grad_(False)
 
 
 class ModelStepper:

@@ -75,6 +75,13 @@ class CompletionLog:
         self.quiet = args.log_level in QUIET_LEVELS
         self.last: list[dict] = []
 
+    def add_batch(self, step: int, scored) -> None:
+        """A training batch's completions (grpo/rollout.py ScoredBatch), with log_completions."""
+        if self.enabled:
+            rows = scored.scored
+            self.add(step, [row["prompt"] for row in rows.rows], rows.texts, rows.rewards, scored.advantages,
+                     rows.extra)
+
     def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
         """Append a generation round: this process's prompts and texts, the gathered [N, F] rewards, [N] advantages
         and extra columns."""

@@ -53,3 +53,15 @@ class EntropyControl:
     def load(self, state: dict) -> None:
         self.coef = state["coef"]
         self.last_entropy = math.inf if state["last_entropy"] is None else state["last_entropy"]
+
+    def after_step(self, results: list, accelerator) -> dict:
+        """Update the coefficient from an optimizer step's entropy across processes (`results`: its micro-batches'
+        grpo/losses.py MicroBatchLoss); its metrics: the policy loss alone and the coefficient."""
+        import torch
+
+        local = torch.stack([sum(r.stats.bonus_entropy for r in results).float(),
+                             sum(r.stats.bonus_tokens for r in results).float()]).to(accelerator.device)
+        total = accelerator.reduce(local, reduction="sum")
+        self.update(float(total[0]) / max(float(total[1]), 1.0))
+        policy = float(accelerator.reduce(sum(r.policy_loss for r in results), reduction="mean"))
+        return {"policy_loss": policy, "entropy_coef": self.coef}

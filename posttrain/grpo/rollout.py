@@ -50,6 +50,27 @@ class RoundShare:
 
 
 @dataclass(frozen=True)
+class LocalRound:
+    """A round sampled and scored on this process, before anything is gathered from the others.
+
+    Attributes:
+        prompt_round: the round of prompts (every process's).
+        share: this process's rows of it.
+        sampled: their completions and what the reward functions received (agents/rollouts.py AgentSample).
+        rewards: [n, F] this process's rewards, NaN where a function returned None.
+        bad_rows: this process's rows with a non-finite reward (on_bad_reward=skip), else None.
+        logs: what the reward functions logged (log_metric, log_extra).
+    """
+
+    prompt_round: PromptRound
+    share: RoundShare
+    sampled: AgentSample
+    rewards: torch.Tensor
+    bad_rows: list | None
+    logs: RewardLogs
+
+
+@dataclass(frozen=True)
 class LogProbs:
     """A batch's log-probs without gradient, each [N, C] or None.
 
@@ -134,6 +155,7 @@ class Rollout:
         self.packing, self.share_prompts, self.pad_to_multiple_of = packing, share_prompts, pad_to_multiple_of
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
         self.agents = agents
+        self.ahead = None  # async_generation's rounds sampled ahead (grpo/async_rollout.py AheadRounds), else None
 
     # ------------------------------------------------------------------ sampling and scoring
 
@@ -165,34 +187,56 @@ class Rollout:
             gather_extra: gather the reward functions' log_extra columns (for the completion log).
             pad_prompts: see `share`.
         """
-        acc = self.accelerator
+        with guarded(self.accelerator):  # generation, tools and reward functions can fail on one process only
+            local = self.sample_local(prompt_round, G, step, skip_bad, pad_prompts)
+        return self.gathered(local, G, gather_extra), local.share
+
+    def sample_local(self, prompt_round: PromptRound, G: int, step: int, skip_bad: bool = False,
+                     pad_prompts: bool = False, engine=None) -> LocalRound:
+        """`sample`'s part on this process alone, with no collective (the rollout worker of async_generation runs it
+        on its own thread): this process's share generated and scored. `engine`: a context the generation runs in
+        (the worker's hold on the engine; the weights are then pushed by the trainer, not here)."""
         bad_rows = [] if skip_bad else None
         logs = RewardLogs()
         share = self.share(prompt_round, G, pad_prompts)
-        with guarded(acc):  # generation, tools and reward functions can fail on one process only
-            sampled = self._generate(share)
-            columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
-            columns.update(sampled.columns)  # environments, rollout_func's extra columns (which take precedence)
-            completion_ids = [ids[mask].tolist() for ids, mask in zip(sampled.rollouts.completion_ids,
-                                                                       sampled.rollouts.completion_mask)]
-            local = score(self.rewards.funcs, sampled.prompts, sampled.completions, completion_ids, columns,
-                          self.trainer_state, step, bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
-        rewards = acc.gather(local.to(acc.device)).cpu()  # [rows of every process, F]
-        skipped = self._skip_bad_groups(rewards, bad_rows, G) if skip_bad else None
-        extra = logs.gathered_extra(acc, len(share.rows)) if gather_extra else {}
+        if engine is None:
+            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
+                self.push_weights()
+                sampled = self._generate(share)
+        else:
+            with engine():
+                sampled = self._generate(share)
+        columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
+        columns.update(sampled.columns)  # environments, rollout_func's extra columns (which take precedence)
+        completion_ids = [ids[mask].tolist() for ids, mask in zip(sampled.rollouts.completion_ids,
+                                                                   sampled.rollouts.completion_mask)]
+        local = score(self.rewards.funcs, sampled.prompts, sampled.completions, completion_ids, columns,
+                      self.trainer_state, step, bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
+        return LocalRound(prompt_round, share, sampled, local, bad_rows, logs)
+
+    def gathered(self, local: LocalRound, G: int, gather_extra: bool = False) -> ScoredRound:
+        """A round sampled on every process (`sample_local`), its rewards gathered [rows of every process, F], a
+        group with a non-finite reward blanked (on_bad_reward=skip), its log_extra columns gathered (gather_extra)."""
+        acc, sampled = self.accelerator, local.sampled
+        rewards = acc.gather(local.rewards.to(acc.device)).cpu()  # [rows of every process, F]
+        skipped = self._skip_bad_groups(rewards, local.bad_rows, G) if local.bad_rows is not None else None
+        extra = local.logs.gathered_extra(acc, len(local.share.rows)) if gather_extra else {}
         tool_counts = sampled.counts if self.agents is not None and self.agents.agents.calls_tools else None
-        return ScoredRound(share.rows, sampled.texts, sampled.rollouts, rewards, logs, extra, skipped,
-                           tool_counts), share
+        return ScoredRound(local.share.rows, sampled.texts, sampled.rollouts, rewards, local.logs, extra, skipped,
+                           tool_counts)
+
+    def push_weights(self) -> None:
+        """The policy's weights to the generator (a collective under sharding: every process calls it)."""
+        with self.sharding.whole_weights(self.model):
+            self.generator.sync_weights(export_weights(self.model))
 
     def _generate(self, share: RoundShare) -> AgentSample:
         """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a
         rollout_func), with what the reward functions receive."""
-        with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
-            self.generator.sync_weights(export_weights(self.model))
-            if self.agents is not None:
-                return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
-                                          self.accelerator.device)
-            rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+        if self.agents is not None:
+            return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
+                                      self.accelerator.device)
+        rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
         prompts = [row["prompt"] for row in share.rows]
         completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
         return AgentSample(rollouts, prompts, completions, texts, {}, torch.zeros(3, dtype=torch.long))
@@ -318,12 +362,15 @@ class Rollout:
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
                    **completion_metrics(lengths[:, 1], acc.gather(rollouts.is_eos).cpu()),  # the model's tokens
                    **scored.logs.reduced_metrics(acc), **sampling, **adv_metrics,
-                   **tool_metrics(scored.tool_counts, acc)}
+                   **tool_metrics(scored.tool_counts, acc), **(self.ahead.metrics() if self.ahead else {})}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
 
-    def _sample_next(self, draw_round: Callable[[], PromptRound], step: int) -> ScoredRound:
-        """The next round of the stream, sampled and scored as training samples it."""
+    def _sample_next(self, draw_round: Callable[[], PromptRound], step: int, extra: bool = False) -> ScoredRound:
+        """The next round of the stream, sampled and scored as training samples it (with async_generation, the
+        next round the rollout worker sampled ahead: grpo/async_rollout.py)."""
         args = self.args
+        if self.ahead is not None:
+            return self.gathered(self.ahead.next_round(step, extra), args.num_generations, args.log_completions)
         with guarded(self.accelerator):  # reading the data can fail on one process only
             prompt_round = draw_round()
         scored, _ = self.sample(prompt_round, args.num_generations, step, skip_bad=args.on_bad_reward == "skip",
@@ -357,7 +404,7 @@ class Rollout:
                     f"groups a batch needs whose rewards differ (dynamic_sampling_max_rounds="
                     f"{args.dynamic_sampling_max_rounds}): raise dynamic_sampling_max_rounds, use prompts that are "
                     "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
-            scored = self._sample_next(draw_round, step)
+            scored = self._sample_next(draw_round, step, extra=True)
         batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
                          self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device, tool_counts)
         return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}

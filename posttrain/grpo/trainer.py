@@ -13,6 +13,7 @@ Generation happens whenever the buffer is empty, so how often we generate (steps
 is independent of how many micro-batches make an optimizer step (gradient_accumulation_steps).
 """
 
+import contextlib
 import functools
 import logging
 import math
@@ -22,10 +23,11 @@ import torch
 
 from posttrain.agents.chat_templates import tool_chat_template
 from posttrain.agents.rollouts import Agents
-from posttrain.configs import ConfigError, GRPOConfig
+from posttrain.configs import GRPOConfig
 from posttrain.data import PromptEncoder, PromptSource, check_eval_columns
 from posttrain.generation import SamplingParams, make_generator
 from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
+from posttrain.grpo.async_rollout import queue_from_tensors, start_ahead
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.dynamic_sampling import resolve_filter
@@ -38,7 +40,7 @@ from posttrain.grpo.metrics import loss_metrics
 from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
-from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs
+from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs, reward_weights
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded, run_name
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
@@ -136,6 +138,7 @@ class GRPOTrainer(Trainer):
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
         self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
+        self._resumed_queue = None  # async_generation: (meta, rounds) a checkpoint's worker had sampled ahead
         self._stream_epoch = 0.0
         self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
         self.flat_rewards = FlatRewardWatch(args, self.sampling_params, [f.name for f in self.reward_funcs],
@@ -180,7 +183,7 @@ class GRPOTrainer(Trainer):
                                      placeholder_prompts, trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
         user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes, sources)
-        self.reward_weights = self._reward_weights(len(user_funcs), len(sources))
+        self.reward_weights = reward_weights(self.args.reward_weights, len(user_funcs), len(sources))
         # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
         self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
         self._group_filter = resolve_filter(args.dynamic_sampling_filter)
@@ -220,17 +223,6 @@ class GRPOTrainer(Trainer):
             ["the entropy bonus, which only changes the model's entropy"] if self.entropy_control.enabled else []) + (
             ["the router's load-balancing loss, which only balances the experts"] if self.router_loss.enabled else [])
 
-    def _reward_weights(self, given: int, sources: int) -> torch.Tensor:
-        """[given + sources] the reward_weights of the `given` reward functions (default 1), then 1 for each
-        environment's get_reward."""
-        weights = self.args.reward_weights
-        if weights is None:
-            return torch.ones(given + sources)
-        if len(weights) != given:
-            raise ConfigError(f"reward_weights has {len(weights)} entries for {given} reward functions: give one "
-                              "weight per function (an environment's get_reward has weight 1).")
-        return torch.cat([torch.tensor([float(w) for w in weights]), torch.ones(sources)])
-
     def _total_steps(self) -> int:
         args = self.args
         if args.max_steps > 0:
@@ -248,10 +240,14 @@ class GRPOTrainer(Trainer):
         micro-batches, num_iterations times over) whenever it is empty; the metrics of the newest batch made ({} when
         none was)."""
         micro, round_metrics = [], {}
+        if self.args.async_generation and self.rollout.ahead is None:  # the rollout worker, where the run stands
+            resumed, self._resumed_queue = self._resumed_queue, None
+            self.rollout.ahead = start_ahead(self.args, self.accelerator, self.rollout, self._rounds,
+                                             self.rounds_consumed, self._round_taken, resumed, self.state.global_step)
         for _ in range(self.args.gradient_accumulation_steps):
             if not self.buffer:
                 scored = self.rollout.scored_batch(self._next_round, self.state.global_step + 1)
-                self._log_completions(scored)
+                self.completion_log.add_batch(self.state.global_step + 1, scored)
                 self._watch_rewards(scored)
                 parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
                 self.buffer, round_metrics = parts * self.args.num_iterations, self._with_tokens_seen(scored.metrics)
@@ -266,12 +262,6 @@ class GRPOTrainer(Trainer):
         out["num_tokens"] = float(self.state.num_input_tokens_seen)
         return out
 
-    def _log_completions(self, scored) -> None:
-        if self.args.log_completions:
-            rows = scored.scored
-            self.completion_log.add(self.state.global_step + 1, [row["prompt"] for row in rows.rows], rows.texts,
-                                    rows.rewards, scored.advantages, rows.extra)
-
     def _watch_rewards(self, scored) -> None:
         """Warn once when the rewards have stopped telling completions apart (grpo/flat_rewards.py)."""
         warning = self.flat_rewards.observe(scored.metrics, scored.scored.rewards)
@@ -280,9 +270,12 @@ class GRPOTrainer(Trainer):
 
     def _next_round(self):
         prompt_round = next(self._rounds)
+        self._round_taken(prompt_round)
+        return prompt_round
+
+    def _round_taken(self, prompt_round) -> None:
         self.rounds_consumed += 1
         self._stream_epoch = prompt_round.epoch
-        return prompt_round
 
     # ------------------------------------------------------------------ optimisation
 
@@ -371,22 +364,14 @@ class GRPOTrainer(Trainer):
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=self.lr_scheduler.get_last_lr()[0],
                        **self._router_metrics())
         if self.entropy_control.enabled:
-            metrics.update(self._entropy_step(results))
+            metrics.update(self.entropy_control.after_step(results, self.accelerator))
+        if self.rollout.ahead is not None:
+            self.rollout.ahead.after_step(self.state.global_step + 1)  # every weight_sync_steps, the weights pushed
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
             self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
         metrics.update(round_metrics)
         return metrics
-
-    def _entropy_step(self, results: list[MicroBatchLoss]) -> dict:
-        """Update the entropy coefficient from the step's entropy across processes; its metrics."""
-        device = self.accelerator.device
-        local = torch.stack([sum(r.stats.bonus_entropy for r in results).float(),
-                             sum(r.stats.bonus_tokens for r in results).float()]).to(device)
-        total = self.accelerator.reduce(local, reduction="sum")
-        self.entropy_control.update(float(total[0]) / max(float(total[1]), 1.0))
-        policy = float(self.accelerator.reduce(sum(r.policy_loss for r in results), reduction="mean"))
-        return {"policy_loss": policy, "entropy_coef": self.entropy_control.coef}
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
@@ -404,13 +389,17 @@ class GRPOTrainer(Trainer):
         if rounds is None:
             return
         self.buffer = []
+        if self.rollout.ahead is not None:
+            return self.rollout.ahead.skip_rest_of_epoch(rounds)
         for _ in range(-self.rounds_consumed % rounds):
             self._next_round()
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        metrics = evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
-                                     self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
+        ahead = self.rollout.ahead
+        with ahead.evaluating(self.state.global_step) if ahead is not None else contextlib.nullcontext():
+            metrics = evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
+                                         self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
         # as TRL: the training's running total (evaluation feeds the model tokens it does not count)
         return {**metrics, f"{prefix}_num_tokens": float(self.state.num_input_tokens_seen)}
 
@@ -424,10 +413,13 @@ class GRPOTrainer(Trainer):
     def _checkpoint_extras(self) -> CheckpointExtras:
         """The prompt stream's position, the entropy controller, the buffered micro-batches, the sampler's and
         shuffler's generators, and a synced reference."""
-        return CheckpointExtras(
-            meta={"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()},
-            tensors=buffer_tensors(self.buffer), generators={"sampler": self.generator.rng, "shuffle": self.shuffle_rng},
-            models={"ref_model": self.ref_model} if self.args.sync_ref_model else {})
+        meta = {"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()}
+        tensors, sampler = buffer_tensors(self.buffer), self.generator.rng
+        if self.rollout.ahead is not None:  # the worker's queue, and its sampler's state as of that queue
+            meta["async"], queued, sampler = self.rollout.ahead.snapshot(sampler)
+            tensors.update(queued)
+        return CheckpointExtras(meta=meta, tensors=tensors, generators={"sampler": sampler, "shuffle": self.shuffle_rng},
+                                models={"ref_model": self.ref_model} if self.args.sync_ref_model else {})
 
     def _restore_position(self, state: dict, tensors: dict) -> None:
         """Move the prompt stream to where the checkpoint left it (or to the start, with ignore_data_skip), and take
@@ -439,11 +431,16 @@ class GRPOTrainer(Trainer):
                 next(self._rounds)
         if "entropy_control" in state:
             self.entropy_control.load(state["entropy_control"])
-        self.buffer = buffer_from_tensors(tensors, self.accelerator.device)
+        self.buffer = buffer_from_tensors({k: v for k, v in tensors.items() if k != "async_queue"},
+                                          self.accelerator.device)
+        if "async" in state:
+            self._resumed_queue = (state["async"], queue_from_tensors(tensors))
 
     def close(self, failed: bool = False) -> None:
         """Release the generator, the tools' event loop and, in a multi-process run, the process group (call once, at
         the end)."""
+        if getattr(self, "rollout", None) is not None and self.rollout.ahead is not None:
+            self.rollout.ahead.close()
         self.generator.close()
         if getattr(self, "agents", None) is not None:
             self.agents.close()

@@ -46,6 +46,19 @@ class RewardError(UserError, RuntimeError):
 _NO_LOGGERS = {"log_extra": lambda column, values: None, "log_metric": lambda name, value: None}
 
 
+def reward_weights(weights: list | None, given: int, sources: int) -> torch.Tensor:
+    """[given + sources] the reward_weights of the `given` reward functions (default 1), then 1 for each
+    environment's get_reward."""
+    from posttrain.configs import ConfigError
+
+    if weights is None:
+        return torch.ones(given + sources)
+    if len(weights) != given:
+        raise ConfigError(f"reward_weights has {len(weights)} entries for {given} reward functions: give one "
+                          "weight per function (an environment's get_reward has weight 1).")
+    return torch.cat([torch.tensor([float(w) for w in weights]), torch.ones(sources)])
+
+
 def _model_scores(f: RewardFunction, prompts, completions) -> list[float]:
     if isinstance(prompts[0], list):
         texts = [f.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
