@@ -54,14 +54,24 @@ class ServerClient:
         requests = require("requests", "Generation through a server (vllm_mode='server')")
 
         self.base_url = base_url.rstrip("/")
-        self.session = requests.Session()
-        self.session.trust_env = False  # a proxy from the environment must not see the weights or the key
-        if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._requests, self._api_key = requests, api_key
+        self._local = threading.local()  # a session per thread (async_generation's worker samples while a push runs)
         self.connect_timeout, self.request_timeout, self.sync_timeout = connect_timeout, request_timeout, sync_timeout
         self.retries = retries
         self.max_bucket_bytes = max_bucket_bytes
         self.server_info: dict = {}  # /server_info, once wait_until_up has read it
+
+    @property
+    def session(self):
+        """This thread's session: a connection the server closed under another thread's request is never reused
+        here (a thread's session is closed when the thread ends)."""
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = self._requests.Session()
+            session.trust_env = False  # a proxy from the environment must not see the weights or the key
+            if self._api_key:
+                session.headers["Authorization"] = f"Bearer {self._api_key}"
+        return session
 
     # ------------------------------------------------------------------ calls
 

@@ -234,8 +234,10 @@ class AheadRounds:
         self.worker.start()
 
     def sync(self, steps_taken: int) -> None:
+        """Push the current weights as version `steps_taken`, holding the engine (no round generates meanwhile)."""
         with self.worker.engine_lock:
-            self._push()
+            with guarded(self.accelerator):  # a push that fails on one process stops them all
+                self._push()
             self.worker.publish(steps_taken)
 
     def after_step(self, steps_taken: int) -> None:
@@ -301,8 +303,11 @@ class AheadRounds:
             taken = self.worker.taken
             self.worker.skip_until(taken + (-taken % rounds_per_epoch), self._on_taken)
 
-    def close(self) -> None:
+    def close(self) -> tuple[dict, list]:
+        """Stop the worker; returns where it stood (meta and queue, as a checkpoint holds them) for a restart."""
         self.worker.stop()
+        meta = {"next_index": self.worker.next_index, "extra_rounds": self.extra_rounds, "stream_drawn": True}
+        return meta, list(self.worker.queue)
 
 
 def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callable, resumed, steps_taken: int
@@ -311,8 +316,9 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
     `taken` rounds trained on (or dropped); `resumed` a checkpoint's (meta, queue) or None. The current weights
     (version `steps_taken`) are pushed first."""
     next_index = resumed[0]["next_index"] if resumed else taken
-    for _ in range(next_index - taken):  # the rounds the worker had drawn beyond those taken
-        next(rounds)
+    if not (resumed and resumed[0].get("stream_drawn")):  # a checkpoint's stream stands at the rounds taken
+        for _ in range(next_index - taken):  # the rounds the worker had drawn beyond those taken
+            next(rounds)
     skip_bad = args.on_bad_reward == "skip"
 
     def sample(prompt_round, step: int, engine):

@@ -43,6 +43,14 @@ class TrainingBatch:
         return TrainingBatch(rollouts, self.advantages[index], take(self.loss_mask), take(self.old_logps),
                              take(self.ref_logps), take(self.sampling_ratio))
 
+    def rows_with_gradient(self) -> "TrainingBatch":
+        """The rows whose advantage is not 0 (the others' gradient is exactly 0); at least one row, so every process
+        still runs a backward and DDP's gradient synchronisation stays in step."""
+        keep = (self.advantages != 0).nonzero().squeeze(1).cpu()
+        if len(keep) == len(self):
+            return self
+        return self.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
+
     def padded(self, multiple: int | None) -> "TrainingBatch":
         """Prompt and completion widths padded to a multiple of `multiple` (see Rollouts.padded)."""
         rollouts = self.rollouts.padded(multiple)

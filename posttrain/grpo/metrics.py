@@ -74,3 +74,13 @@ def tool_metrics(counts: torch.Tensor | None, accelerator) -> dict:
     rows, calls, failures = (float(x) for x in accelerator.reduce(counts.to(accelerator.device), reduction="sum"))
     return {"tools/call_frequency": calls / max(rows, 1.0),
             "tools/failure_frequency": failures / calls if calls > 0 else 0.0}
+
+
+def with_tokens_seen(metrics: dict, state) -> dict:
+    """A generation batch's metrics with num_tokens, TRL's running total of the tokens fed to the model (prompts and
+    the model's completion tokens, every process's), kept in `state` (transformers' TrainerState:
+    num_input_tokens_seen, saved with each checkpoint)."""
+    out = dict(metrics)
+    state.num_input_tokens_seen += int(out.pop("input_tokens"))
+    out["num_tokens"] = float(state.num_input_tokens_seen)
+    return out

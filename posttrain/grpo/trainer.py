@@ -36,7 +36,7 @@ from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.flat_rewards import FlatRewardWatch
 from posttrain.grpo.losses import (SEQUENCE_LEVELS, LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss,
                                   micro_batch_loss)
-from posttrain.grpo.metrics import loss_metrics
+from posttrain.grpo.metrics import loss_metrics, with_tokens_seen
 from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
@@ -250,17 +250,9 @@ class GRPOTrainer(Trainer):
                 self.completion_log.add_batch(self.state.global_step + 1, scored)
                 self._watch_rewards(scored)
                 parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
-                self.buffer, round_metrics = parts * self.args.num_iterations, self._with_tokens_seen(scored.metrics)
+                self.buffer, round_metrics = parts * self.args.num_iterations, with_tokens_seen(scored.metrics, self.state)
             micro.append(self.buffer.pop(0))
         return micro, round_metrics
-
-    def _with_tokens_seen(self, metrics: dict) -> dict:
-        """The batch's metrics with num_tokens, TRL's running total of the tokens fed to the model (prompts and the
-        model's completion tokens, every process's; state.num_input_tokens_seen, saved with each checkpoint)."""
-        out = dict(metrics)
-        self.state.num_input_tokens_seen += int(out.pop("input_tokens"))
-        out["num_tokens"] = float(self.state.num_input_tokens_seen)
-        return out
 
     def _watch_rewards(self, scored) -> None:
         """Warn once when the rewards have stopped telling completions apart (grpo/flat_rewards.py)."""
@@ -295,14 +287,6 @@ class GRPOTrainer(Trainer):
         return functools.partial(micro_batch_loss, self.loss_fn, self.loss_params,
                                  top_entropy_quantile=self.args.top_entropy_quantile, bonus=bonus)
 
-    def _rows_with_gradient(self, mb: TrainingBatch) -> TrainingBatch:
-        """Drop rows whose advantage is 0 (their gradient is exactly 0); keep at least one row, so every
-        process still runs a backward and DDP's gradient synchronisation stays in step."""
-        keep = (mb.advantages != 0).nonzero().squeeze(1).cpu()
-        if len(keep) == len(mb):
-            return mb
-        return mb.select(keep if len(keep) else torch.zeros(1, dtype=torch.long))
-
     @staticmethod
     def _loss_inputs(mb: TrainingBatch, logps: torch.Tensor) -> LossInputs:
         """Micro-batch `mb` as the loss takes it, given the policy's [b, C] log-probs."""
@@ -335,7 +319,7 @@ class GRPOTrainer(Trainer):
         sequence_level = self.loss_params.importance_sampling_level in SEQUENCE_LEVELS
         clip_units = torch.tensor(float(len(mb)), device=all_tokens.device) if sequence_level else all_tokens
         if self.skip_zero_advantage_rows:
-            mb = self._rows_with_gradient(mb)
+            mb = mb.rows_with_gradient()
         mb = mb.padded(self.pad_to_multiple_of)
         with self.accelerator.autocast():
             with self._offloading(), self.router_loss.collecting(self.model, share) as router_term:
@@ -436,11 +420,16 @@ class GRPOTrainer(Trainer):
         if "async" in state:
             self._resumed_queue = (state["async"], queue_from_tensors(tensors))
 
+    def _train(self, resume_from_checkpoint):
+        try:
+            return super()._train(resume_from_checkpoint)
+        finally:  # async_generation: the worker stopped, its sampled rounds kept for a later train()
+            if self.rollout.ahead is not None:
+                self._resumed_queue, self.rollout.ahead = self.rollout.ahead.close(), None
+
     def close(self, failed: bool = False) -> None:
         """Release the generator, the tools' event loop and, in a multi-process run, the process group (call once, at
         the end)."""
-        if getattr(self, "rollout", None) is not None and self.rollout.ahead is not None:
-            self.rollout.ahead.close()
         self.generator.close()
         if getattr(self, "agents", None) is not None:
             self.agents.close()

@@ -1,0 +1,249 @@
+"""async_generation: rounds sampled ahead by a rollout worker, within max_staleness; bit-identical to synchronous GRPO
+at max_staleness 0 (in process and through posttrain serve); failures in the worker stop the run with their sentence;
+the queue and its versions travel through checkpoints."""
+
+import time
+
+import pytest
+import torch
+from conftest import StopAt, length_reward, tiny_config
+
+from posttrain import GRPOTrainer
+from posttrain.configs import ConfigError, GRPOConfig
+from posttrain.grpo.async_rollout import AheadRounds, RolloutWorkerError
+from posttrain.rewards import RewardError
+from posttrain.testing import tiny_model
+
+
+class SlowSteps:
+    """A callback that makes each optimizer step take `seconds` longer, so a worker that may run ahead does."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+
+
+def _trainer(tokenizer, dataset, out, reward=length_reward, callbacks=None, peft_config=None, **overrides):
+    values = dict(max_steps=4, num_iterations=1)
+    values.update(overrides)
+    return GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), reward, tiny_config(out, **values),
+                       train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks,
+                       peft_config=peft_config)
+
+
+def _records(trainer):
+    return [r for r in trainer.state.log_history if "loss" in r]
+
+
+def _params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+
+
+def _assert_same_run(a, b):
+    for x, y in zip(_records(a), _records(b), strict=True):
+        for key in ("loss", "reward", "completions/mean_length", "entropy", "num_tokens"):
+            assert x.get(key) == y.get(key), (x["step"], key)
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa), [n for n in pa if not torch.equal(pa[n], pb[n])]
+
+
+def _async_metrics(trainer, key):
+    return [r[key] for r in _records(trainer) if key in r]
+
+
+def test_staleness_0_is_synchronous_grpo_bit_for_bit(tokenizer, addition_dataset, tmp_path):
+    """The worker samples each round from a copy of the policy once the weights of its step are pushed: the same
+    completions, rewards, losses and weights as sampling in the training loop; every async/* metric logged."""
+    sync = _trainer(tokenizer, addition_dataset, tmp_path / "sync", generation_batch_size=16)
+    sync.train()
+    ahead = _trainer(tokenizer, addition_dataset, tmp_path / "async", generation_batch_size=16,
+                     async_generation=True, max_staleness=0)
+    ahead.train()
+    _assert_same_run(sync, ahead)
+    assert _async_metrics(ahead, "async/staleness_mean") == [0.0, 0.0]  # one round every 2 steps
+    assert _async_metrics(ahead, "async/stale_dropped") == [0.0, 0.0]
+    for key in ("async/queue_depth", "async/trainer_wait_s", "async/generator_wait_s"):
+        assert len(_async_metrics(ahead, key)) == 2, key
+    assert ahead.rollout.ahead is None  # the worker stops with train()
+
+
+def test_staleness_0_through_posttrain_serve_equals_synchronous_serving(tokenizer, addition_dataset, tmp_path):
+    from test_serve import running
+
+    from posttrain.serving.engine import TransformersEngine
+
+    runs = []
+    for name, extra in (("sync", {}), ("async", {"async_generation": True, "max_staleness": 0})):
+        engine = TransformersEngine(tiny_model(tokenizer, seed=9, hidden=32, layers=1), tokenizer, name="tiny")
+        with running(engine) as url:
+            trainer = _trainer(tokenizer, addition_dataset, tmp_path / name, max_steps=3, use_vllm=True,
+                               vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=10.0, **extra)
+            trainer.train()
+            trainer.close()
+        runs.append(trainer)
+    _assert_same_run(*runs)
+
+
+def test_rounds_run_ahead_within_max_staleness_and_are_corrected(tokenizer, addition_dataset, tmp_path):
+    """With slow steps the worker samples up to max_staleness versions ahead: the rounds are that stale, none is
+    dropped, and the importance-sampling correction (the sampler's log-probs the behaviour policy) is logged."""
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=5, async_generation=True, max_staleness=2,
+                       callbacks=[SlowSteps(0.3)])
+    trainer.train()
+    staleness = _async_metrics(trainer, "async/staleness_mean")
+    assert staleness[0] == 0 and max(staleness) == 2 and all(s <= 2 for s in staleness), staleness
+    assert sum(_async_metrics(trainer, "async/stale_dropped")) == 0
+    ratios = _async_metrics(trainer, "sampling/importance_sampling_ratio/mean")
+    assert len(ratios) == 5 and all(0.5 < r < 2 for r in ratios)
+    assert trainer.args.corrects_sampling and trainer.needs_old_logps
+
+
+def test_a_round_staler_than_max_staleness_is_dropped_and_counted(tokenizer, addition_dataset, tmp_path,
+                                                                   monkeypatch):
+    """A worker that ignores the version gate (here: every round planned for the initial weights) samples rounds
+    that are too old by the time they are trained on: each is dropped and counted, none trained on."""
+    monkeypatch.setattr(AheadRounds, "plan", lambda self, index: (0, 0))
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, async_generation=True, max_staleness=0,
+                       max_inflight_tasks=64, callbacks=[SlowSteps(0.2)])
+    trainer.train()
+    dropped = sum(_async_metrics(trainer, "async/stale_dropped"))
+    assert dropped > 0
+    assert _async_metrics(trainer, "async/staleness_mean") == [0.0, 0.0, 0.0]
+    assert trainer.rounds_consumed == 3 + dropped
+
+
+def test_a_reward_function_raising_in_the_worker_stops_the_run_with_its_sentence(tokenizer, addition_dataset,
+                                                                                  tmp_path):
+    def failing(completions, trainer_state, **kwargs):
+        if trainer_state.global_step >= 2:
+            raise ValueError("the grader is down")
+        return [0.0] * len(completions)
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=failing, async_generation=True,
+                       max_staleness=1)
+    started = time.monotonic()
+    with pytest.raises(RewardError, match="failing.*the grader is down"):
+        trainer.train()
+    assert time.monotonic() - started < 30
+    assert trainer.rollout.ahead is None
+
+
+def test_a_hung_worker_stops_the_run_after_the_heartbeat(tokenizer, addition_dataset, tmp_path):
+    def hanging(completions, trainer_state, **kwargs):
+        if trainer_state.global_step >= 2:
+            time.sleep(30)
+        return [0.0] * len(completions)
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=hanging, async_generation=True,
+                       max_staleness=0, heartbeat_stale_after_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=r"no sign of life for \d+ s \(heartbeat_stale_after_s=1\)"):
+        trainer.train()
+    assert time.monotonic() - started < 15
+
+
+def test_a_server_that_fails_stops_the_run_with_one_sentence(tokenizer, addition_dataset, tmp_path):
+    from test_serve import running
+
+    from posttrain.generation import GenerationError
+    from posttrain.serving.engine import TransformersEngine
+
+    class Dying(TransformersEngine):
+        calls = 0
+
+        def generate(self, *args, **kwargs):
+            Dying.calls += 1
+            if Dying.calls > 2:
+                raise RuntimeError("out of memory")
+            return super().generate(*args, **kwargs)
+
+    engine = Dying(tiny_model(tokenizer, seed=9, hidden=32, layers=1), tokenizer, name="tiny")
+    with running(engine) as url:
+        trainer = _trainer(tokenizer, addition_dataset, tmp_path, use_vllm=True, vllm_mode="server",
+                           vllm_server_base_url=url, vllm_server_timeout=10.0, async_generation=True, max_staleness=1)
+        with pytest.raises(GenerationError, match="answered POST /v1/completions with 500"):
+            trainer.train()
+        trainer.close()
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_equals_the_uninterrupted_run(tokenizer, addition_dataset, tmp_path, staleness):
+    """The checkpoint holds the worker's queue (rounds sampled ahead, with their versions) and its sampler's state:
+    the resumed run takes the same rounds and ends with the same weights, bit for bit (at staleness 1 the worker is
+    kept deterministic by slow steps: it always waits for its version)."""
+    values = dict(max_steps=4, save_strategy="steps", save_steps=2, async_generation=True, max_staleness=staleness)
+    slow = [SlowSteps(0.2)] if staleness else []
+    straight = _trainer(tokenizer, addition_dataset, tmp_path / "a", callbacks=slow, **values)
+    straight.train()
+    first = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=[StopAt(2), *slow], **values)
+    first.train()
+    from safetensors.torch import load_file
+
+    from posttrain.grpo.async_rollout import queue_from_tensors
+
+    queued = queue_from_tensors(load_file(tmp_path / "b" / "out" / "checkpoint-2" / "buffer_0.safetensors"))
+    assert [(r.index, r.version) for r in queued] == ([(2, 2 - staleness)])
+    resumed = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=slow, **values)
+    resumed.train(resume_from_checkpoint=True)
+    def tail(trainer):
+        return [r for r in _records(trainer) if r["step"] > 2]
+
+    for x, y in zip(tail(straight), tail(resumed), strict=True):
+        for key in ("loss", "reward", "completions/mean_length", "num_tokens", "async/staleness_mean"):
+            assert x[key] == y[key], (x["step"], key)
+    pa, pb = _params(straight), _params(resumed)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_dynamic_sampling_draws_its_extra_rounds_from_the_queue(tokenizer, addition_dataset, tmp_path):
+    def coarse(completions, **kwargs):  # many groups have one reward: dynamic sampling needs more rounds
+        return [float(len(c) > 6) for c in completions]
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=coarse, max_steps=3, async_generation=True,
+                       max_staleness=1, dynamic_sampling=True, dynamic_sampling_max_rounds=20)
+    trainer.train()
+    rounds = [r["sampling/generation_rounds"] for r in _records(trainer)]
+    assert trainer.rounds_consumed == sum(rounds) + sum(_async_metrics(trainer, "async/stale_dropped"))
+    assert all(s <= 1 for s in _async_metrics(trainer, "async/staleness_mean"))
+
+
+def test_a_lora_policy_is_sampled_through_its_merged_copy(tokenizer, addition_dataset, tmp_path):
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    from posttrain.weights import export_weights
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=2, async_generation=True, max_staleness=0,
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              init_lora_weights=False))
+    trainer.train()
+    copy = trainer.generator.model.state_dict()
+    for name, tensor in export_weights(trainer.policy):  # the copy holds the merged weights of the last push
+        assert torch.equal(copy[name], tensor), name
+    assert not any("lora" in name for name in copy)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(use_vllm=True, vllm_mode="colocate"), "set vllm_mode='server'"),
+    (dict(max_inflight_tasks=0), "max_inflight_tasks=0 leaves the rollout worker nothing"),
+    (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
+    (dict(weight_sync_steps=0), "weight_sync_steps=0 must be a positive integer"),
+])
+def test_async_settings_that_cannot_work_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(output_dir=str(tmp_path), async_generation=True, **overrides)
+
+
+def test_the_correction_applies_when_the_sampler_may_be_older(tmp_path):
+    def config(**kw):
+        return GRPOConfig(output_dir=str(tmp_path), **kw)
+
+    assert not config().corrects_sampling
+    assert not config(async_generation=True, max_staleness=0).corrects_sampling  # the sampler's weights are current
+    assert config(async_generation=True, max_staleness=1).corrects_sampling
+    assert not config(async_generation=True, vllm_importance_sampling_correction=False).corrects_sampling
+    assert config(async_generation=True).rounds_ahead(8, 1) == 4  # auto: max_staleness x 8 completions a step
+    assert config(async_generation=True, max_inflight_tasks=20).rounds_ahead(8, 1) == 2
+    assert config(async_generation=True, queue_maxsize=4).rounds_ahead(8, 1) == 1
