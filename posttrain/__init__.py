@@ -1,9 +1,10 @@
-"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO, reward models and on-policy
-distillation, a drop-in for TRL
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO, reward models, on-policy
+distillation and asynchronous GRPO, a drop-in for TRL
 users.
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
     from posttrain import RewardConfig, RewardTrainer, KTOConfig, KTOTrainer, DistillationConfig, DistillationTrainer
+    from posttrain import AsyncGRPOConfig, AsyncGRPOTrainer
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
@@ -34,6 +35,8 @@ _EXPORTS = {
     "KTOTrainer": "posttrain.kto.trainer",
     "DistillationConfig": "posttrain.configs",
     "DistillationTrainer": "posttrain.distillation.trainer",
+    "AsyncGRPOConfig": "posttrain.configs",
+    "AsyncGRPOTrainer": "posttrain.grpo.async_trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",

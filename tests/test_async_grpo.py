@@ -247,3 +247,114 @@ def test_the_correction_applies_when_the_sampler_may_be_older(tmp_path):
     assert config(async_generation=True).rounds_ahead(8, 1) == 4  # auto: max_staleness x 8 completions a step
     assert config(async_generation=True, max_inflight_tasks=20).rounds_ahead(8, 1) == 2
     assert config(async_generation=True, queue_maxsize=4).rounds_ahead(8, 1) == 1
+
+
+def test_against_a_vllm_server_the_weights_go_every_weight_sync_steps(tokenizer, addition_dataset, tmp_path):
+    """Through vLLM's routes and NCCL transfer (the manifest's double, a stand-in server): one push at the start, then
+    one every weight_sync_steps; the worker's requests carry the sampler's seeds; a round's version is the one its
+    generation started with."""
+    pytest.importorskip("fastapi")
+    from test_vllm_adapters import FakeVLLMServer, serving
+    from vllm_double import fake_vllm
+
+    fake = FakeVLLMServer()
+    with fake_vllm(), serving(fake) as url:
+        trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, use_vllm=True, vllm_mode="server",
+                           vllm_server_base_url=url, vllm_server_timeout=10.0, async_generation=True,
+                           max_staleness=1, weight_sync_steps=2, max_completion_length=2)
+        trainer.train()
+        trainer.close()
+    finishes = [body["weight_version"] for path, body in fake.calls if path == "/finish_weight_update"]
+    assert len(finishes) == 1 + 4 // 2
+    assert len([p for p, _ in fake.calls if p == "/v1/completions"]) >= 4 * 2  # 2 prompts a round, one request each
+    assert all(s <= 1 for s in _async_metrics(trainer, "async/staleness_mean"))
+
+
+@pytest.mark.multiproc
+def test_two_processes_sample_ahead_through_one_server(tmp_path, tiny_model_dir):
+    """`posttrain grpo --async_generation true` on 2 processes (gloo) through one `posttrain serve`: each process's
+    worker samples its share; at max_staleness 0 the run equals the one-process run, and at 1 both processes agree on
+    each round's staleness (logged within the bound)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_cli import _env, _write_data
+    from test_serve import serve_process
+
+    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
+              "--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "6",
+              "--logging_steps", "1", "--save_strategy", "no", "--gradient_checkpointing", "false", "--use_cpu",
+              "true", "--use_vllm", "true", "--vllm_mode", "server", "--async_generation", "true", "--max_steps", "3"]
+    two = ["--per_device_train_batch_size", "8", "--accelerate_config", "multi_gpu", "--num_processes", "2"]
+
+    def records(name):
+        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl") if '"loss"' in line]
+
+    with serve_process(tiny_model_dir) as url:
+        for name, layout, staleness in (("two", two, "0"), ("one", ["--per_device_train_batch_size", "16"], "0"),
+                                        ("two-ahead", two, "1")):
+            out = subprocess.run([sys.executable, "-m", "posttrain.cli", "grpo", *common, *layout, "--max_staleness",
+                                  staleness, "--vllm_server_base_url", url, "--vllm_server_timeout", "30",
+                                  "--output_dir", str(tmp_path / name)], capture_output=True, text=True, env=_env(),
+                                 timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
+    for a, b in zip(records("one"), records("two"), strict=True):
+        for key in ("reward", "completions/mean_length", "async/staleness_mean"):
+            assert a[key] == b[key], (a["step"], key)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    ahead = records("two-ahead")
+    assert [r["step"] for r in ahead] == [1, 2, 3] and all(r["async/staleness_mean"] <= 1 for r in ahead)
+
+
+@pytest.mark.parametrize("config", ["RLOOConfig", "DistillationConfig"])
+def test_rloo_and_distillation_refuse_async_generation(tmp_path, config):
+    """Neither TRL trainer has it, and neither loss corrects for a sampler older than the policy (RLOO has no
+    importance-sampling correction in TRL; distillation's divergence is on the student's own completions)."""
+    import posttrain.configs as configs
+
+    with pytest.raises(ConfigError, match="async_generation=True is a GRPOConfig field that TRL's"):
+        getattr(configs, config)(output_dir=str(tmp_path), async_generation=True)
+
+
+def test_evaluation_pauses_the_worker_and_samples_the_current_weights(tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=4, async_generation=True, max_staleness=1,
+                       eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    trainer.eval_dataset = addition_dataset.select(range(4))
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(s <= 1 for s in _async_metrics(trainer, "async/staleness_mean"))
+
+
+def test_a_callback_ending_the_epoch_drops_the_rounds_sampled_for_its_rest(tokenizer, addition_dataset, tmp_path):
+    """should_epoch_stop at step 1 (one round a step, 2 rounds an epoch): the round the worker sampled for step 2 is
+    dropped with the epoch's rest, and step 2 trains on the next epoch's first round."""
+
+    class EndEpoch:
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_epoch_stop = state.global_step == 1
+
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, async_generation=True, max_staleness=2,
+                       per_device_train_batch_size=32, callbacks=[EndEpoch(), SlowSteps(0.2)])
+    assert trainer.prompts.rounds_per_epoch == 2
+    trainer.train()
+    assert trainer.rounds_consumed == 4  # rounds 0 and 1 (dropped), then 2 and 3
+
+
+def test_the_tool_loop_runs_in_the_worker_as_in_synchronous_grpo(tmp_path):
+    """Multi-turn rollouts with tools (the agents' loop: later turns within the round, the results masked) sampled by
+    the worker at max_staleness 0 train exactly as synchronous GRPO's."""
+    from test_agents_grpo import _tokenizer, _tool_trainer
+
+    tokenizer = _tokenizer("qwen2_5")
+    runs = []
+    for name, extra in (("sync", {}), ("async", {"async_generation": True, "max_staleness": 0})):
+        trainer = _tool_trainer(tmp_path / name, tokenizer, save_strategy="no", **extra)
+        trainer.train()
+        runs.append(trainer)
+    for a, b in zip(_records(runs[0]), _records(runs[1]), strict=True):
+        for key in ("loss", "tools/call_frequency", "tools/failure_frequency", "completions/mean_length"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+    pa, pb = _params(runs[0]), _params(runs[1])
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)

@@ -200,7 +200,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto", "distillation"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto", "distillation", "async_grpo"])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):
@@ -223,6 +223,11 @@ def test_trainer_snapshot_matches_the_installed_trl(trainer):
     ("distillation", 100, lambda cfg: (cfg.learning_rate, cfg.beta, cfg.max_completion_length, cfg.disable_dropout,
                                        cfg.temperature, cfg.num_generations, cfg.teacher_model_name_or_path) == (
         1e-6, 1.0, 512, False, 1.0, 1, None)),
+    ("async_grpo", 100, lambda cfg: (cfg.async_generation, cfg.max_staleness, cfg.weight_sync_steps,
+                                     cfg.max_inflight_tasks, cfg.queue_maxsize, cfg.heartbeat_stale_after_s,
+                                     cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_completion_length,
+                                     cfg.server_url, cfg.model_init_kwargs) == (
+        True, 4, 1, -1, 1024, 300.0, 1e-6, "constant", 2048, "http://localhost:8000", {"dtype": "float32"})),
 ])
 def test_every_trl_field_of_the_trainer_is_implemented_or_accounted_for(trainer, implemented, check):
     from posttrain.configs.reference import TRAINERS
@@ -353,7 +358,7 @@ def test_every_trl_field_of_rloo_reward_kto_and_distillation_at_its_default_is_a
 
 @pytest.mark.parametrize("trainer,name", [("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("rloo", "RLOOConfig"),
                                           ("reward", "RewardConfig"), ("kto", "KTOConfig"),
-                                          ("distillation", "DistillationConfig")])
+                                          ("distillation", "DistillationConfig"), ("async_grpo", "AsyncGRPOConfig")])
 def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
     import os
 

@@ -2,7 +2,8 @@
 
 This package imports no torch and no transformers, so that `posttrain --help` stays fast.
 
-Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `RLOOConfig`, `RewardConfig`, `KTOConfig` and `DistillationConfig` (and the
+Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `RLOOConfig`, `RewardConfig`, `KTOConfig`, `DistillationConfig` and the
+experimental `AsyncGRPOConfig` (and the
 `transformers.TrainingArguments` fields they inherit): every TRL field is either implemented or listed in
 `trl_compat.py` with what posttrain does instead.
 
@@ -15,6 +16,8 @@ Field names and defaults follow TRL's `GRPOConfig`, `SFTConfig`, `DPOConfig`, `R
     reward.py      reward-model data and loss; RewardConfig
     kto.py         KTO data and loss (DPO's reference group); KTOConfig
     distillation.py  the teacher and the divergence on GRPOConfig's sampling; DistillationConfig
+    async_generation.py  the rollout worker's fields (async_generation, max_staleness, ...), part of GRPOConfig
+    async_grpo.py  AsyncGRPOConfig: GRPOConfig with async_generation on and TRL's AsyncGRPOConfig defaults
     trl_compat.py  TRL fields accepted at posttrain's behaviour; the snapshot of TRL's field list
     script.py      ScriptArguments, LoraArguments (the command line)
     parsing.py     YAML, typed conversion of flags, unknown names with their real near-misses
@@ -29,6 +32,7 @@ from posttrain.configs.rloo import RLOOConfig
 from posttrain.configs.reward import RewardConfig
 from posttrain.configs.kto import KTOConfig
 from posttrain.configs.distillation import DistillationConfig
+from posttrain.configs.async_grpo import AsyncGRPOConfig
 from posttrain.configs.parsing import UNKNOWN_HINT, build, coerce, load_yaml, split_values, suggest
 from posttrain.configs.script import LoraArguments, ScriptArguments
 

@@ -27,7 +27,8 @@ GRPO_ONLY = ("num_iterations", "use_bias_correction_kl", "epsilon", "delta", "sa
              "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
              "log_multimodal", "log_completions_hub_repo", "use_transformers_continuous_batching",
              "transformers_continuous_batching_config", "use_transformers_paged", "vllm_kv_cache_dtype",
-             "router_aux_loss_coef", "activation_offloading")
+             "router_aux_loss_coef", "activation_offloading", "async_generation", "max_staleness",
+             "weight_sync_steps", "max_inflight_tasks", "queue_maxsize", "heartbeat_stale_after_s")
 # derived at construction from the batch sizes (one generation a step, TRL's): written to posttrain_config.yaml and
 # read back, so they are fields, checked against what they must be, but not flags
 DERIVED = ("num_generations", "generation_batch_size", "steps_per_generation", "epsilon_high")

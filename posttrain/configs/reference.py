@@ -9,6 +9,7 @@ from posttrain.configs.base import field_range
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
 from posttrain.configs.async_generation import AsyncGenerationConfig
+from posttrain.configs.async_grpo import AsyncGRPOConfig, AsyncModelConfig
 from posttrain.configs.grpo import GRPOConfig, GRPOObjectiveConfig, PromptDataConfig, SamplingConfig
 from posttrain.configs.script import LoraArguments, ScriptArguments
 from posttrain.configs.dpo import DPOConfig, DPODataConfig, DPOLegacyConfig, DPOLossConfig, DPOReferenceConfig
@@ -17,7 +18,7 @@ from posttrain.configs.reward import RewardConfig, RewardDataConfig, RewardLossC
 from posttrain.configs.kto import KTOConfig, KTODataConfig, KTOLossConfig
 from posttrain.configs.distillation import DistillationConfig, DistillationObjectiveConfig
 from posttrain.configs.sft import SFTConfig, SFTDataConfig, SFTLossConfig
-from posttrain.configs.trl_compat import DISTILLATION_COMPAT, DPO_COMPAT, GRPO_COMPAT, KTO_COMPAT, REWARD_COMPAT, RLOO_COMPAT, SAME, SFT_COMPAT, UNSUPPORTED, \
+from posttrain.configs.trl_compat import ASYNC_GRPO_COMPAT, DISTILLATION_COMPAT, DPO_COMPAT, GRPO_COMPAT, KTO_COMPAT, REWARD_COMPAT, RLOO_COMPAT, SAME, SFT_COMPAT, UNSUPPORTED, \
     trl_snapshot
 
 SHARED_GROUPS = [("Training loop", TrainingLoopConfig), ("Model", ModelConfig),
@@ -32,21 +33,26 @@ RLOO_GROUPS = [("RLOO: advantage", RLOOObjectiveConfig)]
 REWARD_GROUPS = [("Reward: data", RewardDataConfig), ("Reward: loss", RewardLossConfig)]
 KTO_GROUPS = [("KTO: data", KTODataConfig), ("KTO: loss", KTOLossConfig)]
 DISTILLATION_GROUPS = [("Distillation: teacher and divergence", DistillationObjectiveConfig)]
+ASYNC_GRPO_GROUPS = [("AsyncGRPO: model", AsyncModelConfig)]
 SCRIPT_GROUPS = [("Command-line script", ScriptArguments), ("LoRA (command line)", LoraArguments)]
 GROUPS = (SHARED_GROUPS + GRPO_GROUPS + RLOO_GROUPS + SFT_GROUPS + DPO_GROUPS + REWARD_GROUPS + KTO_GROUPS
-          + DISTILLATION_GROUPS + SCRIPT_GROUPS)
+          + DISTILLATION_GROUPS + ASYNC_GRPO_GROUPS + SCRIPT_GROUPS)
 
 # Defaults of implemented TRL fields that differ from TRL 1.16's, and why.
 DEFAULT_DIFFERENCES = {
     "output_dir": "TRL's None becomes `trainer_output` (or `<model>-GRPO` / `<model>-RLOO` / `<model>-SFT` / "
-                  "`<model>-DPO` / `<model>-Reward` / `<model>-KTO` / `<model>-Distillation` when no args are given); posttrain writes `trainer_output` either way",
+                  "`<model>-DPO` / `<model>-Reward` / `<model>-KTO` / `<model>-Distillation` / `<model>-AsyncGRPO` when no args are given); posttrain writes `trainer_output` either way",
     "bf16": "TRL 1.16 turns bf16 on everywhere, CPU included; posttrain's None turns it on only on a CUDA device that "
             "supports it (bf16 autocast on CPU is slower and changes the numbers)",
+    "ignore_data_skip": "AsyncGRPOConfig: TRL's True (its live queue cannot be replayed, so a resumed run restarts the "
+                        "data); posttrain checkpoints the rollout worker's queue and resumes exactly, so False, as in "
+                        "every other config",
 }
 # What each trainer's config is, and the TRL table it answers for.
 TRAINERS = {"grpo": (GRPOConfig, GRPO_COMPAT), "sft": (SFTConfig, SFT_COMPAT), "dpo": (DPOConfig, DPO_COMPAT),
             "rloo": (RLOOConfig, RLOO_COMPAT), "reward": (RewardConfig, REWARD_COMPAT),
-            "kto": (KTOConfig, KTO_COMPAT), "distillation": (DistillationConfig, DISTILLATION_COMPAT)}
+            "kto": (KTOConfig, KTO_COMPAT), "distillation": (DistillationConfig, DISTILLATION_COMPAT),
+            "async_grpo": (AsyncGRPOConfig, ASYNC_GRPO_COMPAT)}
 
 IMPLEMENTED = "implemented"
 
@@ -110,11 +116,15 @@ def config_reference() -> str:
              "reference group and the KTO ones (learning_rate 1e-6, disable_dropout True, train_sampling_strategy "
              "sequential: TRL's KTO defaults); `DistillationConfig` GRPOConfig's fields with the teacher's and `beta` the "
              "divergence (1.0, reverse KL), one completion per prompt (GRPOConfig's objective fields refused at any "
-             "value but their default, as for RLOOConfig). On the command line every field is a flag "
+             "value but their default, as for RLOOConfig); `AsyncGRPOConfig` GRPOConfig's fields with `async_generation` on, "
+             "generation through the server at `vllm_server_base_url` and TRL's AsyncGRPOConfig defaults "
+             "(learning_rate 1e-6, lr_scheduler_type constant, logging_steps 1, max_completion_length 2048, dtype "
+             "float32). On the command line every field is a flag "
              "(`--name value`) and a YAML key. A step interval (`logging_steps`, `save_steps`, `eval_steps`, "
              "`warmup_steps`) may be a fraction in (0, 1) of the run's total steps. Every number has the range shown, "
              "checked when the config is built: a value outside it stops with one sentence.", ""]
     for title, cls in GROUPS:
         lines += _group_table(title, cls)
     return "\n".join(lines + trl_table("grpo") + trl_table("sft") + trl_table("dpo") + trl_table("rloo")
-                     + trl_table("reward") + trl_table("kto") + trl_table("distillation"))
+                     + trl_table("reward") + trl_table("kto") + trl_table("distillation")
+                     + trl_table("async_grpo"))

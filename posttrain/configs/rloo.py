@@ -20,7 +20,8 @@ GRPO_ONLY = ("loss_type", "importance_sampling_level", "scale_rewards", "multi_o
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
              "vespo_lambda_neg", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
              "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min",
-             "vllm_importance_sampling_clip_max")
+             "vllm_importance_sampling_clip_max", "async_generation", "max_staleness", "weight_sync_steps",
+             "max_inflight_tasks", "queue_maxsize", "heartbeat_stale_after_s")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
 
 SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation")}
+             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation", "async_grpo")}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -205,6 +205,24 @@ COMPAT = GRPO_COMPAT  # the GRPO table under its first name
 RLOO_COMPAT = GRPO_COMPAT  # RLOOConfig is GRPOConfig's fields (configs/rloo.py): the same table answers for it
 DISTILLATION_COMPAT = GRPO_COMPAT  # so is DistillationConfig (configs/distillation.py)
 
+
+def _no_positive_budget(value) -> bool:
+    return value is None or value <= 0
+
+
+# AsyncGRPOConfig's own fields that posttrain accepts at its own behaviour (configs/async_grpo.py)
+ASYNC_ONLY: list[Compat] = [
+    same("token_budget", Optional[int], None,
+         "posttrain's micro-batches are per_device_train_batch_size rollouts, packed into fewer rows where that saves "
+         "positions (models/packing.py), and no rollout is ever dropped for its length; to bound memory lower "
+         "per_device_train_batch_size", accepts=_no_positive_budget),
+    same("fork_threshold_tokens", int, 1024,
+         "a multi-turn rollout keeps each turn's token ids as sampled and appends the tool results' ids (exact "
+         "token-in/token-out, agents/loop.py), never re-tokenizing the conversation, so there is no drift to fork on",
+         range=NON_NEGATIVE),
+]
+ASYNC_GRPO_COMPAT = GRPO_COMPAT + ASYNC_ONLY
+
 _SFT_LOADER = "posttrain batches the tokenized rows itself, with no DataLoader"
 _SFT_METRICS = ("honoured as in transformers when compute_metrics is given (training/prediction.py); the eval loss "
                 "and metrics never depend on it")
@@ -340,6 +358,7 @@ SFTCompatConfig = compat_config("SFTCompatConfig", SFT_COMPAT)
 DPOCompatConfig = compat_config("DPOCompatConfig", DPO_COMPAT)
 RewardCompatConfig = compat_config("RewardCompatConfig", REWARD_COMPAT)
 KTOCompatConfig = compat_config("KTOCompatConfig", KTO_COMPAT)
+AsyncGRPOCompatConfig = compat_config("AsyncGRPOCompatConfig", ASYNC_GRPO_COMPAT)
 
 
 def check_compat(config, table: list[Compat] = GRPO_COMPAT) -> None:
@@ -366,8 +385,10 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
     except ImportError:
         return None
     name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
-            "reward": "RewardConfig", "kto": "KTOConfig",
-            "distillation": "DistillationConfig"}[trainer]
+            "reward": "RewardConfig", "kto": "KTOConfig", "distillation": "DistillationConfig",
+            "async_grpo": "AsyncGRPOConfig"}[trainer]
+    if trainer == "async_grpo":  # TRL's experimental trainer
+        from trl.experimental import async_grpo as trl
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

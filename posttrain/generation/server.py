@@ -75,12 +75,16 @@ class ServerClient:
 
     # ------------------------------------------------------------------ calls
 
-    def _call(self, method: str, path: str, timeout: float, retry: bool, **kwargs):
+    def _call(self, method: str, path: str, timeout: float, retry: bool, busy_until: float | None = None, **kwargs):
+        """One call; `retry`: again after a connection error or a 5xx; `busy_until`: again while the server answers
+        409 (a weight update in progress) until that monotonic time."""
         import requests
 
         url = f"{self.base_url}{path}"
         attempts = self.retries if retry else 1
-        for attempt in range(attempts):
+        attempt = 0
+        while attempt < attempts:
+            attempt += 1
             try:
                 response = self.session.request(method, url, timeout=timeout, **kwargs)
             except requests.Timeout:
@@ -88,13 +92,17 @@ class ServerClient:
                                       f"within {timeout:g} s: check that it is alive and not overloaded, or raise the "
                                       "timeout (request_timeout, weight_sync_timeout).") from None
             except requests.ConnectionError as err:
-                if attempt + 1 < attempts:
-                    time.sleep(0.2 * 2 ** attempt)
+                if attempt < attempts:
+                    time.sleep(0.2 * 2 ** (attempt - 1))
                     continue
                 raise GenerationError(f"The generation server at {self.base_url} refused {method} {path} "
                                       f"({type(err).__name__}): is it still running?") from None
-            if response.status_code >= 500 and attempt + 1 < attempts:
-                time.sleep(0.2 * 2 ** attempt)
+            if response.status_code >= 500 and attempt < attempts:
+                time.sleep(0.2 * 2 ** (attempt - 1))
+                continue
+            if response.status_code == 409 and busy_until is not None and time.monotonic() < busy_until:
+                attempt -= 1  # another process's (or this one's trainer's) push: not a failed attempt
+                time.sleep(0.02)
                 continue
             if response.status_code >= 400:
                 raise GenerationError(f"The generation server at {self.base_url} answered {method} {path} with "
@@ -189,7 +197,9 @@ class ServerClient:
             body["stop_token_ids"] = list(params.eos_token_ids)
         if sample_keys is not None:
             body["sample_keys"] = list(sample_keys)
-        return self._call("POST", "/v1/completions", self.request_timeout, retry=True, json=body)["choices"]
+        # a push in progress (async_generation samples while the trainer pushes) answers 409: wait it out
+        return self._call("POST", "/v1/completions", self.request_timeout, retry=True,
+                          busy_until=time.monotonic() + self.request_timeout, json=body)["choices"]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> str:
         """Send every weight under `version` in an update this client owns (its id on every call), in buckets
@@ -263,6 +273,9 @@ class ServerGenerator:
         # async_generation: pushes land between a round's requests, so a row may be sampled by a newer version than
         # the round started with (the rollout worker records the version it started with)
         self.versions_advance = versions_advance
+        # the server orders a push against the requests in flight (posttrain serve answers 409 while it loads,
+        # which the client waits out; vLLM pauses), so a rollout worker may sample while the trainer pushes
+        self.samples_during_push = True
         self.run_id = run_id
         self.device = device
         self.syncs = 0

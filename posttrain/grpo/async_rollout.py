@@ -210,8 +210,9 @@ class AheadRounds:
     """
 
     def __init__(self, args, accelerator, sample: Callable, draw: Callable, on_taken: Callable, push: Callable,
-                 next_index: int = 0, queue=(), extra_rounds: int = 0):
+                 next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True):
         self.args, self.accelerator, self._push, self._on_taken = args, accelerator, push, on_taken
+        self.exclusive_push = exclusive_push  # no round generates during a push (a copy of the policy in process)
         self.extra_rounds = extra_rounds  # dynamic sampling's rounds beyond one per batch
         ahead = args.rounds_ahead(args.generation_batch_size, accelerator.num_processes)
         self.worker = RolloutWorker(draw, sample, self.plan, ahead, args.heartbeat_stale_after_s, next_index, queue)
@@ -234,8 +235,9 @@ class AheadRounds:
         self.worker.start()
 
     def sync(self, steps_taken: int) -> None:
-        """Push the current weights as version `steps_taken`, holding the engine (no round generates meanwhile)."""
-        with self.worker.engine_lock:
+        """Push the current weights as version `steps_taken`; holding the engine where the push and a generation
+        cannot overlap (an in-process copy), else alongside the round in progress (a server orders the two)."""
+        with self.worker.engine_lock if self.exclusive_push else contextlib.nullcontext():
             with guarded(self.accelerator):  # a push that fails on one process stops them all
                 self._push()
             self.worker.publish(steps_taken)
@@ -325,7 +327,8 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
         return rollout.sample_local(prompt_round, args.num_generations, step, skip_bad, engine=engine)
 
     ahead = AheadRounds(args, accelerator, sample, lambda: next(rounds), on_taken, rollout.push_weights, next_index,
-                        resumed[1] if resumed else (), resumed[0]["extra_rounds"] if resumed else 0)
+                        resumed[1] if resumed else (), resumed[0]["extra_rounds"] if resumed else 0,
+                        exclusive_push=not getattr(rollout.generator, "samples_during_push", False))
     ahead.start(steps_taken)
     return ahead
 
