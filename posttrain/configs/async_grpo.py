@@ -12,7 +12,7 @@ stay, as posttrain's: TRL's asynchronous loss is GRPO's clipped one at beta 0.
 
 from dataclasses import dataclass
 
-from posttrain.configs.base import ConfigError, _help, check_choice
+from posttrain.configs.base import POSITIVE, ConfigError, _help, check_choice
 from posttrain.configs.grpo import GRPOConfig
 from posttrain.configs.trl_compat import ASYNC_ONLY, AsyncGRPOCompatConfig, check_compat
 
@@ -54,9 +54,22 @@ class AsyncGRPOConfig(AsyncModelConfig, GRPOConfig, AsyncGRPOCompatConfig):
         "Generate through the server at vllm_server_base_url (vllm serve or posttrain serve), as TRL's "
         "AsyncGRPOTrainer does; False samples from a copy of the policy in this process.", default=True)
     vllm_mode: str = _help("server (TRL's AsyncGRPOTrainer generates only through a server).", default="server")
+    request_timeout: int = _help(
+        "Seconds one generation request may take before the run stops with one sentence (TRL's AsyncGRPOConfig "
+        "default).", range=POSITIVE, default=600)
+    weight_sync_timeout: int = _help(
+        "Seconds each weight-sync call may take before the run stops with one sentence (TRL's AsyncGRPOConfig "
+        "default).", range=POSITIVE, default=1800)
+    remove_unused_columns: bool = _help(
+        "TRL's AsyncGRPOTrainer applies it to its training batches' columns, never to the dataset's: every column "
+        "reaches the reward functions whatever its value, as here.", default=True)
     vllm_server_base_url: str = _help(
         "The generation server's base URL (TRL's AsyncGRPOConfig default http://localhost:8000).",
         default="http://localhost:8000")
+
+    @property
+    def drops_reward_columns(self) -> bool:
+        return False  # remove_unused_columns is about TRL's training batches (its help)
 
     def __post_init__(self):
         super().__post_init__()

@@ -424,6 +424,11 @@ class GRPOConfig(TrainingLoopConfig, ModelConfig, DeviceConfig, LoggingConfig, E
                 f"per_device_eval_batch_size to a multiple of {g}, or change num_generations_eval.")
 
     @property
+    def drops_reward_columns(self) -> bool:
+        """Whether the reward functions see no dataset column but the prompt (remove_unused_columns, GRPO's meaning)."""
+        return self.remove_unused_columns
+
+    @property
     def prompts_per_generation(self) -> int:
         """Unique prompts in one generation batch, across all processes."""
         return self.generation_batch_size // self.num_generations

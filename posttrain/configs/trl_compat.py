@@ -387,8 +387,12 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
     name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
             "reward": "RewardConfig", "kto": "KTOConfig", "distillation": "DistillationConfig",
             "async_grpo": "AsyncGRPOConfig"}[trainer]
-    if trainer == "async_grpo":  # TRL's experimental trainer
-        from trl.experimental import async_grpo as trl
+    if trainer == "async_grpo":  # TRL's experimental trainer (its import warns that it is)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from trl.experimental import async_grpo as trl
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
     for f in dataclasses.fields(getattr(trl, name)):

@@ -31,7 +31,7 @@ class DistillationRollout(Rollout):
         """(this process's share of the round, its completions sampled, one per prompt)."""
         share = self.share(prompt_round, 1, pad_prompts)
         with guarded(self.accelerator):  # generation and tools can fail on one process only
-            return share, self._generate(share)
+            return share, self._synced_generate(share)
 
     def _round_metrics(self, rollouts, keep: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
         """(completions/* over every process's completions, [rows of every process, 2] prompt and model tokens)."""

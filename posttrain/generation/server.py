@@ -27,7 +27,7 @@ import torch
 
 from posttrain import wire
 from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
-from posttrain.generation.sampling import mix64_int
+from posttrain.generation.server_requests import _fitting_runs, _runs, _shared_requests, stream_seed
 from posttrain.generation.transformers_backend import draw_seed
 
 
@@ -326,6 +326,12 @@ class ServerGenerator:
                                   "processed_logprobs (posttrain vllm-serve does), or set "
                                   "vllm_importance_sampling_correction=False.")
 
+    @property
+    def pushes_in_background(self) -> bool:
+        """Whether a push may be sent from a copy of the weights while the trainer steps on (async_generation):
+        over HTTP to posttrain serve; vLLM's NCCL transfer sends from the trainer's own tensors, in step."""
+        return not self.is_vllm
+
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Process 0 pushes the weights (to posttrain serve over HTTP, checked by digest; to vLLM over its NCCL
         transfer); every other process waits, with the sync timeout, until the server reports that version: no
@@ -406,56 +412,3 @@ def _torch_dtype(name) -> torch.dtype | None:
     """vLLM's served dtype ("torch.bfloat16" or "bfloat16") as a torch dtype; None when unknown."""
     value = getattr(torch, str(name or "").removeprefix("torch."), None)
     return value if isinstance(value, torch.dtype) else None
-
-
-def _runs(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], int, int]]:
-    """Consecutive rows with one prompt and consecutive keys as (prompt, first key, copies)."""
-    if len(keys) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(keys)} row keys.")
-    runs: list[tuple[list[int], int, int]] = []
-    for prompt, key in zip(prompts, keys):
-        if runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((list(prompt), key, 1))
-    return runs
-
-
-def _fitting_runs(runs: list[tuple[list[int], int, int]], max_seqs: int | None, max_tokens: int | None,
-                  new_tokens: int) -> list[tuple[list[int], int, int]]:
-    """`runs` with each run's copies split into runs (consecutive keys) small enough for one request: at most
-    max_seqs copies and max_tokens tokens (copies x (prompt + new_tokens)); None: no limit."""
-    out = []
-    for prompt, key, copies in runs:
-        cap = copies
-        if max_seqs:
-            cap = min(cap, max_seqs)
-        if max_tokens:
-            cap = min(cap, max(1, max_tokens // (len(prompt) + new_tokens)))
-        for start in range(0, copies, cap):
-            out.append((prompt, key + start, min(cap, copies - start)))
-    return out
-
-
-def _shared_requests(runs: list[tuple[list[int], int, int]], max_seqs: int | None = None,
-                     max_tokens: int | None = None, new_tokens: int = 0) -> list[list[int]]:
-    """Indices of consecutive runs with the same copy count, one list per request, each request within max_seqs
-    sequences and max_tokens tokens (sequences x (its longest prompt + new_tokens)); None: no limit."""
-    requests: list[list[int]] = []
-    longest = 0  # the longest prompt of the request being filled
-    for i, run in enumerate(runs):
-        if requests and runs[requests[-1][0]][2] == run[2]:
-            rows = (len(requests[-1]) + 1) * run[2]
-            tokens = rows * (max(longest, len(run[0])) + new_tokens)
-            if (not max_seqs or rows <= max_seqs) and (not max_tokens or tokens <= max_tokens):
-                requests[-1].append(i)
-                longest = max(longest, len(run[0]))
-                continue
-        requests.append([i])
-        longest = len(run[0])
-    return requests
-
-
-def stream_seed(seed: int, key: int) -> int:
-    """A server-side seed (31 bits) for the run whose first row key is `key` in the round seeded `seed`."""
-    return mix64_int(mix64_int(seed) ^ key) & 0x7FFFFFFF

@@ -22,7 +22,7 @@ import torch
 
 from posttrain.generation import vllm_compat
 from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
-from posttrain.generation.server import _runs, stream_seed
+from posttrain.generation.server_requests import _runs, stream_seed
 from posttrain.generation.transformers_backend import draw_seed
 
 

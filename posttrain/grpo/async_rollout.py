@@ -131,7 +131,7 @@ class RolloutWorker:
         or RolloutWorkerError when it hung or stopped."""
         started = time.monotonic()
         with self._cond, waiting_on("the rollout worker (async_generation)"):
-            while not self.queue:
+            while not self.queue or self.error is not None:
                 self._check_alive()
                 self._cond.wait(min(0.5, self.heartbeat_s / 4))
             item = self.queue.popleft()
@@ -151,6 +151,12 @@ class RolloutWorker:
                                      f"(heartbeat_stale_after_s={self.heartbeat_s:g}): a round's generation or reward "
                                      "functions hang; check the generation server and the reward functions, or raise "
                                      "heartbeat_stale_after_s.")
+
+    def fail(self, error: BaseException) -> None:
+        """A failure beside the worker's own (a background push): the trainer raises it when it next takes a round."""
+        with self._cond:
+            self.error = self.error or error
+            self._cond.notify_all()
 
     def publish(self, version: int) -> None:
         """The engine now holds `version` (call holding engine_lock, after the push)."""
@@ -210,9 +216,12 @@ class AheadRounds:
     """
 
     def __init__(self, args, accelerator, sample: Callable, draw: Callable, on_taken: Callable, push: Callable,
-                 next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True):
+                 next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True,
+                 background: tuple[Callable, Callable] | None = None):
         self.args, self.accelerator, self._push, self._on_taken = args, accelerator, push, on_taken
         self.exclusive_push = exclusive_push  # no round generates during a push (a copy of the policy in process)
+        # (snapshot, send): a push sent by a thread of its own while the trainer steps on (posttrain serve)
+        self._background, self._pushing = background, None
         self.extra_rounds = extra_rounds  # dynamic sampling's rounds beyond one per batch
         ahead = args.rounds_ahead(args.generation_batch_size, accelerator.num_processes)
         self.worker = RolloutWorker(draw, sample, self.plan, ahead, args.heartbeat_stale_after_s, next_index, queue)
@@ -243,8 +252,30 @@ class AheadRounds:
             self.worker.publish(steps_taken)
 
     def after_step(self, steps_taken: int) -> None:
-        if steps_taken % self.args.weight_sync_steps == 0:
-            self.sync(steps_taken)
+        if steps_taken % self.args.weight_sync_steps:
+            return
+        if self._background is None:
+            return self.sync(steps_taken)
+        snapshot, send = self._background
+        self.wait_for_push()  # one push at a time
+        with guarded(self.accelerator):  # the export (a collective under sharding) on the main thread
+            weights = snapshot()
+
+        def push():
+            try:
+                send(weights)
+                self.worker.publish(steps_taken)
+            except BaseException as error:  # noqa: BLE001 - the trainer raises it where it waits for rounds
+                self.worker.fail(error)
+
+        self._pushing = threading.Thread(target=push, name="posttrain-weight-push", daemon=True)
+        self._pushing.start()
+
+    def wait_for_push(self) -> None:
+        """The push in flight (a background one) finished; its failure reaches the trainer through the worker."""
+        if self._pushing is not None:
+            self._pushing.join()
+            self._pushing = None
 
     def next_round(self, step: int, extra: bool = False):
         """The LocalRound to train on at `step` (1-based, as reward functions are told), skipping those more than
@@ -283,6 +314,7 @@ class AheadRounds:
         """(meta, tensors, the sampler's state) for a checkpoint, taken with the worker paused between rounds: its
         next round, dynamic sampling's extra rounds, the queue (pickled: rows as the dataset gave them), and a copy
         of `sampler` (the generator's RNG) as of that queue."""
+        self.wait_for_push()
         with self.worker.paused():
             buffer = io.BytesIO()
             pickle.dump(list(self.worker.queue), buffer)
@@ -294,6 +326,7 @@ class AheadRounds:
     @contextlib.contextmanager
     def evaluating(self, steps_taken: int):
         """The worker paused while evaluation samples (it pushes the current weights, version `steps_taken`)."""
+        self.wait_for_push()
         with self.worker.paused():
             yield
             with self.worker.engine_lock:
@@ -307,6 +340,7 @@ class AheadRounds:
 
     def close(self) -> tuple[dict, list]:
         """Stop the worker; returns where it stood (meta and queue, as a checkpoint holds them) for a restart."""
+        self.wait_for_push()
         self.worker.stop()
         meta = {"next_index": self.worker.next_index, "extra_rounds": self.extra_rounds, "stream_drawn": True}
         return meta, list(self.worker.queue)
@@ -328,7 +362,9 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
 
     ahead = AheadRounds(args, accelerator, sample, lambda: next(rounds), on_taken, rollout.push_weights, next_index,
                         resumed[1] if resumed else (), resumed[0]["extra_rounds"] if resumed else 0,
-                        exclusive_push=not getattr(rollout.generator, "samples_during_push", False))
+                        exclusive_push=not getattr(rollout.generator, "samples_during_push", False),
+                        background=((rollout.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
+                                    if getattr(rollout.generator, "pushes_in_background", False) else None))
     ahead.start(steps_taken)
     return ahead
 

@@ -200,9 +200,7 @@ class Rollout:
         logs = RewardLogs()
         share = self.share(prompt_round, G, pad_prompts)
         if engine is None:
-            with self.sharding.whole_weights(self.model):  # sharded training: whole weights for the whole decode
-                self.push_weights()
-                sampled = self._generate(share)
+            sampled = self._synced_generate(share)
         else:
             with engine():
                 sampled = self._generate(share)
@@ -229,6 +227,19 @@ class Rollout:
         """The policy's weights to the generator (a collective under sharding: every process calls it)."""
         with self.sharding.whole_weights(self.model):
             self.generator.sync_weights(export_weights(self.model))
+
+    def weights_snapshot(self) -> list:
+        """The policy's weights as the generator takes them, copied to the CPU, for a push that runs while training
+        goes on (a collective under sharding: every process calls it)."""
+        with self.sharding.whole_weights(self.model):
+            return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in export_weights(self.model)]
+
+    def _synced_generate(self, share: RoundShare) -> AgentSample:
+        """`_generate` after pushing the policy's weights to the generator, within the whole weights (sharded
+        training: for the export and the whole decode)."""
+        with self.sharding.whole_weights(self.model):
+            self.generator.sync_weights(export_weights(self.model))
+            return self._generate(share)
 
     def _generate(self, share: RoundShare) -> AgentSample:
         """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a

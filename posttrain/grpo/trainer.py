@@ -194,8 +194,8 @@ class GRPOTrainer(Trainer):
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
                                     self._data_seed)
         self.train_dataset = train_dataset  # as given, as TRL keeps it (GRPO prepares prompts round by round)
-        # TRL's remove_unused_columns=True drops every column but the prompt before the reward functions see them
-        self.reward_columns = [] if args.remove_unused_columns else self.prompts.columns
+        # TRL's GRPO remove_unused_columns=True drops every column but the prompt before the reward functions see them
+        self.reward_columns = [] if args.drops_reward_columns else self.prompts.columns
         check_required_columns(self.reward_funcs, self.reward_columns,
                                self.agents.column_names if self.agents is not None else (),
                                more_columns=agents.rollout_func is not None)
