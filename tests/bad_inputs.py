@@ -2398,7 +2398,7 @@ def async_reward_hangs(tmp):
     import time
 
     def grader(completions, **kwargs):
-        time.sleep(20)
+        time.sleep(4)
         return [0.0] * len(completions)
 
     _trainer(tmp, reward=grader, async_generation=True, heartbeat_stale_after_s=1.0).train()

@@ -133,7 +133,7 @@ def test_a_reward_function_raising_in_the_worker_stops_the_run_with_its_sentence
 def test_a_hung_worker_stops_the_run_after_the_heartbeat(tokenizer, addition_dataset, tmp_path):
     def hanging(completions, trainer_state, **kwargs):
         if trainer_state.global_step >= 2:
-            time.sleep(30)
+            time.sleep(4)
         return [0.0] * len(completions)
 
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, reward=hanging, async_generation=True,
@@ -358,3 +358,20 @@ def test_the_tool_loop_runs_in_the_worker_as_in_synchronous_grpo(tmp_path):
             assert a.get(key) == b.get(key), (a["step"], key)
     pa, pb = _params(runs[0]), _params(runs[1])
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_a_worker_thread_gone_without_a_round_or_an_error_is_said_in_one_sentence():
+    import threading
+
+    from posttrain.grpo.async_rollout import RolloutWorker
+
+    worker = RolloutWorker(draw=lambda: None, sample=lambda *a: None, plan=lambda index: (0, 0), ahead=1,
+                           heartbeat_s=5.0)
+    worker._thread = threading.Thread(target=lambda: None)  # a thread that ended without handing anything over
+    worker._thread.start()
+    worker._thread.join()
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=r"^The rollout worker \(async_generation\) stopped without a round "
+                                                 r"or an error: restart the run from its newest checkpoint\.$"):
+        worker.take()
+    assert time.monotonic() - started < 2
