@@ -209,8 +209,8 @@ def test_dynamic_sampling_draws_its_extra_rounds_from_the_queue(tokenizer, addit
     assert all(s <= 1 for s in _async_metrics(trainer, "async/staleness_mean"))
 
 
+@pytest.mark.peft
 def test_a_lora_policy_is_sampled_through_its_merged_copy(tokenizer, addition_dataset, tmp_path):
-    pytest.importorskip("peft")
     from peft import LoraConfig
 
     from posttrain.weights import export_weights
