@@ -76,39 +76,41 @@ class ServerClient:
     # ------------------------------------------------------------------ calls
 
     def _call(self, method: str, path: str, timeout: float, retry: bool, busy_until: float | None = None, **kwargs):
-        """One call; `retry`: again after a connection error or a 5xx; `busy_until`: again while the server answers
-        409 (a weight update in progress) until that monotonic time."""
+        """One call; `retry`: again after a connection error or a 5xx; `busy_until`: see `_request`."""
         import requests
 
         url = f"{self.base_url}{path}"
         attempts = self.retries if retry else 1
-        attempt = 0
-        while attempt < attempts:
-            attempt += 1
+        for attempt in range(attempts):
             try:
-                response = self.session.request(method, url, timeout=timeout, **kwargs)
+                response = self._request(method, url, timeout, busy_until, **kwargs)
             except requests.Timeout:
                 raise GenerationError(f"The generation server at {self.base_url} did not answer {method} {path} "
                                       f"within {timeout:g} s: check that it is alive and not overloaded, or raise the "
                                       "timeout (request_timeout, weight_sync_timeout).") from None
             except requests.ConnectionError as err:
-                if attempt < attempts:
-                    time.sleep(0.2 * 2 ** (attempt - 1))
+                if attempt + 1 < attempts:
+                    time.sleep(0.2 * 2 ** attempt)
                     continue
                 raise GenerationError(f"The generation server at {self.base_url} refused {method} {path} "
                                       f"({type(err).__name__}): is it still running?") from None
-            if response.status_code >= 500 and attempt < attempts:
-                time.sleep(0.2 * 2 ** (attempt - 1))
-                continue
-            if response.status_code == 409 and busy_until is not None and time.monotonic() < busy_until:
-                attempt -= 1  # another process's (or this one's trainer's) push: not a failed attempt
-                time.sleep(0.02)
+            if response.status_code >= 500 and attempt + 1 < attempts:
+                time.sleep(0.2 * 2 ** attempt)
                 continue
             if response.status_code >= 400:
                 raise GenerationError(f"The generation server at {self.base_url} answered {method} {path} with "
                                       f"{response.status_code}: {_error_text(response)}")
             return response.json()
         raise AssertionError("unreachable")
+
+    def _request(self, method: str, url: str, timeout: float, busy_until: float | None, **kwargs):
+        """The response to one request, asked again while the server answers 409 (a weight update in progress:
+        another process's push, or this one's trainer's) until the monotonic time `busy_until`, when given."""
+        while True:
+            response = self.session.request(method, url, timeout=timeout, **kwargs)
+            if response.status_code != 409 or busy_until is None or time.monotonic() >= busy_until:
+                return response
+            time.sleep(0.02)
 
     def wait_until_up(self) -> dict:
         """Poll /health until it answers (or connect_timeout passes), then return /server_info."""
@@ -259,6 +261,10 @@ class ServerGenerator:
         model_fingerprint: wire.fingerprint of the trainer's export; must equal the server's model.
     """
 
+    # the server orders a push against the requests in flight (posttrain serve answers 409 while it loads, which the
+    # client waits out; vLLM pauses), so a rollout worker may sample while the trainer pushes
+    samples_during_push = True
+
     def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
                  model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu",
                  max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216,
@@ -273,9 +279,6 @@ class ServerGenerator:
         # async_generation: pushes land between a round's requests, so a row may be sampled by a newer version than
         # the round started with (the rollout worker records the version it started with)
         self.versions_advance = versions_advance
-        # the server orders a push against the requests in flight (posttrain serve answers 409 while it loads,
-        # which the client waits out; vLLM pauses), so a rollout worker may sample while the trainer pushes
-        self.samples_during_push = True
         self.run_id = run_id
         self.device = device
         self.syncs = 0

@@ -45,12 +45,7 @@ def generation_copy(policy):
     so an optimizer step never lands mid-decode. Built from the config: a sharded policy's modules hold shards."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.keywords import unwrap
-    from posttrain.models.peft import is_peft_model
-
-    while hasattr(policy, "module") and not is_peft_model(policy):  # DDP and similar wrappers
-        policy = policy.module
-    base = unwrap(policy.get_base_model() if is_peft_model(policy) else policy)
+    base = unwrap(policy)  # DDP's, compile's and peft's wrappers stripped
     first = next(base.parameters())
     model = AutoModelForCausalLM.from_config(base.config)
     model.generation_config = copy.deepcopy(base.generation_config)

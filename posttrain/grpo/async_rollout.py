@@ -20,7 +20,6 @@ Nothing runs a collective on the worker's thread: its failure is handed to the t
 
 import collections
 import contextlib
-import io
 import pickle
 import threading
 import time
@@ -316,12 +315,13 @@ class AheadRounds:
         of `sampler` (the generator's RNG) as of that queue."""
         self.wait_for_push()
         with self.worker.paused():
-            buffer = io.BytesIO()
-            pickle.dump(list(self.worker.queue), buffer)
-            blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            meta = {"next_index": self.worker.next_index, "extra_rounds": self.extra_rounds}
+            blob = torch.frombuffer(bytearray(pickle.dumps(list(self.worker.queue))), dtype=torch.uint8)
             copy = torch.Generator().set_state(sampler.get_state())
-        return meta, {"async_queue": blob}, copy
+            return self._position(), {"async_queue": blob}, copy
+
+    def _position(self) -> dict:
+        """Where the worker stands: its next round, and dynamic sampling's extra rounds."""
+        return {"next_index": self.worker.next_index, "extra_rounds": self.extra_rounds}
 
     @contextlib.contextmanager
     def evaluating(self, steps_taken: int):
@@ -342,8 +342,7 @@ class AheadRounds:
         """Stop the worker; returns where it stood (meta and queue, as a checkpoint holds them) for a restart."""
         self.wait_for_push()
         self.worker.stop()
-        meta = {"next_index": self.worker.next_index, "extra_rounds": self.extra_rounds, "stream_drawn": True}
-        return meta, list(self.worker.queue)
+        return {**self._position(), "stream_drawn": True}, list(self.worker.queue)
 
 
 def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callable, resumed, steps_taken: int
@@ -370,6 +369,6 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
 
 
 def queue_from_tensors(tensors: dict) -> list[SampledRound]:
-    """The queue `AheadRounds.state` saved (empty when the checkpoint has none)."""
+    """The queue `AheadRounds.snapshot` saved (empty when the checkpoint has none)."""
     blob = tensors.get("async_queue")
     return [] if blob is None else pickle.loads(blob.cpu().numpy().tobytes())
