@@ -172,9 +172,10 @@ def test_a_server_that_fails_stops_the_run_with_one_sentence(tokenizer, addition
 def test_resume_equals_the_uninterrupted_run(tokenizer, addition_dataset, tmp_path, staleness):
     """The checkpoint holds the worker's queue (rounds sampled ahead, with their versions) and its sampler's state:
     the resumed run takes the same rounds and ends with the same weights, bit for bit (at staleness 1 the worker is
-    kept deterministic by slow steps: it always waits for its version)."""
+    kept deterministic by slow steps: it always waits for its version; at both, they leave the worker the time to
+    sample the next round before the checkpoint is taken, so the queue it holds is known)."""
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, async_generation=True, max_staleness=staleness)
-    slow = [SlowSteps(0.2)] if staleness else []
+    slow = [SlowSteps(0.2)]
     straight = _trainer(tokenizer, addition_dataset, tmp_path / "a", callbacks=slow, **values)
     straight.train()
     first = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=[StopAt(2), *slow], **values)
