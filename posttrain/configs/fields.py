@@ -154,7 +154,8 @@ class ModelConfig:
         "posttrain's own fast paths, each checked once per model against the model's own results: the output layer "
         "in chunks, packed rows, shared prompts, the lean decoder and oneDNN products on a CPU. false runs the "
         "model's plain transformers forward with whole logits, padded rows and torch's products (for debugging, or a "
-        "model the checks do not know); the numbers agree within float rounding.", default=True)
+        "model the checks do not know); the numbers agree within float rounding. On a CPU it also leaves the C "
+        "library's allocator as it was (training/heap.py keeps freed memory in the heap).", default=True)
     router_aux_loss_coef: Optional[float] = _help(
         "Coefficient of a mixture-of-experts model's router load-balancing loss, added to the training loss (and "
         "logged as aux_loss) as in TRL. None: the model config's own coefficient (0 where it has none); 0 turns it "

@@ -1,5 +1,6 @@
 """What a trainer sets up before its loop: its config (TRL's conversion of a TrainingArguments), the quantization
-config, the Accelerator (DDP, process group, DeepSpeed plugin), log levels, and the FLOP count of a token."""
+config, the Accelerator (DDP, process group, DeepSpeed plugin; on a CPU the heap kept, training/heap.py), log levels,
+and the FLOP count of a token."""
 
 import dataclasses
 import datetime
@@ -9,6 +10,7 @@ import os
 import torch
 
 from posttrain.training.distributed import mark_agreed
+from posttrain.training.heap import keep_freed_host_memory
 
 logger = logging.getLogger("posttrain")
 
@@ -53,8 +55,8 @@ def make_accelerator(args, mixed_precision: str):
     # (it assumes a schedule sized for one process's batches), and with 2 processes the learning rate decays twice
     # as fast.
     try:
-        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
-                           step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
+        accelerator = Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers,
+                                  step_scheduler_with_optimizer=False, deepspeed_plugin=_deepspeed_plugin(args))
     except RuntimeError as err:
         from posttrain.configs import ConfigError
 
@@ -65,6 +67,9 @@ def make_accelerator(args, mixed_precision: str):
                 "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
             )) from err
         raise
+    if accelerator.device.type == "cpu" and getattr(args, "fast_paths", True):
+        keep_freed_host_memory()  # the step's buffers in host memory: reused without page faults (training/heap.py)
+    return accelerator
 
 
 def _deepspeed_plugin(args):

@@ -1,0 +1,149 @@
+"""Tables of bench/compare_real_shape.sh's runs: each row's medians on each side, their ratios, and the FLOP-bound time.
+
+Usage: python bench/real_shape_table.py RUNS_JSONL [--model /tmp/bench-models/qwen05] [--rate GFLOP_PER_S]
+
+The FLOP-bound time is the fewest matmul FLOPs the row's step needs (below) over the machine's matmul rate: without
+--rate, the best float32 rate of three products measured here at the model's shapes (2,048 rows through the MLP's
+up and down projections and the output layer, 2 threads), so the bound is a floor no implementation can pass on this
+machine. Measure it on a quiet machine, as the runs were.
+
+FLOPs of a step (2 per multiply-add; `flops.body_params` is the body's weights per token, `head` hidden x vocabulary):
+- GRPO: the decode (each prompt once, as posttrain's shared prefill; every completion token), the reference forward
+  (beta > 0) and the policy's forward and backward (2x the forward) over each prompt once and every completion,
+  the output layer at completion positions only (`flops.grpo_step_flops` with the prompts shared, without the
+  chunked path's recomputed output-layer forward).
+- SFT (text rows): forward + backward, 3 x 2 x tokens x (body + head).
+- DPO: the policy's forward + backward and the reference forward over prompt + chosen and prompt + rejected, the
+  output layer at the chosen and rejected positions only.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/flops.py
+
+from flops import body_params  # noqa: E402
+
+ANCHOR_PROMPTS = [f"What is {a} + {b}?" for a, b in zip(range(10, 74), range(100, 164))]  # trl_grpo.py's prompts
+
+
+def flag(flags: str, name: str, default: int) -> int:
+    words = flags.split()
+    return int(words[words.index(name) + 1]) if name in words else default
+
+
+def grpo_flops(config, flags: str, prompt_len: float) -> float:
+    batch, gens, completion = flag(flags, "--batch", 16), flag(flags, "--gens", 8), flag(flags, "--completion", 64)
+    body, head = body_params(config), config.hidden_size * config.vocab_size
+    groups = batch // gens
+    forward = 2 * (groups * prompt_len * body + batch * completion * (body + head))
+    decode = forward  # every completion token once through the whole model, each prompt once in the prefill
+    return decode + forward + 3 * forward  # decode, reference forward (beta 0.04), policy forward + backward
+
+
+def sft_flops(config, flags: str) -> float:
+    tokens = flag(flags, "--batch", 8) * flag(flags, "--seq", 256)
+    return 3 * 2 * tokens * (body_params(config) + config.hidden_size * config.vocab_size)
+
+
+def dpo_flops(config, flags: str) -> float:
+    pairs, prompt = flag(flags, "--pairs", 4), flag(flags, "--prompt", 192)
+    chosen, rejected = flag(flags, "--chosen", 64), flag(flags, "--rejected", 64)
+    body, head = body_params(config), config.hidden_size * config.vocab_size
+    forward = 2 * pairs * ((2 * prompt + chosen + rejected) * body + (chosen + rejected) * head)
+    return 4 * forward  # reference forward, policy forward + backward
+
+
+def machine_rate(config) -> tuple[float, str]:
+    """The best GFLOP/s of three float32 products at the model's shapes, 2,048 rows each."""
+    import torch
+
+    torch.set_num_threads(2)
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    best = (0.0, "")
+    for inner, cols in ((h, inter), (inter, h), (h, vocab)):
+        a, w = torch.randn(2048, inner), torch.randn(cols, inner)
+        torch.nn.functional.linear(a, w)
+        repeats = max(3, int(4e11 / (2 * 2048 * inner * cols)))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.nn.functional.linear(a, w)
+        rate = 2 * 2048 * inner * cols * repeats / (time.perf_counter() - start) / 1e9
+        best = max(best, (rate, f"[2048 x {inner}] @ [{inner} x {cols}]"))
+    return best
+
+
+def median(runs: list[dict], key: str):
+    values = [r["result"][key] for r in runs if r["result"].get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def step_table(runs: list[dict], config, tokenizer, rate: float) -> list[str]:
+    prompt_len = statistics.mean(len(tokenizer(p).input_ids) for p in ANCHOR_PROMPTS)
+    lines = ["| row | flags | TRL s/step | posttrain s/step | ratio | TRL peak RSS | posttrain peak RSS | ratio | "
+             "step GFLOP | FLOP-bound s/step | posttrain / bound | runs |", "|---" * 12 + "|"]
+    for row in ("grpo", "sft", "dpo"):
+        sides = {side: [r for r in runs if r["row"] == row and r["side"] == side] for side in ("trl", "posttrain")}
+        if not all(sides.values()):
+            continue
+        flags = sides["trl"][0]["flags"]
+        flops = {"grpo": lambda: grpo_flops(config, flags, prompt_len), "sft": lambda: sft_flops(config, flags),
+                 "dpo": lambda: dpo_flops(config, flags)}[row]()
+        t, p = (median(sides[s], "median_step_s") for s in ("trl", "posttrain"))
+        m_t, m_p = (median(sides[s], "peak_rss_mib") for s in ("trl", "posttrain"))
+        bound = flops / 1e9 / rate
+        lines.append(f"| {row.upper()} | `{flags}` | {t:.2f} | {p:.2f} | {p / t:.2f} | {m_t:,.0f} MiB | {m_p:,.0f} MiB | "
+                     f"{m_p / m_t:.2f} | {flops / 1e9:,.0f} | {bound:.2f} | {p / bound:.2f} | "
+                     f"{len(sides['trl'])} + {len(sides['posttrain'])} |")
+    return lines
+
+
+def memory_table(runs: list[dict]) -> list[str]:
+    lines = ["| completion tokens | TRL peak RSS | TRL s (one step) | posttrain peak RSS | posttrain s (one step) |",
+             "|---|---|---|---|---|"]
+    for length in sorted({int(r["label"]) for r in runs if r["row"] == "memory"}):
+        cells = []
+        for side in ("trl", "posttrain"):
+            run = next((r for r in runs if r["row"] == "memory" and r["side"] == side and int(r["label"]) == length),
+                       None)
+            if run is None:
+                cells += ["-", "-"]
+            elif run["result"].get("out_of_memory"):
+                where = run["result"]["where"][-1] if run["result"]["where"] else "?"
+                cells += [f"**over {run['result']['rss_limit_gib']:.0f} GiB** after {run['result']['after_s']} s, "
+                          f"in `{where}`", "-"]
+            else:
+                cells += [f"{run['result']['peak_rss_mib']:,.0f} MiB", f"{run['result']['wall_s']:.0f}"]
+        lines.append(f"| {length:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs")
+    ap.add_argument("--model", default="/tmp/bench-models/qwen05")
+    ap.add_argument("--rate", type=float, default=None, help="GFLOP/s; measured here when left out")
+    args = ap.parse_args()
+    from transformers import AutoConfig, AutoTokenizer
+
+    runs = [json.loads(line) for line in open(args.runs)]
+    config, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    rate, shape = (args.rate, "given") if args.rate else machine_rate(config)
+    print(f"machine matmul rate: {rate:.0f} GFLOP/s ({shape}); load average {os.getloadavg()[0]:.2f}")
+    for r in runs:
+        if r["row"] != "memory":
+            print(f"{r['row']} {r['side']} rep {r['rep']}: median_step_s {r['result'].get('median_step_s')} "
+                  f"steps {r['result'].get('step_s')} s_per_step {r['result'].get('s_per_step')} "
+                  f"rss {r['result'].get('peak_rss_mib')} load1 {r['load1']}")
+    print("\n".join(step_table(runs, config, tokenizer, rate)))
+    if any(r["row"] == "memory" for r in runs):
+        print()
+        print("\n".join(memory_table(runs)))
+
+
+if __name__ == "__main__":
+    main()
