@@ -41,11 +41,9 @@ def rss_bytes() -> int:
 
 def watch_rss(limit_bytes: int, started: float, stdout) -> None:
     """Sample RSS; past `limit_bytes`, print the main thread's innermost frames and the RSS, and end the process."""
-    peak = 0
     main_id = threading.main_thread().ident
     while True:
         rss = rss_bytes()
-        peak = max(peak, rss)
         if rss > limit_bytes:
             frame = sys._current_frames().get(main_id)
             stack = traceback.format_stack(frame) if frame is not None else []

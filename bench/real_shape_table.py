@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/flops.py
 
-from flops import body_params  # noqa: E402
+from flops import body_params, grpo_step_flops  # noqa: E402
 
 ANCHOR_PROMPTS = [f"What is {a} + {b}?" for a, b in zip(range(10, 74), range(100, 164))]  # trl_grpo.py's prompts
 
@@ -38,11 +38,13 @@ def flag(flags: str, name: str, default: int) -> int:
 
 def grpo_flops(config, flags: str, prompt_len: float) -> float:
     batch, gens, completion = flag(flags, "--batch", 16), flag(flags, "--gens", 8), flag(flags, "--completion", 64)
-    body, head = body_params(config), config.hidden_size * config.vocab_size
+    words = flags.split()
+    beta = float(words[words.index("--beta") + 1]) if "--beta" in words else 0.04  # the anchor's default
     groups = batch // gens
-    forward = 2 * (groups * prompt_len * body + batch * completion * (body + head))
-    decode = forward  # every completion token once through the whole model, each prompt once in the prefill
-    return decode + forward + 3 * forward  # decode, reference forward (beta 0.04), policy forward + backward
+    step = grpo_step_flops(config, batch, prompt_len, completion, beta, peft=False, prefill_rows=groups,
+                           trained_prompt_rows=groups)
+    recomputed_head = 2 * batch * completion * config.hidden_size * config.vocab_size  # the chunked path's own cost
+    return step["total"] - recomputed_head
 
 
 def sft_flops(config, flags: str) -> float:
