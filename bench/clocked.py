@@ -2,8 +2,9 @@
 
 Usage: python bench/clocked.py [--rss-limit-gib 20] [--optimizer-states-first] SCRIPT [SCRIPT's flags]
 
-The script runs unchanged as __main__ in this process. Every trainer it builds (transformers' Trainer and so TRL's
-trainers, and posttrain's) gets a `step_clock` callback, and the script's own JSON line is printed again with:
+The script runs unchanged as __main__ in this process. A hook on every torch optimizer's step (step_clock.py's
+OptimizerStepClock: TRL's optimizers and posttrain's alike) notes when each step ends, and the script's own JSON line
+is printed again with:
 - `step_s`: the seconds of each optimizer step after the first, and `median_step_s`, their median. The first step
   holds one-time work (the optimizer's states made, pages touched for the first time), which on a model of real size
   is seconds: with a few steps, the anchors' `s_per_step` (wall / steps) carries a large share of it.
@@ -29,7 +30,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/step_clock.py
 
-from step_clock import step_clock  # noqa: E402
+from step_clock import OptimizerStepClock  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -53,29 +54,6 @@ def watch_rss(limit_bytes: int, started: float, stdout) -> None:
                               "where": where}), file=stdout, flush=True)
             os._exit(3)
         time.sleep(0.02)
-
-
-def clock_every_trainer(clocks: list) -> None:
-    """Give every trainer built from here on a step clock (appended to `clocks`)."""
-    import transformers
-
-    classes = [transformers.Trainer]
-    try:
-        from posttrain.training.trainer import Trainer as PosttrainTrainer
-
-        classes.append(PosttrainTrainer)
-    except ImportError:  # a TRL-only environment
-        pass
-    for cls in classes:
-        original = cls.__init__
-
-        def init(self, *args, _original=original, **kwargs):
-            _original(self, *args, **kwargs)
-            clock = step_clock()
-            self.add_callback(clock)
-            clocks.append(clock)
-
-        cls.__init__ = init
 
 
 def adam_states_first() -> None:
@@ -110,16 +88,14 @@ def main() -> None:
     started = time.perf_counter()
     if limit_gib is not None:
         threading.Thread(target=watch_rss, args=(int(limit_gib * 2**30), started, sys.stdout), daemon=True).start()
-    clocks: list = []
-    clock_every_trainer(clocks)
+    clock = OptimizerStepClock()
     sys.argv = args
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
         runpy.run_path(args[0], run_name="__main__")
     lines = [line for line in captured.getvalue().splitlines() if line.startswith("{")]
     record = json.loads(lines[-1]) if lines else {}
-    ends = clocks[-1].ends if clocks else []
-    steps = [round(b - a, 3) for a, b in zip(ends, ends[1:])]
+    steps = [round(gap, 3) for gap in clock.step_gaps()]
     record.update(step_s=steps, median_step_s=sorted(steps)[len(steps) // 2] if steps else None,
                   rss_limit_gib=limit_gib)
     print(json.dumps(record), flush=True)

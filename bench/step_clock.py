@@ -1,5 +1,5 @@
 """The step times both sides of a benchmark report: a transformers TrainerCallback, which TRL's trainers and posttrain's
-both take."""
+both take, or a global hook on every torch optimizer's step, which needs no access to the trainer."""
 
 import time
 
@@ -23,3 +23,30 @@ def step_clock():
 def median_step_s(clock) -> float | None:
     gaps = sorted(b - a for a, b in zip(clock.ends, clock.ends[1:]))
     return round(gaps[len(gaps) // 2], 4) if gaps else None
+
+
+class OptimizerStepClock:
+    """The end time of every optimizer step of the process, per optimizer (a global torch post-step hook, so it sees
+    TRL's and posttrain's optimizers alike, whatever wraps them); with `synchronize_cuda`, CUDA's queued work is
+    waited for at each step's end."""
+
+    def __init__(self, synchronize_cuda: bool = False):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.synchronize_cuda, self.ends = synchronize_cuda, {}
+        register_optimizer_step_post_hook(self._record)
+
+    def _record(self, optimizer, args, kwargs) -> None:
+        if self.synchronize_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        self.ends.setdefault(id(optimizer), []).append(time.perf_counter())
+
+    def step_gaps(self) -> list[float]:
+        """Seconds between consecutive step ends of the optimizer that stepped most (steps 2..N)."""
+        ends = max(self.ends.values(), key=len) if self.ends else []
+        return [b - a for a, b in zip(ends, ends[1:])]
+
+    def steps(self) -> int:
+        return max((len(ends) for ends in self.ends.values()), default=0)

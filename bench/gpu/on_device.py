@@ -35,6 +35,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 KINDS = ("grpo", "sft", "dpo")
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/step_clock.py, bench/flops.py
+
+from step_clock import OptimizerStepClock  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -88,39 +91,12 @@ def reset_peak_at_train(cls, device: str) -> None:
     cls.train = train
 
 
-class StepClock:
-    """The end time of every optimizer step of the process, per optimizer (a global torch post-step hook, so it sees
-    TRL's and posttrain's optimizers alike, whatever wraps them)."""
-
-    def __init__(self, device: str):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.device, self.ends = device, {}
-        register_optimizer_step_post_hook(self._record)
-
-    def _record(self, optimizer, args, kwargs) -> None:
-        if self.device == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-        self.ends.setdefault(id(optimizer), []).append(time.perf_counter())
-
-    def median_step_s(self) -> tuple[float | None, int]:
-        """(median seconds between consecutive step ends of the optimizer that stepped most, steps it made)."""
-        if not self.ends:
-            return None, 0
-        ends = max(self.ends.values(), key=len)
-        gaps = [b - a for a, b in zip(ends, ends[1:])]
-        return (round(statistics.median(gaps), 4) if gaps else None), len(ends)
-
-
 def patch_matmul_rate(device: str, precision: str) -> None:
     """bench/grpo_step.py reports `matmul_gflop_per_s` from bench/flops.py's float32 CPU product: on a GPU, measure the
     same [2048 x hidden] @ [hidden x vocab] product on the GPU in the run's precision instead (the machine's own
     limit for the step's dominant shape, as the script means it)."""
     if device != "cuda":
         return
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import flops
     import torch
 
@@ -139,7 +115,7 @@ def patch_matmul_rate(device: str, precision: str) -> None:
     flops.matmul_gflops = gpu_matmul_gflops
 
 
-def prepare(script: str, device: str, precision: str, output_dir: str) -> StepClock:
+def prepare(script: str, device: str, precision: str, output_dir: str) -> OptimizerStepClock:
     """Everything before the script runs: the CPU FSDP patch where needed, the config and trainer wrappers, the
     step clock."""
     if device == "cpu" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -156,7 +132,7 @@ def prepare(script: str, device: str, precision: str, output_dir: str) -> StepCl
                  output_dir=output_dir)
     reset_peak_at_train(getattr(library, f"{trainer}Trainer"), device)
     patch_matmul_rate(device, precision)
-    return StepClock(device)
+    return OptimizerStepClock(synchronize_cuda=device == "cuda")
 
 
 def distributed_type() -> str:
@@ -167,10 +143,11 @@ def distributed_type() -> str:
     return getattr(kind, "value", str(kind)) if kind is not None else "NO"
 
 
-def kit_line(clock: StepClock, device: str, precision: str) -> dict:
+def kit_line(clock: OptimizerStepClock, device: str, precision: str) -> dict:
     import torch
 
-    median, steps = clock.median_step_s()
+    gaps = clock.step_gaps()
+    median, steps = (round(statistics.median(gaps), 4) if gaps else None), clock.steps()
     on_gpu = device == "cuda"
     return {"kit": {"device": device, "device_name": torch.cuda.get_device_name() if on_gpu else "cpu",
                     "precision": precision, "distributed_type": distributed_type(),
