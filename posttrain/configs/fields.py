@@ -155,7 +155,8 @@ class ModelConfig:
         "in chunks, packed rows, shared prompts, the lean decoder and oneDNN products on a CPU. false runs the "
         "model's plain transformers forward with whole logits, padded rows and torch's products (for debugging, or a "
         "model the checks do not know); the numbers agree within float rounding. On a CPU it also leaves the C "
-        "library's allocator as it was (training/heap.py keeps freed memory in the heap).", default=True)
+        "library's allocator as it was (with fast paths on and gradient checkpointing off, training/heap.py keeps "
+        "freed memory in the heap: faster steps, a higher peak).", default=True)
     router_aux_loss_coef: Optional[float] = _help(
         "Coefficient of a mixture-of-experts model's router load-balancing loss, added to the training loss (and "
         "logged as aux_loss) as in TRL. None: the model config's own coefficient (0 where it has none); 0 turns it "

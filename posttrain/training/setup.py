@@ -67,8 +67,10 @@ def make_accelerator(args, mixed_precision: str):
                 "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
             )) from err
         raise
-    if accelerator.device.type == "cpu" and getattr(args, "fast_paths", True):
-        keep_freed_host_memory()  # the step's buffers in host memory: reused without page faults (training/heap.py)
+    if accelerator.device.type == "cpu" and getattr(args, "fast_paths", True) \
+            and not getattr(args, "gradient_checkpointing", False):
+        # the step's buffers reused without page faults; not where the user traded time for memory (training/heap.py)
+        keep_freed_host_memory()
     return accelerator
 
 
