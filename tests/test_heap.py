@@ -47,7 +47,7 @@ def test_a_freed_block_is_reused_without_page_faults():
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
 def test_a_cpu_run_keeps_the_heap_unless_fast_paths_are_off_or_memory_comes_first(
         tmp_path, monkeypatch, fast_paths, gradient_checkpointing):
-    # checkpointing says memory matters more than time: the heap's fragmentation would raise the peak it lowers
+    # checkpointing says memory matters more than time: the heap's holes would raise the peak that checkpointing lowers
     calls = []
     monkeypatch.setattr(setup, "keep_freed_host_memory", lambda: calls.append(1) or True)
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, fast_paths=fast_paths,

@@ -9,9 +9,9 @@ trim off, freed blocks are reused, and the process no longer shrinks between ste
 
 The price is memory: a block of hundreds of MiB that once had its own mapping now sits in the one heap, and a hole
 it leaves fits only what is no larger, so the heap's top (the peak RSS) climbs above the peak of live memory. Without
-activation checkpointing that is about 5% (9.70 against 9.25 GiB on an 8-layer 0.5B-wide GRPO step at 512 tokens);
+activation checkpointing that is about 5% (9,700 against 9,245 MiB on an 8-layer 0.5B-wide GRPO step at 512 tokens);
 with it, the backward's recomputed layers interleave short-lived blocks with the gradients that stay, and it is
-about 22% (8.70 against 7.11 GiB). So the heap is kept only where the run has not asked to trade time for memory:
+about 22% (8,492 against 6,943 MiB). So the heap is kept only where the run has not asked to trade time for memory:
 a CPU, `fast_paths` on and `gradient_checkpointing` off (training/setup.py). `fast_paths=False` leaves the allocator
 as it was.
 """

@@ -67,8 +67,7 @@ def make_accelerator(args, mixed_precision: str):
                 "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
             )) from err
         raise
-    if accelerator.device.type == "cpu" and getattr(args, "fast_paths", True) \
-            and not getattr(args, "gradient_checkpointing", False):
+    if accelerator.device.type == "cpu" and args.fast_paths and not args.gradient_checkpointing:
         # the step's buffers reused without page faults; not where the user traded time for memory (training/heap.py)
         keep_freed_host_memory()
     return accelerator
