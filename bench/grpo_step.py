@@ -34,8 +34,8 @@ def trained_positions(prompt: list[int], completion: list[int]) -> int:
 
     sequences = [p + c for p, c in zip(prompt, completion)]
     padded_width = max(prompt) + max(completion)
-    bins = packing_plan(sequences, padded_width)
-    return len(sequences) * padded_width if bins is None else len(bins) * max(sequences)
+    plan = packing_plan(sequences, padded_width)  # the benchmark's models pack in rows (models/packed_layouts.py)
+    return len(sequences) * padded_width if plan is None else len(plan[0]) * plan[1]
 
 
 def main():

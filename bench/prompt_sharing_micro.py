@@ -30,13 +30,14 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from posttrain.models.chunked_check import fast_path_available
-    from posttrain.models.logprobs import packing_works, prompt_sharing_works, token_logprobs
+    from posttrain.models.logprobs import prompt_sharing_works, token_logprobs
+    from posttrain.models.packed_layouts import packed_layouts
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     model.train()
-    if not (fast_path_available(model) and packing_works(model) and prompt_sharing_works(model)):
+    if not (fast_path_available(model) and packed_layouts(model).rows and prompt_sharing_works(model)):
         raise SystemExit(f"{args.model}: the shared-prompt pass does not reproduce this model's hidden states")
     n, p, c = args.rows, args.prompt, args.completion
     prompt_of_row = torch.arange(n) // args.gens

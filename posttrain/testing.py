@@ -117,3 +117,125 @@ def save_tiny(path: str, tokenizer=None, seed: int = 0, **config_kwargs) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# transformers' text architectures a tiny model is built of by tiny_architecture: pure attention (Qwen2, Llama),
+# sliding-window attention (Gemma 3), and hybrids whose recurrent or convolutional layers carry state along a row:
+# Gated DeltaNet (Qwen3.5, Qwen3-Next), short convolutions (LFM2), Mamba-2 (Granite 4's GraniteMoeHybrid)
+ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid")
+_LINEAR_ATTENTION = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_conv_kernel_dim=4)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=2)
+_FAMILIES = {  # family: (config class, model class, the family's own config fields)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_LINEAR_ATTENTION, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16, decoder_sparse_step=1)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, conv_L_cache=3)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         dict(_MAMBA2, layer_types=["mamba", "attention"], num_local_experts=0)),
+}
+
+
+def tiny_architecture(family: str, tokenizer=None, seed: int = 0, classifier: bool = False):
+    """A randomly initialised tiny causal LM of one of ARCHITECTURES (seeded, float32), from transformers' own config
+    and model classes: hidden size 32, 4 attention heads (2 key/value) of 8, 2 layers unless the family's layer kinds
+    take more (Qwen3.5 and Qwen3-Next: 3 Gated DeltaNet layers and an attention layer; LFM2: two short-convolution
+    layers around an attention layer; GraniteMoeHybrid: a Mamba-2 layer and an attention layer; Gemma 3: a
+    sliding-window layer of window 4 and a global one). With `classifier`, the family's one-label sequence
+    classifier (AutoModelForSequenceClassification; LFM2 and GraniteMoeHybrid have none)."""
+    import torch
+    import transformers
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    config_class, model_class, fields = _FAMILIES[family]
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None, **fields})
+    torch.manual_seed(seed)
+    if classifier:
+        config.num_labels = 1
+        return transformers.AutoModelForSequenceClassification.from_config(config)
+    model = getattr(transformers, model_class)(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+FLASH_RULES = "flash_attention_rules_on_cpu"  # "flash" in the name: transformers' models take their flash branches
+
+
+def use_flash_rules(model):
+    """Run `model`'s attention by flash attention's rules, on any device (there is no CPU flash kernel): registered
+    with transformers' attention and mask interfaces under FLASH_RULES and set on the model's configs. Returns it.
+
+    The rules, as transformers' flash path applies them (modeling_flash_attention_utils._flash_attention_forward):
+    with a 2-D padding mask, each row is one sequence of its real tokens; else, given `cu_seq_lens_q` and
+    `max_length_q`, the batch flattened is cut at those boundaries; else, when the batch is one row whose position
+    ids restart, they mark its sequences; else each row is one causal sequence (a second packed row is not told
+    apart). Causal, bottom-right aligned when there are fewer queries than keys; sliding window and soft-capping as
+    the layer gives them; the exact softmax (no tiling), so only which keys each query sees differs from sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(FLASH_RULES, _flash_rules_attention)
+    AttentionMaskInterface.register(FLASH_RULES, flash_attention_mask)
+    config = model.config
+    for sub in [config] + [getattr(config, name) for name in getattr(config, "sub_configs", {})]:
+        if sub is not None:
+            sub._attn_implementation = FLASH_RULES  # set directly: set_attn_implementation would look for a kernel
+    return model
+
+
+def _flash_rules_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                           sliding_window=None, softcap=None, **kwargs):
+    """query [B, h, Lq, D], key and value [B, hk, Lk, D] -> ([B, Lq, h, D], None), by flash attention's rules."""
+    import torch
+
+    batch, heads, lq, dim = query.shape
+    lk = key.shape[2]
+    key = key.repeat_interleave(heads // key.shape[1], 1)
+    value = value.repeat_interleave(heads // value.shape[1], 1)
+    segments, flat = _flash_rules_segments(batch, lq, lk, attention_mask, kwargs, query.device)
+    if flat:  # the batch as one sequence of batch * L positions, cut at cu_seq_lens
+        query, key, value = (t.transpose(0, 1).reshape(1, heads, batch * lq, dim) for t in (query, key, value))
+        lq = lk = batch * lq
+    q_index = torch.arange(lq, device=query.device) + (lk - lq)
+    k_index = torch.arange(lk, device=query.device)
+    seen = (q_index[:, None] >= k_index[None, :]) & (segments[:, -lq:, None] == segments[:, None, :])  # [B', Lq, Lk]
+    if sliding_window is not None:
+        seen &= (q_index[:, None] - k_index[None, :]) < sliding_window
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.nan_to_num(scores.masked_fill(~seen[:, None], float("-inf")).softmax(-1))
+    out = weights.to(value.dtype) @ value  # [B', h, Lq, D]
+    if flat:
+        out = out.reshape(heads, batch, -1, dim).transpose(0, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _flash_rules_segments(batch: int, lq: int, lk: int, attention_mask, kwargs: dict, device):
+    """([B', Lk] the sequence each key position belongs to (a padding position its own), whether the batch runs
+    flattened as one row cut at cu_seq_lens_q)."""
+    import torch
+
+    index = torch.arange(lk, device=device)
+    if attention_mask is not None:
+        return torch.where(attention_mask[:, -lk:].bool(), 0, -1 - index), False
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is not None and longest is not None and lq == lk:
+        flat = torch.arange(batch * lk, device=device)
+        return torch.bucketize(flat, cu[1:].to(device=device, dtype=torch.long), right=True)[None], True
+    positions = kwargs.get("position_ids")
+    if positions is not None and batch == 1 and lq == lk and lk > 1:
+        return (positions.reshape(1, -1)[:, -lk:] == 0).cumsum(-1), False
+    return torch.zeros((batch, lk), dtype=torch.long, device=device), False

@@ -21,6 +21,15 @@ def _no_plots_at_the_end_of_runs(request, monkeypatch):
         monkeypatch.setattr(Trainer, "_write_plots", lambda self: None)
 
 
+@pytest.fixture(autouse=True)
+def _fallbacks_said_anew():
+    """A fast path's fallback is said once per process for a model class (models/loading.py fallback_said): each
+    test starts with none said, so that a test reading the warnings sees them whatever ran before it."""
+    from posttrain.models.loading import forget_fallbacks_said
+
+    forget_fallbacks_said()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from posttrain.testing import tiny_tokenizer

@@ -12,14 +12,14 @@ from test_sft_trainer import TEXTS, sft_config
 from posttrain.generation import lean_decoder
 from posttrain.models import fast_paths, token_logprobs
 from posttrain.models.chunked_check import fast_path_available
-from posttrain.models.logprobs import packing_works
+from posttrain.models.packed_layouts import packed_layouts
 from posttrain.sft.trainer import SFTTrainer
 from posttrain.testing import tiny_model
 
 
 def test_decisions_are_kept_beside_the_model_and_go_with_it(tokenizer):
     model = tiny_model(tokenizer, hidden=32, layers=1)
-    assert fast_path_available(model) and packing_works(model) and lean_decoder.supports(model)
+    assert fast_path_available(model) and packed_layouts(model).rows and lean_decoder.supports(model)
     assert not [name for name in vars(model) if name.startswith("_posttrain")]  # nothing written onto the model
     assert model in fast_paths._DECISIONS
     alive = weakref.ref(model)
@@ -31,8 +31,8 @@ def test_decisions_are_kept_beside_the_model_and_go_with_it(tokenizer):
 def test_turned_off_every_decision_is_no_and_the_log_probs_agree(tokenizer):
     fast, plain = tiny_model(tokenizer, hidden=32, layers=2), tiny_model(tokenizer, hidden=32, layers=2)
     fast_paths.turn_off(plain)
-    assert not (fast_path_available(plain) or packing_works(plain) or lean_decoder.supports(plain))
-    assert fast_path_available(fast) and packing_works(fast)
+    assert not (fast_path_available(plain) or packed_layouts(plain).one_row or lean_decoder.supports(plain))
+    assert fast_path_available(fast) and packed_layouts(fast).rows
     torch.manual_seed(0)
     prompt_ids, completion_ids = torch.randint(5, 90, (4, 6)), torch.randint(5, 90, (4, 7))
     prompt_mask = torch.ones_like(prompt_ids)

@@ -19,6 +19,7 @@ from posttrain.models import logprobs
 from posttrain.models.keywords import (FORWARD_NAMES, cache_kwarg, forward_keyword,
                                        missing_from_forward, returned_cache, transformers_cache_name)
 from posttrain.models.loading import load_causal_lm
+from posttrain.models.packed_layouts import PADDED_ONLY, PADDED_ROWS, packed_layouts
 from posttrain.testing import tiny_model
 
 CACHE = transformers_cache_name()
@@ -127,11 +128,11 @@ def test_a_fast_path_off_for_a_missing_keyword_is_said_once_with_the_versions(to
     model = tiny_model(tokenizer, hidden=16, layers=1, model_class=KwargsOnlyLM)
     with caplog.at_level("WARNING", logger="posttrain"):
         for _ in range(2):
-            assert not logprobs.packing_works(model)
+            assert packed_layouts(model) == PADDED_ONLY
             assert not logprobs.prompt_sharing_works(model)
     forward = f"its forward (KwargsOnlyLM, transformers {transformers.__version__}) takes"
     assert [r.getMessage() for r in caplog.records] == [
-        f"KwargsOnlyLM: {logprobs.PACKING_OFF}, because {forward} no `position_ids`.",
+        f"KwargsOnlyLM: {PADDED_ROWS}, because {forward} no `position_ids`.",
         f"KwargsOnlyLM: {logprobs.SHARING_OFF}, because {forward} no `position_ids`, none of `cache`, "
         "`past_key_values`, `cache_params`, no `use_cache`, neither `logits_to_keep` nor `num_logits_to_keep`."]
 
@@ -155,7 +156,7 @@ def test_a_training_run_raises_no_deprecation_warning(tmp_path, tokenizer, addit
     with _deprecations() as said:
         GRPOTrainer(model=model, reward_funcs=length_reward, processing_class=tokenizer,
                     args=tiny_config(tmp_path, max_steps=2, num_iterations=2), train_dataset=addition_dataset).train()
-    assert logprobs.prompt_sharing_works(model) and logprobs.packing_works(model)
+    assert logprobs.prompt_sharing_works(model) and packed_layouts(model).rows
     assert said == []
 
 

@@ -7,7 +7,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from posttrain.models import logprobs, packing
-from posttrain.models.logprobs import packing_works, token_logprobs
+from posttrain.models.logprobs import token_logprobs
+from posttrain.models.packed_layouts import PADDED_ONLY, PADDED_ROWS, packed_layouts
 from posttrain.models.packing import first_fit_decreasing, pack_rollouts
 from posttrain.testing import tiny_model
 
@@ -81,11 +82,11 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_batch(tokenizer,
         if in_forward:
             _mark_in_forward(model)
         if not packed:
-            monkeypatch.setattr(logprobs, "pack_rollouts", lambda *a: None)
+            monkeypatch.setattr(logprobs, "pack_rollouts", lambda *a, **k: None)
         else:
             monkeypatch.setattr(logprobs, "pack_rollouts", packing.pack_rollouts)
         # both checks before the hook below, which sees the log-prob pass only
-        assert logprobs.fast_path_available(model) and packing_works(model)
+        assert logprobs.fast_path_available(model) and packed_layouts(model).rows
         model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
         logps, entropy = token_logprobs(model, *batch, temperature=0.7, with_entropy=True,
                                         loss_gradient=lambda lp: weights)
@@ -116,7 +117,7 @@ class NoPackingLM(Qwen2ForCausalLM):
 def test_a_model_that_would_mix_packed_sequences_keeps_the_padded_batch(tokenizer):
     model = tiny_model(tokenizer, model_class=NoPackingLM, seed=2, hidden=32, layers=2)
     logprobs.fast_path_available(model)
-    assert not packing_works(model)
+    assert packed_layouts(model) == PADDED_ONLY
     batch = _rollouts([2, 6, 3], [16, 1, 5], 6, 16, len(tokenizer))
     assert pack_rollouts(*batch) is not None  # it would pack, were the model able to
     widths = []
@@ -142,10 +143,10 @@ def test_a_model_whose_packing_check_raises_keeps_the_padded_batch_and_says_why(
     model = tiny_model(tokenizer, model_class=MaskRequired, seed=2, hidden=32, layers=2)
     with caplog.at_level("WARNING", logger="posttrain"):
         assert logprobs.fast_path_available(model)
-        assert not packing_works(model) and not packing_works(model)
+        assert packed_layouts(model) == packed_layouts(model) == PADDED_ONLY
     assert [r.getMessage() for r in caplog.records] == [
-        "MaskRequired: its log-prob passes run padded rows, not packed ones, because its one-time check raised "
-        "RuntimeError: this model needs an attention mask."]
+        f"MaskRequired: {PADDED_ROWS}, because sequences packed in one row raise RuntimeError: this model needs an "
+        "attention mask."]
 
 
 @pytest.mark.parametrize("case", ["bfloat16 weights", "float32 under bf16 autocast"])
@@ -155,7 +156,7 @@ def test_the_packing_check_passes_in_16_bit_and_under_autocast(tokenizer, case):
     model = tiny_model(tokenizer, seed=2, hidden=32, layers=2)
     if case == "bfloat16 weights":
         model = model.to(torch.bfloat16)
-        assert packing_works(model)
+        assert packed_layouts(model).rows
     else:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert packing_works(model)
+            assert packed_layouts(model).rows

@@ -7,7 +7,8 @@ from transformers import Qwen2ForCausalLM
 
 from posttrain.models import logprobs
 from posttrain.models.keywords import transformers_cache_name
-from posttrain.models.logprobs import packing_works, prompt_sharing_works, token_logprobs
+from posttrain.models.logprobs import prompt_sharing_works, token_logprobs
+from posttrain.models.packed_layouts import packed_layouts
 from posttrain.models.prompt_sharing import distinct_prompts
 from posttrain.testing import tiny_model
 
@@ -62,7 +63,7 @@ def _passes(tokenizer, batch, shared: bool, temperature=0.7, model_class=None, w
     """(log-probs, entropies, gradients, the widths the embedding saw) of one token_logprobs pass."""
     model = tiny_model(tokenizer, seed=2, hidden=32, layers=2, model_class=model_class)
     assert logprobs.fast_path_available(model)
-    packing_works(model)  # the one-time checks before the hook below, which sees the log-prob pass only
+    packed_layouts(model)  # the one-time checks before the hook below, which sees the log-prob pass only
     prompt_sharing_works(model)
     widths = []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
@@ -146,7 +147,7 @@ def test_the_sharing_check_passes_in_16_bit_and_is_skipped_under_gradient_checkp
     model = tiny_model(tokenizer, seed=2, hidden=32, layers=2)
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
-    packing_works(model)
+    packed_layouts(model)
     batch = _group_rollouts([[11, 12, 13], [21, 22]], [0, 1, 0, 1], [2, 1, 2, 2], 2, len(tokenizer))
     widths = []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))

@@ -145,7 +145,7 @@ class DPOTrainer(AgainstReferenceTrainer):
             return torch.zeros((batch.pairs, 2), device=batch.targets.device)
         model = self.ref_model if self.ref_model is not None else self._no_grad_model
         with torch.no_grad(), self._reference_context(), self.accelerator.autocast():
-            logps, _, _ = next_token_logprobs(model, *self._inputs(batch))
+            logps, _, _ = next_token_logprobs(model, *self._inputs(batch), boundaries=batch.sequences.boundaries)
         return self._sequence_logps(logps, batch).view(-1, 2)
 
     def _precomputed_reference(self, model, pairs: PairRows, name: str, batch_size: int) -> np.ndarray:
@@ -210,7 +210,8 @@ class DPOTrainer(AgainstReferenceTrainer):
                        else contextlib.nullcontext([]))
             with collect as router_term:
                 logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
-                                                                  with_top1=True, with_stats=True)
+                                                                  with_top1=True, with_stats=True,
+                                                                  boundaries=batch.sequences.boundaries)
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
         completion = batch.completion.view(-1, 2).float()
@@ -257,7 +258,8 @@ class DPOTrainer(AgainstReferenceTrainer):
         return stats
 
     def _collate(self, pairs: PairRows) -> PairBatch:
-        return collate_pairs(pairs, self.tokenizer.pad_token_id, self.args.padding_free, self.pad_to_multiple_of)
+        padding_free = self._runs_padding_free(self.args.padding_free, self._no_grad_model, self.ref_model)
+        return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
 
     def _optimizer_step(self) -> dict:
         shares = self.batches.next_step()
@@ -318,7 +320,7 @@ class DPOTrainer(AgainstReferenceTrainer):
         input_ids) with the chosen rows first, then the rejected (padded rows; padding-free: the one packed row)."""
         s = batch.sequences
         with self.accelerator.autocast():
-            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids)
+            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids, s.boundaries)
         if not batch.pairs:
             return logits[:0], s.input_ids[:0], s.input_ids[:0]
         order = slice(None) if s.attention_mask is None else \

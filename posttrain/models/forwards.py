@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from posttrain.models.keywords import forward_accepts, logits_to_keep_kwarg, unwrap
+from posttrain.models.keywords import forward_accepts, logits_to_keep_kwarg, takes_boundaries, unwrap
 from posttrain.models.loading import checkpointing, is_fully_shard_unit, is_plain_linear
 
 WHOLE_ONLY_IN_FORWARD = "_posttrain_whole_only_in_forward"  # set on an output layer by training/sharding.py
@@ -27,10 +27,11 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sequence_kwargs(model, position_ids: torch.Tensor | None, n_keep: int) -> dict:
+def sequence_kwargs(model, position_ids: torch.Tensor | None, n_keep: int, boundaries=None) -> dict:
     """Keyword arguments for a no-cache forward that returns the last `n_keep` positions' logits (0: every
-    position), with these [B, T] position ids (None: the model's own)."""
-    kwargs = {}
+    position), with these [B, T] position ids (None: the model's own) and, for a packed row, its sequence
+    `boundaries` (models/packed_layouts.py Boundaries) where the forward takes them."""
+    kwargs = boundaries.keywords() if boundaries is not None and takes_boundaries(model) else {}
     keep = logits_to_keep_kwarg(model)
     if keep is not None:
         kwargs[keep] = n_keep
@@ -72,11 +73,12 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def whole_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None) -> torch.Tensor:
-    """[B, T, V] logits of every position of right-padded (or, with `position_ids` and no mask, packed) rows, as the
-    model computes them: only for a user's compute_metrics, the training and eval passes never build them."""
+                 position_ids: torch.Tensor | None, boundaries=None) -> torch.Tensor:
+    """[B, T, V] logits of every position of right-padded (or, with `position_ids`, its `boundaries` and no mask, a
+    packed row's) rows, as the model computes them: only for a user's compute_metrics, the training and eval passes
+    never build them."""
     return model(input_ids=input_ids, attention_mask=attention_mask,
-                 **sequence_kwargs(model, position_ids, 0)).logits
+                 **sequence_kwargs(model, position_ids, 0, boundaries)).logits
 
 
 def output_layer(model) -> torch.nn.Linear | None:

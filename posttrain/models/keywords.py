@@ -15,6 +15,9 @@ warning, then removes it. posttrain never picks a name by guessing:
                                  checkpointing_     checkpointing_        presence in models/loading.py's
                                  enable             enable                enable_checkpointing)
 
+A packed row's sequence boundaries go by TRL's names (BOUNDARY_NAMES), passed only to a forward that can take them
+(`takes_boundaries`).
+
 A forward keyword is chosen from the model class's own forward signature, since a model's code (a remote-code
 model, a subclass) may use any of the names on any transformers version. A model whose forward names none takes the
 name transformers' own models take now, through its **kwargs. A name whose rename is older than the declared minimum
@@ -94,6 +97,24 @@ def safetensors_kwargs(model) -> dict:
     which dropped it (safetensors is the only format there, and the keyword would fall into **kwargs unread)."""
     takes = "safe_serialization" in inspect.signature(type(model).save_pretrained).parameters
     return {"safe_serialization": True} if takes else {}
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_any_keyword(model_type: type) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model_type.forward).parameters.values())
+
+
+def takes_boundaries(model) -> bool:
+    """Whether the (unwrapped) model's forward can receive the sequence-boundary keywords of a packed row
+    (BOUNDARY_NAMES): it names them, or takes **kwargs, which transformers' models hand on to their attention and
+    linear-attention layers."""
+    return _takes_any_keyword(type(unwrap(model))) or all(forward_accepts(model, name) for name in BOUNDARY_NAMES)
+
+
+# TRL's names for the sequence boundaries of a packed row (its padding-free collator's), which transformers' flash
+# attention and the kernels of recurrent and convolutional layers (flash-linear-attention, mamba-ssm, causal-conv1d)
+# read: cumulative sequence lengths, the longest sequence, and each token's sequence index
+BOUNDARY_NAMES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def missing_from_forward(model, needs: tuple[str, ...]) -> str | None:

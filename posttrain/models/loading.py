@@ -412,10 +412,22 @@ def check_raised(plain, consequence: str, err: BaseException) -> bool:
     return fallback_said(plain, consequence, f"its one-time check raised {raised(err)}")
 
 
+_SAID: set[str] = set()  # the fallbacks said in this process
+
+
 def fallback_said(plain, consequence: str, reason: str) -> bool:
-    """Warn that `consequence` holds for this model because of `reason`; False."""
-    logger.warning("%s: %s, because %s.", type(plain).__name__, consequence, reason)
+    """Warn that `consequence` holds for this model because of `reason`, once per process for a model class and
+    reason (a reference copy of the policy says nothing new); False."""
+    message = f"{type(plain).__name__}: {consequence}, because {reason.rstrip('.')}."
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.warning(message)
     return False
+
+
+def forget_fallbacks_said() -> None:
+    """Let every fallback be said again (tests that read the warnings)."""
+    _SAID.clear()
 
 
 def raised(err: BaseException) -> str:

@@ -11,9 +11,9 @@ Where the output layer's weight exists whole only inside the layer's own forward
 keeps it in shards and gathers it around them), the chunked computation runs as the output layer's forward for that
 one model call (`_computing_in`): it sees the whole weight, and its backward is gathered as the layer's own.
 
-On the fast path, GRPO's rollouts may run packed into fewer rows (models/packing.py) and each distinct prompt once
-(models/prompt_sharing.py), where the model passes those paths' one-time checks, which are kept here beside the
-forwards they check.
+On the fast path, GRPO's rollouts may run packed into fewer rows (models/packing.py, in the layout the model keeps
+apart: models/packed_layouts.py) and each distinct prompt once (models/prompt_sharing.py), where the model passes
+those paths' one-time checks; prompt sharing's is kept here beside the forwards it checks.
 """
 
 import contextlib
@@ -28,11 +28,12 @@ from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.chunked_check import fast_path_available
 from posttrain.models.forwards import (agree_within_rounding, completion_logits, final_hidden, in_eval_mode,
                                        mask_positions, output_layer, positions_from_mask, sequence_kwargs,
-                                       whole_in_model_forward, whole_only_in_forward)
+                                       whole_only_in_forward)
 from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
 from posttrain.models.onednn import cpu_linears
+from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, distinct_prompts, every_process_agrees
 
@@ -40,7 +41,6 @@ from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, dist
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
 MIN_SHARED_SAVING_FLOP = 1e9
 # what a model loses when a fast path's one-time check fails or its forward cannot take what the path passes
-PACKING_OFF = "its log-prob passes run padded rows, not packed ones"
 SHARING_OFF = "its log-prob passes run each rollout's prompt, not each distinct prompt once"
 
 
@@ -96,9 +96,10 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     with_entropy = with_entropy or entropy_grad
     if fast_path_available(model):
-        # packing_works runs on every call, so its one-time check (a forward) is reached by every process alike
-        packed = pack_rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask) \
-            if packing_works(model) and packing else None
+        # packed_layouts runs on every call, so its one-time check (forwards) is reached by every process alike
+        layouts = packed_layouts(model) if packing else PADDED_ONLY
+        packed = pack_rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, one_row=not layouts.rows) \
+            if layouts.rows or layouts.one_row else None
         shared = _shared_prompts(model, prompt_ids, prompt_mask, completion_ids.size(1),
                                  input_ids.numel() if packed is None else packed.input_ids.numel()) \
             if share_prompts else None
@@ -136,17 +137,19 @@ def _at_positions(values: torch.Tensor, positions: torch.Tensor, shape: torch.Si
     return full.index_copy(0, positions, values.float()).view(shape)
 
 
-def through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable):
+def through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable,
+                         boundaries=None):
     """`compute(h)` on the final hidden states [B, n_keep, H] of the last `n_keep` positions (every position when
     n_keep is 0), from the model's own forward: as the output layer's forward where its weight is whole only there
-    (see `_computing_in`), else on the hidden states of a forward that computes one position of logits."""
+    (see `_computing_in`), else on the hidden states of a forward that computes one position of logits. A packed
+    row's `boundaries` go to the forward (models/packed_layouts.py)."""
     layer = output_layer(model)
     if whole_only_in_forward(layer):
         with _computing_in(layer, compute):
             return model(input_ids=input_ids, attention_mask=attention_mask,
-                         **sequence_kwargs(model, position_ids, n_keep)).logits
+                         **sequence_kwargs(model, position_ids, n_keep, boundaries)).logits
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                   **sequence_kwargs(model, position_ids, 1)).hidden_states[-1]
+                   **sequence_kwargs(model, position_ids, 1, boundaries)).hidden_states[-1]
     return compute(hidden[:, -n_keep:])  # n_keep 0: every position
 
 
@@ -191,49 +194,10 @@ def _packed_logprobs(model, packed: PackedRows, shape: torch.Size, temperature, 
         return chunked_token_logprobs(hidden[packed.source_mask], layer.weight, layer.bias, packed.targets,
                                       temperature, with_entropy, predictor, entropy_grad)
 
-    logps, entropy = through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows)
+    logps, entropy = through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows,
+                                          packed.boundaries)
     full = _at_positions(logps, packed.positions, shape)
     return full, (_at_positions(entropy, packed.positions, shape) if with_entropy else None)
-
-
-def packing_works(model) -> bool:
-    """Whether the model attends within each sequence of a packed row (position ids restarting at 0, no attention
-    mask); decided once per model object and cached. The check (two forwards: a packed row of two sequences, and
-    the same sequences as a padded batch) runs on every process alike, on the first call."""
-    return fast_paths.decided(model, "packed_rows", lambda: _decide_packing(model))
-
-
-def _decide_packing(model) -> bool:
-    plain = unwrap(model)
-    layer = output_layer(plain)
-    # FSDP1 gathers the weights only around its root wrapper's forward, FSDP2 around its units' (the root a PEFT
-    # model's, when it wraps one): the check goes through the model as given
-    runner = model if layer is not None and whole_in_model_forward(layer) else plain
-    missing = missing_from_forward(plain, ("position_ids",))
-    return fallback_said(plain, PACKING_OFF, missing) if missing else _check_packing(runner, plain)
-
-
-def _check_packing(runner, plain) -> bool:
-    """Hidden states of sequences of 3 and 5 tokens, packed into one row against the same two as a right-padded
-    batch, within a tolerance (relative to the largest value; 1e-4 in float32, 3e-2 in a 16-bit dtype) that the
-    model's own rounding meets and a sequence seeing the other's tokens misses."""
-    device = next(plain.parameters()).device
-    vocab = plain.get_input_embeddings().num_embeddings
-    ids = (torch.arange(3, 11, device=device) * 7919) % vocab  # [8]
-    packed_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
-    padded = torch.zeros((2, 5), dtype=torch.long, device=device)
-    padded[0, :3], padded[1] = ids[:3], ids[3:]
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], device=device)
-    try:  # in the model's own precision: the check is about attention, not about an autocast around the call
-        with in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
-            together = runner(input_ids=ids[None], output_hidden_states=True,
-                              **sequence_kwargs(plain, packed_positions, 1)).hidden_states[-1][0].float()
-            apart = runner(input_ids=padded, attention_mask=mask, output_hidden_states=True,
-                           **sequence_kwargs(plain, torch.arange(5, device=device).expand(2, 5), 1)
-                           ).hidden_states[-1].float()
-        return agree_within_rounding(plain, together, torch.cat([apart[0, :3], apart[1]]))
-    except CHECK_ERRORS as err:
-        return check_raised(plain, PACKING_OFF, err)
 
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
@@ -318,15 +282,16 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
                         with_entropy: bool = False, with_top1: bool = False, predict_grad=None,
-                        with_stats: bool = False):
+                        with_stats: bool = False, boundaries=None):
     """Log-probabilities of the target tokens of right-padded or packed rows, through the output layer only at the
     positions that predict a target (never [B, T, V] logits on the fast path).
 
     Args:
         input_ids: [B, T] token ids.
-        attention_mask: [B, T] (right padding), or None for padding-free rows, whose sequences are told apart by
-            `position_ids` restarting at 0 (sdpa and eager then build a block-diagonal mask; it needs no cache and
-            no mask, which is why both are left out).
+        attention_mask: [B, T] (right padding), or None for a padding-free row [1, T], whose sequences are told
+            apart by `position_ids` restarting at 0 and their `boundaries` (models/packed_layouts.py; sdpa and eager
+            build a block-diagonal mask, flash attention and linear-attention kernels read the boundaries; it needs
+            no cache and no mask, which is why both are left out). Only for a model that packs_one_row.
         position_ids: [B, T] or None (0, 1, 2, ... per row).
         source_mask: [B, T] bool, True at position t when token t + 1 is a target (its hidden state predicts it).
         targets: [M] the target token ids, in the row-major order of source_mask's True entries.
@@ -334,6 +299,7 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         predict_grad: (rows, logps) -> d loss / d logps, for the chunked output layer (models/chunked.py).
         with_stats: also return [M, 2] statistics of each target position: its mean logit over the vocabulary and
             log sum_v p(v)^2 (no gradient).
+        boundaries: the padding-free row's Boundaries, or None.
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
@@ -344,11 +310,11 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
                                           predict_grad, with_top1=True, with_stats=with_stats)
 
-        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows)
+        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows, boundaries)
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   **sequence_kwargs(model, position_ids, 0)).logits[source_mask].float()  # [M, V]
+                   **sequence_kwargs(model, position_ids, 0, boundaries)).logits[source_mask].float()  # [M, V]
     return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)

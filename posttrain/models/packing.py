@@ -2,22 +2,27 @@
 
 A batch of rollouts is [N, P + C]: prompts left-padded to P, completions right-padded to C. With natural lengths
 much of that block is padding, and the model's body runs over every position of it. Packed, each rollout's real
-tokens (its prompt without the left padding, then its completion up to its mask's end) are one sequence, and the
-sequences go into bins, longest first, each into the first bin with room (first-fit decreasing). A bin holds at
-most W tokens, W the longest sequence, so a packed batch is [B', W] with B' <= N, and attention costs at most W^2
-per row as it does padded. Sequences are told apart by position ids restarting at 0, with no attention mask:
-transformers' sdpa, eager and flash attention then attend within each sequence only (a block-diagonal causal mask);
-the positions left at a bin's end are one more sequence, never read.
+tokens (its prompt without the left padding, then its completion up to its mask's end) are one sequence, told apart
+from the others by position ids restarting at 0, with no attention mask. Two layouts, as the model allows
+(models/packed_layouts.py, checked once per model):
+    rows     the sequences in bins, longest first, each into the first bin with room (first-fit decreasing); a bin
+             holds at most W tokens, W the longest sequence, so the batch is [B', W] with B' <= N and attention
+             costs at most W^2 per row as it does padded; the positions left at a bin's end are one more sequence,
+             never read
+    one row  every sequence end to end in one row [1, T] (T the real tokens, nothing left over), with the
+             sequences' Boundaries for the kernels that read them (flash attention, linear-attention layers)
 
 Packing is used when it removes at least 1/16 of the positions (`packing_plan`; completions all run to the same
 length leave nothing to remove), when the masks are a contiguous run of real tokens per row (left-padded prompt,
-right-padded completion), and when the model honours packed rows, checked once per model (`packing_works`: a
-packed row must give the hidden states of its sequences run one by one). Otherwise the padded batch is used as is.
+right-padded completion), and when the model keeps the layout's sequences apart. Otherwise the padded batch is used
+as is.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from posttrain.models.packed_layouts import Boundaries
 
 MIN_SAVING = 1 / 16  # pack when it removes at least this share of the padded batch's positions
 
@@ -29,6 +34,7 @@ class PackedRows:
     source_mask: torch.Tensor  # [B', W] bool: the position's hidden state predicts a completion token
     targets: torch.Tensor  # [M] the completion tokens, in the row-major order of source_mask's True entries
     positions: torch.Tensor  # [M] each target's flat index in the rollouts' [N, C] completion block
+    boundaries: Boundaries | None = None  # one row: its sequences' boundaries; rows: None (position ids only)
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -47,15 +53,20 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def packing_plan(sequence_lengths: list[int], padded_width: int) -> list[list[int]] | None:
-    """The bins (first-fit decreasing, capacity the longest sequence) of sequences of these lengths, or None when
-    packing them would not remove MIN_SAVING of the padded [N, padded_width] batch's positions."""
+def packing_plan(sequence_lengths: list[int], padded_width: int, one_row: bool = False
+                 ) -> tuple[list[list[int]], int] | None:
+    """(bins, their width) of sequences of these lengths: first-fit decreasing with capacity the longest sequence,
+    or (`one_row`) every sequence in one row as wide as all of them; None when that would not remove MIN_SAVING of
+    the padded [N, padded_width] batch's positions."""
     if not sequence_lengths:
         return None
-    bins = first_fit_decreasing(sequence_lengths, max(sequence_lengths))
-    if len(bins) * max(sequence_lengths) > (1 - MIN_SAVING) * len(sequence_lengths) * padded_width:
+    if one_row:
+        bins, width = [list(range(len(sequence_lengths)))], sum(sequence_lengths)
+    else:
+        bins, width = first_fit_decreasing(sequence_lengths, max(sequence_lengths)), max(sequence_lengths)
+    if len(bins) * width > (1 - MIN_SAVING) * len(sequence_lengths) * padded_width:
         return None
-    return bins
+    return bins, width
 
 
 def _run_lengths(prompt_mask: torch.Tensor, completion_mask: torch.Tensor):
@@ -72,9 +83,10 @@ def _run_lengths(prompt_mask: torch.Tensor, completion_mask: torch.Tensor):
 
 
 def pack_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                  completion_mask: torch.Tensor) -> PackedRows | None:
-    """The packed rows of a batch of rollouts ([N, P] left-padded prompts, [N, C] right-padded completions), or None
-    when packing would not remove MIN_SAVING of the positions or the masks are not contiguous runs."""
+                  completion_mask: torch.Tensor, one_row: bool = False) -> PackedRows | None:
+    """The packed rows of a batch of rollouts ([N, P] left-padded prompts, [N, C] right-padded completions): bins of
+    the longest sequence's width, or (`one_row`) one row with the sequences' Boundaries; None when packing would not
+    remove MIN_SAVING of the positions or the masks are not contiguous runs."""
     lengths = _run_lengths(prompt_mask, completion_mask)
     if lengths is None:
         return None
@@ -83,10 +95,10 @@ def pack_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     n, (big_p, big_c) = len(sequence_lengths), (prompt_ids.size(1), completion_ids.size(1))
     if 0 in prompt_lengths:
         return None  # an empty prompt: a completion's first token would have no position to be predicted from
-    bins = packing_plan(sequence_lengths, big_p + big_c)
-    if bins is None:
+    plan = packing_plan(sequence_lengths, big_p + big_c, one_row)
+    if plan is None:
         return None
-    width = max(sequence_lengths)
+    bins, width = plan
     # where each rollout's run starts in the packed batch, as a flat index into [B', W]
     starts = [0] * n
     for b, members in enumerate(bins):
@@ -120,5 +132,6 @@ def pack_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     source[flat[is_completion] - 1] = True
     order = (flat[is_completion] - 1).argsort()  # row-major over the packed batch
     target_row, target_col = row[is_completion][order], column[is_completion][order] - big_p
+    boundaries = Boundaries.of_lengths(sequence_lengths, device) if one_row else None  # bins[0] is range(n)
     return PackedRows(ids.view(len(bins), width), positions, source.view(len(bins), width),
-                      completion_ids[target_row, target_col], target_row * big_c + target_col)
+                      completion_ids[target_row, target_col], target_row * big_c + target_col, boundaries)

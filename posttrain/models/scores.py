@@ -4,10 +4,10 @@ transformers' sequence classifiers project every position's final hidden state t
 [H -> 1] linear for a reward model) and read each row's at its last token that is not the pad token (the argmax
 over positions of position * (token != pad_token_id)). Padded rows (one sequence each) are scored by the model's own
 forward, its pooled logits. Padding-free, the sequences of a micro-batch run end to end in one row (position ids
-restarting per sequence), and each one's score is read from the head's output at its own last non-pad token,
-captured by a forward hook during the model's own forward (wrapped by DDP, FSDP, DeepSpeed or PEFT as it is); the
-pooled logits join the result with weight 0, so that the backward starts from the forward's output, where FSDP1's
-root wrapper waits for it.
+restarting per sequence, and their boundaries), where the model keeps them apart (models/packed_layouts.py), and
+each one's score is read from the head's output at its own last non-pad token, captured by a forward hook during
+the model's own forward (wrapped by DDP, FSDP, DeepSpeed or PEFT as it is); the pooled logits join the result with
+weight 0, so that the backward starts from the forward's output, where FSDP1's root wrapper waits for it.
 
 Pairs that begin alike (a prompt and two answers) may run their common prefix once (sequences/prefixes.py): the
 prefixes' forward with a cache, its rows repeated for both sequences of each pair, then the continuations' forward
@@ -50,9 +50,10 @@ def score_positions(tokens: np.ndarray, offsets: np.ndarray, pad_id: int) -> np.
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
+                    position_ids: torch.Tensor | None, last: torch.Tensor | None, boundaries=None) -> torch.Tensor:
     """[S] scores (float32) of the sequences in [B, T] `input_ids`: padded rows (no `position_ids`), the model's
-    pooled logits; packed rows, the head's outputs at the flat positions `last` (score_positions)."""
+    pooled logits; a packed row (with its `boundaries`, models/packed_layouts.py), the head's outputs at the flat
+    positions `last` (score_positions)."""
     if position_ids is None:
         return model(input_ids=input_ids, attention_mask=attention_mask,
                      **sequence_kwargs(model, None, 0)).logits[:, 0].float()
@@ -61,7 +62,7 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     handle = head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:
         pooled = model(input_ids=input_ids, attention_mask=attention_mask,
-                       **sequence_kwargs(model, position_ids, 0)).logits
+                       **sequence_kwargs(model, position_ids, 0, boundaries)).logits
     finally:
         handle.remove()
     scores = captured[-1].reshape(-1)[last]  # [B, T, 1] -> [S]

@@ -227,8 +227,9 @@ class RewardTrainer(BatchedDataTrainer):
         return math.ceil(MIN_PREFIX_SAVING_FLOP / (2 * max(body_parameters(unwrap(self.policy)), 1)))
 
     def _collate(self, pairs: PairRows) -> RewardBatch:
-        return collate_reward_pairs(pairs, self.tokenizer.pad_token_id, self.args.padding_free,
-                                    self.pad_to_multiple_of, self._min_shared)
+        padding_free = self._runs_padding_free(self.args.padding_free, self.forward_policy)
+        return collate_reward_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of,
+                                    self._min_shared)
 
     def _scores(self, model, batch: RewardBatch) -> torch.Tensor:
         """[2p] rewards, the common prefixes run once where the batch has them laid out so and the model allows it
@@ -240,7 +241,7 @@ class RewardTrainer(BatchedDataTrainer):
                 return prefix_shared_scores(model, shared.prefix_ids, shared.prefix_mask, shared.suffix_ids,
                                             shared.suffix_mask)
             s = batch.sequences
-            return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last)
+            return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last, s.boundaries)
 
     def _micro_loss(self, batch: RewardBatch, grad: bool):
         """(the micro-batch's loss summed over its pairs, [len(SUMS)] statistics, [2p] detached rewards)."""

@@ -1,8 +1,11 @@
 """Token rows -> the tensors of one forward pass.
 
-Padded: each row its own sequence, right-padded to the longest (rounded up to pad_to_multiple_of), with an attention
-mask. Padding-free: the micro-batch's rows end to end as one row [1, T], no attention mask, position ids restarting at
-every sequence start; padding (pad_to_multiple_of) is one more sequence at the end, never trained on.
+Padded: each sequence its own row (a row that holds several, as packed rows do, is cut at their starts), right-padded
+to the longest (rounded up to pad_to_multiple_of), with an attention mask. Padding-free: the micro-batch's rows end to
+end as one row [1, T], no attention mask, position ids restarting at every sequence start, and the sequences'
+Boundaries (TRL's cu_seq_lens / max_length / seq_idx) for the kernels that read them; padding (pad_to_multiple_of)
+is one more sequence at the end, never trained on. Padding-free only for a model that keeps a packed row's sequences
+apart (models/packed_layouts.py packs_one_row): the trainer decides, and collates padded otherwise.
 
 Targets are shifted once, here: position t predicts token t + 1, which is a target when it is labelled and does not
 start a sequence (so no target is predicted across a boundary).
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from posttrain.models.packed_layouts import Boundaries
 from posttrain.sequences.rows import TokenRows
 
 
@@ -25,6 +29,7 @@ class SequenceBatch:
     targets: torch.Tensor  # [M] target ids, row-major over source_mask
     tokens: int  # real (non-padding) tokens
     label_mask: torch.Tensor | None = None  # [B, T] bool: the token is trained on (TRL's labels != -100)
+    boundaries: Boundaries | None = None  # padding-free: the row's sequences; padded: None
 
     @property
     def num_targets(self) -> int:
@@ -33,7 +38,8 @@ class SequenceBatch:
     def to(self, device) -> "SequenceBatch":
         move = (lambda t: t.to(device, non_blocking=True) if t is not None else None)
         return SequenceBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
-                             move(self.source_mask), move(self.targets), self.tokens, move(self.label_mask))
+                             move(self.source_mask), move(self.targets), self.tokens, move(self.label_mask),
+                             self.boundaries.to(device) if self.boundaries is not None else None)
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -56,6 +62,7 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
         return SequenceBatch(ids, torch.ones_like(ids), None, empty, torch.zeros(0, dtype=torch.long), 0, empty)
     if padding_free:
         return _flat(rows, pad_id, pad_to_multiple_of)
+    rows = rows.one_sequence_per_row()
     lengths = rows.lengths
     width = _round_up(int(lengths.max()), pad_to_multiple_of)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
@@ -85,4 +92,5 @@ def _flat(rows: TokenRows, pad_id: int, pad_to_multiple_of: int | None) -> Seque
     source = _source_mask(labels[None], starts[None], np.ones((1, width), dtype=bool))
     targets = ids[1:][source[0, :-1]]
     return SequenceBatch(torch.from_numpy(ids[None]), None, torch.from_numpy(positions[None]),
-                         torch.from_numpy(source), torch.from_numpy(targets), total, torch.from_numpy(labels[None]))
+                         torch.from_numpy(source), torch.from_numpy(targets), total, torch.from_numpy(labels[None]),
+                         Boundaries.of_starts(starts))

@@ -44,6 +44,14 @@ class TokenRows:
         targets = (self.labels & ~self.starts).astype(np.int64)
         return _row_sums(targets, self.offsets)
 
+    def one_sequence_per_row(self) -> "TokenRows":
+        """These rows cut at every sequence start, so that each row holds one sequence (itself when they do)."""
+        first = np.flatnonzero(self.starts)
+        if np.isin(first, self.offsets[:-1]).all():  # no row holds a second sequence
+            return self
+        edges = np.union1d(first, self.offsets).astype(np.int64)
+        return TokenRows(self.tokens, self.labels, self.starts, edges)
+
     def row(self, r: int) -> slice:
         return slice(int(self.offsets[r]), int(self.offsets[r + 1]))
 

@@ -197,7 +197,8 @@ class SFTTrainer(BatchedDataTrainer):
             logps, entropy, top1 = next_token_logprobs(
                 self.model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.source_mask,
                 batch.targets, with_entropy=True, with_top1=True,
-                predict_grad=self._predicted_gradient(scale) if scale is not None else None)
+                predict_grad=self._predicted_gradient(scale) if scale is not None else None,
+                boundaries=batch.boundaries)
             return self._token_losses(logps), entropy, top1
 
     def _micro_step(self, batch, scale: float, share: float) -> torch.Tensor:
@@ -210,10 +211,15 @@ class SFTTrainer(BatchedDataTrainer):
         return torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
                             torch.tensor(float(batch.num_targets), device=losses.device)])
 
+    def _collate(self, rows, padding_free: bool):
+        """A micro-batch's rows as the forward's tensors: one packed row where padding-free is asked for and the model
+        keeps its sequences apart, else padded rows of one sequence each (sequences/collate.py)."""
+        return collate(rows, self.tokenizer.pad_token_id, self._runs_padding_free(padding_free, self.model),
+                       self.pad_to_multiple_of)
+
     def _optimizer_step(self) -> dict:
         shares = self.batches.next_step()
-        batches = [collate(rows, self.tokenizer.pad_token_id, self.padding_free, self.pad_to_multiple_of)
-                   for rows in shares]
+        batches = [self._collate(rows, self.padding_free) for rows in shares]
         device = self.accelerator.device
         local = torch.tensor([sum(b.num_targets for b in batches), sum(b.tokens for b in batches)],
                              dtype=torch.float64, device=device)
@@ -283,8 +289,7 @@ class SFTTrainer(BatchedDataTrainer):
         shares = list(eval_batches(rows, args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
         with torch.no_grad():
             for i, share in enumerate(shares):
-                batch = collate(share, self.tokenizer.pad_token_id, args.padding_free or packing,
-                                self.pad_to_multiple_of)
+                batch = self._collate(share, args.padding_free or packing)
                 losses, entropy, top1 = self._forward(batch, None)
                 totals += torch.stack([losses.sum(), entropy.sum(), top1.sum().float(),
                                        torch.tensor(float(batch.num_targets), device=losses.device)]).double()
@@ -305,6 +310,7 @@ class SFTTrainer(BatchedDataTrainer):
         batch = batch.to(self.accelerator.device)
         rows = slice(None) if batch.tokens else slice(0, 0)
         with self.accelerator.autocast():
-            logits = whole_logits(self.model, batch.input_ids, batch.attention_mask, batch.position_ids)
+            logits = whole_logits(self.model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                  batch.boundaries)
         labels = torch.where(batch.label_mask, batch.input_ids, -100)
         return logits[rows], labels[rows], batch.input_ids[rows]

@@ -11,6 +11,7 @@ and counts the tokens it trains on in self._tokens_seen.
 import math
 
 from posttrain.data import DataError
+from posttrain.models.packed_layouts import packs_one_row
 from posttrain.sequences.batches import MapBatches, StreamBatches, is_iterable
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
@@ -42,6 +43,15 @@ class BatchedDataTrainer(Trainer):
             if token is not None and token not in vocab:
                 raise ConfigError(f"{field}={token!r} is not in the tokenizer's vocabulary: use one of its tokens "
                                   f"(its EOS is {tok.eos_token!r}), or add it to the tokenizer first.")
+
+    @staticmethod
+    def _runs_padding_free(requested: bool, *models) -> bool:
+        """Whether a micro-batch runs padding-free, as one packed row with its sequences' boundaries: asked for
+        (`requested`), and every one of `models` that runs the batch (the policy, a separate reference; None: none)
+        keeps a packed row's sequences apart (models/packed_layouts.py: decided once per model, at the first
+        micro-batch, which every process reaches together; a model that does not is said once). Otherwise the rows
+        are padded, one sequence each."""
+        return requested and all(packs_one_row(model) for model in models if model is not None)
 
     def _set_batches(self, train_dataset, preparation, prepare_all) -> None:
         """self.batches and self.data_fingerprint: an IterableDataset's stream, prepared block by block, or a map-style
