@@ -357,7 +357,7 @@ def _report_error(err: Exception) -> int | None:
         return code
     if isinstance(err, PeerFailure):  # another process failed: its user traceback, then its message
         print(err.detail, file=sys.stderr, end="")
-        print(f"posttrain: error: {err}", file=sys.stderr)
+        _say_error(err)
         return 2
     if not _is_user_error(err):
         return None
@@ -368,8 +368,15 @@ def _report_error(err: Exception) -> int | None:
         import traceback
 
         traceback.print_exception(cause, file=sys.stderr)
-    print(f"posttrain: error: {err}", file=sys.stderr)
+    _say_error(err)
     return code
+
+
+def _say_error(err: Exception) -> None:
+    """`posttrain: error: ...` in one write, so that processes failing together never splice their lines (a
+    launcher's stderr is unbuffered: print would write the text and its newline apart)."""
+    sys.stderr.write(f"posttrain: error: {err}\n")
+    sys.stderr.flush()
 
 
 def _is_user_error(err: Exception) -> bool:

@@ -239,3 +239,52 @@ def _flash_rules_segments(batch: int, lq: int, lk: int, attention_mask, kwargs: 
     if positions is not None and batch == 1 and lq == lk and lk > 1:
         return (positions.reshape(1, -1)[:, -lk:] == 0).cumsum(-1), False
     return torch.zeros((batch, lk), dtype=torch.long, device=device), False
+
+
+VISION_LANGUAGE = ("qwen3_5", "gemma3", "llava", "qwen2_5_vl")  # tiny_vision_language's families
+
+
+def tiny_vision_language(family: str, tokenizer=None, seed: int = 0):
+    """A randomly initialised tiny vision-language model (seeded, float32) of one of VISION_LANGUAGE, as transformers'
+    image-text-to-text class: Qwen3.5's (Gated DeltaNet and attention), Gemma 3's (sliding window), LLaVA's (a Llama
+    with a CLIP tower), Qwen2.5-VL's (multimodal rotary positions). Its language model is tiny_architecture's size;
+    its vision tower one layer of width 16. For loading such checkpoints by path and training them on text."""
+    import torch
+    import transformers
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2, "max_position_embeddings": 512,
+            "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": None}
+    qwen_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                       spatial_merge_size=2, temporal_patch_size=2)
+    special = dict(image_token_id=len(tokenizer) - 3, video_token_id=len(tokenizer) - 2)
+    if family == "qwen3_5":
+        config = transformers.Qwen3_5Config(text_config=dict(text, **_LINEAR_ATTENTION),
+                                            vision_config=dict(qwen_vision, in_channels=3), tie_word_embeddings=True,
+                                            **special)
+    elif family == "qwen2_5_vl":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+        config = transformers.Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope),
+                                               vision_config=dict(qwen_vision, in_chans=3, fullatt_block_indexes=[0],
+                                                                  window_size=8),
+                                               vision_start_token_id=len(tokenizer) - 1, **special)
+    elif family == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config=dict(text, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=16, patch_size=4),
+            mm_tokens_per_image=4, image_token_index=special["image_token_id"], boi_token_index=len(tokenizer) - 2,
+            eoi_token_index=len(tokenizer) - 1)
+    else:
+        config = transformers.LlavaConfig(
+            text_config=transformers.LlamaConfig(**text),
+            vision_config=transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=16, patch_size=4),
+            image_token_index=special["image_token_id"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

@@ -6,6 +6,7 @@ import logging
 import os
 
 from posttrain.errors import UserError
+from posttrain.models.checkpoint_classes import config_field, no_class_for, vision_language_architecture
 
 logger = logging.getLogger("posttrain")
 
@@ -94,11 +95,14 @@ def without_progress_bars():
 
 
 def load_causal_lm(model, init_kwargs: dict | None = None):
-    """Return a `PreTrainedModel` for causal LM.
+    """Return a `PreTrainedModel` for causal LM: a checkpoint whose architecture is a vision-language model
+    (`Qwen3_5ForConditionalGeneration`, `Gemma3ForConditionalGeneration`, `LlavaForConditionalGeneration`, ...) as
+    that class, as TRL 1.16 loads it (create_model_from_path: `config.architectures[0]`), trained on text through its
+    language model; any other through `AutoModelForCausalLM`.
 
     Args:
         model: a loaded model (returned as is) or a local path / hub id.
-        init_kwargs: keyword arguments for `AutoModelForCausalLM.from_pretrained`.
+        init_kwargs: keyword arguments for `from_pretrained`.
     """
     return _load("AutoModelForCausalLM", model, from_pretrained_kwargs(init_kwargs), init_kwargs)
 
@@ -148,13 +152,18 @@ def _load(auto_class: str, model, kwargs: dict, init_kwargs: dict | None):
     model = os.path.expanduser(model)
     _check_path(model)
     hub_reachable_or_cached(model, "model", kwargs.get("revision"))
+    vision_language = vision_language_architecture(model, kwargs) if auto_class == "AutoModelForCausalLM" else None
+    if vision_language is not None:
+        logger.info("%s: a vision-language checkpoint, loaded as %s (as TRL loads it); trained on text through its "
+                    "language model, its vision tower gets no gradient.", model, vision_language)
+        auto_class = vision_language
     try:
-        with without_progress_bars(), _quiet_transformers(auto_class != "AutoModelForCausalLM"):
+        with without_progress_bars(), _quiet_transformers(auto_class == "AutoModelForSequenceClassification"):
             return getattr(transformers, auto_class).from_pretrained(model, **kwargs)
     except TypeError as err:
         raise _unknown_init_kwarg(model, kwargs, err) from err
     except (ValueError, ImportError, AttributeError) as err:
-        raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err) from err
+        raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err, auto_class) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
 
@@ -220,28 +229,21 @@ def _init_kwarg_refused(model: str, init_kwargs: dict, err: Exception) -> Except
                        "change it, or leave it out for the default.")
 
 
-def _explained(model: str, err: Exception) -> Exception:
+def _explained(model: str, err: Exception, auto_class: str = "AutoModelForCausalLM") -> Exception:
     """A ModelLoadError for the ValueErrors of `from_pretrained` a user can fix; `err` itself otherwise."""
     text = str(err)
+    unloadable = no_class_for(model, auto_class, text)
+    if unloadable is not None:
+        return ModelLoadError(unloadable)
     if "trust_remote_code" in text:
         return ModelLoadError(f"Model {model!r} ships its own modelling code, which runs only if you allow it: pass "
                               "trust_remote_code=True in model_init_kwargs (--trust_remote_code on the command line) "
                               "if you trust that code.")
     if "does not recognize this architecture" in text:
-        model_type = _model_type(model)
+        model_type = config_field(model, "model_type")
         return ModelLoadError(f"Model {model!r} has model_type {model_type!r}, which this version of transformers "
                               "does not know: upgrade transformers (pip install -U transformers).")
     return err
-
-
-def _model_type(model: str) -> str | None:
-    import json
-
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError):
-        return None
 
 
 def load_tokenizer(source, trust_remote_code: bool = False):

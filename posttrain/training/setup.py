@@ -30,6 +30,24 @@ def run_length_unknown() -> Exception:
     return ConfigError("With an IterableDataset the length of training is unknown: set max_steps.")
 
 
+def allow_unused_parameters(args, accelerator, model) -> None:
+    """For a vision-language model, whose vision tower a text batch never reaches, DDP looks for parameters that get
+    no gradient (ddp_find_unused_parameters=True where it is unset), as TRL sets it; not under reentrant
+    checkpointing, which fails with it. Before the accelerator prepares the model."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from posttrain.models.checkpoint_classes import is_vision_language
+
+    if not is_vision_language(model) or args.ddp_find_unused_parameters is not None or \
+            (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        return
+    args.ddp_find_unused_parameters = True
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    else:
+        accelerator.ddp_handler.find_unused_parameters = True
+
+
 def make_accelerator(args, mixed_precision: str):
     """An Accelerator for `args` (DDP and process-group options included); in a process that already made one with
     another precision (a notebook, a test run), its process-wide state is reset first. The distributed state

@@ -7,6 +7,7 @@ Trainer, on its `args`, `accelerator`, `sharding`, `model`, `policy`, `optimizer
     grad_norm = self._apply_update(loss)                   clip, check finite, step optimizer and schedule
 """
 
+import contextlib
 import math
 
 import torch
@@ -18,6 +19,20 @@ from posttrain.training.distributed import mark_agreed
 
 class TrainingError(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
+
+
+@contextlib.contextmanager
+def _unused_parameters_said(step: int):
+    """DDP's error for trainable parameters that got no gradient in the step before, as one sentence."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "Expected to have finished reduction in the prior iteration" not in str(err):
+            raise
+        raise TrainingError(
+            f"Step {step}: some trainable parameters got no gradient in the step before (a vision tower a text batch "
+            "never reaches, experts no token was routed to, a layer the loss does not use), and DDP waits for every "
+            "one: set ddp_find_unused_parameters=True, or freeze those parameters.") from err
 
 
 class StepMixin:
@@ -33,7 +48,7 @@ class StepMixin:
         self._run_micro_step = micro_step
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
-            with self.sharding.accumulating(self.model, sync):
+            with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1):
                 self._micro_result = None
                 self.training_step(self.model, mb)
                 if self._micro_result is None:

@@ -44,7 +44,7 @@ from posttrain.training.optim import check_optimizers, make_optimizer, make_sche
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.outputs import OutputsMixin
 from posttrain.training.overrides import refuse_uncalled_overrides
-from posttrain.training.setup import make_accelerator, set_log_level, training_flops_per_token
+from posttrain.training.setup import allow_unused_parameters, make_accelerator, set_log_level, training_flops_per_token
 from posttrain.training.sharding import check_launch, check_supported, sharding_of
 from posttrain.training.step import StepMixin, TrainingError  # noqa: F401 - TrainingError: part of this module's API
 
@@ -159,8 +159,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             (the prepared policy on this process's device, whether the model came with a peft adapter).
         """
         from posttrain.configs import ConfigError
-        from posttrain.models import load_causal_lm, load_tokenizer
-        from posttrain.models.loading import with_trl_default_dtype
+        from posttrain.models.loading import load_causal_lm, load_tokenizer, with_trl_default_dtype
         from posttrain.models.peft import is_peft_model
         from posttrain.models.preparation import prepare_policy
 
@@ -175,6 +174,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
                                  else load_tokenizer(model.config._name_or_path, self._trust_remote_code))
         self.tokenizer = load_tokenizer(self.processing_class)
         came_with_adapter = is_peft_model(model)
+        allow_unused_parameters(args, self.accelerator, model)
         if not args.fast_paths:
             fast_paths.turn_off(model)
         if adapt is not None:
