@@ -71,6 +71,17 @@ def run(*command: str) -> None:
     subprocess.run(command, check=True)
 
 
+def pip_check(python: str, mode: str) -> None:
+    """`pip check`: every installed package's requirements met. At the newest releases, posttrain's own upper bounds
+    are what is being tested past, so a complaint about them alone (posttrain's installed metadata) is expected."""
+    out = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+    problems = [line for line in out.stdout.splitlines()
+                if line.strip() and not (mode == "newest" and line.startswith("posttrain "))]
+    print(out.stdout, end="", flush=True)
+    if out.returncode != 0 and (problems or mode != "newest"):
+        raise SystemExit(f"pip check found requirements not met: {'; '.join(problems) or out.stderr.strip()}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["newest", "floors"])
@@ -97,7 +108,7 @@ def main() -> int:
     pinned.write_text(f"torch=={torch_version}\n")
     strategy = "eager" if args.mode == "newest" else "only-if-needed"
     run(python, "-m", "pip", "install", "-q", "--upgrade", "--upgrade-strategy", strategy, "-c", str(pinned), *chosen)
-    run(python, "-m", "pip", "check")
+    pip_check(python, args.mode)
     versions = json.loads(subprocess.run(
         [python, "-m", "pip", "list", "--format", "json"], check=True, capture_output=True, text=True).stdout)
     installed = {v["name"].lower(): v["version"] for v in versions}

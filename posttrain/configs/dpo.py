@@ -36,9 +36,9 @@ class DPODataConfig:
         "keep_start keeps each sequence's first max_length tokens; keep_end (deprecated in TRL) its last ones.",
         default="keep_start")
     padding_free: bool = _help(
-        "Train each micro-batch's sequences end to end as one row, with position ids restarting per sequence and no "
-        "attention mask (sdpa and eager build a block-diagonal mask from them; flash attention uses them directly). "
-        "TRL 1.16 falls back to padding; here it works.", default=False)
+        "Train each micro-batch's sequences end to end as one row, with position ids restarting per sequence, TRL's "
+        "sequence boundaries and no attention mask, where the model keeps them apart (checked once per model; else "
+        "padded rows, said once: docs/packing.md). TRL 1.16 falls back to padding; here it works.", default=False)
     pad_to_multiple_of: Optional[Union[int, str]] = _help(
         "Pad every batch's length (the flattened row's, padding-free) to a multiple of this; \"auto\" pads to 128 "
         "on Neuron devices (which compile once per shape) and nowhere else.",

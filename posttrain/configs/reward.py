@@ -37,8 +37,10 @@ class RewardDataConfig:
         "read from a cut answer is not the answer's), as in TRL; the count is logged. None drops nothing.",
         range=AT_LEAST_ONE, default=1024)
     padding_free: bool = _help(
-        "Score each micro-batch's sequences end to end as one row, with position ids restarting per sequence and no "
-        "attention mask (posttrain's; TRL pads). The scores are the padded ones to float rounding.", default=False)
+        "Score each micro-batch's sequences end to end as one row, with position ids restarting per sequence, TRL's "
+        "sequence boundaries and no attention mask (posttrain's; TRL pads), where the model keeps them apart (checked "
+        "once per model; else padded rows, said once: docs/packing.md). The scores are the padded ones to float "
+        "rounding.", default=False)
     pad_to_multiple_of: Optional[Union[int, str]] = _help(
         "Pad every batch's length (the flattened row's, padding-free) to a multiple of this; \"auto\" pads to 128 "
         "on Neuron devices (which compile once per shape) and nowhere else.",

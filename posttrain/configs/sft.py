@@ -64,9 +64,10 @@ class SFTDataConfig:
         "every max_length tokens (a sequence cut in two continues in the next row with fresh positions).",
         default="bfd")
     padding_free: bool = _help(
-        "Train each micro-batch as one flattened row with position ids and no padding (packing implies it). It "
-        "works with any attention implementation: sdpa and eager build a block-diagonal mask from the position "
-        "ids, flash attention uses them directly.", default=False)
+        "Train each micro-batch as one flattened row with position ids, TRL's sequence boundaries (cu_seq_lens, "
+        "max_length, seq_idx) and no padding (packing implies it), where the model keeps the row's sequences apart "
+        "(checked once per model: sdpa, eager and flash attention do; recurrent or convolutional layers need their "
+        "kernels); else padded rows, said once. docs/packing.md.", default=False)
     pad_to_multiple_of: Optional[Union[int, str]] = _help(
         "Pad every batch's length (the flattened row's, padding-free) to a multiple of this; \"auto\" pads to 128 "
         "on Neuron devices (which compile once per shape) and nowhere else.",

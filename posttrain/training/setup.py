@@ -78,7 +78,10 @@ def make_accelerator(args, mixed_precision: str):
     except RuntimeError as err:
         from posttrain.configs import ConfigError
 
-        if "no available devices found" in str(err) and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        # accelerate's words for it: "no available devices found" up to 1.15, "`sync_module_states=True` is not
+        # supported on cpu" from 1.16
+        said = any(words in str(err) for words in ("no available devices found", "is not supported on cpu"))
+        if said and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
             raise mark_agreed(ConfigError(  # every process raises it
                 "This run was launched with FSDP loading the weights on one process and sharing them "
                 "(fsdp_cpu_ram_efficient_loading or fsdp_sync_module_states), which accelerate sets up only on a "
