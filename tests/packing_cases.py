@@ -133,20 +133,29 @@ def grpo_case(model, tokenizer, tmp_path) -> tuple[float, int]:
     return max(gaps), -(-len(rollouts.prompt_ids) // rows[0])
 
 
-def _rollouts(prompt_lengths, completion_lengths, vocab) -> Rollouts:
-    g = torch.Generator().manual_seed(0)
-    n, width_p, width_c = len(prompt_lengths), max(prompt_lengths), max(completion_lengths)
-    prompt_ids = torch.zeros((n, width_p), dtype=torch.long)
-    completion_ids = torch.zeros((n, width_c), dtype=torch.long)
-    prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
-    completion_mask = torch.zeros((n, width_c), dtype=torch.bool)
+def random_rollouts(prompt_lengths, completion_lengths, prompt_width, completion_width, vocab, seed=0):
+    """Left-padded prompts and right-padded completions of these lengths, random tokens (pad id 0): ([N, P] ids, [N, P]
+    mask, [N, C] ids, [N, C] mask), masks long."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(prompt_lengths)
+    prompt_ids = torch.zeros((n, prompt_width), dtype=torch.long)
+    prompt_mask = torch.zeros((n, prompt_width), dtype=torch.long)
+    completion_ids = torch.zeros((n, completion_width), dtype=torch.long)
+    completion_mask = torch.zeros((n, completion_width), dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-        prompt_ids[i, width_p - p:] = torch.randint(4, vocab, (p,), generator=g)
-        prompt_mask[i, width_p - p:] = True
-        completion_ids[i, :c] = torch.randint(4, vocab, (c,), generator=g)
-        completion_mask[i, :c] = True
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, completion_mask.any(1),
-                    torch.zeros((n, width_c)))
+        prompt_ids[i, prompt_width - p:] = torch.randint(1, vocab, (p,), generator=g)
+        prompt_mask[i, prompt_width - p:] = 1
+        completion_ids[i, :c] = torch.randint(1, vocab, (c,), generator=g)
+        completion_mask[i, :c] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _rollouts(prompt_lengths, completion_lengths, vocab) -> Rollouts:
+    prompt_ids, prompt_mask, completion_ids, completion_mask = random_rollouts(
+        prompt_lengths, completion_lengths, max(prompt_lengths), max(completion_lengths), vocab)
+    completion_mask = completion_mask.bool()
+    return Rollouts(prompt_ids, prompt_mask.bool(), completion_ids, completion_mask, completion_mask.any(1),
+                    torch.zeros(completion_ids.shape))
 
 
 def _rollout_gap(trainer, model, rollouts: Rollouts) -> float:

@@ -6,27 +6,12 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from packing_cases import random_rollouts
 from posttrain.models import logprobs, packing
 from posttrain.models.logprobs import token_logprobs
 from posttrain.models.packed_layouts import PADDED_ONLY, PADDED_ROWS, packed_layouts
 from posttrain.models.packing import first_fit_decreasing, pack_rollouts
 from posttrain.testing import tiny_model
-
-
-def _rollouts(prompt_lengths, completion_lengths, prompt_width, completion_width, vocab, seed=0):
-    """Left-padded prompts and right-padded completions of these lengths, random tokens (pad id 0)."""
-    g = torch.Generator().manual_seed(seed)
-    n = len(prompt_lengths)
-    prompt_ids = torch.zeros((n, prompt_width), dtype=torch.long)
-    prompt_mask = torch.zeros((n, prompt_width), dtype=torch.long)
-    completion_ids = torch.zeros((n, completion_width), dtype=torch.long)
-    completion_mask = torch.zeros((n, completion_width), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-        prompt_ids[i, prompt_width - p:] = torch.randint(1, vocab, (p,), generator=g)
-        prompt_mask[i, prompt_width - p:] = 1
-        completion_ids[i, :c] = torch.randint(1, vocab, (c,), generator=g)
-        completion_mask[i, :c] = 1
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 def test_first_fit_decreasing_places_the_longest_first_into_the_first_bin_with_room():
@@ -50,9 +35,9 @@ def test_packed_rows_layout():
 
 def test_what_is_not_packed():
     vocab = 50
-    full = _rollouts([3, 3, 3], [4, 4, 4], 3, 4, vocab)  # every row full: nothing to remove
+    full = random_rollouts([3, 3, 3], [4, 4, 4], 3, 4, vocab)  # every row full: nothing to remove
     assert pack_rollouts(*full) is None
-    p_ids, p_mask, c_ids, c_mask = _rollouts([3, 1, 2], [4, 1, 2], 3, 4, vocab)
+    p_ids, p_mask, c_ids, c_mask = random_rollouts([3, 1, 2], [4, 1, 2], 3, 4, vocab)
     assert pack_rollouts(p_ids, p_mask, c_ids, c_mask) is not None
     holed = c_mask.clone()
     holed[0, 1] = 0  # a completion mask with a hole: not one run of real tokens
@@ -74,7 +59,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_batch(tokenizer,
     of the chunked output layer too."""
     prompt_lengths = [2, 6, 3, 5, 4, 2, 6, 3]
     completion_lengths = [16, 1, 5, 9, 16, 2, 3, 7]
-    batch = _rollouts(prompt_lengths, completion_lengths, 6, 16, len(tokenizer), seed=3)
+    batch = random_rollouts(prompt_lengths, completion_lengths, 6, 16, len(tokenizer), seed=3)
     weights = torch.randn(batch[2].shape, generator=torch.Generator().manual_seed(1)) * batch[3]
     results, widths = [], []
     for packed in (False, True):
@@ -118,7 +103,7 @@ def test_a_model_that_would_mix_packed_sequences_keeps_the_padded_batch(tokenize
     model = tiny_model(tokenizer, model_class=NoPackingLM, seed=2, hidden=32, layers=2)
     logprobs.fast_path_available(model)
     assert packed_layouts(model) == PADDED_ONLY
-    batch = _rollouts([2, 6, 3], [16, 1, 5], 6, 16, len(tokenizer))
+    batch = random_rollouts([2, 6, 3], [16, 1, 5], 6, 16, len(tokenizer))
     assert pack_rollouts(*batch) is not None  # it would pack, were the model able to
     widths = []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
