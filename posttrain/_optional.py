@@ -14,7 +14,7 @@ INSTALL_HINTS = {
     "requests": "pip install 'posttrain[server]'",
     "tensorboard": "pip install 'posttrain[trackers]'",
     "math_verify": "pip install 'posttrain[math]'",
-    "matplotlib": "pip install 'posttrain[plot]'",
+    "matplotlib": "pip install matplotlib",
 }
 
 

@@ -43,7 +43,13 @@ TRAINERS = {
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
 
-def _hint(command: str) -> str:
+def _hint(command: str, name: str = "") -> str:
+    """What to say after an unknown flag `name` of `command`: which other trainers have that field, where one does."""
+    others = [other for other, (_, config_cls, _) in TRAINERS.items()
+              if other != command and name in field_types(config_cls)]
+    if others:
+        return (f" It is a field of {', '.join(f'posttrain {o}' for o in others)}, not of posttrain {command}: "
+                "remove it.")
     return f" `posttrain {command} --help-all` and docs/config.md list every field."
 
 
@@ -204,7 +210,8 @@ def parse_command(command: str, argv: list[str]):
         "accelerate_config"]
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
-        raise ConfigError(f"Unknown argument {flag!r}.{suggest(flag.lstrip('-').split('=')[0], known, _hint(command))}")
+        name = flag.lstrip("-").split("=")[0]
+        raise ConfigError(f"Unknown argument {flag!r}.{suggest(name, known, _hint(command, name))}")
     values = load_yaml(args.config) if args.config else {}
     launch = launch_args_from_yaml(values) + launch
     values.update({k: v for k, v in vars(args).items() if k not in ("command", "config", "quiet", "verbose")})

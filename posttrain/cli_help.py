@@ -63,8 +63,11 @@ USAGE = "posttrain {command} [--config FILE] [--FIELD VALUE ...] [launch flags]"
 
 
 def field_classes(script_cls, config_cls) -> tuple:
-    """The classes whose fields are a trainer command's flags, in the order the help shows them."""
-    return (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT)
+    """The classes whose fields are a trainer command's flags, in the order the help shows them (a group whose fields
+    are none of the command's flags, as RLOO's async group, is left out)."""
+    hidden = set(config_cls.NOT_FLAGS)
+    return tuple(cls for cls in (script_cls, LoraArguments, *config_cls.GROUPS, config_cls.COMPAT)
+                 if set(field_types(cls)) - hidden)
 
 
 def group_name(cls) -> str:

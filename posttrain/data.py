@@ -151,6 +151,21 @@ class PromptRound:
     indices: list[int]  # each row's position in the dataset (in reading order for an iterable dataset)
 
 
+def prompt_dataset_columns(dataset) -> list[str]:
+    """The columns of a prompt dataset besides 'prompt' (the reward functions' keywords); one sentence when it has no
+    'prompt' column or no row. Needs no model: checked before one loads."""
+    names = dataset.column_names
+    if names is None:  # an iterable dataset of unknown features: peek at the first row
+        first = next(iter(dataset), None)
+        if first is None:
+            raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")
+        names = list(first)
+    if "prompt" not in names:
+        raise DataError(f"The dataset has no 'prompt' column (columns: {', '.join(names)}): rename the column "
+                        "that holds the prompts to 'prompt'.")
+    return [c for c in names if c != "prompt"]
+
+
 class PromptSource:
     """Validated prompts, drawn in generation rounds of `per_round` unique prompts.
 
@@ -176,16 +191,7 @@ class PromptSource:
                             "lower the batch size.")
 
     def _columns(self) -> list[str]:
-        names = self.dataset.column_names
-        if names is None:  # an iterable dataset of unknown features: peek at the first row
-            first = next(iter(self.dataset), None)
-            if first is None:
-                raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")
-            names = list(first)
-        if "prompt" not in names:
-            raise DataError(f"The dataset has no 'prompt' column (columns: {', '.join(names)}): rename the column "
-                            "that holds the prompts to 'prompt'.")
-        return [c for c in names if c != "prompt"]
+        return prompt_dataset_columns(self.dataset)
 
     def _encode_all(self) -> list[list[int]]:
         if len(self.dataset) == 0:

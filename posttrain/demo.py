@@ -126,8 +126,11 @@ def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: in
     import torch
 
     threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:  # a thread count the user chose is kept
-        torch.set_num_threads(min(os.cpu_count() or 1, 4))
+    # One thread, unless the user chose a count: the tiny model's operations are too small for a second thread to pay
+    # (the same time on a quiet 2-core machine), and beside other work it would spin against it (2.6x slower measured
+    # beside one busy process)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     try:
         return _train_and_show(output_dir, max_steps, seed)
     finally:

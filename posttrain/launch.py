@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from posttrain.configs import ConfigError
+from posttrain.configs.parsing import yaml_problem
 
 # accelerate launch flags posttrain passes on: name -> takes a value
 LAUNCH_FLAGS = {
@@ -135,7 +136,7 @@ def _config_file_settings(flags: dict) -> dict:
             settings = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         reason = ("is not text (not UTF-8)" if isinstance(err, UnicodeDecodeError) else
-                  f"is not valid YAML ({str(err).splitlines()[0]})" if isinstance(err, yaml.YAMLError) else
+                  yaml_problem(err) if isinstance(err, yaml.YAMLError) else
                   f"could not be read ({err.strerror or err})")
         raise ConfigError(f"{which} {path} {reason}: fix it, or name another with --accelerate_config.") from None
     if settings is not None and not isinstance(settings, dict):
@@ -164,17 +165,19 @@ def plan_devices(launch: list[str], use_cpu: bool) -> tuple[list[str], dict, str
     kind = "MULTI_GPU" if flags.get("multi_gpu") else str(settings.get("distributed_type", "NO")).upper()
     processes = flags.get("num_processes", settings.get("num_processes"))
     machines = max(int(flags.get("num_machines", settings.get("num_machines")) or 1), 1)
+    on_cpu = use_cpu or bool(flags.get("cpu")) or bool(settings.get("use_cpu"))
+    asked = _what_asked(flags, kind)
+    if kind in SHARDED:  # with any number of processes, before they start
+        devices, none_found = _device_count()
+        if on_cpu or not devices:
+            where = "the CPU is asked for (--cpu or use_cpu)" if on_cpu else f"this machine has none ({none_found})"
+            raise ConfigError(f"{asked} shards the model over GPUs with {SHARDED[kind]}, which accelerate does not do "
+                              f"on the CPU, and {where}: run it on GPUs, or train on the CPU with --accelerate_config "
+                              "multi_gpu.")
     if processes is None or int(processes) // machines < 2 or kind == "MULTI_CPU":
         return launch, {}, None  # one process (CPU or GPU, accelerate's choice), or accelerate's own CPU launch
     per_machine = int(processes) // machines
-    on_cpu = use_cpu or bool(flags.get("cpu")) or bool(settings.get("use_cpu"))
     devices, none_found = _device_count()
-    asked = _what_asked(flags, kind)
-    if kind in SHARDED and (on_cpu or not devices):
-        where = "the CPU is asked for (--cpu or use_cpu)" if on_cpu else f"this machine has none ({none_found})"
-        raise ConfigError(f"{asked} shards the model over GPUs with {SHARDED[kind]}, which accelerate does not do on "
-                          f"the CPU, and {where}: run it on GPUs, or train on the CPU with --accelerate_config "
-                          "multi_gpu.")
     if on_cpu or not devices:
         launch = [flag for flag in launch if flag != "--cpu"] + ([] if kind == "MULTI_GPU" else ["--multi_gpu"])
         note = None if on_cpu else (f"posttrain: {none_found}: running the {per_machine} processes on the CPU over "

@@ -71,10 +71,14 @@ def run_rloo(script: ScriptArguments, lora: LoraArguments, config: RLOOConfig) -
 
 
 def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, config) -> None:
-    """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them."""
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them; their
+    names checked before the datasets and the model load."""
+    from posttrain.rewards.resolving import check_reward_names
+
     rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
         script.reward_funcs or [])
+    check_reward_names(rewards, config)
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
                                  eval_dataset=eval_dataset, peft_config=peft_config))
 
@@ -96,8 +100,12 @@ def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig)
 
 
 def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig) -> None:
+    import os
+
+    from posttrain.kto.trainer import KTOTrainer, check_settings
+
+    check_settings(config, int(os.environ.get("WORLD_SIZE", "1")))  # before the datasets and the model load
     peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.kto.trainer import KTOTrainer
 
     _train_and_close(KTOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
                                 eval_dataset=eval_dataset, peft_config=peft_config))
@@ -106,6 +114,9 @@ def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig)
 def run_distillation(script: BaseScriptArguments, lora: LoraArguments, config: DistillationConfig) -> None:
     """The teacher is the config's teacher_model_name_or_path (with teacher_model_init_kwargs), as in `trl
     distillation`."""
+    from posttrain.training.reference import check_teacher_given
+
+    check_teacher_given(None, config)  # before the datasets and the model load
     peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
     from posttrain.distillation.trainer import DistillationTrainer
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from posttrain._optional import MissingDependency
 from posttrain.configs import ConfigError, GRPOConfig, SFTConfig
 from posttrain.data import DataError
 from posttrain.grpo.async_rollout import RolloutWorkerError
@@ -521,7 +522,8 @@ def second_config(tmp):
     _parse("--config", _write(tmp / "a.yaml", "beta: 0.1\n"), "--config", _write(tmp / "b.yaml", "beta: 0.2\n"))
 
 
-@case("Config", "a YAML file that does not parse", ConfigError, r"<dir>/run\.yaml is not valid YAML .*: fix it\.",
+@case("Config", "a YAML file that does not parse", ConfigError,
+      r"<dir>/run\.yaml is not valid YAML at line 2, column 1 \(.*\): fix it\.",
       kind="crash")
 def invalid_yaml(tmp):
     _parse("--config", _write(tmp / "run.yaml", "beta: [0.1\n"))
@@ -1809,8 +1811,8 @@ def binary_config_file(tmp):
 
 
 @case("Config", "an `--accelerate_config` file that is not YAML", ConfigError,
-      r"^The accelerate config file <dir>/accelerate\.yaml is not valid YAML \(while parsing a flow sequence\): fix "
-      r"it, or name another with --accelerate_config\.$", kind="crash")
+      r"^The accelerate config file <dir>/accelerate\.yaml is not valid YAML at line 2, column 1 \(expected ',' or "
+      r"'\]', but got '<stream end>'\): fix it, or name another with --accelerate_config\.$", kind="crash")
 def accelerate_config_not_yaml(tmp):
     from posttrain.launch import plan_devices
 
@@ -2102,7 +2104,7 @@ def rloo_grpo_only_field(tmp):
 
 
 @case("RLOO", "`--loss_type` on `posttrain rloo` (TRL's `trl rloo`: unrecognised argument)", ConfigError,
-      r"^Unknown argument '--loss_type'\.")
+      r"^Unknown argument '--loss_type'\. It is a field of posttrain grpo, .*, not of posttrain rloo: remove it\.$")
 def rloo_grpo_only_flag(tmp):
     _parse_command("rloo", "--loss_type", "grpo")
 
@@ -2402,6 +2404,113 @@ def async_reward_hangs(tmp):
         return [0.0] * len(completions)
 
     _trainer(tmp, reward=grader, async_generation=True, heartbeat_stale_after_s=1.0).train()
+
+
+# ---- issue 53: checks that need no model wait for none (each case's model path does not exist: the run must stop on
+# the named check, before loading it)
+_NO_MODEL = "/nonexistent/model-that-must-not-be-loaded"
+
+
+@case("Rewards", "a misspelt reward name, with a model that would take long to load", ConfigError,
+      r"^Reward 'acuracy' is not a built-in \(.*\), an importable dotted path, a local reward-model directory or a hub "
+      r"id \(org/name\)\. Did you mean accuracy\?$")
+def misspelt_reward_before_the_model(tmp):
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    GRPOTrainer(_NO_MODEL, "acuracy", _config(tmp), train_dataset=_dataset())
+
+
+@case("Rewards", "TRL's `accuracy_reward` without its optional package math_verify (it failed at step 1)",
+      MissingDependency, r"^The accuracy_reward reward needs the optional package 'math_verify': install it with "
+      r"`pip install 'posttrain\[math\]'`\.$")
+def math_reward_without_math_verify(tmp):
+    from unittest import mock
+
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    with mock.patch.dict(sys.modules, {"math_verify": None}):  # import math_verify raises, as where it is missing
+        GRPOTrainer(_NO_MODEL, "accuracy_reward", _config(tmp), train_dataset=_dataset({"prompt": ["1+1="],
+                                                                                        "solution": ["2"]}))
+
+
+@case("Data", "a GRPO dataset with no prompt column, with a model that would take long to load", DataError,
+      r"^The dataset has no 'prompt' column \(columns: question\): rename the column that holds the prompts to "
+      r"'prompt'\.$")
+def no_prompt_before_the_model(tmp):
+    from posttrain.grpo.trainer import GRPOTrainer
+
+    GRPOTrainer(_NO_MODEL, length_reward, _config(tmp), train_dataset=_dataset({"question": ["1+1="]}))
+
+
+@case("SFT", "a dataset in no SFT format, with a model that would take long to load", DataError,
+      r"^The dataset is in no SFT format: its columns are question, answer; SFT needs ")
+def sft_format_before_the_model(tmp):
+    from posttrain.sft.trainer import SFTTrainer
+
+    SFTTrainer(_NO_MODEL, args=SFTConfig(output_dir=str(tmp / "out"), use_cpu=True),
+               train_dataset=_dataset({"question": ["1+1="], "answer": ["2"]}))
+
+
+@case("DPO", "a dataset in no preference format, with a model that would take long to load", DataError,
+      r"^train_dataset is in no preference format: its columns are prompt, completion; DPO needs ")
+def dpo_format_before_the_model(tmp):
+    from posttrain.configs import DPOConfig
+    from posttrain.dpo.trainer import DPOTrainer
+
+    DPOTrainer(_NO_MODEL, args=DPOConfig(output_dir=str(tmp / "out"), use_cpu=True),
+               train_dataset=_dataset({"prompt": ["a"], "completion": ["b"]}))
+
+
+@case("KTO", "a dataset in no KTO format, with a model that would take long to load", DataError,
+      r"^train_dataset is in no KTO format: its columns are prompt, completion; KTO needs ")
+def kto_format_before_the_model(tmp):
+    from posttrain.configs import KTOConfig
+    from posttrain.kto.trainer import KTOTrainer
+
+    KTOTrainer(_NO_MODEL, args=KTOConfig(output_dir=str(tmp / "out"), use_cpu=True),
+               train_dataset=_dataset({"prompt": ["a"], "completion": ["b"]}))
+
+
+@case("Reward model", "a dataset in no preference format, with a model that would take long to load", DataError,
+      r"^train_dataset is in no preference format: its columns are prompt, completion; a reward model needs ")
+def reward_format_before_the_model(tmp):
+    from posttrain.configs import RewardConfig
+    from posttrain.reward.trainer import RewardTrainer
+
+    RewardTrainer(_NO_MODEL, args=RewardConfig(output_dir=str(tmp / "out"), use_cpu=True),
+                  train_dataset=_dataset({"prompt": ["a"], "completion": ["b"]}))
+
+
+@case("Distillation", "no teacher, with a student that would take long to load", ConfigError,
+      r"^DistillationTrainer needs a teacher: pass teacher_model=<a model or its path>, or set "
+      r"teacher_model_name_or_path\.$")
+def no_teacher_before_the_student(tmp):
+    from posttrain.configs import DistillationConfig
+    from posttrain.distillation.trainer import DistillationTrainer
+
+    DistillationTrainer(_NO_MODEL, args=DistillationConfig(output_dir=str(tmp / "out"), use_cpu=True),
+                        train_dataset=_dataset())
+
+
+@case("Config", "`posttrain grpo --accelerate_config fsdp2 --num_processes 1` on a machine without a GPU (it started "
+      "the process, loaded, then stopped)", ConfigError,
+      r"^accelerate_config fsdp2 shards the model over GPUs with FSDP, which accelerate does not do on the CPU, and "
+      r"this machine has none \(no GPU found\): run it on GPUs, or train on the CPU with --accelerate_config "
+      r"multi_gpu\.$")
+def fsdp_on_one_cpu_process(tmp):
+    from unittest import mock
+
+    from posttrain import launch
+
+    flags, _ = launch.split_launch_args(["--accelerate_config", "fsdp2", "--num_processes", "1"])
+    with mock.patch.object(launch, "_device_count", lambda: (0, "no GPU found")):
+        launch.plan_devices(flags, use_cpu=False)
+
+
+@case("Config", "a misspelt `loss_type` choice (`dapoo`)", ConfigError,
+      r"^loss_type='dapoo' is not one of: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo\. Did you mean dapo\?$")
+def misspelt_loss_type(tmp):
+    _config(tmp, loss_type="dapoo")
 
 
 def table(messages: dict[str, str]) -> str:

@@ -183,7 +183,34 @@ def check_positive(cfg, *names) -> None:
 def check_choice(cfg, name: str, choices) -> None:
     value = getattr(cfg, name)
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(map(str, choices))}.")
+        near = suggest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(map(str, choices))}.{near}")
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and adjacent transpositions."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def suggest(name: str, known, otherwise: str = "") -> str:
+    """' Did you mean <closest>?' for a real near-miss (a typo: a few edits for the name's length), else `otherwise`.
+
+    Names that merely share a suffix (eval_strategy vs save_strategy) are not near-misses.
+    """
+    budget = max(1, len(name) // 5)
+    scored = sorted((_edit_distance(name, k), k) for k in set(known))
+    if scored and scored[0][0] <= budget:
+        return f" Did you mean {scored[0][1]}?"
+    return otherwise
 
 
 def check_padding_multiple(cfg) -> None:

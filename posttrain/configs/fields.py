@@ -253,7 +253,7 @@ class LoggingConfig:
             import importlib.util
 
             if importlib.util.find_spec("matplotlib") is None:
-                raise ConfigError("plot_on_end=True needs matplotlib: install it with `pip install 'posttrain[plot]'`, "
+                raise ConfigError("plot_on_end=True needs matplotlib: install it with `pip install matplotlib`, "
                                   "or set plot_on_end=False.")
         check_choice(self, "logging_strategy", ("steps", "epoch", "no"))
         check_steps(self, "logging_steps")

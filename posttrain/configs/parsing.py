@@ -6,7 +6,7 @@ import os
 import typing
 from typing import Any, Union
 
-from posttrain.configs.base import ConfigError, base_type, field_types, invalid, union_args
+from posttrain.configs.base import ConfigError, base_type, field_types, invalid, suggest, union_args  # noqa: F401
 
 UNKNOWN_HINT = " `posttrain grpo --help-all` and docs/config.md list every field."
 
@@ -101,32 +101,6 @@ def _list_element(tp):
     return None
 
 
-def _edit_distance(a: str, b: str) -> int:
-    """Optimal string alignment distance: insertions, deletions, substitutions and adjacent transpositions."""
-    prev2, prev = None, list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        row = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            cost = a[i - 1] != b[j - 1]
-            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                row[j] = min(row[j], prev2[j - 2] + 1)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
-def suggest(name: str, known, otherwise: str = "") -> str:
-    """' Did you mean <closest>?' for a real near-miss (a typo: a few edits for the name's length), else `otherwise`.
-
-    Names that merely share a suffix (eval_strategy vs save_strategy) are not near-misses.
-    """
-    budget = max(1, len(name) // 5)
-    scored = sorted((_edit_distance(name, k), k) for k in set(known))
-    if scored and scored[0][0] <= budget:
-        return f" Did you mean {scored[0][1]}?"
-    return otherwise
-
-
 def build(cls, values: dict, extra_known=()):
     """Construct `cls` from a dict of raw values, with typed coercion and a suggestion for unknown keys."""
     types = field_types(cls)
@@ -158,6 +132,13 @@ def _strict_loader():
     return StrictLoader
 
 
+def yaml_problem(err) -> str:
+    """A YAML parse error in words, with where it is: 'is not valid YAML at line 2, column 5 (expected ...)'."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"is not valid YAML{where} ({getattr(err, 'problem', None) or str(err).splitlines()[0]})"
+
+
 def load_yaml(path: str) -> dict:
     import yaml
 
@@ -167,7 +148,7 @@ def load_yaml(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_strict_loader()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"Config file {path} is not valid YAML ({str(err).splitlines()[0]}): fix it.") from None
+        raise ConfigError(f"Config file {path} {yaml_problem(err)}: fix it.") from None
     except UnicodeDecodeError:
         raise ConfigError(f"Config file {path} is not text (not UTF-8): give --config a YAML file.") from None
     except OSError as err:

@@ -17,7 +17,7 @@ import torch
 from posttrain.configs.distillation import DistillationConfig
 from posttrain.distillation.rollout import DistillationRollout, evaluation_metrics
 from posttrain.grpo.trainer import GRPOTrainer
-from posttrain.training.reference import make_teacher
+from posttrain.training.reference import check_teacher_given, make_teacher
 
 
 class DistillationTrainer(GRPOTrainer):
@@ -63,7 +63,8 @@ class DistillationTrainer(GRPOTrainer):
         self._teacher_given = None  # the prepared one is self.ref_model
         return teacher, None
 
-    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, sources: list) -> list:
+    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, environments: bool) -> list:
+        check_teacher_given(self._teacher_given, self.args)  # called before the student loads
         return []  # the teacher is the signal
 
     def _needs_old_logps(self, args) -> bool:

@@ -22,7 +22,7 @@ import torch
 from posttrain.configs import ConfigError, DPOConfig
 from posttrain.data import DataError
 from posttrain.dpo.batch import PairBatch, collate_pairs
-from posttrain.dpo.data import PairEncoder, PairPreparation, pairs_as_dataset, prepare_pairs
+from posttrain.dpo.data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import SUMS, step_metrics
@@ -88,6 +88,7 @@ class DPOTrainer(AgainstReferenceTrainer):
         args = self.args
         if train_dataset is None:
             raise DataError("DPOTrainer needs a train_dataset of preference pairs (prompt, chosen, rejected).")
+        detect_format(first_row(train_dataset), "train_dataset")  # before the model loads
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self._setup_model = model
         self._configure_tokenizer(model)

@@ -23,8 +23,8 @@ import torch
 
 from posttrain.agents.chat_templates import tool_chat_template
 from posttrain.agents.rollouts import Agents
-from posttrain.configs import GRPOConfig
-from posttrain.data import PromptEncoder, PromptSource, check_eval_columns
+from posttrain.configs import ConfigError, GRPOConfig
+from posttrain.data import PromptEncoder, PromptSource, check_eval_columns, prompt_dataset_columns
 from posttrain.generation import SamplingParams, make_generator
 from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
 from posttrain.grpo.async_rollout import queue_from_tensors, start_ahead
@@ -41,6 +41,7 @@ from posttrain.grpo.rollout import Rewards, Rollout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs, reward_weights
+from posttrain.rewards.resolving import NO_REWARD
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded, run_name
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
@@ -172,6 +173,12 @@ class GRPOTrainer(Trainer):
         args = self.args
         train_dataset, placeholder_prompts = agent_dataset(train_dataset, agents, args)
         refuse_prefix_tuning_for_sampling(peft_config, model)
+        # the data's prompts and the given reward functions before the model loads: a dataset with no prompt, a misnamed
+        # reward or a missing package stops the run at once
+        if train_dataset is not None:
+            prompt_dataset_columns(train_dataset)
+        user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes,
+                                             agents.environment_factory is not None)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
         context = getattr(model.config, "max_position_embeddings", None)
@@ -182,7 +189,8 @@ class GRPOTrainer(Trainer):
         self.agents = agent_rollouts(agents, args, self.encoder, model, chat_template, context,
                                      placeholder_prompts, trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
-        user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes, sources)
+        if agents.environment_factory is not None and not user_funcs and not sources:
+            raise ConfigError(NO_REWARD + ", or environments whose class defines get_reward.")
         self.reward_weights = reward_weights(self.args.reward_weights, len(user_funcs), len(sources))
         # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
         self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
@@ -208,10 +216,10 @@ class GRPOTrainer(Trainer):
         None): GRPO's KL reference (models/preparation.py), none at beta 0."""
         return make_reference(model, self.args, came_with_adapter)
 
-    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, sources: list) -> list:
-        """The reward functions the user gave, resolved (posttrain/rewards); one is needed unless the environments
-        bring theirs."""
-        if reward_funcs is None and sources:
+    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, environments: bool) -> list:
+        """The reward functions the user gave, resolved (posttrain/rewards); one is needed unless there are
+        environments, whose get_reward methods bring theirs (reward_funcs None or [], as TRL takes them)."""
+        if environments and not reward_funcs:
             return []
         return resolve_reward_funcs(reward_funcs, self.args, self._trust_remote_code, reward_processing_classes)
 

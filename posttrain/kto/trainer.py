@@ -27,8 +27,8 @@ import torch
 from posttrain.configs import ConfigError, KTOConfig
 from posttrain.data import DataError
 from posttrain.kto.batch import KTOBatch, collate_examples
-from posttrain.kto.data import (KTOEncoder, UnpairedPreparation, UnpairedRows, balance_advice, prepare_unpaired,
-                                rotated)
+from posttrain.kto.data import (KTOEncoder, UnpairedPreparation, UnpairedRows, balance_advice, detect_format,
+                                prepare_unpaired, rotated)
 from posttrain.kto.losses import example_losses, kl_reference_point
 from posttrain.kto.metrics import SUMS, step_metrics
 from posttrain.models.forwards import whole_logits
@@ -79,7 +79,7 @@ class KTOTrainer(AgainstReferenceTrainer):
                               "their KL pairs itself; prepare the rows in the dataset instead.")
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, None)
-        _check_settings(args, self.accelerator.num_processes)
+        check_settings(args, self.accelerator.num_processes)
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, None
         check_metric_functions(compute_metrics, None, args)  # before any slow work
         self._build(model, ref_model, train_dataset, eval_dataset, processing_class, peft_config)
@@ -94,6 +94,7 @@ class KTOTrainer(AgainstReferenceTrainer):
         if is_iterable(train_dataset) and args.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs=True needs every example up front, and train_dataset is an "
                               "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
+        detect_format(first_row(train_dataset), "train_dataset")  # before the model loads
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self._setup_model = model
         if self.tokenizer.eos_token is None:
@@ -143,7 +144,7 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _precompute_references(self, model) -> None:
         """precompute_ref_log_probs: the train examples' (and their KL pairs') and the eval datasets' reference
         log-probs, while the policy still is the reference. The KL pairs are those of the sequential epoch, step by
-        step (the only strategy that draws the same steps every epoch, _check_settings)."""
+        step (the only strategy that draws the same steps every epoch, check_settings)."""
         args = self.args
         rows = self.batches.rows
         sources = predecessor_positions(self.batches.plan, len(rows))  # the sequential order: positions are rows
@@ -327,8 +328,8 @@ def _inputs(s) -> tuple:
     return s.input_ids, s.attention_mask, s.position_ids, s.source_mask, s.targets
 
 
-def _check_settings(args: KTOConfig, processes: int) -> None:
-    """What the KL reference point needs, in one sentence each."""
+def check_settings(args: KTOConfig, processes: int) -> None:
+    """What the KL reference point needs, in one sentence each: checked before the model and the data load."""
     if not args.uses_kl:
         return
     if args.per_device_train_batch_size * args.gradient_accumulation_steps * processes < 2:

@@ -101,7 +101,8 @@ def safetensors_kwargs(model) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _takes_any_keyword(model_type: type) -> bool:
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model_type.forward).parameters.values())
+    parameters = inspect.signature(model_type.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def takes_boundaries(model) -> bool:

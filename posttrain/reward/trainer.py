@@ -32,7 +32,8 @@ from posttrain.models.keywords import unwrap
 from posttrain.models.prompt_sharing import body_parameters, every_process_agrees
 from posttrain.models.scores import (HEAD_NAMES, prefix_shared_scores, prefix_sharing_works, score_head,
                                      score_positions, sequence_scores)
-from posttrain.reward.data import RewardEncoder, RewardPreparation, pairs_as_dataset, prepare_reward_pairs
+from posttrain.reward.data import (RewardEncoder, RewardPreparation, detect_format, pairs_as_dataset,
+                                   prepare_reward_pairs)
 from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.collate import SequenceBatch, collate
 from posttrain.sequences.pairs import PairRows
@@ -144,6 +145,7 @@ class RewardTrainer(BatchedDataTrainer):
         if train_dataset is None:
             raise DataError("RewardTrainer needs a train_dataset of preference pairs (chosen, rejected).")
         self._check_given_model(model)
+        detect_format(first_row(train_dataset), "train_dataset")  # before the model loads
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._adapt,
                                      load=load_sequence_classifier)
         self._configure_tokenizer(model)

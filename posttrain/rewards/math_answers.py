@@ -99,6 +99,11 @@ def reasoning_accuracy_reward(completions, solution, reasoning_delimiters=None, 
     return rewards
 
 
+# what these rewards import when called, checked when they are named (rewards/resolving.py): a missing package
+# stops the run before the model loads, not at step 1
+accuracy_reward.requires = reasoning_accuracy_reward.requires = "math_verify"
+
+
 class CosineScaledReward:
     """accuracy_reward scaled by completion length along a half cosine ("Demystifying Long CoT", appendix C.1).
 
@@ -107,6 +112,7 @@ class CosineScaledReward:
     """
 
     __name__ = "cosine_scaled_reward"  # the metric name, as TRL's
+    requires = "math_verify"
 
     def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float,
                  max_value_correct: float):

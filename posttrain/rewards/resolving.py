@@ -11,10 +11,12 @@ from typing import Any, Callable
 
 import torch
 
+from posttrain._optional import require
 from posttrain.configs import ConfigError, suggest
 from posttrain.data import DataError
 from posttrain.rewards.builtin import BUILTIN_NAMES, by_name
 
+NO_REWARD = "No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy)"
 # the keyword arguments every reward function is passed besides the dataset's columns (TRL 1.16's _calculate_rewards)
 CONVENTION_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
 PASSED_WHOLE = {"trainer_state", "log_extra", "log_metric"}  # keyword arguments that are not one value per completion
@@ -108,14 +110,38 @@ def _not_a_reward(source: str) -> ConfigError:
                        f"reward-model directory or a hub id (org/name).{suggest(source, BUILTIN_NAMES)}")
 
 
+def _reward_model_path(source: str) -> str:
+    """A reward model's local directory or hub id, expanded; one sentence for a name that is neither (a misspelt
+    built-in) or a path that does not exist."""
+    source = os.path.expanduser(source)
+    if "/" not in source and not os.path.isdir(source):  # neither a local directory nor an org/name hub id
+        raise _not_a_reward(source)
+    if not os.path.isdir(source) and (source.startswith((".", "/")) or source.count("/") > 1):
+        raise ConfigError(f"Reward model path {source!r} does not exist: check the path (or give a hub id such "
+                          "as 'org/name').")
+    return source
+
+
+def check_reward_names(specs, config) -> None:
+    """What resolve_reward_funcs would refuse without loading anything: no reward given, a name that is neither a
+    built-in, an importable dotted path nor a reward model's directory or hub id, a built-in whose optional package
+    is missing. For the command line, before the datasets and the model load."""
+    specs = specs if isinstance(specs, (list, tuple)) else [specs]
+    if not specs or specs == [None]:
+        raise ConfigError(NO_REWARD + ".")
+    for spec in specs:
+        if not isinstance(spec, str):
+            continue
+        fn = by_name(spec, config) or import_dotted(spec)
+        if fn is None:
+            _reward_model_path(spec)
+        elif getattr(fn, "requires", None):
+            require(fn.requires, f"The {getattr(fn, '__name__', spec)} reward")
+
+
 def _load_reward_model(source, trust_remote_code: bool, tokenizer=None, dtype=None) -> RewardFunction:
     if isinstance(source, str):
-        source = os.path.expanduser(source)
-        if "/" not in source and not os.path.isdir(source):  # neither a local directory nor an org/name hub id
-            raise _not_a_reward(source)
-        if not os.path.isdir(source) and (source.startswith((".", "/")) or source.count("/") > 1):
-            raise ConfigError(f"Reward model path {source!r} does not exist: check the path (or give a hub id such "
-                              "as 'org/name').")
+        source = _reward_model_path(source)
     from transformers import AutoTokenizer
 
     from posttrain.models.loading import ModelLoadError, load_tokenizer
@@ -185,7 +211,7 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
     """
     specs = specs if isinstance(specs, (list, tuple)) else [specs]
     if not specs or specs == [None]:
-        raise ConfigError("No reward function given: pass reward_funcs (e.g. --reward_funcs accuracy).")
+        raise ConfigError(NO_REWARD + ".")
     init = getattr(config, "model_init_kwargs", None) or {}
     dtype = init.get("dtype", init.get("torch_dtype"))  # TRL loads reward models with model_init_kwargs
     funcs = []
@@ -202,6 +228,9 @@ def resolve_reward_funcs(specs, config, trust_remote_code: bool = False,
         else:
             raise ConfigError(f"Reward function {spec!r} is not a callable, a name, or a model.")
     _dedupe_names(funcs)
+    for f in funcs:  # a built-in's optional package, before the model loads (not at step 1)
+        if getattr(f.fn, "requires", None):
+            require(f.fn.requires, f"The {f.name} reward")
     return funcs
 
 

@@ -20,6 +20,7 @@ from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
 from posttrain.sequences.collate import collate
 from posttrain.sft.data import Preparation, prepare_map_dataset
+from posttrain.sft.row_formats import detect_format
 from posttrain.sft.formats import RowEncoder, check_formatting_func
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
@@ -107,6 +108,8 @@ class SFTTrainer(BatchedDataTrainer):
         args = self.args
         if train_dataset is None:
             raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
+        if self.formatting_func is None:  # the dataset's format from its first row, before the model loads
+            detect_format(first_row(train_dataset), args.dataset_text_field)
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
         self._configure_tokenizer(model)
         self._vocab_rows = vocabulary_rows(model)

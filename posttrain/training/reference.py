@@ -69,15 +69,21 @@ def make_reference(policy, ref_model, args, came_with_adapter: bool, device, tru
     return reference_of(policy, args.sync_ref_model, came_with_adapter)
 
 
+def check_teacher_given(teacher, args) -> None:
+    """One sentence when distillation has no teacher (`teacher`, the trainer's argument, nor the config's
+    teacher_model_name_or_path): before the student and the data load."""
+    if teacher is None and args.teacher_model_name_or_path is None:
+        raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model=<a model or its path>, or set "
+                          "teacher_model_name_or_path.")
+
+
 def make_teacher(teacher, policy, args, device, trust_remote_code: bool, tokenizer):
     """On-policy distillation's teacher, frozen: `teacher` (a model, or a path or hub id) or the config's
     teacher_model_name_or_path, loaded with teacher_model_init_kwargs and teacher_model_revision. It must predict over
     the student's vocabulary (TRL compares the configs' vocab_size) and read its token ids (check_vocabulary)."""
+    check_teacher_given(teacher, args)
     if teacher is None:
         teacher = args.teacher_model_name_or_path
-    if teacher is None:
-        raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model=<a model or its path>, or set "
-                          "teacher_model_name_or_path.")
     source = _tokenizer_source(teacher, policy)
     if isinstance(teacher, str):
         from posttrain.models.loading import load_causal_lm, with_trl_default_dtype
