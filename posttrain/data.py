@@ -186,9 +186,9 @@ class PromptSource:
         self.columns = self._columns()
         self.prompt_ids = None if self.iterable else self._encode_all()
         if full_rounds and not self.iterable and len(dataset) < per_round:
-            raise DataError(f"The dataset has {len(dataset)} prompts, fewer than the {per_round} unique prompts one "
-                            "generation batch needs (generation_batch_size / num_generations): add prompts or "
-                            "lower the batch size.")
+            raise DataError(f"The dataset has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}, fewer than the "
+                            f"{per_round} unique prompts one generation batch needs (generation_batch_size / "
+                            "num_generations): add prompts or lower the batch size.")
 
     def _columns(self) -> list[str]:
         return prompt_dataset_columns(self.dataset)

@@ -13,6 +13,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# the same ChatML, carrying tools (a system turn listing them), an assistant's tool calls (Qwen's <tool_call> JSON) and
+# tool results (<tool_response>): what a tool-calling model's template does, for save_tiny's models
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def tiny_tokenizer(chars: str = DEFAULT_CHARS, all_bytes: bool = True):
@@ -111,10 +123,29 @@ def tiny_moe_model(tokenizer=None, seed: int = 0, hidden: int = 32, layers: int 
 
 
 def save_tiny(path: str, tokenizer=None, seed: int = 0, **config_kwargs) -> str:
-    """Build a tiny model and tokenizer and save both to `path` (safetensors). Returns `path`."""
-    tokenizer = tokenizer or tiny_tokenizer()
+    """Build a tiny model and tokenizer and save both to `path` (safetensors), for trying things offline: the docs'
+    examples run on it with only the model name changed. Its context is 4,096 positions (max_positions) unless given,
+    so that TRL's default lengths fit; a tokenizer not given is tiny_tokenizer() with TOOL_CHAT_TEMPLATE, which
+    carries tools. Quiet: no progress bars, no DeepSpeed notice on a machine without a GPU. Returns `path`."""
+    import os
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    if tokenizer is None:
+        tokenizer = tiny_tokenizer()
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    config_kwargs.setdefault("max_positions", 4096)
+    if not torch.accelerator.is_available():  # DeepSpeed, which transformers imports where installed, would say so
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model = tiny_model(tokenizer, seed=seed, **config_kwargs)
-    model.save_pretrained(path)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards"
+    try:
+        model.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     return path
 
