@@ -137,6 +137,16 @@ def run_demo(output_dir: str = "posttrain-demo", max_steps: int = 1200, seed: in
         torch.set_num_threads(threads)  # the caller's setting, as it was
 
 
+def _report_again(trainer) -> None:
+    """report.html again, now that the final summary holds the sampled accuracy (the curves as drawn at the end)."""
+    import importlib.util
+
+    if trainer.args.plot_on_end is not False and importlib.util.find_spec("matplotlib") is not None:
+        from posttrain.report import write_report
+
+        write_report(trainer.args.output_dir)
+
+
 def _train_and_show(output_dir: str, max_steps: int, seed: int) -> dict:
     from rich.console import Console
 
@@ -158,8 +168,11 @@ def _train_and_show(output_dir: str, max_steps: int, seed: int) -> dict:
     after = sampled_accuracy(trainer, prompts)
     summary["sampled_accuracy_before"] = round(sum(share for share, _ in before) / len(before), 4)
     summary["sampled_accuracy_after"] = round(sum(share for share, _ in after) / len(after), 4)
+    # into all_results.json, and the report written again with it: its headline is the sampled accuracy's change
+    trainer.save_metrics("demo", {k: summary[k] for k in ("sampled_accuracy_before", "sampled_accuracy_after")})
     if trainer.accelerator.is_main_process:
         trainer.logger.write({"summary": summary})
+        _report_again(trainer)
         console.print("After GRPO, the share of 16 sampled answers that are right (row a + column b):",
                       highlight=False)
         console.print(_grid(after))

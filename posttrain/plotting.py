@@ -39,6 +39,10 @@ class PlotError(UserError, ValueError):
     """Nothing to plot, or an output the plot cannot be written to; the message names it."""
 
 
+class NothingToDraw(PlotError):
+    """The runs logged too little for a curve (no step, or one): not a fault of the run."""
+
+
 @dataclass(frozen=True)
 class Panel:
     title: str
@@ -257,7 +261,12 @@ def _figure(output_dirs: list[str], runs: list[dict[int, dict]]):
     from posttrain._optional import require
 
     if not any(runs):
-        raise PlotError(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging step.")
+        raise NothingToDraw(f"No step is logged yet in {', '.join(output_dirs)}: plot again after the first logging "
+                            "step.")
+    if all(len(steps) < 2 for steps in runs):  # one point a panel is no curve
+        logged = sorted({step for steps in runs for step in steps})
+        raise NothingToDraw(f"Only step {logged[0]} is logged in {', '.join(output_dirs)}, so there is no curve to "
+                            "draw (a shorter logging_steps logs more steps); its numbers are in the report's details.")
     panels = panels_with_data(runs)
     if not panels:
         raise PlotError(f"Every metric logged in {', '.join(output_dirs)} holds one value over its steps: there is no "

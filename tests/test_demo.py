@@ -16,6 +16,9 @@ def test_demo_learns(tmp_path, monkeypatch):
     lines = [json.loads(line) for line in open(tmp_path / "demo" / "metrics.jsonl")]
     assert lines[-1]["summary"] == summary and len(lines) == 401
     assert (tmp_path / "cache" / "demo-model-v2" / "model.safetensors").exists()
+    report = (tmp_path / "demo" / "report.html").read_text()  # the report opens with the demo's own figure
+    before, after = (f"{summary[f'sampled_accuracy_{k}']:.4g}" for k in ("before", "after"))
+    assert f"sampled accuracy <strong>{before} → {after}</strong>" in report
 
 
 def test_an_unwritable_cache_builds_the_demo_model_for_the_run_and_says_so(tmp_path, monkeypatch, capsys):

@@ -86,7 +86,8 @@ def test_a_run_without_completions_or_summary_says_so(tmp_path):
     page = open(write_report(str(out)), encoding="utf-8").read()
     assert "No completions.jsonl: set log_completions=True" in page
     assert "No all_results.json: the run has not finished." in page
-    assert "No posttrain_config.yaml" in page and page.count("<svg") == 1
+    assert "No posttrain_config.yaml" in page and page.count("<svg") == 0  # one logged step: no curve
+    assert "Only step 1 is logged in" in page and "so there is no curve to draw" in page
 
 
 def test_the_report_command(tmp_path):
@@ -96,7 +97,7 @@ def test_the_report_command(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"posttrain: wrote {tmp_path / 'r.html'}"
     page = open(tmp_path / "r.html", encoding="utf-8").read()
-    assert "<h3>Step 2 (2 of 4 completions)</h3>" in page and "<h3>Step 5 (2 of 4 completions)</h3>" in page
+    assert "<h3>Step 2 (2 of 4 completions, of 4 prompts)</h3>" in page and "<h3>Step 5 (2 of 4 completions, of 4 prompts)</h3>" in page
     assert "<h3>Step 1 " not in page
 
 
@@ -285,4 +286,27 @@ def test_damaged_run_files_are_skipped_and_named_and_the_rest_drawn(damage, tmp_
     note = report_said[0].split(": ", 1)[1]
     assert note.endswith(".") and escape(note) in page
     if kind == "completions" and not damage.endswith("binary"):
-        assert "<h3>Step 1 (3 of 3 completions)</h3>" in page  # step 1 rows but the one cut short
+        assert "<h3>Step 1 (3 of 3 completions, of 3 prompts)</h3>" in page  # step 1 rows but the one cut short
+
+
+def test_a_steps_completions_are_shown_a_prompt_at_a_time():
+    """Eight completions of each of four prompts (GRPO's groups): the table's 8 rows show every prompt twice, not one
+    prompt's group."""
+    from posttrain.report.sections import spread_over_prompts
+
+    logged = [{"prompt": f"p{p}", "completion": f"c{p}{g}"} for p in range(4) for g in range(8)]
+    shown, prompts = spread_over_prompts(logged, 8)
+    assert prompts == 4 and [r["completion"] for r in shown] == ["c00", "c10", "c20", "c30", "c01", "c11", "c21", "c31"]
+    assert spread_over_prompts(logged[:3], 8) == (logged[:3], 1)
+
+
+def test_a_scripts_before_and_after_figures_head_the_summary(tmp_path):
+    """The demo saves its sampled accuracy into all_results.json: the report's summary opens with it."""
+    from posttrain.report import write_report
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)))
+    (tmp_path / "all_results.json").write_text(json.dumps({"sampled_accuracy_before": 0.03,
+                                                           "sampled_accuracy_after": 0.74, "train_runtime": 9.0}))
+    page = open(write_report(str(tmp_path)), encoding="utf-8").read()
+    summary = page[page.index("<h2>Summary</h2>"):]
+    assert summary.index("sampled accuracy <strong>0.03 → 0.74</strong>") < summary.index("reward")

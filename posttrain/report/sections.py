@@ -69,6 +69,20 @@ def chosen_steps(available: list[int], wanted: list[int] | None) -> list[int]:
     return sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
 
 
+def spread_over_prompts(logged: list[dict], rows: int) -> tuple[list[dict], int]:
+    """(`rows` of a step's completions, taken a prompt at a time: each prompt's first completion, then each one's
+    second, ..., so that a table shows as many prompts as it can rather than one prompt's group; how many distinct
+    prompts the step has)."""
+    groups: dict[str, list[dict]] = {}
+    for row in logged:
+        groups.setdefault(as_text(row.get("prompt")), []).append(row)
+    shown, depth = [], 0
+    while len(shown) < min(rows, len(logged)):
+        shown += [group[depth] for group in groups.values() if depth < len(group)][:rows - len(shown)]
+        depth += 1
+    return shown, len(groups)
+
+
 def completions(by_step: dict[int, list[dict]], steps: list[int] | None, rows: int) -> str:
     """Tables of `rows` completions (completion_rows) at each chosen step."""
     if not by_step:
@@ -82,10 +96,12 @@ def completions(by_step: dict[int, list[dict]], steps: list[int] | None, rows: i
         logged = by_step[step]
         functions = list(logged[0].get("rewards", {}))
         extra = extra_columns(logged[0])
+        shown, prompts = spread_over_prompts(logged, rows)
         body = [[as_text(r.get("prompt")), as_text(r.get("completion")),
                  *(r.get("rewards", {}).get(n) for n in functions), r.get("advantage"), *(r.get(k) for k in extra)]
-                for r in logged[:rows]]
-        parts.append(f"<h3>Step {step} ({min(rows, len(logged))} of {len(logged)} completions)</h3>")
+                for r in shown]
+        of_prompts = f", of {prompts} prompts" if prompts > 1 else ""
+        parts.append(f"<h3>Step {step} ({len(shown)} of {len(logged)} completions{of_prompts})</h3>")
         parts.append(table(["prompt", "completion", *functions, "advantage", *extra], body, "completions"))
     return "\n".join(parts)
 

@@ -193,11 +193,26 @@ def _outputs(output_dir: str, page_dir: str) -> str:
     return markup_table("<th>output</th><th>path</th>", lines, "outputs")
 
 
+def _before_and_after(summary: dict) -> list[str]:
+    """A headline for each `<name>_before` / `<name>_after` pair of numbers a script saved into the final summary
+    (trainer.save_metrics; the demo saves its sampled accuracy so): what the run was for, before the curves' view."""
+    lines = []
+    for key in sorted(summary):
+        if not key.endswith("_before"):
+            continue
+        name = key.removesuffix("_before")
+        before, after = summary[key], summary.get(f"{name}_after")
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (before, after)):
+            lines.append(f"<p class=\"headline\">{escape(name.replace('_', ' '))} <strong>{escape(number(before))} "
+                         f"→ {escape(number(after))}</strong> <span class=\"note\">before training vs after</span></p>")
+    return lines
+
+
 def summary_section(output_dir: str, page_dir: str, steps: dict[int, dict], run: dict) -> str:
     """The summary: the headline movement, the table of movements and what was averaged, the run's length, and its
     outputs. `run`: trainer, config and final summary (write_report reads them)."""
     rows, note = movements(steps, run["trainer"])
-    parts = ["<section id=\"summary\">", "<h2>Summary</h2>"]
+    parts = ["<section id=\"summary\">", "<h2>Summary</h2>", *_before_and_after(run["summary"])]
     if rows:
         parts += [_headline(rows), _movement_table(rows), f"<p class=\"note\">{escape(note)}</p>"]
     elif not steps:

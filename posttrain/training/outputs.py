@@ -201,7 +201,7 @@ class OutputsMixin:
         says (None: when matplotlib is installed)."""
         import importlib.util
 
-        from posttrain.plotting import PlotError, plot_runs_with_svg
+        from posttrain.plotting import NothingToDraw, PlotError, plot_runs_with_svg
         from posttrain.report import write_report
 
         if self.args.plot_on_end is False or (self.args.plot_on_end is None and
@@ -210,7 +210,9 @@ class OutputsMixin:
         svg = None
         try:  # one figure for both files
             svg = plot_runs_with_svg([self.args.output_dir], os.path.join(self.args.output_dir, "plots.png"))
-        except PlotError as err:  # nothing logged (logging_strategy=no): the run itself is fine
+        except NothingToDraw as err:  # a short run, or logging_strategy=no: the run itself is fine
+            logger.info("No plots.png: %s", err)
+        except PlotError as err:
             logger.warning("No plots.png: %s", err)
         write_report(self.args.output_dir, curves_svg=svg)  # without logged steps, it says so in place of the curves
 
