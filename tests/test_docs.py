@@ -111,3 +111,11 @@ def test_a_shell_example_parses_as_written(words, monkeypatch):
 
 def test_the_shell_examples_are_found():
     assert len(list(command_lines())) >= 15
+
+
+def test_every_relative_link_of_the_docs_reaches_a_file():
+    pages = [*PAGES, ROOT / "CHANGELOG.md"]
+    broken = [(str(page.relative_to(ROOT)), link) for page in pages
+              for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+              if not link.startswith(("http://", "https://")) and not (page.parent / link).exists()]
+    assert broken == []
