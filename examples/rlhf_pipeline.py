@@ -41,6 +41,9 @@ def datasets(out: str) -> dict:
     and 60 others held out, the right digit chosen and rejected each other digit, no answer, and the right digit with
     one more after it; the RL prompts (the training numbers)."""
     from datasets import Dataset, DatasetDict
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # no "Saving the dataset" bars between the stages' lines
 
     rng = random.Random(0)
     numbers = rng.sample(range(100, 1000), 300)

@@ -35,15 +35,18 @@ def _datasets(script, config):
     return train, evaluation
 
 
-def _prepare_run(script, lora, config):
+def _prepare_run(script, lora, config, check=None):
     """(peft config or None, train dataset, eval dataset or None), the model's init kwargs set in `config`; a missing
-    model or dataset stops first."""
+    model or dataset stops first, then a missing peft, then `check()` (the trainer's checks that need neither model
+    nor data), before the datasets load."""
     if not script.model_name_or_path:
         raise ConfigError("No model given: set model_name_or_path (a local path or hub id).")
     if not script.dataset_name and script.datasets is None:
         raise ConfigError("No dataset given: set dataset_name (a hub name or a .json/.jsonl/.csv/.parquet file), or "
                           "a datasets: mixture.")
     peft_config = lora.to_peft_config()  # before anything slow: a missing peft is reported first
+    if check is not None:
+        check()
     _model_init_kwargs(script, config)
     train, evaluation = _datasets(script, config)
     return peft_config, train, evaluation
@@ -77,8 +80,7 @@ def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, confi
 
     rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
         script.reward_funcs or [])
-    check_reward_names(rewards, config)
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, lambda: check_reward_names(rewards, config))
     _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
                                  eval_dataset=eval_dataset, peft_config=peft_config))
 
@@ -104,8 +106,8 @@ def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig)
 
     from posttrain.kto.trainer import KTOTrainer, check_settings
 
-    check_settings(config, int(os.environ.get("WORLD_SIZE", "1")))  # before the datasets and the model load
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    peft_config, dataset, eval_dataset = _prepare_run(
+        script, lora, config, lambda: check_settings(config, int(os.environ.get("WORLD_SIZE", "1"))))
 
     _train_and_close(KTOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
                                 eval_dataset=eval_dataset, peft_config=peft_config))
@@ -116,8 +118,7 @@ def run_distillation(script: BaseScriptArguments, lora: LoraArguments, config: D
     distillation`."""
     from posttrain.training.reference import check_teacher_given
 
-    check_teacher_given(None, config)  # before the datasets and the model load
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, lambda: check_teacher_given(None, config))
     from posttrain.distillation.trainer import DistillationTrainer
 
     _train_and_close(DistillationTrainer(script.model_name_or_path, args=config, train_dataset=dataset,

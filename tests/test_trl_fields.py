@@ -123,22 +123,34 @@ def test_hub_token_is_redacted_in_what_is_written():
     assert cfg.to_dict()["hub_token"] == "<HUB_TOKEN>" and cfg.hub_token == "hf_secret"
 
 
-def test_readme_counts_match_the_table():
+def _stated_counts(config_name: str) -> list[tuple[int, ...]]:
+    """(fields, implemented, accepted, refused) of a TRL config as the README's compatibility table and
+    docs/compatibility.md state them."""
     import os
-    import re
 
+    root = os.path.join(os.path.dirname(__file__), "..")
+    readme = open(os.path.join(root, "README.md")).read()
+    detail = " ".join(open(os.path.join(root, "docs", "compatibility.md")).read().split())
+    trainer = config_name.replace("Config", "Trainer")
+    row = re.search(rf"^\| `{trainer}` \| (\d+) / (\d+) / (\d+) of (\d+) \|", readme, re.M)
+    prose = (re.search(r"All (\d+) fields of TRL 1\.16's `GRPOConfig`.*?(\d+) are implemented.*?; (\d+) configure.*?; "
+                       r"(\d+) accept only", detail) if config_name == "GRPOConfig" else
+             re.search(rf"All (\d+) fields of TRL 1\.16's `{config_name}`.*?(\d+) implemented, (\d+) accepted at "
+                       rf"TRL's behaviour, (\d+) refused", detail))
+    assert row and prose, f"the counts of {config_name}'s fields are missing from the README's table or the docs"
+    total, implemented, accepted, refused = (int(x) for x in row.group(4, 1, 2, 3))
+    return [(total, implemented, accepted, refused), tuple(map(int, prose.groups()))]
+
+
+def test_readme_counts_match_the_table():
     from posttrain.configs.reference import trl_field_status
 
     counts = {}
     for f in trl_snapshot()["fields"]:
         status = trl_field_status(f["name"])[0]
         counts[status] = counts.get(status, 0) + 1
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    found = re.search(r"All (\d+) fields of TRL 1.16.*?(\d+) are implemented.*?; (\d+) configure.*?; (\d+) accept only",
-                      readme, re.DOTALL)
-    assert found, "README's count of TRL fields is missing"
-    assert tuple(map(int, found.groups())) == (len(trl_snapshot()["fields"]), counts[IMPLEMENTED], counts[SAME],
-                                               counts[UNSUPPORTED])
+    actual = (len(trl_snapshot()["fields"]), counts[IMPLEMENTED], counts[SAME], counts[UNSUPPORTED])
+    assert _stated_counts("GRPOConfig") == [actual, actual]
 
 
 def test_every_trl_field_at_its_default_is_a_flag():
@@ -360,14 +372,10 @@ def test_every_trl_field_of_rloo_reward_kto_and_distillation_at_its_default_is_a
                                           ("reward", "RewardConfig"), ("kto", "KTOConfig"),
                                           ("distillation", "DistillationConfig"), ("async_grpo", "AsyncGRPOConfig")])
 def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
-    import os
-
     counts = {IMPLEMENTED: 0, SAME: 0, UNSUPPORTED: 0}
     for f in trl_snapshot(trainer)["fields"]:
         counts[trl_field_status(f["name"], trainer)[0]] += 1
-    readme = " ".join(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read().split())
-    found = re.search(rf"All (\d+) fields of TRL 1\.16's `{name}`.*?(\d+) implemented, (\d+) accepted at TRL's "
-                      rf"behaviour, (\d+) refused", readme)
-    assert found, f"README's count of {name}'s fields is missing"
-    assert tuple(map(int, found.groups())) == (len(trl_snapshot(trainer)["fields"]), counts[IMPLEMENTED],
-                                               counts[SAME], counts[UNSUPPORTED])
+    actual = (len(trl_snapshot(trainer)["fields"]), counts[IMPLEMENTED], counts[SAME], counts[UNSUPPORTED])
+    assert _stated_counts(name) == [actual, actual]
+
+
