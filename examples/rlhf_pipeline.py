@@ -128,7 +128,9 @@ def main(argv=None) -> dict:
     print(f"{args.trainer}, reward from the reward model: {result['policy_reward'][0]:.2f} over the first 10 steps, "
           f"{result['policy_reward'][1]:.2f} over the last 10 (answers right: {result['policy_accuracy'][0]:.0%} -> "
           f"{result['policy_accuracy'][1]:.0%})")
-    print(f"plots: {', '.join(os.path.join(s, 'plots.png') for s in (sft, reward, policy))}")
+    drawn = [os.path.join(s, name) for s in (sft, reward, policy) for name in ("plots.png", "report.html")
+             if os.path.exists(os.path.join(s, name))]
+    print(f"curves and reports: {', '.join(drawn)}")
     return result
 
 
