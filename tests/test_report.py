@@ -310,3 +310,17 @@ def test_a_scripts_before_and_after_figures_head_the_summary(tmp_path):
     page = open(write_report(str(tmp_path)), encoding="utf-8").read()
     summary = page[page.index("<h2>Summary</h2>"):]
     assert summary.index("sampled accuracy <strong>0.03 → 0.74</strong>") < summary.index("reward")
+
+
+def test_the_report_without_matplotlib_says_so_in_place_of_the_curves(tmp_path, monkeypatch):
+    import importlib
+
+    from posttrain.report import write_report
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n" for s in (1, 2, 3)))
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: (_ for _ in ()).throw(ImportError(name))
+                        if name == "matplotlib" else real(name, *a))
+    page = open(write_report(str(tmp_path)), encoding="utf-8").read()
+    assert "The curves are drawn with matplotlib, which is not installed: pip install matplotlib." in page
+    assert "<h2>Summary</h2>" in page and "<svg" not in page

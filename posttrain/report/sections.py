@@ -3,6 +3,7 @@ completions, and the detailed numbers (the final summary record, the last logged
 
 import os
 
+from posttrain._optional import MissingDependency
 from posttrain.completion_rows import as_text, extra_columns
 from posttrain.plotting import PlotError, constant_series, figure_svg, reward_twins, sole_reward_function
 from posttrain.report.tables import escape, number, table
@@ -18,6 +19,9 @@ def curves(output_dir: str, steps: dict[int, dict], drawn: str | None = None) ->
         figure = f"<div class=\"curves\">{drawn or figure_svg([output_dir], [steps])}</div>"
     except PlotError as err:
         figure = f"<p class=\"note\">{escape(err)}</p>"
+    except MissingDependency:  # the rest of the report needs no matplotlib
+        figure = ("<p class=\"note\">The curves are drawn with matplotlib, which is not installed: pip install "
+                  "matplotlib.</p>")
     notes = []
     constant = constant_series([steps]) if steps else {}
     if constant:
