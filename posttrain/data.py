@@ -5,6 +5,11 @@ Formats (as in TRL):
     standard:        {"prompt": "What is 2+2?", ...}
     conversational:  {"prompt": [{"role": "user", "content": "What is 2+2?"}], ...}
 Every column other than `prompt` reaches the reward functions as a keyword argument.
+
+Every trainer's tokenized data are checked against the model's vocabulary here (check_within_vocabulary): a token id
+past its embedding rows (a tokenizer with tokens added and the embeddings not resized, or rows tokenized by another
+model's tokenizer) would fail in the embedding at the first step (torch's IndexError on a CPU, a device-side assert
+on a GPU), after the model and data loaded.
 """
 
 import random
@@ -18,6 +23,55 @@ VALID_ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 class DataError(UserError, ValueError):
     """A dataset that cannot be trained on; the message says what to change."""
+
+
+def vocabulary_rows(model) -> int | None:
+    """The token ids a model takes, 0 to this - 1: its input embedding's rows (which may exceed the tokenizer's
+    length), no more than its output layer predicts; None for a model that does not say."""
+    try:
+        sizes = [model.get_input_embeddings().num_embeddings]
+    except (AttributeError, NotImplementedError):
+        return None
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(getattr(output, "out_features", None), int):
+        sizes.append(output.out_features)
+    return min(sizes)
+
+
+def out_of_vocabulary(ids, size: int) -> tuple[int, int] | None:
+    """(position, id) of the first token id of `ids` outside [0, size), or None. `ids` may hold Python integers of any
+    size (tokenized rows as given), so nothing is cast before the check."""
+    if not len(ids) or (0 <= min(ids) and max(ids) < size):
+        return None
+    return next((p, int(t)) for p, t in enumerate(ids) if not 0 <= t < size)
+
+
+def check_within_vocabulary(where: str, ids, size: int | None, tokenizer, column: str | None = None) -> None:
+    """One sentence when `ids` hold a token id the model has no embedding row for: `where` names the row ("Row 3 of
+    train_dataset"), `column` the tokenized column the ids were given in (None: the tokenizer's ids of text). `size`:
+    the model's vocabulary_rows (None: unchecked)."""
+    found = None if size is None else out_of_vocabulary(ids, size)
+    if found is None:
+        return
+    position, token = found
+    if column is not None:
+        raise DataError(f"{where} has token id {token} at position {position} of its {column}, outside the model's "
+                        f"vocabulary of {size} ids (0 to {size - 1}, its embedding rows): tokenize the rows with this "
+                        "model's tokenizer.")
+    raise DataError(f"{where} tokenizes to id {token} ({tokenizer.convert_ids_to_tokens(token)!r}), beyond the model's "
+                    f"{size} embedding rows, as the tokenizer has {len(tokenizer)} tokens: resize the model's "
+                    "embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer))) before training.")
+
+
+def check_encoded_within_vocabulary(encoded: list, row_indices, name: str, size: int | None, tokenizer,
+                                    id_columns: tuple) -> None:
+    """check_within_vocabulary for a block of encoded rows: encoded[k]'s first len(id_columns) entries are the token
+    ids of dataset row row_indices[k], as given in those tokenized columns (None: the tokenizer's ids of text)."""
+    if size is None:
+        return
+    for parts, index in zip(encoded, row_indices):
+        for column, ids in zip(id_columns, parts):
+            check_within_vocabulary(f"Row {index} of {name}", ids, size, tokenizer, column)
 
 
 
@@ -88,11 +142,12 @@ class PromptEncoder:
         max_completion_length: tokens reserved for the completion.
         chat_template: the template to render conversations with instead of the tokenizer's (tool calling's
             training template, agents/chat_templates.py), or None.
+        vocab_size: the model's vocabulary_rows: every prompt's token ids must lie below it (None: unchecked).
     """
 
     def __init__(self, tokenizer, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
-                 max_completion_length=0, chat_template: str | None = None):
-        self.tokenizer = tokenizer
+                 max_completion_length=0, chat_template: str | None = None, vocab_size: int | None = None):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.chat_template = chat_template
         self.chat_template_kwargs = chat_template_kwargs or {}
         _check_template_kwargs(tokenizer, self.chat_template_kwargs)
@@ -132,6 +187,7 @@ class PromptEncoder:
                 row = row[-self.max_prompt_length:]
             if not row:
                 raise DataError(f"Prompt {index} is empty after tokenisation.")
+            check_within_vocabulary(f"Prompt {index}", row, self.vocab_size, self.tokenizer)
             if self.max_total_length and len(row) + self.max_completion_length > self.max_total_length:
                 raise DataError(
                     f"Prompt {index} has {len(row)} tokens, which with max_completion_length="

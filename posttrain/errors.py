@@ -3,6 +3,8 @@
 The command line prints these as one line, `posttrain: error: ...`, without a traceback.
 """
 
+import threading
+
 
 class UserError(Exception):
     """An error whose message names the cause and the fix.
@@ -112,8 +114,59 @@ def signature_mismatch(fn, *args, **kwargs) -> str | None:
     return None
 
 
+def message_of(err: BaseException) -> str:
+    """str(err); where the exception's own __str__ raises, a note saying so: a user's exception never breaks the
+    message about it."""
+    try:
+        return str(err)
+    except Exception as inner:  # noqa: BLE001 - whatever a user's __str__ raises
+        return f"<its message could not be read: {type(err).__name__}.__str__ raised {type(inner).__name__}>"
+
+
 def detail_of(err: BaseException) -> str:
     """`: the first line of its message` for an exception a user's function raised (empty when it has none), to end
     the clause that names the function, the exception's type and where it was called."""
-    text = str(err).strip()
+    text = message_of(err).strip()
     return f": {text.splitlines()[0].rstrip('.')}" if text else ""
+
+
+def stops_the_program(err: BaseException) -> bool:
+    """Whether a user's function raised what is not an Exception, and is not the run's own interrupt or cancellation:
+    SystemExit (sys.exit), GeneratorExit, or a KeyboardInterrupt of its own. Not a failure the run can count: the run
+    stops with one sentence naming the function (program_stop_message), rather than the program ending silently or an
+    event loop's thread dying under its waiter. A KeyboardInterrupt is the function's own only where no signal can
+    have raised it, off the main thread (Python runs signal handlers there; timeouts.run_within and `contained` mark
+    it): on the main thread it is taken as the user's Ctrl-C, and left to raise."""
+    import asyncio
+
+    if isinstance(err, (Exception, asyncio.CancelledError)) or getattr(err, "from_signal", False):
+        return False
+    return not isinstance(err, KeyboardInterrupt) or getattr(err, "off_main_thread", False)
+
+
+def program_stop_message(what: str, err: BaseException) -> str:
+    """The sentence for `what` (e.g. "Tool 'search' (search)") having raised SystemExit or the like."""
+    raised = type(err).__name__ + (f"({', '.join(map(repr, err.args))})" if err.args else "")
+    return (f"{what} raised {raised}, which would stop the program: a user's function returns its result or raises an "
+            "Exception (a tool's error is read by the model, a reward function's stops the run with its traceback); "
+            "remove the sys.exit or raise an Exception instead.")
+
+
+class Raised:
+    """What a user's awaitable raised that stops_the_program, held as a value (contained): raised inside an asyncio
+    task it would end the event loop's thread."""
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+
+async def contained(awaitable):
+    """`awaitable`'s result, or Raised(err) for what it raised that stops_the_program (anything else propagates)."""
+    try:
+        return await awaitable
+    except BaseException as err:  # noqa: BLE001 - SystemExit and the like are held, the rest raised
+        if isinstance(err, KeyboardInterrupt) and threading.current_thread() is not threading.main_thread():
+            err.off_main_thread = True  # no signal raised it: the function's own
+        if stops_the_program(err):
+            return Raised(err)
+        raise

@@ -32,6 +32,8 @@ class InterruptedWaiting(KeyboardInterrupt):
         what: the user code waited on, e.g. "reward function 'judge'".
     """
 
+    from_signal = True  # the run's own interrupt, not one a user's function raised (errors.stops_the_program)
+
     def __init__(self, signum: int, what: str):
         super().__init__(signum, what)  # args rebuild it when it travels to other processes (pickled)
         self.signum, self.what = signum, what
@@ -74,6 +76,8 @@ def run_within(call, timeout: float | None, name: str = "posttrain-reward", in_t
         try:
             box["result"] = call()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            if isinstance(err, KeyboardInterrupt):
+                err.off_main_thread = True  # raised by the call, not a signal (errors.stops_the_program)
             box["error"] = err
 
     thread = threading.Thread(target=target, name=name, daemon=True)

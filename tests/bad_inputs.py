@@ -120,7 +120,8 @@ def _config(tmp: Path, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**values, **overrides})
 
 
-def _trainer(tmp: Path, model=None, dataset=None, tokenizer=None, reward=length_reward, **overrides):
+def _trainer(tmp: Path, model=None, dataset=None, tokenizer=None, reward=length_reward, rollout_func=None,
+             **overrides):
     from posttrain.grpo.trainer import GRPOTrainer
     from posttrain.testing import tiny_model
 
@@ -128,7 +129,7 @@ def _trainer(tmp: Path, model=None, dataset=None, tokenizer=None, reward=length_
         tokenizer = tokenizer or _tokenizer()
         model = tiny_model(tokenizer, hidden=32, layers=1)
     return GRPOTrainer(model, reward, _config(tmp, **overrides), train_dataset=_dataset() if dataset is None else dataset,
-                       processing_class=tokenizer)
+                       processing_class=tokenizer, rollout_func=rollout_func)
 
 
 def _write(path: Path, text: str) -> str:
@@ -2511,6 +2512,177 @@ def fsdp_on_one_cpu_process(tmp):
       r"^loss_type='dapoo' is not one of: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo\. Did you mean dapo\?$")
 def misspelt_loss_type(tmp):
     _config(tmp, loss_type="dapoo")
+
+
+# ---- issue 54: hostile tools, lopsided data, a slow client (`kind`: what the same input did before)
+def _run_tool(fn, timeout=None, **arguments):
+    from posttrain.agents import ToolRunner, ToolSet
+
+    runner = ToolRunner(timeout)
+    try:
+        return runner.run([{"type": "function", "function": {"name": fn.__name__, "arguments": arguments}}],
+                          ToolSet([fn]))
+    finally:
+        runner.close()
+
+
+def _leaving(stop: BaseException):
+    """A sync tool that raises `stop`."""
+    def leave(why: str) -> str:
+        """Leave.
+
+        Args:
+            why: Why.
+        """
+        raise stop
+
+    return leave
+
+
+@case("User functions", "an async tool that calls sys.exit (it ended the tools' event loop: train() never returned)",
+      UserFunctionError, r"^Tool 'leave' \(.*leave\) raised SystemExit\(3\), which would stop the program: a user's "
+      r"function returns its result or raises an Exception .*; remove the sys\.exit or raise an Exception instead\.$",
+      kind="hang")
+def async_tool_exits(tmp):
+    async def leave(why: str) -> str:
+        """Leave.
+
+        Args:
+            why: Why.
+        """
+        raise SystemExit(3)
+
+    _run_tool(leave, why="bored")
+
+
+@case("User functions", "a sync tool that calls sys.exit (the script exited with its status, printing nothing)",
+      UserFunctionError, r"^Tool 'leave' \(.*leave\) raised SystemExit\(3\), which would stop the program: ",
+      kind="silently wrong")
+def sync_tool_exits(tmp):
+    _run_tool(_leaving(SystemExit(3)), why="bored")
+
+
+@case("User functions", "a tool run in a thread (tool_timeout) that raises KeyboardInterrupt of its own",
+      UserFunctionError, r"^Tool 'leave' \(.*leave\) raised KeyboardInterrupt, which would stop the program: ",
+      kind="silently wrong")
+def tool_raises_keyboard_interrupt(tmp):
+    _run_tool(_leaving(KeyboardInterrupt()), timeout=5.0, why="bored")
+
+
+@case("Rewards", "a reward function that calls sys.exit (the script exited with its status, printing nothing)",
+      RewardError, r"^Reward function 'quitter', at step 3, raised SystemExit\(0\), which would stop the program: ",
+      kind="silently wrong")
+def reward_exits(tmp):
+    def quitter(completions, **kwargs):
+        raise SystemExit(0)
+
+    _score(quitter, ["a", "b"])
+
+
+@case("Rewards", "an async reward function that calls sys.exit (it ended the rewards' event loop)", RewardError,
+      r"^Reward function 'quitter', at step 3, raised SystemExit\(0\), which would stop the program: ", kind="crash")
+def async_reward_exits(tmp):
+    async def quitter(completions, **kwargs):
+        raise SystemExit(0)
+
+    _score(quitter, ["a", "b"])
+
+
+@case("User functions", "rollout_func calls sys.exit", UserFunctionError,
+      r"^rollout_func '.*leave' raised SystemExit\(1\), which would stop the program: ", kind="silently wrong")
+def rollout_func_exits(tmp):
+    def leave(prompts, trainer):
+        raise SystemExit(1)
+
+    _trainer(tmp, dataset=_dataset({"prompt": ["1+1=", "2+2="]}), reward=length_reward, rollout_func=leave).train()
+
+
+@case("Reward model", "pairs whose chosen equals rejected, every one (it trained at loss log 2 without a word)",
+      DataError, r"^train_dataset has no pair left that can teach: of its 2 pairs, 2 have the same chosen and "
+      r"rejected tokens; give pairs whose chosen and rejected answers differ within max_length\.$",
+      kind="silently wrong")
+def reward_identical_pairs(tmp):
+    _reward(tmp, {"chosen": ["a b", ""], "rejected": ["a b", ""]})
+
+
+@case("Reward model", "integer chosen values (it named the first row's format after the first row itself)",
+      DataError, r"^Row 0 of train_dataset has int in 'chosen': a prompt, chosen or rejected is text or a list of "
+      r"messages \(token ids go in chosen_ids and rejected_ids\)\.$")
+def reward_integer_chosen(tmp):
+    _reward(tmp, {"prompt": ["a", "b"], "chosen": [1, 2], "rejected": [3, 4]})
+
+
+@case("KTO", "a dataset of one example with loss_type kto (paired with its own completion: loss 0.5 every step)",
+      DataError, r"^train_dataset has one example, and loss_type='kto' pairs each example with another's completion "
+      r"for its KL reference point, so it would be paired with its own \(its loss stuck at 0\.5\): give at least two "
+      r"examples, or use loss_type='apo_zero_unpaired'\.$", kind="silently wrong")
+def kto_one_example(tmp):
+    _kto(tmp, {"prompt": ["a"], "completion": [" b"], "label": [True]}, per_device_train_batch_size=2)
+
+
+@case("Distillation", "a sequence classifier as the teacher (a ValueError about LoRA adapters on lm_head)",
+      ConfigError, r"^The teacher \(Qwen2ForSequenceClassification\) is a sequence classifier \(its head scores a "
+      r"whole sequence\): distillation matches the teacher's next-token distribution, so give a causal language "
+      r"model \(its \*ForCausalLM checkpoint\)\.$")
+def distil_classifier_teacher(tmp):
+    from posttrain.testing import tiny_reward_model
+
+    _distil(tmp, teacher=tiny_reward_model(_tokenizer(), hidden=32, layers=1))
+
+
+@case("Config", "`posttrain serve --port 70000` (a traceback)", ConfigError,
+      r"^--port 70000 is not a port: give one from 1 to 65535, or 0 for a free one\.$", kind="crash")
+def serve_bad_port(tmp):
+    from posttrain.serving.app import serve
+
+    serve("unused", port=70000)
+
+
+@case("Config", "`posttrain serve --max_model_len 0` (silently the model's limit)", ConfigError,
+      r"^--max_model_len 0 must be at least 1 \(leave it out for the model's own position limit\)\.$",
+      kind="silently wrong")
+def serve_zero_max_model_len(tmp):
+    from posttrain.serving.app import serve
+
+    serve("unused", max_model_len=0)
+
+
+def _grown_tokenizer_and_model():
+    """A tokenizer with a token added after the model was built on it, the embeddings not resized (id 100 of 100
+    rows)."""
+    from posttrain.testing import tiny_model
+
+    tokenizer = _fresh_tokenizer()  # not the shared one: a token is added to it
+    model = tiny_model(tokenizer, hidden=32, layers=1)
+    tokenizer.add_tokens(["<added>"])
+    return tokenizer, model
+
+
+@case("Data", "a GRPO prompt holding a token added to the tokenizer, the embeddings not resized (an IndexError at "
+      "the first generation; a device-side assert on a GPU)", DataError,
+      r"^Prompt 0 tokenizes to id 100 \('<added>'\), beyond the model's 100 embedding rows, as the tokenizer has 101 "
+      r"tokens: resize the model's embeddings to the tokenizer \(model\.resize_token_embeddings\(len\(tokenizer\)\)\) "
+      r"before training\.$", kind="crash")
+def prompt_beyond_embedding(tmp):
+    tokenizer, model = _grown_tokenizer_and_model()
+    _trainer(tmp, model=model, tokenizer=tokenizer, dataset=_dataset({"prompt": ["1+<added>=", "2+2="]}))
+
+
+@case("DPO", "a pair holding a token added to the tokenizer, the embeddings not resized (an IndexError at the first "
+      "step: KTO, the reward model and distillation alike)", DataError,
+      r"^Row 1 of train_dataset tokenizes to id 100 \('<added>'\), beyond the model's 100 embedding rows, ", kind="crash")
+def pair_beyond_embedding(tmp):
+    tokenizer, model = _grown_tokenizer_and_model()
+    _dpo(tmp, {"prompt": ["1+1=", "2+2="], "chosen": ["2", "<added>"], "rejected": ["3", "5"]}, tokenizer=tokenizer,
+         model=model)
+
+
+@case("Reward model", "tokenized pairs with an id past the model's vocabulary (an IndexError at the first step)",
+      DataError, r"^Row 0 of train_dataset has token id 7000 at position 1 of its rejected_ids, outside the model's "
+      r"vocabulary of 100 ids \(0 to 99, its embedding rows\): tokenize the rows with this model's tokenizer\.$",
+      kind="crash")
+def reward_ids_beyond_embedding(tmp):
+    _reward(tmp, {"chosen_ids": [[5, 6, 1], [7, 1]], "rejected_ids": [[5, 7000, 1], [8, 1]]})
 
 
 def table(messages: dict[str, str]) -> str:

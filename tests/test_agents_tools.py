@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -302,8 +303,12 @@ def test_a_turn_of_calls_gives_trls_messages_and_counts(trl_tools_trainer, runne
     trl_messages, trl_calls, trl_failures = _trl_tool_turn(trl_tools_trainer, turns)
     ours = [runner.run(copy.deepcopy(turn), ToolSet(TOOLS)) for turn in turns]
     assert sum(r.calls for r in ours) == trl_calls == sum(map(len, turns))
-    assert sum(r.failures for r in ours) == trl_failures == 6 + 2 + 2
-    assert ours[0].messages == trl_messages[0]  # sync calls only: the same messages, in the same order
+    # by design, a None result (a forgotten return) is a failure the model reads as one: TRL shows it "None", a success
+    assert sum(r.failures for r in ours) == trl_failures + 1 == 6 + 2 + 2 + 1
+    assert trl_messages[0][2] == {"role": "tool", "name": "nothing", "content": "None"}
+    none_failed = {"role": "tool", "name": "nothing", "content": "{'error': 'Tool nothing returned no result.'}"}
+    # sync calls only: the same messages, in the same order
+    assert ours[0].messages == trl_messages[0][:2] + [none_failed] + trl_messages[0][3:]
     # TRL puts the results of the async calls that ran after every other message (a bad argument fails as the
     # coroutine is made, so it counts as not run); ours are in call order
     assert _trl_order(ASYNC_TURN, ours[1].messages) == trl_messages[1]
@@ -313,7 +318,7 @@ def test_a_turn_of_calls_gives_trls_messages_and_counts(trl_tools_trainer, runne
         "{'error': \"fetch() got an unexpected keyword argument 'link'\"}"]
     assert [m["name"] for m in ours[2].messages] == ["fetch", "add", "async_fails", "fails"]
     contents = [m["content"] for m in ours[0].messages]
-    assert contents[:5] == ["5", "{'key': 'k', 'found': True}", "None", "{'error': 'no disk'}",
+    assert contents[:5] == ["5", "{'key': 'k', 'found': True}", none_failed["content"], "{'error': 'no disk'}",
                             "{'error': 'Tool missing_tool not found.'}"]
     assert "argument after ** must be a mapping, not str" in contents[5]
     assert "unexpected keyword argument 'c'" in contents[6] and "missing 1 required" in contents[7]
@@ -322,8 +327,96 @@ def test_a_turn_of_calls_gives_trls_messages_and_counts(trl_tools_trainer, runne
 
 
 def test_trls_flat_call_shape_runs(runner):
-    result = runner.run([{"name": "add", "arguments": {"a": 4, "b": 5}}, {"name": "nothing"}], ToolSet(TOOLS))
-    assert [m["content"] for m in result.messages] == ["9", "None"] and result.failures == 0
+    result = runner.run([{"name": "add", "arguments": {"a": 4, "b": 5}}, {"name": "lookup", "arguments": {"key": "q"}}],
+                        ToolSet(TOOLS))
+    assert [m["content"] for m in result.messages] == ["9", "{'key': 'q', 'found': True}"] and result.failures == 0
+
+
+def test_a_none_result_is_a_failure_the_model_reads_said_once_per_tool(runner, monkeypatch, caplog):
+    """A forgotten `return`, sync or async: counted in tools/failure_frequency, told to the model as an error, and
+    warned about once per tool (TRL shows the model the text "None" as a success)."""
+    import posttrain.agents.tools as tools_module
+
+    async def async_nothing(x: int) -> None:
+        """Returns None.
+
+        Args:
+            x: Ignored.
+        """
+
+    monkeypatch.setattr(tools_module, "_SAID_NONE", set())
+    with caplog.at_level("WARNING", logger="posttrain"):
+        results = [runner.run([call("nothing"), call("async_nothing", x=1), call("add", a=1, b=1)],
+                              ToolSet([nothing, async_nothing, add])) for _ in range(2)]
+    for result in results:
+        assert (result.calls, result.failures) == (3, 2)
+        assert [m["content"] for m in result.messages] == ["{'error': 'Tool nothing returned no result.'}",
+                                                           "{'error': 'Tool async_nothing returned no result.'}", "2"]
+    said = [r.getMessage() for r in caplog.records if "returned None" in r.getMessage()]
+    assert [m.split(" (")[0] for m in said] == ["Tool 'nothing'", "Tool 'async_nothing'"]
+    assert said[0].endswith("counts in tools/failure_frequency; return a string.")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def test_an_exception_whose_str_raises_is_still_a_message_to_the_model(runner):
+    def breaks(x: int) -> str:
+        """Raises an exception that cannot be printed.
+
+        Args:
+            x: Ignored.
+        """
+        raise _Unprintable()
+
+    async def async_breaks(x: int) -> str:
+        """The same, async.
+
+        Args:
+            x: Ignored.
+        """
+        raise _Unprintable()
+
+    result = runner.run([call("breaks", x=1), call("async_breaks", x=1)], ToolSet([breaks, async_breaks]))
+    unreadable = "{'error': '<its message could not be read: _Unprintable.__str__ raised RuntimeError>'}"
+    assert [m["content"] for m in result.messages] == [unreadable, unreadable] and result.failures == 2
+
+
+@pytest.mark.parametrize("stop", [SystemExit(2), KeyboardInterrupt(), GeneratorExit()],
+                         ids=["SystemExit", "KeyboardInterrupt", "GeneratorExit"])
+def test_an_async_tool_that_would_stop_the_program_stops_the_run_and_the_loop_lives_on(runner, stop):
+    """Raised inside the tools' event loop, such an exception would end its thread (TRL's run then waits forever);
+    here it is one sentence, and the loop takes the next turn."""
+    async def leave(why: str) -> str:
+        """Leave.
+
+        Args:
+            why: Why.
+        """
+        raise stop
+
+    with pytest.raises(UserFunctionError, match=rf"^Tool 'leave' \(.*leave\) raised {type(stop).__name__}"
+                                                r"(\(2\))?, which would stop the program: "):
+        runner.run([call("fetch", url="u1"), call("leave", why="bored")], ToolSet([leave, fetch]))
+    assert runner.run([call("fetch", url="u2")], ToolSet([fetch])).messages[0]["content"] == "page of u2"
+
+
+def test_a_keyboard_interrupt_on_the_main_thread_is_left_to_raise(runner):
+    """A sync tool without tool_timeout runs on the main thread, where Ctrl-C lands: its KeyboardInterrupt is the
+    user's, not the tool's, and raises as Python raises it."""
+    def interrupted(x: int) -> str:
+        """As if Ctrl-C arrived while it ran.
+
+        Args:
+            x: Ignored.
+        """
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        runner.run([call("interrupted", x=1)], ToolSet([interrupted]))
+    assert type(raised.value) is KeyboardInterrupt
 
 
 def test_async_calls_of_a_turn_run_together_on_one_event_loop_kept_between_turns(runner):
@@ -765,3 +858,82 @@ def test_a_factory_changing_class_is_refused_when_the_pool_grows():
     with pytest.raises(ToolError, match=r"^environment_factory returned a Counter first and then a Lamp: return "
                                         r"instances of one class"):
         pool.draw(_rows(2))
+
+
+def _rollout_stage(fn, max_completion_length: int = 4):
+    from posttrain.agents.loop import Budget
+    from posttrain.agents.rollouts import AgentRollouts, Agents
+
+    return AgentRollouts(tiny_tokenizer(), None, Agents(rollout_func=fn), None, {}, Budget(max_completion_length, 512),
+                         vocab_size=100)
+
+
+def test_rollout_rows_that_cannot_train_as_expected_are_said_once_a_run(caplog):
+    """Rows whose env_mask is all 0 hold no token of the model's (no gradient); completions past
+    max_completion_length train whole, as in TRL: each said once a run, not every step."""
+    masked = _output(completion_ids=[[4, 5, 6], [7, 8, 9, 10, 11, 12]], logprobs=None, env_mask=[[0, 0, 0], [1] * 6])
+    stage = _rollout_stage(lambda prompts, trainer: copy.deepcopy(masked))
+    try:
+        with caplog.at_level("WARNING", logger="posttrain"):
+            for _ in range(2):
+                _, rows, extra = stage._from_rollout_func(["a", "b"])
+    finally:
+        stage.close()
+    assert [len(ids) for ids, _ in rows] == [3, 6] and extra["env_mask"][0] == [False] * 3  # trained as returned
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout_func")]
+    assert len(said) == 2
+    assert "returned 1 of 2 rows whose env_mask is all 0, so they hold no token of the model's" in said[0]
+    assert "returned completions of up to 6 tokens, past max_completion_length=4; they are trained whole" in said[1]
+
+
+def test_a_rollout_func_that_exits_stops_the_run_naming_it():
+    def leave(prompts, trainer):
+        raise SystemExit("done")
+
+    stage = _rollout_stage(leave)
+    try:
+        with pytest.raises(UserFunctionError, match=r"^rollout_func '.*leave' raised SystemExit\('done'\), which would "
+                                                    r"stop the program: .*remove the sys\.exit or raise an Exception "
+                                                    r"instead\.$"):
+            stage._from_rollout_func(["a"])
+    finally:
+        stage.close()
+
+
+def test_an_environment_whose_reset_exits_stops_the_run_naming_it():
+    class Quitter(Counter):
+        def reset(self, **row):
+            raise SystemExit(1)
+
+    def factory():
+        sys.exit(4)
+
+    with pytest.raises(UserFunctionError, match=r"^Quitter\.reset, on row 0 of the batch: \{.*\}, raised SystemExit\(1\), "
+                                                r"which would stop the program: "):
+        EnvironmentPool(Quitter).draw(_rows(1))
+    with pytest.raises(UserFunctionError, match=r"^environment_factory \(.*factory\), creating an environment, raised "
+                                                r"SystemExit\(4\), which would stop the program: "):
+        EnvironmentPool(factory).draw(_rows(1))
+
+
+def test_a_tool_result_with_a_token_the_embedding_lacks_is_one_sentence():
+    """A result holding a token added to the tokenizer, the embeddings not resized: one sentence naming the tool and
+    the fix, not an IndexError (a device-side assert on a GPU) in the next turn's forward."""
+    from posttrain.agents.loop import Budget
+    from posttrain.agents.rollouts import AgentRollouts, Agents
+    from posttrain.testing import TOOL_CHAT_TEMPLATE
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["<added>"])
+    stage = AgentRollouts(tokenizer, None, Agents(tools=[lookup]), TOOL_CHAT_TEMPLATE, {}, Budget(64, 512),
+                          vocab_size=rows)
+    try:
+        assert stage._suffix_ids([{"role": "tool", "name": "lookup", "content": "found"}])
+        with pytest.raises(DataError, match=rf"^The result of tool 'lookup' tokenizes to id {rows} \('<added>'\), "
+                                            rf"beyond the model's {rows} embedding rows, as the tokenizer has "
+                                            rf"{rows + 1} tokens: resize the model's embeddings"):
+            stage._suffix_ids([{"role": "tool", "name": "lookup", "content": "found <added>"}])
+    finally:
+        stage.close()

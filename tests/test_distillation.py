@@ -164,6 +164,32 @@ def test_a_teacher_from_its_path_and_the_teachers_checks(tokenizer, tmp_path):
         _trainer(tokenizer, tmp_path, teacher_model_init_kwargs={"dtype": "float32"})
 
 
+def test_the_student_itself_as_the_teacher_is_refused(tokenizer, tmp_path):
+    student = _student(tokenizer)
+    with pytest.raises(ConfigError, match=r"^The teacher is the student model itself \(the same object\): the "
+                                          r"divergence between them is 0 and nothing trains; "):
+        DistillationTrainer(student, student, args=distill_config(tmp_path), train_dataset=Dataset.from_dict(PROMPTS),
+                            processing_class=tokenizer)
+
+
+def test_a_teacher_that_cannot_teach_as_given_is_warned_about(tokenizer, tmp_path, caplog):
+    """The student's own weights as the teacher (a divergence of 0: nothing trains), and a teacher whose context is
+    shorter than the student's rollouts (it would score past its positions): one warning each, at construction."""
+    import logging
+
+    short = tiny_model(tokenizer, seed=7, hidden=64, layers=2, max_positions=8)
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        _trainer(tokenizer, tmp_path, teacher=_student(tokenizer))  # a copy of the student
+        _trainer(tokenizer, tmp_path, teacher=short, max_prompt_length=6)
+        _trainer(tokenizer, tmp_path)  # neither
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("The teacher")]
+    assert said[:1] == ["The teacher has the student's own weights, so the divergence between them is 0 and nothing "
+                        "trains: give a different (usually larger or fine-tuned) teacher."]
+    assert said[1:] == ["The teacher's context is 8 positions, and the student's rollouts reach 12 (max_prompt_length "
+                        "+ max_completion_length, within the student's context): the teacher would score tokens past "
+                        "its positions; give a teacher with a longer context, or lower max_completion_length."]
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(loss_type="grpo"), "loss_type='grpo' is a GRPOConfig field that TRL's DistillationConfig does not have"),
     (dict(num_generations=4), "num_generations=4: on-policy distillation samples one completion per prompt"),

@@ -241,7 +241,14 @@ def test_a_cached_file_changed_after_writing_is_recomputed(tokenizer, tmp_path, 
     assert load_cached(path.stem, (len(right), 2)) is None and "cannot be read" in caplog.records[-1].getMessage()
     save_cached(path.stem, right)
     assert load_cached(path.stem, (len(right) + 1, 2)) is None
-    assert "not the finite [17, 2]" in caplog.records[-1].message
+    assert f"are a {len(right)} x 2 array, not the {len(right) + 1} x 2 this data needs: computing them again." in \
+        caplog.records[-1].getMessage()
+    nan = right.copy()
+    nan[0, 1] = float("nan")
+    save_cached(path.stem, nan)
+    assert load_cached(path.stem, (len(right), 2)) is None
+    assert f"hold values that are not finite (NaN or infinite: 1 of {nan.size}): computing them again." in \
+        caplog.records[-1].getMessage()
 
 
 def test_a_reference_of_another_vocabulary_is_refused(tokenizer, tmp_path):

@@ -75,7 +75,8 @@ def test_prepared_examples_equal_trls(tokenizer, fmt):
 @pytest.mark.parametrize("batch_size", [4, 9, 1])
 def test_the_kl_completions_are_trls(tokenizer, batch_size):
     """TRL pairs each prompt with the completion before it in its block of per_device_train_batch_size examples
-    (the first with the block's last): its KL_completion_ids against ours, the last block short (9 = 4 + 4 + 1)."""
+    (the first with the block's last): its KL_completion_ids against ours, the last block short (9 = 4 + 4 + 1), where
+    posttrain differs by design for an example alone in its block."""
     trl = pytest.importorskip("trl")
     stand_in = types.SimpleNamespace(_tokenizer=tokenizer, calculate_KL=True, desirable_weight=1.0,
                                      undesirable_weight=1.0)
@@ -85,10 +86,17 @@ def test_the_kl_completions_are_trls(tokenizer, batch_size):
     dataset = Dataset.from_dict(UNPAIRED)
     examples = prepare_unpaired(dataset, KTOEncoder(tokenizer, dataset[0]), None)
     rows = kl_completions(examples, batch_size)
+    n = len(prepared)
     for i, expected in enumerate(prepared):
         tokens, labels = rows.tokens[rows.row(i)], rows.labels[rows.row(i)]
         assert tokens[~labels].tolist() == expected["prompt_ids"]
-        assert tokens[labels].tolist() == expected["KL_completion_ids"], i
+        if batch_size == 1 or (i == n - 1 and n % batch_size == 1):
+            # by design: an example alone in its block is paired in TRL with its own completion (KL's reference
+            # point is then the policy itself); in posttrain with the example before it
+            assert expected["KL_completion_ids"] == expected["completion_ids"]
+            assert tokens[labels].tolist() == prepared[(i - 1) % n]["completion_ids"], i
+        else:
+            assert tokens[labels].tolist() == expected["KL_completion_ids"], i
 
 
 def test_pairs_unpair_a_block_at_a_time_with_their_dataset_index(tokenizer):
@@ -135,6 +143,30 @@ def test_the_class_balance_advice_is_trls():
         "recommends for that balance: set desirable_weight in [0.33, 0.44] or undesirable_weight in [2.26, 3.0] "
         "(not both).")
     assert balance_advice(30, 10, 0.4, 1.0) is None and balance_advice(30, 10, 1.0, 2.5) is None
+
+
+def test_a_missing_class_is_said_as_missing():
+    """Every label True (or False): no weight makes up for the class that is not there (TRL's advice counts it as 1)."""
+    assert balance_advice(12, 0, 1.0, 1.0) == (
+        "The data has 12 desirable examples and no undesirable one: KTO learns from both kinds, and no weight makes up "
+        "for one that is missing; add undesirable examples (label False).")
+    assert balance_advice(0, 3, 1.0, 1.0).endswith("add desirable examples (label True).")
+
+
+@pytest.mark.parametrize("n, size, accumulation", [(5, 2, 1), (3, 2, 1), (7, 2, 3), (1, 1, 1)])
+def test_each_example_gets_another_for_its_kl_reference_point(n, size, accumulation):
+    """An example's KL completion is the one before it in its optimizer step; a step of one example (an epoch's last,
+    alone) takes the example before it in the epoch, never its own completion (which holds KL's reference point at
+    the policy itself: loss 0.5 for ever)."""
+    from posttrain.sequences.batches import predecessor_positions
+    from posttrain.sequences.rows import EpochPlan
+
+    before = predecessor_positions(EpochPlan(np.ones(n, dtype=np.int64), size, 1, accumulation), n)
+    assert (before != np.arange(n)).all() or n == 1
+    for step in range(-(-n // (size * accumulation))):
+        first, end = step * size * accumulation, min((step + 1) * size * accumulation, n)
+        if end - first > 1:  # within its step, rotated by one (TRL's shift)
+            assert sorted(before[first:end]) == list(range(first, end))
 
 
 def test_the_tokenizer_is_not_changed(tokenizer):

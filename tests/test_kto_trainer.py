@@ -236,6 +236,20 @@ def test_a_stream_trains_like_the_dataset(tokenizer, tmp_path):
         assert torch.allclose(p, mapped_params[name], rtol=1e-6, atol=1e-8), name
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
+def test_a_step_of_one_example_takes_its_kl_completion_from_the_example_before(tokenizer, tmp_path, stream):
+    """Three examples, two a step: the epoch's last step holds one example, whose KL completion is the one before it
+    in the epoch (paired with its own, its loss would stay at 0.5), read from a dataset or a stream alike."""
+    data = Dataset.from_dict({k: v[:3] for k, v in UNPAIRED.items()})
+    trainer, _, _ = _train(tokenizer, tmp_path, data=data.to_iterable_dataset() if stream else data, train=False,
+                           per_device_train_batch_size=2, train_sampling_strategy="sequential")
+    trainer.batches.next_step()
+    (first,) = trainer.batches.step_predecessors()
+    (lone,) = trainer.batches.next_step()
+    (before,) = trainer.batches.step_predecessors()
+    assert list(first.index) == [1, 0] and list(lone.index) == [2] and list(before.index) == [1]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(per_device_train_batch_size=1), "a step of one example would pair it with its own"),
     (dict(precompute_ref_log_probs=True, train_sampling_strategy="random"),

@@ -262,6 +262,21 @@ def test_errors_a_user_can_cause(tokenizer, tmp_path):
         reward_config(tmp_path, label_smoothing_factor=0.1)
 
 
+def test_pairs_that_score_one_sequence_twice_are_dropped_and_counted_as_dpo_drops_them(tokenizer, tmp_path, caplog):
+    """chosen == rejected (both empty included) gives a loss of log 2 and no gradient to learn from: dropped with
+    one warning naming how many and where (the shared pair check DPO uses), the rest trained."""
+    import logging
+
+    data = {k: list(v[:4]) for k, v in PAIRS.items()}
+    data["rejected"][1], data["chosen"][3], data["rejected"][3] = data["chosen"][1], "", ""
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        trainer, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(data), train=False)
+    assert len(trainer.batches.rows) == 2
+    said = [r.getMessage() for r in caplog.records if "whose chosen and rejected are the same" in r.getMessage()]
+    assert said == ["train_dataset: dropped 2 pairs of 4 whose chosen and rejected are the same tokens, which "
+                    "teach nothing (every model gives both the same score); remove them from the dataset."]
+
+
 def test_posttrain_reward_from_yaml_and_flags(tmp_path, tiny_model_dir, capfd):
     """`posttrain reward` as TRL's `trl reward`: a causal LM's directory and a preference file in, a reward model out
     (AutoModelForSequenceClassification loads it), TRL's metrics logged."""

@@ -26,6 +26,7 @@ from posttrain.generation.server import GenerationError, ServerClient, ServerGen
 from posttrain.generation.transformers_backend import TransformersGenerator, draw_seed  # noqa: E402
 from posttrain.serving import wire  # noqa: E402
 from posttrain.serving.app import make_app  # noqa: E402
+from posttrain.serving.connections import server_config  # noqa: E402
 from posttrain.serving.engine import TransformersEngine  # noqa: E402
 from posttrain.testing import tiny_model  # noqa: E402
 from posttrain.weights import export_weights  # noqa: E402
@@ -35,14 +36,15 @@ PROMPTS = [[5, 76, 5, 84]] * 4 + [[7, 76, 9, 84, 11]] * 4  # two groups of 4, of
 
 
 @contextlib.contextmanager
-def running(engine, api_key=None, limits=None):
-    """The app on a real uvicorn server, on a free port of 127.0.0.1, in a thread; yields its base URL."""
+def running(engine, api_key=None, limits=None, **connection_limits):
+    """The app on a real uvicorn server configured as serve() configures it (serving/connections.py), on a free
+    port of 127.0.0.1, in a thread; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as serve() does
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key, limits), log_level="error"))
+    server = uvicorn.Server(server_config(make_app(engine, api_key, limits), "error", **connection_limits))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -651,7 +653,10 @@ def test_the_api_key_from_a_flag_a_file_or_the_environment(tmp_path):
     ("max_batch_tokens", -1, "--max_batch_tokens -1 must be at least 1."),
     ("max_bucket_bytes", 0, "--max_bucket_bytes 0 must be at least 1."),
     ("weight_update_timeout", float("nan"), "--weight_update_timeout nan must be a positive number of seconds."),
-    ("api_key", "", "the API key from --api_key is empty")])
+    ("api_key", "", "the API key from --api_key is empty"),
+    ("port", 70000, "--port 70000 is not a port: give one from 1 to 65535, or 0 for a free one."),
+    ("port", -1, "--port -1 is not a port: "),
+    ("max_model_len", 0, "--max_model_len 0 must be at least 1 (leave it out for the model's own position limit).")])
 def test_serve_refuses_bad_options_before_loading_anything(option, value, message):
     from posttrain.configs import ConfigError
     from posttrain.serving.app import serve
@@ -741,6 +746,61 @@ def test_a_key_guards_every_route(tokenizer):
             ServerGenerator(_client(url, connect_timeout=3, api_key="wrong"), PARAMS, 0, [1])
         generator = ServerGenerator(_client(url, api_key="s3cret"), PARAMS, 0, [1])
         assert len(generator.generate([[5, 6]] * 2)) == 2
+
+
+def _half_finished(port: int, n: int) -> list:
+    """n connections that send a request line and one header, and stop (a Slowloris client)."""
+    held = []
+    for _ in range(n):
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        held.append(conn)
+    return held
+
+
+def _closed_by_server(conn) -> bool:
+    """Whether the server closed the connection (within 5 seconds)."""
+    conn.settimeout(5)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+@pytest.fixture
+def descriptors():
+    """Room for a thousand connections, both ends in this process (the soft limit raised to the hard one)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    if wanted < 2600:
+        pytest.skip(f"needs ~2600 file descriptors, and the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_thousand_half_finished_connections_do_not_lock_the_trainer_out(tokenizer, descriptors):
+    """A thousand connections that stop after one header (before the API key could be read): the server keeps at
+    most max_connections open, closing the oldest that wait for their headers, closes those that stall past
+    header_seconds, and serves the trainer's request, key checked, meanwhile."""
+    engine = _engine(tokenizer)
+    with running(engine, api_key="k", header_seconds=2.0, max_connections=64) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = _half_finished(port, 1000)
+        try:
+            start = time.perf_counter()
+            generator = ServerGenerator(_client(url, api_key="k"), PARAMS, 0, [1])
+            assert len(generator.generate([[5, 6]] * 2)) == 2 and time.perf_counter() - start < 10
+            assert all(_closed_by_server(conn) for conn in held[:900:50])  # evicted, oldest first
+            time.sleep(2.5)
+            assert all(_closed_by_server(conn) for conn in held[-50:])  # past header_seconds
+        finally:
+            for conn in held:
+                conn.close()
 
 
 def test_binding_beyond_loopback_needs_a_key(tiny_model_dir):

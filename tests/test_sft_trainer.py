@@ -214,7 +214,7 @@ def test_every_row_lost_to_truncation_is_one_sentence(tokenizer, tmp_path):
 def test_token_ids_are_checked_against_the_models_embedding_rows(tokenizer, tmp_path):
     """The model's embedding (128 rows, padded past the tokenizer's 100 tokens, as Qwen's are) decides: id 127 trains,
     id 128 stops with one sentence when the rows are prepared, never at the first step."""
-    from posttrain.sft.trainer import vocabulary_rows
+    from posttrain.data import vocabulary_rows
 
     model = tiny_model(tokenizer, hidden=32, layers=1, vocab_size=128)
     assert vocabulary_rows(model) == 128 > len(tokenizer)

@@ -14,6 +14,7 @@ it, as posttrain does when TRL is installed; any other such template is refused 
 
 import json
 import logging
+import re
 
 from posttrain.configs import ConfigError
 from posttrain.sequences.chat import trl_training_template
@@ -170,11 +171,18 @@ class ToolSuffix:
         chat_template: the template to render with (tool_chat_template's; None: the tokenizer's).
         chat_template_kwargs: as the prompts are rendered with (e.g. enable_thinking).
         stop_token_ids: the tokens a model turn ends with; None: the tokenizer's EOS.
+        results_as_text: a tool result that holds the text of one of the tokenizer's special tokens (`<|im_end|>` in
+            a fetched page) is tokenized as its characters, the template's own markers around it as the template
+            writes them, so that a result cannot forge a turn boundary (TRL's, and False: the special tokens); a
+            result without such text gives TRL's ids either way.
     """
 
+    _said_unsplit = False  # a template that rewrites results: said once a process
+
     def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                 stop_token_ids: list[int] | None = None):
+                 stop_token_ids: list[int] | None = None, results_as_text: bool = True):
         self.tokenizer = tokenizer
+        self.results_as_text = results_as_text
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         eos = tokenizer.eos_token_id
@@ -186,8 +194,10 @@ class ToolSuffix:
         "content"}) as the template renders them after the model's turn, the next turn's generation prompt
         included."""
         calling = self._calling(tool_messages[0]["name"])
-        full = self._render(self._conversation(tool_messages[0]["name"]) + list(tool_messages),
-                            add_generation_prompt=True)
+        messages = self._conversation(tool_messages[0]["name"]) + list(tool_messages)
+        forged = self.results_as_text and any(_holds_special_text(self.tokenizer, m["content"]) for m in tool_messages)
+        full = self._render_as_text(messages, len(tool_messages)) if forged else self._render(
+            messages, add_generation_prompt=True)
         if full[:len(calling)] != calling:
             name = capitalised(template_name(self.tokenizer))
             raise ConfigError(f"{name} renders the turn before the tool messages "
@@ -208,7 +218,38 @@ class ToolSuffix:
             self._calling_ids[name] = ids[:stops[-1] + 1] if stops else ids
         return self._calling_ids[name]
 
+    def _render_as_text(self, messages: list[dict], results: int) -> list[int]:
+        """The ids of `messages` (the last `results` of them tool messages) with each result's text tokenized as
+        characters (special tokens' texts included) and the template's own text around them as usual. A template
+        that changes a result's text otherwise than trimming or quoting it gets TRL's ids (said once)."""
+        marks = [f"\ue000{i}\ue001" for i in range(results)]  # private-use characters: no template or tool writes them
+        marked = messages[:-results] + [dict(m, content=mark) for m, mark in zip(messages[-results:], marks)]
+        pieces = re.split("(\ue000\\d+\ue001)", render(self.tokenizer, marked, self.chat_template,
+                                                       add_generation_prompt=True, **self.chat_template_kwargs))
+        rendered = render(self.tokenizer, messages, self.chat_template, add_generation_prompt=True,
+                          **self.chat_template_kwargs)
+        # the result as the template writes it: as given, trimmed, or escaped in a JSON string (Llama 3.1, gpt-oss:
+        # the mark is quoted the same way)
+        for shown in (lambda text: text, str.strip, lambda text: json.dumps(text, ensure_ascii=False)[1:-1]):
+            parts = [(shown(messages[len(messages) - results + int(m.group(1))]["content"]), True)
+                     if (m := re.fullmatch("\ue000(\\d+)\ue001", piece)) else (piece, False) for piece in pieces]
+            if "".join(text for text, _ in parts) == rendered:
+                return [i for text, result in parts if text for i in self.tokenizer(
+                    text, add_special_tokens=False, split_special_tokens=result)["input_ids"]]
+        if not ToolSuffix._said_unsplit:
+            ToolSuffix._said_unsplit = True
+            logger.warning(f"{capitalised(template_name(self.tokenizer))} changes a tool result's text as it renders "
+                           "it, so a result holding a special token's text is tokenized as TRL tokenizes it (the "
+                           "special token itself): tool_results_as_text cannot apply.")
+        return self._render(messages, add_generation_prompt=True)
+
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The ids of `messages` as the rollout's template renders them."""
         return render(self.tokenizer, messages, self.chat_template, tokenize=True,
                       add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
+
+
+def _holds_special_text(tokenizer, content) -> bool:
+    """Whether a tool message's text content holds the text of one of the tokenizer's special tokens (content blocks,
+    a multimodal result, are rendered as the template writes them)."""
+    return isinstance(content, str) and any(token in content for token in tokenizer.all_special_tokens)

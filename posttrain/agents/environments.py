@@ -30,7 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from posttrain.agents.tools import ToolError, ToolRunner, ToolSet
 from posttrain.data import DataError
-from posttrain.errors import UserFunctionError, detail_of, function_name, signature_mismatch
+from posttrain.errors import (UserFunctionError, detail_of, function_name, program_stop_message, signature_mismatch,
+                              stops_the_program)
 
 PLACEHOLDER_PROMPT = ({"role": "user", "content": ""},)  # TRL's prompt for a row without one
 NOT_TOOLS = ("reset", "get_reward")
@@ -168,8 +169,10 @@ class EnvironmentPool:
                                         f"called with every column of the row ({_row(i, row)}).")
             try:
                 results.append(env.reset(**kwargs))
-            except Exception as err:
-                raise _reset_failed(env, i, row, err) from err
+            except BaseException as err:  # an Exception, or SystemExit and the like (errors.stops_the_program)
+                if isinstance(err, Exception) or stops_the_program(err):
+                    raise _reset_failed(env, i, row, err) from err
+                raise  # the run's own interrupt
             if inspect.isawaitable(results[-1]):
                 pending.append(i)
         awaited = self.runner.await_all([results[i] for i in pending], "an environment's reset")
@@ -199,9 +202,13 @@ def _create(name, factory):
                         f"environment's class, or a function returning a new environment.")
     try:
         return factory()
-    except Exception as err:
-        raise UserFunctionError(f"environment_factory{_label(name)} ({function_name(factory)}) raised "
-                                f"{type(err).__name__} creating an environment{detail_of(err)}.") from err
+    except BaseException as err:  # an Exception, or SystemExit and the like (errors.stops_the_program)
+        if not (isinstance(err, Exception) or stops_the_program(err)):
+            raise  # the run's own interrupt
+        what = f"environment_factory{_label(name)} ({function_name(factory)})"
+        if stops_the_program(err):
+            raise UserFunctionError(program_stop_message(f"{what}, creating an environment,", err)) from err
+        raise UserFunctionError(f"{what} raised {type(err).__name__} creating an environment{detail_of(err)}.") from err
 
 
 def _label(name) -> str:
@@ -214,6 +221,8 @@ def _row(i: int, row: Mapping, limit: int = 100) -> str:
 
 
 def _reset_failed(env, i: int, row: Mapping, err: BaseException) -> UserFunctionError:
+    if stops_the_program(err):
+        return UserFunctionError(program_stop_message(f"{type(env).__name__}.reset, on {_row(i, row)},", err))
     return UserFunctionError(f"{type(env).__name__}.reset raised {type(err).__name__}{detail_of(err)} on "
                              f"{_row(i, row)}; fix reset or that row.")
 

@@ -20,6 +20,7 @@ prompt and every earlier turn and result, in order); a difference stops the run 
 """
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,9 +33,11 @@ from posttrain.agents.rollout_func import check_rollout_output
 from posttrain.agents.sampling import first_turns, later_turns, multi_turn_rollouts
 from posttrain.agents.tool_parsing import ToolCallParser
 from posttrain.agents.tools import ToolRunner, ToolSet
-from posttrain.data import DataError, is_conversational
-from posttrain.errors import UserFunctionError, detail_of, function_name
+from posttrain.data import DataError, check_within_vocabulary, is_conversational
+from posttrain.errors import UserFunctionError, detail_of, function_name, program_stop_message, stops_the_program
 from posttrain.generation import Rollouts
+
+logger = logging.getLogger("posttrain")
 
 
 @dataclass
@@ -95,24 +98,27 @@ class AgentRollouts:
         budget: the tool loop's budget (max_completion_length, the context, max_tool_calling_iterations).
         tool_timeout: seconds a tool call may take (None: no limit).
         trainer: what rollout_func receives as its second argument (never read here).
-        vocab_size: the model's vocabulary, which rollout_func's ids must stay within.
+        vocab_size: the model's vocabulary_rows, which rollout_func's ids and the tool results' must stay within.
         reserved: names rollout_func's extra columns may not take (what reward functions already receive).
         placeholder_prompts: the rows' prompts are TRL's placeholder, not the dataset's (an environment writes the
             prompt): reset is not given them.
+        results_as_text: tool results' special-token texts are tokenized as text (ToolSuffix).
     """
 
     def __init__(self, tokenizer, encoder, agents: Agents, chat_template: str | None, chat_template_kwargs: dict,
                  budget: Budget, tool_timeout: float | None = None, trainer: Any = None, vocab_size: int | None = None,
-                 reserved=(), placeholder_prompts: bool = False):
+                 reserved=(), placeholder_prompts: bool = False, results_as_text: bool = True):
         self.tokenizer, self.encoder, self.agents, self.budget = tokenizer, encoder, agents, budget
         self.trainer, self.vocab_size, self.reserved = trainer, vocab_size, set(reserved)
         self.placeholder_prompts = placeholder_prompts
+        self._noted: set[str] = set()  # rollout_func's rows already said (_note_untrainable)
         self.runner = ToolRunner(tool_timeout)
         self.tools = ToolSet(agents.tools)
         self.pool = (EnvironmentPool(agents.environment_factory, self.tools, self.runner)
                      if agents.environment_factory is not None else None)
         self.parser = ToolCallParser(tokenizer, agents.response_template, chat_template) if agents.calls_tools else None
-        self.suffix = ToolSuffix(tokenizer, chat_template, chat_template_kwargs) if agents.calls_tools else None
+        self.suffix = (ToolSuffix(tokenizer, chat_template, chat_template_kwargs, results_as_text=results_as_text)
+                       if agents.calls_tools else None)
 
     def reward_sources(self) -> list[tuple[str, Callable]]:
         """(class name, function) for each environment class with get_reward: reward sources of weight 1."""
@@ -153,7 +159,7 @@ class AgentRollouts:
         turns = Turns(generate=later_turns(generator),
                       parse=lambda r, ids, before: self.parser.parse(ids, before, tool_sets[r].schemas).message,
                       run_calls=lambda r, calls: _ran(self.runner.run(calls, tool_sets[r])),
-                      suffix_ids=lambda r, messages: self.suffix(messages))
+                      suffix_ids=lambda r, messages: self._suffix_ids(messages))
         finished = tool_loop(prompt_ids, first, row_keys, turns, self.budget)
         rollouts = multi_turn_rollouts(finished, pad_id, generator.eos_ids, device)
         texts = self.tokenizer.batch_decode([row.completion_ids for row in finished], skip_special_tokens=True)
@@ -161,12 +167,38 @@ class AgentRollouts:
         counts = torch.tensor([len(rows), sum(row.tool_calls for row in finished), sum(row.tool_failures for row in finished)])
         return AgentSample(rollouts, prompts, completions, texts, columns, counts)
 
+    def _suffix_ids(self, messages: list[dict]) -> list[int]:
+        """The tool messages' ids (ToolSuffix), within the model's vocabulary: a result's text may hold a token the
+        tokenizer has and the model's embedding lacks."""
+        ids = self.suffix(messages)
+        where = f"The result of tool {messages[0]['name']!r}" if len(messages) == 1 else "A turn's tool results"
+        check_within_vocabulary(where, ids, self.vocab_size, self.tokenizer)
+        return ids
+
+    def _note_untrainable(self, fn, completion_ids: list, env_mask: list | None) -> None:
+        """Say once a run what of rollout_func's rows cannot train as it may expect: rows whose env_mask is all 0
+        (no token of the model's: no gradient), completions past max_completion_length (trained whole, as TRL)."""
+        longest, limit = max((len(ids) for ids in completion_ids), default=0), self.budget.max_completion_length
+        unmasked = 0 if env_mask is None else sum(1 for row in env_mask if row and not any(row))
+        for key, count, text in (
+                ("no model tokens", unmasked, f"{unmasked} of {len(completion_ids)} rows whose env_mask is all 0, so "
+                                              "they hold no token of the model's and give no gradient"),
+                ("too long", longest > limit, f"completions of up to {longest} tokens, past max_completion_length="
+                                              f"{limit}; they are trained whole, as TRL trains them")):
+            if count and key not in self._noted:
+                self._noted.add(key)
+                logger.warning(f"rollout_func {function_name(fn)!r} returned {text} (said once a run).")
+
     def _from_rollout_func(self, prompts: list) -> tuple[list, list, dict]:
         """rollout_func's rows: (prompt ids, [(completion ids, log-probs)], {"columns": extra, "env_mask": ...})."""
         fn = self.agents.rollout_func
         try:
             output = fn(copy.deepcopy(prompts), self.trainer)
-        except Exception as err:
+        except BaseException as err:  # an Exception, or SystemExit and the like (errors.stops_the_program)
+            if stops_the_program(err):
+                raise UserFunctionError(program_stop_message(f"rollout_func {function_name(fn)!r}", err)) from err
+            if not isinstance(err, Exception):
+                raise  # the run's own interrupt
             raise UserFunctionError(f"rollout_func {function_name(fn)!r} raised {type(err).__name__}"
                                     f"{detail_of(err)}; fix the function.") from err
         out = check_rollout_output(output, len(prompts), self.vocab_size, self.reserved)
@@ -176,6 +208,7 @@ class AgentRollouts:
                                     "and pass no tools to the trainer.")
         logprobs = out.logprobs or [[float("nan")] * len(ids) for ids in out.completion_ids]
         env_mask = None if out.env_mask is None else [[bool(x) for x in row] for row in out.env_mask]
+        self._note_untrainable(fn, out.completion_ids, env_mask)
         return out.prompt_ids, list(zip(out.completion_ids, logprobs)), {"columns": out.extra, "env_mask": env_mask}
 
     def close(self) -> None:

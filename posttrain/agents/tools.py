@@ -18,9 +18,12 @@ One turn's calls, as TRL 1.16 runs them (`GRPOTrainer._tool_call_loop`):
   "function" (`Unsupported tool call type: {type}`) becomes the tool message `str({"error": message})` and counts as
   a failure; the model sees it and the rollout goes on;
 - a result that is a string is the message's content; a list of content blocks (`{"type": "text", ...}`,
-  `{"type": "image", ...}`) is passed through as TRL passes it (multimodal tool results); anything else but a list is
+  `{"type": "image", ...}`) is passed through as TRL passes it (multimodal tool results); None (a forgotten return)
+  is a failure the model reads as an error, said once per tool (TRL shows it "None"); anything else but a list is
   `str(result)`, as in TRL. A list that is not content blocks is refused (UserFunctionError): TRL hands it to the
-  chat template, which renders it empty (Qwen3), as Python's repr (Qwen2.5) or crashes (Qwen3-VL).
+  chat template, which renders it empty (Qwen3), as Python's repr (Qwen2.5) or crashes (Qwen3-VL);
+- a tool that raises SystemExit (sys.exit), or a KeyboardInterrupt or GeneratorExit of its own, stops the run with
+  one sentence naming it, sync or async (TRL's run exits silently, or waits forever on its event loop).
 Where posttrain differs: the messages are in call order (TRL puts the results of the async calls that ran after
 every other message of the turn); a call in TRL's flat shape `{"name", "arguments"}` runs (TRL's loop reads
 `call["type"]` and raises KeyError); a sync tool that returns an awaitable (a decorated async function) has it
@@ -38,7 +41,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from posttrain.errors import UserError, UserFunctionError, function_name
+from posttrain.errors import (Raised, UserError, UserFunctionError, contained, function_name, message_of,
+                              program_stop_message, stops_the_program)
 from posttrain.timeouts import TimedOut, run_within, waiting_on
 
 logger = logging.getLogger("posttrain")
@@ -255,6 +259,29 @@ def _content(name: str, fn: Callable, result) -> Any:
     return result
 
 
+_SAID_NONE: set[str] = set()  # tools whose None result was said (once per tool and process)
+
+
+def _result(name: str, fn: Callable, result) -> _Outcome:
+    """A tool's return value as its outcome: None (a forgotten `return`) is a failure the model reads as an error
+    message, counted and said once per tool (TRL shows the model the text "None" as a success); anything else is
+    the message's content (_content)."""
+    if result is None:
+        if name not in _SAID_NONE:
+            _SAID_NONE.add(name)
+            logger.warning(f"Tool {name!r} ({function_name(fn)}) returned None (a forgotten return?): the model is "
+                           "told the call failed, and it counts in tools/failure_frequency; return a string.")
+        return _error(name, f"Tool {name} returned no result.")
+    return _Outcome(name, _content(name, fn, result), False)
+
+
+def _stop_if_it_stops_the_program(name: str, fn: Callable, err: BaseException) -> None:
+    """A tool that raised SystemExit, or a KeyboardInterrupt of its own, stops the run with one sentence (the run's
+    own interrupt is left to raise)."""
+    if stops_the_program(err):
+        raise UserFunctionError(program_stop_message(f"Tool {name!r} ({function_name(fn)})", err)) from err
+
+
 def _short(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -311,10 +338,13 @@ class ToolRunner:
         except TimedOut:
             return _timed_out(name, self.tool_timeout)
         except Exception as err:  # noqa: BLE001 - a failing tool is a message to the model, as in TRL
-            return _error(name, str(err))
+            return _error(name, message_of(err))
+        except BaseException as err:
+            _stop_if_it_stops_the_program(name, fn, err)
+            raise  # the run's own interrupt
         if inspect.isawaitable(result):
             return _Awaiting(result)
-        return _Outcome(name, _content(name, fn, result), False)
+        return _result(name, fn, result)
 
     def _await_tools(self, pending: list) -> list[_Outcome]:
         """The pending calls' outcomes, awaited together, each bounded by tool_timeout."""
@@ -323,13 +353,13 @@ class ToolRunner:
         outcomes: list[_Outcome | None] = [None] * len(pending)
 
         async def one(k: int, name: str, fn: Callable, awaitable) -> None:
-            task = asyncio.ensure_future(awaitable)
+            task = asyncio.ensure_future(contained(awaitable))  # a SystemExit inside would end the loop's thread
             done, _ = await asyncio.wait({task}, timeout=self.tool_timeout)
             if not done:
                 task.cancel()
                 outcomes[k] = _timed_out(name, self.tool_timeout)
             elif task.cancelled() or task.exception() is not None:
-                outcomes[k] = _error(name, "" if task.cancelled() else str(task.exception()))
+                outcomes[k] = _error(name, "" if task.cancelled() else message_of(task.exception()))
             else:
                 outcomes[k] = _Outcome(name, task.result(), False)
 
@@ -353,7 +383,9 @@ class ToolRunner:
             return _timed_out(name, self.tool_timeout)
         if outcome.failed:
             return outcome
-        return _Outcome(name, _content(name, fn, outcome.content), False)
+        if isinstance(outcome.content, Raised):
+            _stop_if_it_stops_the_program(name, fn, outcome.content.err)
+        return _result(name, fn, outcome.content)
 
     def await_all(self, awaitables: Sequence, what: str) -> list:
         """The awaitables' results, awaited together on the runner's event loop, an exception standing for one that
@@ -362,9 +394,9 @@ class ToolRunner:
             return []
 
         async def every():
-            return await asyncio.gather(*awaitables, return_exceptions=True)
+            return await asyncio.gather(*(contained(a) for a in awaitables), return_exceptions=True)
 
-        return self._loop.run(every(), what, None)
+        return [r.err if isinstance(r, Raised) else r for r in self._loop.run(every(), what, None)]
 
     def close(self) -> None:
         """Stop the event loop (a later call starts a new one)."""

@@ -31,9 +31,8 @@ class SamplingConfig:
         "If set, prompts longer than this many tokens are truncated from the left (TRL before 1.0 had this field).",
         range=AT_LEAST_ONE, default=None)
     max_completion_length: int = _help("Maximum completion length in tokens.", range=AT_LEAST_ONE, default=512)
-    temperature: float = _help(
-        "Sampling temperature; training log-probs are computed from logits divided by it too.",
-        range=POSITIVE, default=1.0)
+    temperature: float = _help("Sampling temperature; training log-probs are computed from logits divided by it too.",
+                               range=POSITIVE, default=1.0)
     top_p: float = _help("Nucleus sampling: keep the smallest set of tokens with this much probability.",
                          range=Range(0, 1, low_open=True), default=1.0)
     top_k: int = _help("Keep only the k most likely tokens; 0 disables.",
@@ -58,9 +57,11 @@ class SamplingConfig:
         "(a rollout then ends with a turn that calls no tool, or at max_completion_length, counted over every turn "
         "and tool result).", range=NON_NEGATIVE, default=None)
     tool_timeout: Optional[float] = _help(
-        "With tools or an environment_factory: seconds one tool call may take; past it the call becomes an error "
-        "message to the model and counts in tools/failure_frequency. None (the default, as TRL) waits as long as it "
-        "takes.", range=POSITIVE, default=None)
+        "With tools or an environment_factory: seconds one tool call may take; past it the call is an error to the "
+        "model, counted in tools/failure_frequency. None (as TRL) waits.", range=POSITIVE, default=None)
+    tool_results_as_text: bool = _help(
+        "With tools (posttrain's): a tool result holding a special token's text (a fetched page) is tokenized as that "
+        "text, so it cannot forge the template's turn markers; False: as the special token, as TRL.", default=True)
 
     def _check(self):
         check_positive(self, "max_completion_length")

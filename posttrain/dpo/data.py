@@ -24,16 +24,15 @@ every process (the rule reads the prepared tokens alone, before the pairs are sh
 """
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import DataError
+from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
 from posttrain.sequences.batches import BLOCK, block_rows
-from posttrain.sequences.pairs import PairRows
+from posttrain.sequences.pairs import DroppedPairs, PairRows, nothing_left, same_answers, same_answers_warning
 from posttrain.sequences.rows import TokenRows, truncate
 
 logger = logging.getLogger("posttrain")
@@ -68,10 +67,11 @@ class PairEncoder:
         tokenizer: the policy's tokenizer (EOS and padding already set by the trainer).
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages.
+        vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset"):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.name = name
         self.format = detect_format(first_row, name)
         self.implicit = self.format != "tokenized" and "prompt" not in first_row
@@ -82,7 +82,14 @@ class PairEncoder:
         self._boundary = PromptBoundary(name)
 
     def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list, list]]:
-        """[(prompt_ids, chosen_ids, rejected_ids)] of each row, in order."""
+        """[(prompt_ids, chosen_ids, rejected_ids)] of each row, in order, every id within the model's vocabulary."""
+        out = self._encoded(rows, first_index)
+        columns = ("prompt_ids", "chosen_ids", "rejected_ids") if self.format == "tokenized" else (None,) * 3
+        check_encoded_within_vocabulary(out, range(first_index, first_index + len(out)), self.name, self.vocab_size,
+                                        self.tokenizer, columns)
+        return out
+
+    def _encoded(self, rows: list[dict], first_index: int) -> list[tuple[list, list, list]]:
         if self.format == "tokenized":
             return [self._tokenized(row, first_index + i) for i, row in enumerate(rows)]
         pairs = [self._pair(row, first_index + i) for i, row in enumerate(rows)]
@@ -152,42 +159,6 @@ class PairEncoder:
         return self._split(prompt_ids, ids(prompt + chosen), ids(prompt + rejected))
 
 
-@dataclass
-class DroppedPairs:
-    """Pairs left out because they cannot teach, by cause (counts)."""
-
-    prompt_fills: int = 0  # keep_start: the prompt alone fills max_length, no completion token is left
-    identical: int = 0  # chosen and rejected give the same tokens to predict, as given
-    identical_truncated: int = 0  # ... only once truncated to max_length
-
-    def __add__(self, other: "DroppedPairs") -> "DroppedPairs":
-        return DroppedPairs(self.prompt_fills + other.prompt_fills, self.identical + other.identical,
-                            self.identical_truncated + other.identical_truncated)
-
-    @property
-    def same_answers(self) -> int:
-        return self.identical + self.identical_truncated
-
-
-def _predicted(rows: TokenRows, targets: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row r's tokens and target mask up to its last target: all that its log-prob depends on (causal attention)."""
-    span = rows.row(r)
-    mask = targets[span]
-    n = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
-    return rows.tokens[span][:n], mask[:n]
-
-
-def same_answers(rows: TokenRows) -> np.ndarray:
-    """[P] bool: pair p's chosen (row 2p) and rejected (row 2p + 1) give the model the same tokens to predict after
-    the same tokens, so every model gives both the same log-prob (two sequences without a target included)."""
-    targets = rows.labels & ~rows.starts
-    same = np.zeros(len(rows) // 2, dtype=bool)
-    for p in range(len(same)):
-        (chosen, chosen_mask), (rejected, rejected_mask) = (_predicted(rows, targets, r) for r in (2 * p, 2 * p + 1))
-        same[p] = np.array_equal(chosen_mask, rejected_mask) and np.array_equal(chosen, rejected)
-    return same
-
-
 def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None,
               truncation_mode: str) -> tuple[PairRows, DroppedPairs]:
     """(PairRows, the pairs dropped, by cause) of encoded pairs: each pair's two sequences truncated, then the pairs
@@ -210,33 +181,6 @@ def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None,
     dropped.identical = int(same_before.sum())
     dropped.identical_truncated = int((same_now & ~same_before).sum())
     return (pairs.select(np.flatnonzero(~same_now)) if same_now.any() else pairs), dropped
-
-
-def same_answers_warning(name: str, dropped: DroppedPairs, of: str, max_length: int | None) -> str:
-    """The one warning about pairs dropped for giving the same answer twice (`of`: "of 16 pairs", "at rows 0-999")."""
-    truncated = f"once truncated to max_length={max_length}"
-    how = ("" if not dropped.identical_truncated else f" ({truncated})" if not dropped.identical else
-           f" ({dropped.identical} as given, {dropped.identical_truncated} only {truncated})")
-    fix = (" (raise max_length for those that differ beyond it)" if dropped.identical_truncated else "")
-    return (f"{name}: dropped {dropped.same_answers} pairs {of} whose chosen and rejected are the same tokens{how}, "
-            f"which teach nothing (every model gives both the same log-prob); remove them from the dataset{fix}.")
-
-
-def _nothing_left(name: str, dropped: DroppedPairs, pairs: int, max_length: int | None) -> DataError:
-    """The one sentence for a dataset none of whose pairs can teach."""
-    if not dropped.same_answers:
-        return DataError(f"{name} has no pair left: every prompt alone fills max_length={max_length}, leaving no "
-                         "completion token; raise max_length or shorten the prompts.")
-    causes = []
-    if dropped.prompt_fills:
-        causes.append(f"{dropped.prompt_fills} prompts alone fill max_length={max_length}")
-    if dropped.identical:
-        causes.append(f"{dropped.identical} have the same chosen and rejected tokens")
-    if dropped.identical_truncated:
-        causes.append(f"{dropped.identical_truncated} have the same chosen and rejected tokens once truncated to "
-                      f"max_length={max_length}")
-    return DataError(f"{name} has no pair left that can teach: of its {pairs} pairs, {' and '.join(causes)}; give "
-                     "pairs whose chosen and rejected answers differ within max_length.")
 
 
 class PairPreparation:
@@ -286,7 +230,7 @@ def prepare_pairs(dataset, preparation: PairPreparation, block: int = BLOCK) -> 
         dropped = dropped + lost
     pairs = PairRows.concatenate(parts)
     if len(pairs) == 0:
-        raise _nothing_left(name, dropped, len(dataset), args.max_length)
+        raise nothing_left(name, dropped, len(dataset), args.max_length)
     if preparation.announce:
         if dropped.prompt_fills:
             logger.warning("%s: %d of %d pairs were dropped because their prompt alone fills max_length=%s.", name,

@@ -122,8 +122,8 @@ class DPOTrainer(AgainstReferenceTrainer):
     def _preparation(self, dataset, name: str) -> PairPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one pair.")
-        return PairPreparation(PairEncoder(self.tokenizer, first_row(dataset), name), self.args, name,
-                               announce=self.accelerator.is_main_process)
+        encoder = PairEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows)
+        return PairPreparation(encoder, self.args, name, announce=self.accelerator.is_main_process)
 
     def _configure_tokenizer(self, model) -> None:
         """pad_token onto the tokenizer and the model's configs, as in TRL; the EOS must exist."""

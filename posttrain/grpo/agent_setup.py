@@ -3,7 +3,7 @@ stage (posttrain/agents/rollouts.py) with its budget, from TRL 1.16's `tools=`, 
 `rollout_func=`.
 
     train_dataset, placeholder_prompts = agent_dataset(train_dataset, agents, args)
-    stage = agent_rollouts(agents, args, encoder, model, chat_template, context, placeholder_prompts, trainer)
+    stage = agent_rollouts(agents, args, encoder, chat_template, context, placeholder_prompts, trainer)
 """
 
 from posttrain.agents.environments import PLACEHOLDER_PROMPT
@@ -41,7 +41,7 @@ def agent_dataset(train_dataset, agents: Agents, args):
     return train_dataset, False
 
 
-def agent_rollouts(agents: Agents, args, encoder, model, chat_template: str | None, context: int | None,
+def agent_rollouts(agents: Agents, args, encoder, chat_template: str | None, context: int | None,
                    placeholder_prompts: bool, trainer) -> AgentRollouts | None:
     """The agents' stage, or None without tools, environments or rollout_func. `context`: the model's
     max_position_embeddings (vLLM colocate's vllm_max_model_length wins); `trainer`: what rollout_func receives."""
@@ -57,5 +57,6 @@ def agent_rollouts(agents: Agents, args, encoder, model, chat_template: str | No
         context = args.vllm_max_model_length
     budget = Budget(args.max_completion_length, context or 2 ** 62, args.max_tool_calling_iterations)
     return AgentRollouts(encoder.tokenizer, encoder, agents, chat_template, args.chat_template_kwargs or {}, budget,
-                         args.tool_timeout, trainer=trainer, vocab_size=getattr(model.config, "vocab_size", None),
-                         reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts)
+                         args.tool_timeout, trainer=trainer, vocab_size=encoder.vocab_size,
+                         reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts,
+                         results_as_text=args.tool_results_as_text)

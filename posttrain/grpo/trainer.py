@@ -185,8 +185,8 @@ class GRPOTrainer(Trainer):
         # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
         self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length, context,
-                                     args.max_completion_length, chat_template)
-        self.agents = agent_rollouts(agents, args, self.encoder, model, chat_template, context,
+                                     args.max_completion_length, chat_template, self._vocab_rows)
+        self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context,
                                      placeholder_prompts, trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
         if agents.environment_factory is not None and not user_funcs and not sources:

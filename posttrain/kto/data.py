@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import DataError
+from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
 from posttrain.sequences.batches import block_rows, predecessor_positions
@@ -105,10 +105,11 @@ class KTOEncoder:
         tokenizer: the model's tokenizer.
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages.
+        vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset"):
-        self.tokenizer, self.name = tokenizer, name
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None):
+        self.tokenizer, self.name, self.vocab_size = tokenizer, name, vocab_size
         self.format, self.paired = detect_format(first_row, name)
         self.implicit = self.paired and "prompt" not in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
@@ -121,9 +122,13 @@ class KTOEncoder:
         `first_index`), in the unpaired dataset's order."""
         examples = self._unpaired(rows, first_index)
         if self.format == "standard":
-            return self._standard(examples)
-        return [self._conversation(prompt, completion, label, index, kwargs)
-                for prompt, completion, label, index, kwargs in examples]
+            out = self._standard(examples)
+        else:
+            out = [self._conversation(prompt, completion, label, index, kwargs)
+                   for prompt, completion, label, index, kwargs in examples]
+        rows_of = [first_index + k % len(rows) for k in range(len(out))]  # a pair's chosen, then its rejected
+        check_encoded_within_vocabulary(out, rows_of, self.name, self.vocab_size, self.tokenizer, (None, None))
+        return out
 
     # ------------------------------------------------------------------ rows
 
@@ -295,7 +300,11 @@ def balance_advice(desirable: int, undesirable: int, desirable_weight: float, un
     """TRL's advice when the classes are unbalanced and neither weight lies in the range Eq. (8) of the KTO paper
     (arXiv 2402.01306) recommends for them: desirable_weight * desirable / (undesirable_weight * undesirable) in
     [1, 4/3]. None where the classes are balanced or a weight is in its range."""
-    desirable, undesirable = max(desirable, 1), max(undesirable, 1)
+    if not desirable or not undesirable:
+        kinds = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
+        return (f"The data has {desirable + undesirable} {kinds[0]} examples and no {kinds[1]} one: KTO learns from "
+                f"both kinds, and no weight makes up for one that is missing; add {kinds[1]} examples (label "
+                f"{kinds[1] == 'desirable'}).")
     if desirable == undesirable:
         return None
     des_low = round(undesirable * undesirable_weight / desirable, 2)

@@ -107,6 +107,10 @@ class KTOTrainer(AgainstReferenceTrainer):
         self.pad_to_multiple_of = self._padding_multiple()
         self._train_source = train_dataset
         self._set_batches(train_dataset, self._preparation(train_dataset, "train_dataset"), prepare_unpaired_rows)
+        if isinstance(self.batches, MapBatches) and args.uses_kl and len(self.batches.rows) < 2:
+            raise DataError("train_dataset has one example, and loss_type='kto' pairs each example with another's "
+                            "completion for its KL reference point, so it would be paired with its own (its loss "
+                            "stuck at 0.5): give at least two examples, or use loss_type='apo_zero_unpaired'.")
         if isinstance(self.batches, MapBatches) and self.accelerator.is_main_process:
             rows = self.batches.rows
             advice = balance_advice(int(rows.desirable.sum()), int((~rows.desirable).sum()), args.desirable_weight,
@@ -120,8 +124,8 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _preparation(self, dataset, name: str) -> UnpairedPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one example.")
-        return UnpairedPreparation(KTOEncoder(self.tokenizer, first_row(dataset), name), self.args.max_length, name,
-                                   announce=self.accelerator.is_main_process)
+        encoder = KTOEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows)
+        return UnpairedPreparation(encoder, self.args.max_length, name, announce=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the reference
 

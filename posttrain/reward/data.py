@@ -22,10 +22,10 @@ import logging
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import DataError
+from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.sequences.chat import chat_ids, check_messages, is_messages, template_kwargs
 from posttrain.sequences.batches import BLOCK, block_rows
-from posttrain.sequences.pairs import PairRows
+from posttrain.sequences.pairs import DroppedPairs, PairRows, nothing_left, same_answers, same_answers_warning
 from posttrain.sequences.rows import TokenRows
 
 logger = logging.getLogger("posttrain")
@@ -59,10 +59,11 @@ class RewardEncoder:
         tokenizer: the model's tokenizer (EOS and padding already set by the trainer).
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages.
+        vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset"):
-        self.tokenizer, self.name = tokenizer, name
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None):
+        self.tokenizer, self.name, self.vocab_size = tokenizer, name, vocab_size
         self.format = detect_format(first_row, name)
         self.has_margin = "margin" in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
@@ -70,7 +71,14 @@ class RewardEncoder:
                               "messages: use a chat model's tokenizer, or set chat_template_path.")
 
     def encode(self, rows: list[dict], first_index: int) -> list[tuple[list, list]]:
-        """[(chosen_ids, rejected_ids)] of each row, in order."""
+        """[(chosen_ids, rejected_ids)] of each row, in order, every id within the model's vocabulary."""
+        out = self._encoded(rows, first_index)
+        columns = ("chosen_ids", "rejected_ids") if self.format == "tokenized" else (None, None)
+        check_encoded_within_vocabulary(out, range(first_index, first_index + len(out)), self.name, self.vocab_size,
+                                        self.tokenizer, columns)
+        return out
+
+    def _encoded(self, rows: list[dict], first_index: int) -> list[tuple[list, list]]:
         if self.format == "tokenized":
             return [self._tokenized(row, first_index + i) for i, row in enumerate(rows)]
         texts = [self._texts(row, first_index + i) for i, row in enumerate(rows)]
@@ -104,6 +112,10 @@ class RewardEncoder:
         if prompt is None:
             prompt = [] if kind is list else ""
         for column, value in (("prompt", prompt), ("chosen", row["chosen"]), ("rejected", row["rejected"])):
+            if not isinstance(value, (str, list)):
+                raise DataError(f"Row {index} of {self.name} has {type(value).__name__} in {column!r}: a prompt, "
+                                "chosen or rejected is text or a list of messages (token ids go in chosen_ids and "
+                                "rejected_ids).")
             if not isinstance(value, kind):
                 raise DataError(f"Row {index} of {self.name} has {type(value).__name__} in {column!r} where the "
                                 f"first row has {'messages' if kind is list else 'text'}: every row must be in the "
@@ -128,8 +140,9 @@ class RewardEncoder:
 
 
 def reward_pairs(encoded: list[tuple], margins: np.ndarray | None, first_index: int,
-                 max_length: int | None) -> tuple[PairRows, int]:
-    """(the pairs within max_length, how many were longer and dropped)."""
+                 max_length: int | None) -> tuple[PairRows, DroppedPairs]:
+    """(the pairs within max_length whose chosen and rejected differ, the pairs dropped: longer than max_length, or
+    scoring the same sequence twice: sequences/pairs.py)."""
     sequences, index, kept = [], [], []
     for i, pair in enumerate(encoded):
         if max_length is not None and max(len(pair[0]), len(pair[1])) > max_length:
@@ -139,8 +152,10 @@ def reward_pairs(encoded: list[tuple], margins: np.ndarray | None, first_index: 
         index.append(first_index + i)
         kept.append(i)
     margin = None if margins is None else margins[np.asarray(kept, dtype=np.int64)]
-    return (PairRows(TokenRows.from_sequences(sequences), np.asarray(index, dtype=np.int64), margin=margin),
-            len(encoded) - len(index))
+    pairs = PairRows(TokenRows.from_sequences(sequences), np.asarray(index, dtype=np.int64), margin=margin)
+    same = same_answers(pairs.rows)  # every token is scored: the whole sequences compared
+    dropped = DroppedPairs(identical=int(same.sum()), too_long=len(encoded) - len(index))
+    return (pairs.select(np.flatnonzero(~same)) if same.any() else pairs), dropped
 
 
 class RewardPreparation:
@@ -154,9 +169,14 @@ class RewardPreparation:
         return self.encoder.encode(rows, first_index), self.encoder.margins(rows, first_index), first_index
 
     def rows(self, sequences) -> tuple[PairRows, int]:
-        """A block's pairs, and how many were dropped for their length (the stream batcher reports them)."""
+        """A block's pairs, and how many were dropped for their length (the stream batcher reports them); those with
+        the same sequence twice are reported here, one warning a block."""
         encoded, margins, first_index = sequences
-        return reward_pairs(encoded, margins, first_index, self.args.max_length)
+        pairs, dropped = reward_pairs(encoded, margins, first_index, self.args.max_length)
+        if dropped.same_answers and self.announce:
+            where = f"at rows {first_index}-{first_index + len(encoded) - 1}"
+            logger.warning(same_answers_warning(self.name, dropped, where, self.args.max_length, "score"))
+        return pairs, dropped.too_long
 
     @staticmethod
     def concatenate(parts: list[PairRows]) -> PairRows:
@@ -169,21 +189,23 @@ def prepare_reward_pairs(dataset, preparation: RewardPreparation, block: int = B
     name, max_length = preparation.name, preparation.args.max_length
     if len(dataset) == 0:
         raise DataError(f"{name} is empty: it needs at least one pair.")
-    parts, dropped = [], 0
+    parts, dropped = [], DroppedPairs()
     for start in range(0, len(dataset), block):
         rows = block_rows(dataset[start:start + block])
-        part, lost = preparation.rows(preparation.sequences(rows, start))
+        encoded, margins, first = preparation.sequences(rows, start)
+        part, lost = reward_pairs(encoded, margins, first, max_length)
         parts.append(part)
-        dropped += lost
+        dropped = dropped + lost
     pairs = PairRows.concatenate(parts)
     if len(pairs) == 0:
-        raise DataError(f"{name} has no pair left: every one of its {len(dataset)} pairs has a chosen or rejected "
-                        f"sequence longer than max_length={max_length}; raise max_length (or set it to None).")
+        raise nothing_left(name, dropped, len(dataset), max_length)
     if preparation.announce:
-        if dropped:
+        if dropped.same_answers:
+            logger.warning(same_answers_warning(name, dropped, f"of {len(dataset)}", max_length, "score"))
+        if dropped.too_long:
             logger.warning("%s: %d of %d pairs were dropped because their chosen or rejected sequence is longer than "
-                           "max_length=%s (as TRL filters them); raise max_length to keep them.", name, dropped,
-                           len(dataset), max_length)
+                           "max_length=%s (as TRL filters them); raise max_length to keep them.", name,
+                           dropped.too_long, len(dataset), max_length)
         logger.info("%s: %d pairs, %d tokens.", name, len(pairs), len(pairs.rows.tokens))
     return pairs
 

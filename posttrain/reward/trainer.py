@@ -210,8 +210,8 @@ class RewardTrainer(BatchedDataTrainer):
     def _preparation(self, dataset, name: str) -> RewardPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one pair.")
-        return RewardPreparation(RewardEncoder(self.tokenizer, first_row(dataset), name), self.args, name,
-                                 announce=self.accelerator.is_main_process)
+        encoder = RewardEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows)
+        return RewardPreparation(encoder, self.args, name, announce=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the step
 

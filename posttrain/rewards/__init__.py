@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from posttrain.errors import UserError
+from posttrain.errors import Raised, UserError, contained, detail_of, program_stop_message, stops_the_program
 from posttrain.rewards.resolving import (CONVENTION_ARGS, PASSED_WHOLE, RewardFunction,  # noqa: F401 - the API
                                          check_required_columns, import_dotted, resolve_reward_funcs,
                                          unaccepted_keywords, without_kwargs_message)
@@ -133,6 +133,25 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
     return completion_ids, texts, completions
 
 
+def _async_results(funcs: list[RewardFunction], keys: list[int], call: dict, timeout: float | None, step: int,
+                   prompt_indices, bad_rows) -> dict:
+    """{key: what the async function returned} for `funcs` (score's `keys`), awaited together within `timeout`: a
+    time-out as score handles it, anything raised as score raises it."""
+    results = {}
+    for k, f, out in zip(keys, funcs, _run_async_within(funcs, call, timeout)):
+        if isinstance(out, (TimedOut, asyncio.TimeoutError)):
+            results[k] = _timed_out(f, step, call, prompt_indices, timeout, bad_rows)
+        elif isinstance(out, Raised):  # SystemExit and the like, held (errors.contained)
+            raise _raised(f, out.err, step, call, prompt_indices) from out.err
+        elif isinstance(out, Exception):
+            raise _raised(f, out, step, call, prompt_indices) from out
+        elif isinstance(out, BaseException):  # the run's own interrupt: as it is
+            raise out
+        else:
+            results[k] = out
+    return results
+
+
 def score(funcs: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], trainer_state: Any, step: int, bad_rows: list | None = None,
           prompt_indices: list[int] | None = None, loggers: dict | None = None,
@@ -172,19 +191,13 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list, complet
                     results[k] = run_within(lambda f=f: f.fn(**call), timeout)
         except TimedOut:
             results[k] = _timed_out(f, step, call, prompt_indices, timeout, bad_rows)
-        except Exception as err:
+        except BaseException as err:  # an Exception, or SystemExit and the like (errors.stops_the_program)
+            if not (isinstance(err, Exception) or stops_the_program(err)):
+                raise  # the run's own interrupt
             raise _raised(f, err, step, call, prompt_indices) from err
     if pending:
-        outputs = _run_async_within([funcs[k] for k in pending], call, timeout)
-        for k, out in zip(pending, outputs):
-            if isinstance(out, (TimedOut, asyncio.TimeoutError)):
-                results[k] = _timed_out(funcs[k], step, call, prompt_indices, timeout, bad_rows)
-            elif isinstance(out, Exception):
-                raise _raised(funcs[k], out, step, call, prompt_indices) from out
-            elif isinstance(out, BaseException):  # an interrupt inside the function (a KeyboardInterrupt): as it is
-                raise out
-            else:
-                results[k] = out
+        results.update(_async_results([funcs[k] for k in pending], pending, call, timeout, step, prompt_indices,
+                                      bad_rows))
     matrix = [results[k] if results[k] is _SKIPPED else _checked(funcs[k], results[k], n, step, bad_rows)
               for k in range(len(funcs))]
     matrix = [[math.nan] * n if values is _SKIPPED else values for values in matrix]
@@ -218,7 +231,7 @@ def _run_async_within(funcs: list[RewardFunction], call: dict, timeout: float | 
 
     async def tracked(k: int, coroutine):
         try:
-            return await coroutine
+            return await contained(coroutine)  # a SystemExit inside would end the loop rather than say whose it is
         finally:
             running.pop(k, None)
 
@@ -279,16 +292,17 @@ def _checked(f: RewardFunction, values, n: int, step: int, bad_rows: list | None
 
 
 def _raised(f: RewardFunction, err: BaseException, step: int, call: dict, prompt_indices) -> RewardError:
-    """The error for a reward function that raised, naming the first completion that alone makes it raise."""
+    """The error for a reward function that raised, naming the first completion that alone makes it raise (not
+    probed for SystemExit and the like: calling it again would raise it again)."""
+    if stops_the_program(err):
+        return RewardError(program_stop_message(f"Reward function {f.name!r}, at step {step},", err))
     with _waiting_on(f):  # probing calls it again
         row = _failing_row(f, call)
     where = ""
     if row is not None:
         where = f" on completion {row}" + (f" (prompt {prompt_indices[row]} of the dataset)" if prompt_indices else "")
-    text = str(err).strip()
-    detail = f": {text.splitlines()[0].rstrip('.')}" if text else ""
-    return RewardError(f"Reward function {f.name!r} raised {type(err).__name__} at step {step}{where}{detail}. "
-                       "Fix the function, or have it return None for completions it cannot score.")
+    return RewardError(f"Reward function {f.name!r} raised {type(err).__name__} at step {step}{where}"
+                       f"{detail_of(err)}. Fix the function, or have it return None for completions it cannot score.")
 
 
 def _failing_row(f: RewardFunction, call: dict) -> int | None:

@@ -106,13 +106,16 @@ class MapBatches:
 
 def predecessor_positions(plan: EpochPlan, n: int) -> np.ndarray:
     """[n] for each position of an epoch's order, the position before it within its optimizer step (the step's first
-    takes its last); positions no step trains (dropped with drop_last) are their own."""
+    takes its last); a step of one example (an epoch's last, alone) takes the example before it in the epoch, not
+    itself; positions no step trains (dropped with drop_last) are their own."""
     per_global = plan.size * plan.processes
     before = np.arange(n)
     for step in range(plan.steps):
         micro = plan.step_micro_batches(step)
         first, end = micro.start * per_global, min(micro.stop * per_global, n)
         before[first:end] = first + (np.arange(first, end) - first - 1) % (end - first)
+        if end - first == 1 and n > 1:
+            before[first] = first - 1 if first > 0 else n - 1
     return before
 
 
@@ -125,6 +128,7 @@ class StreamBatches:
         self.preparation = preparation
         self.size, self.processes, self.accumulation, self.rank = micro_batch_size, num_processes, accumulation, rank
         self.epoch = 0
+        self._step_rows, self._step_shares, self._previous_rows = [], [], []
         self._reset(0)
 
     def _reset(self, epoch: int) -> None:
@@ -171,6 +175,7 @@ class StreamBatches:
 
     def next_step(self) -> list[TokenRows]:
         per_global = self.size * self.processes
+        self._previous_rows = self._step_rows  # a lone example's KL pair (step_predecessors)
         shares, self._step_rows, self._step_shares = [], [], []
         for _ in range(self.accumulation):
             rows = self._take(per_global)
@@ -193,8 +198,12 @@ class StreamBatches:
         return shares
 
     def step_predecessors(self) -> list:
-        """As MapBatches.step_predecessors: the rows before each of this process's examples in the step's order."""
+        """As MapBatches.step_predecessors: the rows before each of this process's examples in the step's order (a
+        step of one example takes the previous step's last)."""
         rows = self.preparation.concatenate(self._step_rows)
+        if len(rows) == 1 and self._previous_rows:
+            previous = self.preparation.concatenate(self._previous_rows)
+            return [previous.select(np.full(len(mine), len(previous) - 1)) for mine in self._step_shares]
         return [rows.select((mine - 1) % len(rows)) for mine in self._step_shares]
 
     def skip_rest_of_epoch(self) -> None:

@@ -213,6 +213,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                           f"(nor --api_key_file or {API_KEY_ENV}): its weight routes would take any sender's weights; "
                           "pass --api_key_file PATH (or set the variable) or bind 127.0.0.1.")
     _check_limits(max_num_seqs, max_batch_tokens, max_bucket_bytes, weight_update_timeout)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a port: give one from 1 to 65535, or 0 for a free one.")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(f"--max_model_len {max_model_len} must be at least 1 (leave it out for the model's own "
+                          "position limit).")
     limits = Limits(max_num_seqs, max_batch_tokens, max_bucket_bytes)
     # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: here it ends the server, not the process
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -236,6 +241,7 @@ def _run(model, host, port, key, source, limits, max_model_len, dtype, device, t
     uvicorn = require("uvicorn", "posttrain serve")
 
     from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.serving.connections import server_config
     from posttrain.serving.engine import TransformersEngine
 
     kwargs = {"trust_remote_code": trust_remote_code}
@@ -248,9 +254,16 @@ def _run(model, host, port, key, source, limits, max_model_len, dtype, device, t
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit it: without, each keep-alive response waits ~40 ms for a delayed ACK (Nagle)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        from posttrain.configs import ConfigError
+
+        raise ConfigError(f"posttrain serve cannot bind {host}:{port} ({err.strerror or err}): choose another --port "
+                          "(0 picks a free one) or --host.") from None
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, key, limits), log_level=log_level))
+    # a slow client cannot hold the server: time limits on a request's headers and body, a bound on connections
+    server = uvicorn.Server(server_config(make_app(engine, key, limits), log_level))
     original = server.startup
 
     async def startup(sockets=None):

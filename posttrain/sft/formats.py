@@ -30,12 +30,12 @@ import re
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import DataError
+from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs, trl_training_template
 from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
                                        has_value)
-from posttrain.sft.row_checks import out_of_vocabulary, parts_as_python, template_dropped_text, untrained_reason
+from posttrain.sft.row_checks import parts_as_python, template_dropped_text, untrained_reason
 
 logger = logging.getLogger("posttrain")
 
@@ -184,8 +184,8 @@ class RowEncoder:
         out = encode(rows, first_index)
         if self.format != "tokenized":
             self._check_stop_token(out, first_index)
-        if self.vocab_size is not None:
-            self._check_vocabulary(out, first_index)
+        check_encoded_within_vocabulary(out, range(first_index, first_index + len(out)), self.name, self.vocab_size,
+                                        self.tokenizer, ("input_ids" if self.format == "tokenized" else None,))
         return [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)) for ids, mask in out]
 
     def why_untrained(self, length: int) -> tuple[str, str]:
@@ -224,24 +224,6 @@ class RowEncoder:
                             "first.")
         raise DataError(f"Row {index} of {self.name} is in no SFT format (its columns: {', '.join(row) or 'none'}), "
                         f"and its first row is {self.format}: give every row the same columns.")
-
-    def _check_vocabulary(self, encoded: list, first_index: int) -> None:
-        """Every token id within the model's vocabulary, so that no id fails in the embedding at the first step."""
-        size = self.vocab_size
-        for i, (ids, _) in enumerate(encoded):
-            found = out_of_vocabulary(ids, size)
-            if found is None:
-                continue
-            position, token = found
-            row = f"Row {first_index + i} of {self.name}"
-            if self.format == "tokenized":
-                raise DataError(f"{row} has token id {token} at position {position} of its input_ids, outside the "
-                                f"model's vocabulary of {size} ids (0 to {size - 1}, its embedding rows): tokenize the "
-                                "rows with this model's tokenizer.")
-            raise DataError(f"{row} tokenizes to id {token} ({self.tokenizer.convert_ids_to_tokens(token)!r}), beyond "
-                            f"the model's {size} embedding rows, as the tokenizer has {len(self.tokenizer)} tokens: "
-                            "resize the model's embeddings to the tokenizer (model.resize_token_embeddings("
-                            "len(tokenizer))) before training.")
 
     def _strings(self, rows, column: str, first_index: int) -> list[str]:
         values = [r[column] for r in rows]

@@ -4,8 +4,6 @@
                             conversation (it skips assistant turns, or renders only the last user message): the
                             template's fault, not the row's
     parts_as_python         a template that renders a list of content parts as Python text ("[{'type': 'text', ...")
-    out_of_vocabulary       a token id the model has no embedding row for (torch's index error, or a device assert
-                            on a GPU, at the first step)
     untrained_reason        why a sequence has nothing to train on, when its length is not the reason
 
 Each returns what it found (None when nothing); the encoder (formats.py) words the sentence with the row's name.
@@ -44,14 +42,6 @@ def parts_as_python(messages: list, rendered: str) -> int | None:
     if _PYTHON_PART not in rendered:
         return None
     return next((j for j, m in enumerate(messages) if isinstance(m.get("content"), list)), None)
-
-
-def out_of_vocabulary(ids, size: int) -> tuple[int, int] | None:
-    """(position, id) of the first token id of `ids` outside [0, size), or None. `ids` may hold Python integers of any
-    size (tokenized rows as given), so nothing is cast before the check."""
-    if not len(ids) or (0 <= min(ids) and max(ids) < size):
-        return None
-    return next((p, int(t)) for p, t in enumerate(ids) if not 0 <= t < size)
 
 
 def untrained_reason(data_format: str, length: int, from_function: bool, text_column: str,

@@ -39,19 +39,6 @@ _REFUSED = {
 }
 
 
-def vocabulary_rows(model) -> int | None:
-    """The token ids a model takes, 0 to this - 1: its input embedding's rows (which may exceed the tokenizer's
-    length), no more than its output layer predicts; None for a model that does not say."""
-    try:
-        sizes = [model.get_input_embeddings().num_embeddings]
-    except (AttributeError, NotImplementedError):
-        return None
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    if isinstance(getattr(output, "out_features", None), int):
-        sizes.append(output.out_features)
-    return min(sizes)
-
-
 class SFTTrainer(BatchedDataTrainer):
     """Supervised fine-tuning, with TRL's SFTTrainer signature.
 
@@ -112,7 +99,6 @@ class SFTTrainer(BatchedDataTrainer):
             detect_format(first_row(train_dataset), args.dataset_text_field)
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
         self._configure_tokenizer(model)
-        self._vocab_rows = vocabulary_rows(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
         self._train_source = train_dataset

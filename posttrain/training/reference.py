@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from posttrain.configs import ConfigError
+from posttrain.data import vocabulary_rows
 from posttrain.models.keywords import unwrap
-from posttrain.models.partitioned import gathered
+from posttrain.models.partitioned import gathered, is_partitioned
 from posttrain.models.peft import is_peft_model
 from posttrain.models.preparation import disable_dropout, reference_of
 
@@ -95,27 +96,67 @@ def make_teacher(teacher, policy, args, device, trust_remote_code: bool, tokeniz
     elif args.teacher_model_init_kwargs is not None:
         raise ConfigError("teacher_model_init_kwargs is set, and the teacher is a model already loaded, so they would "
                           "be ignored: load the teacher with them yourself, or pass its path instead.")
+    _check_language_model_head(teacher)
+    if unwrap(teacher) is unwrap(policy):
+        raise ConfigError("The teacher is the student model itself (the same object): the divergence between them is "
+                          "0 and nothing trains; give a different (usually larger or fine-tuned) teacher.")
     mine, theirs = (getattr(unwrap(m).config.get_text_config(), "vocab_size", None) for m in (policy, teacher))
     if mine is not None and theirs is not None and mine != theirs:
         raise ConfigError(f"The student's vocab_size is {mine} and the teacher's {theirs}: distillation compares the "
                           f"two models' next-token distributions, which needs one vocabulary: "
                           f"{_FIX['teacher']}.")
     check_vocabulary(teacher, policy, tokenizer, _tokenizer_beside(source, trust_remote_code), source, "teacher")
+    _note_teacher(teacher, policy, args)
     return teacher.to(device).eval().requires_grad_(False)
 
 
+def _check_language_model_head(teacher) -> None:
+    """The teacher must predict tokens: a sequence classifier (a reward model) or a bare body has no distribution to
+    distil."""
+    plain = unwrap(teacher)
+    get = getattr(plain, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        kind = ("a sequence classifier (its head scores a whole sequence)"
+                if type(plain).__name__.endswith("ForSequenceClassification") else "a model without a language-model "
+                "head")
+        raise ConfigError(f"The teacher ({type(plain).__name__}) is {kind}: distillation matches the teacher's "
+                          "next-token distribution, so give a causal language model (its *ForCausalLM checkpoint).")
+
+
+def _note_teacher(teacher, policy, args) -> None:
+    """Warn once where the teacher cannot teach as given: the student's own weights (the divergence is 0, nothing
+    trains), or a context shorter than the student's rollouts (it would score tokens past its positions)."""
+    if _same_weights(unwrap(teacher), unwrap(policy)):
+        logger.warning("The teacher has the student's own weights, so the divergence between them is 0 and nothing "
+                       "trains: give a different (usually larger or fine-tuned) teacher.")
+    student = getattr(unwrap(policy).config.get_text_config(), "max_position_embeddings", None)
+    theirs = getattr(unwrap(teacher).config.get_text_config(), "max_position_embeddings", None)
+    reach = min(x for x in (student, (args.max_prompt_length or student or 0) + args.max_completion_length) if x)
+    if theirs is not None and reach and theirs < reach:
+        logger.warning(f"The teacher's context is {theirs} positions, and the student's rollouts reach {reach} "
+                       f"(max_prompt_length + max_completion_length, within the student's context): the teacher would "
+                       f"score tokens past its positions; give a teacher with a longer context, or lower "
+                       f"max_completion_length.")
+
+
+def _same_weights(a, b) -> bool:
+    """Whether two models hold the same parameters (names, shapes and values): compared until the first that
+    differs."""
+    theirs = dict(b.named_parameters())
+    mine = list(a.named_parameters())
+    if len(mine) != len(theirs):
+        return False
+    for name, p in mine:
+        q = theirs.get(name)
+        if q is None or is_partitioned(p) or is_partitioned(q):  # ZeRO-3's shards: not compared
+            return False
+        if q.shape != p.shape or q.device != p.device or not torch.equal(p.detach(), q.detach()):
+            return False
+    return True
+
+
 # ---------------------------------------------------------------------- a given ref_model's vocabulary
-
-
-def _rows(model) -> int | None:
-    """Token ids the model can read and predict: the smaller of its input and output embeddings' rows."""
-    sizes = []
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is not None and hasattr(inputs, "num_embeddings"):
-        sizes.append(inputs.num_embeddings)
-    if outputs is not None and hasattr(outputs, "out_features"):
-        sizes.append(outputs.out_features)
-    return min(sizes) if sizes else None
 
 
 def _name_or_path(model) -> str:
@@ -173,7 +214,7 @@ def check_vocabulary(ref_model, policy, tokenizer, ref_tokenizer, source: str | 
     names an id another token. More rows than tokens is padding (resize_token_embeddings' pad_to_multiple_of), not
     another vocabulary."""
     fix = _FIX[role]
-    rows, policy_rows, tokens = _rows(ref_model), _rows(policy), len(tokenizer)
+    rows, policy_rows, tokens = vocabulary_rows(ref_model), vocabulary_rows(policy), len(tokenizer)
     if rows is not None and rows < min(tokens, policy_rows or tokens):
         raise ConfigError(f"{role}'s embedding has {rows} rows and the tokenizer (processing_class) has {tokens} "
                           f"tokens, so {role} was built for another vocabulary: {fix}.")
@@ -281,8 +322,11 @@ def load_cached(key: str, shape: tuple, announce: bool = True) -> np.ndarray | N
         return None
     if digest != _content_digest(ref):
         problem = "do not match the digest stored with them (the file was changed after it was written)"
-    elif ref.shape != tuple(shape) or not np.isfinite(ref).all():
-        problem = f"are {ref.shape} values, not the finite {list(shape)} this data needs"
+    elif ref.shape != tuple(shape):
+        problem = (f"are a {' x '.join(map(str, ref.shape)) or 'scalar'} array, not the "
+                   f"{' x '.join(map(str, shape))} this data needs")
+    elif not np.isfinite(ref).all():
+        problem = f"hold values that are not finite (NaN or infinite: {int((~np.isfinite(ref)).sum())} of {ref.size})"
     else:
         return ref
     if announce:

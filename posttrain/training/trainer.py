@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from posttrain.data import vocabulary_rows
 from posttrain.models import fast_paths
 from posttrain.models.router import RouterLoss, router_coefficient
 from posttrain.timeouts import InterruptedWaiting
@@ -150,14 +151,11 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
 
     def _load_policy(self, model, processing_class, peft_config, adapt=None, load=None):
         """Load the model (a path, a hub id or a model) and its tokenizer, and prepare it for training (adapters,
-        dropout, checkpointing: models/preparation.py). Sets `processing_class` and `tokenizer`. `adapt(model,
-        peft_config)` runs between the two (SFT's chat_template_path resizes the embeddings there, before adapters
-        wrap them). `load(model, init_kwargs)` loads a path (default: a causal LM; the reward model's is a sequence
-        classifier).
-
-        Returns:
-            (the prepared policy on this process's device, whether the model came with a peft adapter).
-        """
+        dropout, checkpointing: models/preparation.py). Sets `processing_class`, `tokenizer` and `_vocab_rows`.
+        `adapt(model, peft_config)` runs between the two (SFT's chat_template_path resizes the embeddings there, before
+        adapters wrap them). `load(model, init_kwargs)` loads a path (default: a causal LM; the reward model's is a
+        sequence classifier). Returns (the prepared policy on this process's device, whether it came with a peft
+        adapter)."""
         from posttrain.configs import ConfigError
         from posttrain.models.loading import load_causal_lm, load_tokenizer, with_trl_default_dtype
         from posttrain.models.peft import is_peft_model
@@ -179,6 +177,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             fast_paths.turn_off(model)
         if adapt is not None:
             adapt(model, peft_config)
+        self._vocab_rows = vocabulary_rows(model)  # the token ids it reads: the data's are checked as they tokenize
         self.router_loss = RouterLoss(router_coefficient(model, args.router_aux_loss_coef))
         return prepare_policy(model, args, peft_config, self.accelerator.device), came_with_adapter
 
