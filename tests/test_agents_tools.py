@@ -937,3 +937,28 @@ def test_a_tool_result_with_a_token_the_embedding_lacks_is_one_sentence():
             stage._suffix_ids([{"role": "tool", "name": "lookup", "content": "found <added>"}])
     finally:
         stage.close()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_an_environment_reward_that_exits_stops_the_run_naming_it(runner, is_async):
+    """get_reward calling sys.exit, sync or async (on the tools' loop), reaches score as any reward function's does:
+    one sentence naming the class and the step."""
+    from posttrain.rewards import RewardError, resolve_reward_funcs, score
+    from posttrain.configs import GRPOConfig
+
+    class Exiting(Counter):
+        def get_reward(self):
+            raise SystemExit(5)
+
+    class AsyncExiting(Counter):
+        async def get_reward(self):
+            raise SystemExit(5)
+
+    cls = AsyncExiting if is_async else Exiting
+    pool = EnvironmentPool(cls, runner=runner)
+    batch = pool.draw(_rows(2))
+    funcs = resolve_reward_funcs([fn for _, fn in pool.reward_sources()], GRPOConfig())
+    with pytest.raises(RewardError, match=rf"^Reward function '{cls.__name__}', at step 3, raised SystemExit\(5\), "
+                                          r"which would stop the program: "):
+        score(funcs, ["p", "p"], ["a", "b"], [[1], [1]], {"environments": batch.environments}, None, 3)
+    runner.run([call("fetch", url="u")], ToolSet([fetch]))  # the loop lives on

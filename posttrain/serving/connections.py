@@ -38,7 +38,7 @@ def bounded_protocol(header_seconds: float = HEADER_SECONDS, body_idle_seconds: 
             super().connection_made(transport)
             self._timer, self._opened = None, self.loop.time()
             self._arm(header_seconds)  # the first request's headers
-            if len(self.connections) > max_connections:
+            if sum(not c.transport.is_closing() for c in self.connections) > max_connections:
                 (self._evictable() or self).transport.close()
 
         def connection_lost(self, exc) -> None:
@@ -76,9 +76,10 @@ def bounded_protocol(header_seconds: float = HEADER_SECONDS, body_idle_seconds: 
             return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
         def _evictable(self):
-            """The oldest other connection that is waiting for a request, or None."""
-            idle = [c for c in self.connections
-                    if c is not self and isinstance(c, BoundedH11Protocol) and c._waiting_for_a_request()]
+            """The oldest other open connection that is waiting for a request, or None (one closed already stays in
+            `connections` until the loop reports it lost)."""
+            idle = [c for c in self.connections if c is not self and isinstance(c, BoundedH11Protocol)
+                    and not c.transport.is_closing() and c._waiting_for_a_request()]
             return min(idle, key=lambda c: c._opened) if idle else None
 
     return BoundedH11Protocol
