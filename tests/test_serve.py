@@ -180,7 +180,8 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_lives_on(tokenizer):
             client.completions([[5, 6]], 0, 0, PARAMS)
         opened = client._call("POST", "/start_weight_update", 5, retry=False, json={"weight_version": "v9"})
         with pytest.raises(GenerationError, match="409: a weight update to version 'v9' is in progress"):
-            client.completions([[5, 6]], 1, 0, PARAMS)
+            # the client waits out an update for request_timeout, then says so
+            _client(url, request_timeout=1).completions([[5, 6]], 1, 0, PARAMS)
         bucket, aliases = next(wire.buckets(export_weights(tiny_model(tokenizer)), 1 << 30))
         data = bytearray(wire.Body(bucket, aliases).to_bytes())
         headers = {"X-Weight-Version": "v9", "X-Bucket-Digest": wire.bucket_digest(bucket),
