@@ -645,6 +645,30 @@ def test_environment_tools_prompts_and_pool_match_trl(tmp_path):
     assert [env.resets for env in pool.instances()] == [3, 3, 2, 1]  # created once, reset at each use
 
 
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
+def test_an_environments_reward_alone_with_reward_funcs_empty_as_trl(tmp_path, trainer_name):
+    """reward_funcs=[] beside an environment_factory whose class has get_reward: TRL takes the environment's reward
+    as the only one; so does posttrain (GRPO and RLOO)."""
+    import posttrain
+    from datasets import Dataset
+
+    trl_trainer = _trl_trainer(tmp_path / "trl", environment_factory=Counter, reward_funcs=[])
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (Path(pytest.importorskip("trl").__file__).parent / "chat_templates" /
+                               "qwen2_5.jinja").read_text()
+    config = getattr(posttrain, trainer_name.replace("Trainer", "Config"))(
+        output_dir=str(tmp_path / "ours"), per_device_train_batch_size=2, num_generations=2, max_steps=1,
+        max_completion_length=8, report_to="none", use_cpu=True, save_strategy="no")
+    ours = getattr(posttrain, trainer_name)(
+        model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=2048), reward_funcs=[], args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 2}),
+        environment_factory=Counter)
+    assert [f.name for f in ours.reward_funcs] == trl_trainer.reward_func_names == ["Counter"]
+    ours.train()
+    assert ours.state.global_step == 1
+
+
 def test_routed_environments_match_trl_and_expose_only_their_tools(tmp_path):
     factories = {"counter": Counter, "lamp": Lamp}
     trainer = _trl_trainer(tmp_path, environment_factory=factories)

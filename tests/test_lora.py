@@ -126,6 +126,58 @@ def test_adapters_that_add_virtual_tokens_are_refused_at_construction(tokenizer,
                                           r"tuning \(PrefixTuningConfig\)\.$"):
         GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), five_reward, tiny_config(tmp_path),
                     train_dataset=addition_dataset, processing_class=tokenizer, peft_config=config)
+    # the same adapter on a model that arrives wrapped (peft.get_peft_model): refused the same way, not at step 1
+    wrapped = peft.get_peft_model(tiny_model(tokenizer, hidden=32, layers=1), config)
+    with pytest.raises(ConfigError, match=rf"^The model is a PeftModel whose active adapter is a {kind}, which adds "
+                                          r"trained virtual tokens to every input"):
+        GRPOTrainer(wrapped, five_reward, tiny_config(tmp_path), train_dataset=addition_dataset,
+                    processing_class=tokenizer)
+
+
+def _moe(tokenizer):
+    """A tiny Qwen3-MoE (transformers 5 fuses its experts' linear layers into one module's parameters)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+
+
+@pytest.mark.parametrize("targets, unmatched", [
+    (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], []),
+    (["q_proj", "v_proj", "gate_prj"], ["gate_prj"]),
+], ids=["moe-experts", "a-typo"])
+def test_lora_targets_adapt_what_trls_do_and_those_matching_nothing_are_said(tokenizer, tmp_path, caplog, targets,
+                                                                           unmatched):
+    """On Qwen3-MoE the usual target list's gate_proj, up_proj and down_proj name no module (the experts are fused):
+    peft adapts the experts' fused parameters for them, as under TRL, and posttrain adapts what TRL's SFTTrainer
+    adapts. An entry peft adapts nothing for (a typo beside names that match) trains the others, as in TRL, with a
+    warning naming it."""
+    from datasets import Dataset
+    from trl import SFTConfig as TRLConfig
+    from trl import SFTTrainer as TRLTrainer
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    data = Dataset.from_dict({"text": ["1+1=2", "2+2=4"]})
+    common = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                  use_cpu=True, save_strategy="no")
+    theirs = TRLTrainer(_moe(tokenizer), args=TRLConfig(**common), train_dataset=data, processing_class=tokenizer,
+                        peft_config=_lora_config(target_modules=targets))
+    with caplog.at_level("WARNING", logger="posttrain"):
+        ours = SFTTrainer(_moe(tokenizer), args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer,
+                          peft_config=_lora_config(target_modules=targets))
+    said = [r.getMessage() for r in caplog.records if "match no module" in r.getMessage()]
+    assert said == ([f"LoRA target modules {unmatched} match no module of the model (its linear layers: k_proj, "
+                     "lm_head, o_proj, q_proj, v_proj). peft adapts the others, as in TRL; name only modules of this "
+                     "model to silence this."] if unmatched else [])
+    trained = sorted(n for n, p in ours.policy.named_parameters() if p.requires_grad)
+    assert trained == sorted(n for n, p in theirs.model.named_parameters() if p.requires_grad)
+    assert any("experts" in n for n in trained) == (not unmatched)
+    ours.train()
+    assert ours.state.global_step == 1
 
 
 def test_prefix_tuning_is_refused_for_grpo_whose_decode_would_drop_the_prefix(tokenizer, addition_dataset, tmp_path):

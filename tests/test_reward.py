@@ -362,6 +362,55 @@ def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_
         assert torch.allclose(rows[name], dense[name], rtol=1e-5, atol=1e-5), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sixteen_bit_embedding_rows_update_as_torchs_fused_adamw(dtype):
+    """A 16-bit embedding: the row-wise update computes in float32 and stores its moments in the weight's dtype, as
+    torch's fused AdamW (the default optimizer) does, so eps=1e-8 is not 0 and an element without gradient stays
+    finite (in float16, 0 / (0 + 0) was NaN at step 1). The same weights and moments as the fused kernel's."""
+    from posttrain.training.sparse_rows import SparseRows
+
+    torch.manual_seed(0)
+    sparse, dense = torch.nn.Embedding(12, 8, sparse=True).to(dtype), torch.nn.Embedding(12, 8).to(dtype)
+    dense.weight.data.copy_(sparse.weight.data)
+    fused = torch.optim.AdamW(dense.parameters(), lr=0.1, weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW([sparse.weight], lr=0.1, weight_decay=0.0)
+    rows = SparseRows(sparse, optimizer)
+    for ids in ([1, 2], [2, 5], [7], [1, 7]):
+        ids = torch.tensor(ids)
+        for embedding in (sparse, dense):
+            (embedding(ids).float() * torch.arange(8.0)).sum().backward()
+        rows.step(lambda: None)
+        fused.step()
+        sparse.zero_grad(), dense.zero_grad()
+    assert rows.finite and torch.isfinite(sparse.weight).all()
+    assert torch.equal(sparse.weight, dense.weight)
+    state = optimizer.state_dict()["state"][0]
+    assert state["exp_avg"].dtype == dtype and torch.equal(state["exp_avg"], fused.state[dense.weight]["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], fused.state[dense.weight]["exp_avg_sq"])
+
+
+def test_a_float16_reward_model_trains_as_trls(tokenizer, tmp_path, tiny_model_dir):
+    """TRL's float16 test: RewardTrainer loaded in float16 (model_init_kwargs) trains with finite weights, as TRL's
+    does on the same inputs; posttrain used to stop at step 1 at any learning rate (its row-wise embedding AdamW
+    divided 0 by eps=1e-8, which is 0 in float16). At learning_rate 0.1 both runs' float16 AdamW blow the weights up
+    within a few steps: TRL trains on to NaN weights, posttrain stops at the first NaN loss (docs/compatibility.md)."""
+    from trl import RewardConfig as TRLConfig
+    from trl import RewardTrainer as TRLTrainer
+
+    options = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3, report_to="none", use_cpu=True,
+                   save_strategy="no", model_init_kwargs={"dtype": torch.float16})
+    theirs = TRLTrainer(tiny_model_dir, args=TRLConfig(output_dir=str(tmp_path / "trl"), **options),
+                        train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
+    theirs.train()
+    ours = RewardTrainer(tiny_model_dir, args=RewardConfig(output_dir=str(tmp_path / "ours"), **options),
+                         train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
+    assert ours.policy.get_input_embeddings().sparse and ours.policy.dtype == torch.float16  # the path under test
+    ours.train()
+    assert ours.state.global_step == theirs.state.global_step == 3
+    for model in (theirs.model, ours.policy):
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_the_embedding_rows_written_non_finite_stop_the_run(tokenizer, tmp_path):
     """The row-wise update checks the rows it writes (the rest of the embedding did not change): a learning rate
     that overflows float32 makes them infinite, and the run's weight check names the embedding."""

@@ -7,12 +7,14 @@ The reference model of a LoRA run is the policy itself, so no second copy of the
 """
 
 import contextlib
+import logging
 import warnings
 
 from posttrain._optional import require
 from posttrain.configs import ConfigError
 
 REFERENCE_ADAPTER = "reference"
+logger = logging.getLogger("posttrain")
 
 
 def is_peft_model(model) -> bool:
@@ -29,20 +31,22 @@ def apply_peft(model, peft_config):
         raise _not_a_peft_config(peft_config)
     _refuse_virtual_tokens(peft_config)
     targets = getattr(peft_config, "target_modules", None)
-    if isinstance(targets, (list, set, tuple)):  # peft ignores a misspelled name as long as another one matches
-        names = [name for name, _ in model.named_modules()]
-        if any(not any(n == t or n.endswith("." + t) for n in names) for t in targets):
-            raise _unknown_targets(model, peft_config)
+    targets = sorted(set(targets)) if isinstance(targets, (list, set, tuple)) else None
     try:
         with warnings.catch_warnings():
             # peft (through 0.21) reads `is_gradient_checkpointing`, which transformers 5.23 renamed
             # `is_activation_checkpointing`: the FutureWarning is about peft's call, not about this run
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            return peft.get_peft_model(model, peft_config)
+            wrapped = peft.get_peft_model(model, peft_config)
     except ValueError as err:
         if "not found in the base model" not in str(err):
             raise
-        raise _unknown_targets(model, peft_config) from err
+        raise _unknown_targets(model, targets or peft_config.target_modules) from err
+    missing = _unmatched(wrapped, targets) if targets else []
+    if missing:  # peft adapts the others and says nothing: neither does TRL
+        logger.warning(f"{_unknown_targets(model, missing)} peft adapts the others, as in TRL; name only modules of "
+                       "this model to silence this.")
+    return wrapped
 
 
 def _not_a_peft_config(peft_config) -> ConfigError:
@@ -54,14 +58,21 @@ def _not_a_peft_config(peft_config) -> ConfigError:
                        f"peft.LoraConfig(r=16, lora_alpha=32){hint}.")
 
 
-def _refuse_virtual_tokens(peft_config) -> None:
+def _refuse_virtual_tokens(peft_config, what: str = "peft_config is") -> None:
     """Prompt tuning and P-tuning put trained virtual tokens before each input, which every token mask, position and
     log-prob of posttrain's passes would have to count; prefix tuning keeps its virtual tokens in the attention's keys
-    and values only, and trains like any adapter."""
+    and values only, and trains like any adapter. `what` names where the config came from."""
     if getattr(peft_config, "is_prompt_learning", False) and peft_config.peft_type != "PREFIX_TUNING":
-        raise ConfigError(f"peft_config is a {type(peft_config).__name__}, which adds trained virtual tokens to every "
+        raise ConfigError(f"{what} a {type(peft_config).__name__}, which adds trained virtual tokens to every "
                           "input, and posttrain's masks and log-probs cover the real tokens only: use LoRA "
                           "(LoraConfig, --use_peft), another adapter, or prefix tuning (PrefixTuningConfig).")
+
+
+def refuse_virtual_token_adapter(model) -> None:
+    """A model that arrives as a PeftModel whose active adapter adds virtual tokens is refused as that adapter given
+    as peft_config is (_refuse_virtual_tokens)."""
+    if is_peft_model(model):
+        _refuse_virtual_tokens(model.active_peft_config, "The model is a PeftModel whose active adapter is")
 
 
 def refuse_prefix_tuning_for_sampling(peft_config=None, model=None) -> None:
@@ -77,19 +88,26 @@ def refuse_prefix_tuning_for_sampling(peft_config=None, model=None) -> None:
                           "sampled without it; use LoRA (LoraConfig, --use_peft) for GRPO.")
 
 
-def _unknown_targets(model, peft_config) -> ConfigError:
-    """The LoRA target modules that match nothing in the model, with the names that exist."""
+def _unmatched(wrapped, targets: list[str]) -> list[str]:
+    """The entries of `targets` (the config's target_modules as given) that peft adapted nothing for: neither a module
+    it targeted (the module's name, or its last dotted parts, as peft matches) nor a name it moved to the fused
+    parameters of a mixture of experts (peft 0.18 on: gate_proj, up_proj, down_proj on transformers 5's experts)."""
+    adapted = list(wrapped.targeted_module_names)
+    kept = set(getattr(wrapped.active_peft_config, "target_modules", None) or ())
+    return [t for t in targets if t in kept and not any(n == t or n.endswith("." + t) for n in adapted)]
+
+
+def _unknown_targets(model, missing) -> ConfigError:
+    """The LoRA target modules `missing` that match nothing in the model, with the linear layers that exist."""
     import torch
 
     from posttrain.configs import suggest
 
-    names = [name for name, _ in model.named_modules()]
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    targets = peft_config.target_modules
-    targets = [targets] if isinstance(targets, str) else sorted(targets or [])
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    missing = [missing] if isinstance(missing, str) else sorted(missing or [])
+    linear = sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and ".lora_" not in name})  # wrapped or not
     hint = suggest(missing[0], linear) if missing else ""
-    return ConfigError(f"LoRA target modules {missing or targets} match no module of the model (its linear layers: "
+    return ConfigError(f"LoRA target modules {missing} match no module of the model (its linear layers: "
                        f"{', '.join(linear)}).{hint}")
 
 

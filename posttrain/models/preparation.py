@@ -7,7 +7,7 @@ import torch
 from posttrain.configs import ConfigError
 from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
 from posttrain.models.partitioned import gathered, is_partitioned, local_shard, partitioned_copy
-from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model
+from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, refuse_virtual_token_adapter
 
 
 def prepare_policy(model, args, peft_config, device):
@@ -15,6 +15,7 @@ def prepare_policy(model, args, peft_config, device):
     activation checkpointing (gradient_checkpointing), no KV cache in training forwards; on `device`, in train mode."""
     if peft_config is not None:
         model = apply_peft(model, peft_config)
+    refuse_virtual_token_adapter(model)  # one the model came with, as peft_config's
     if args.disable_dropout:
         disable_dropout(model)
     if args.cast_lm_head_to_fp32:

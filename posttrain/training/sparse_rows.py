@@ -180,21 +180,26 @@ class SparseRows:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         touched = grad.indices()[0]
         self._place(touched)
-        used = len(self.rows)
-        dense = torch.zeros((used, self.weight.size(1)), dtype=grad.dtype, device=grad.device)  # [R, H]
-        dense[self.slot[touched]] = grad.values()
+        used, weight = len(self.rows), self.weight.data
+        # the arithmetic in float32 for 16-bit weights, the moments stored in the weight's dtype, as torch's fused
+        # AdamW (the default optimizer) computes (in float16, eps=1e-8 is 0 and an untouched element's 0 / 0 is NaN)
+        math_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        dense = torch.zeros((used, weight.size(1)), dtype=math_dtype, device=grad.device)  # [R, H]
+        dense[self.slot[touched]] = grad.values().to(math_dtype)
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = float(state["step"])
-        exp_avg = self.exp_avg[:used].lerp_(dense, 1 - beta1)
-        exp_avg_sq = self.exp_avg_sq[:used].mul_(beta2).addcmul_(dense, dense, value=1 - beta2)
+        exp_avg = self.exp_avg[:used].to(math_dtype).lerp_(dense, 1 - beta1)
+        exp_avg_sq = self.exp_avg_sq[:used].to(math_dtype).mul_(beta2).addcmul_(dense, dense, value=1 - beta2)
+        self.exp_avg[:used], self.exp_avg_sq[:used] = exp_avg, exp_avg_sq  # in place where the dtype is the same
         lr = float(group["lr"])
         step_size = lr / (1 - beta1 ** step)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        weight = self.weight.data
-        if abs(step_size) < torch.finfo(weight.dtype).max:
-            updated = weight.index_select(0, self.rows).addcdiv_(exp_avg, denom, value=-step_size)
-        else:  # a step size beyond the weight's dtype (a huge learning rate): the rows go non-finite, and the run stops
-            updated = weight.index_select(0, self.rows) - exp_avg / denom * torch.tensor(step_size, dtype=weight.dtype)
+        rows = weight.index_select(0, self.rows).to(math_dtype)
+        if abs(step_size) < torch.finfo(math_dtype).max:
+            updated = rows.addcdiv_(exp_avg, denom, value=-step_size)
+        else:  # a step size beyond the dtype (a huge learning rate): the rows go non-finite, and the run stops
+            updated = rows - exp_avg / denom * torch.tensor(step_size, dtype=math_dtype)
+        updated = updated.to(weight.dtype)
         self.finite = bool(torch.isfinite(updated).all())  # the only rows that changed: the weight's check
         weight.index_copy_(0, self.rows, updated)
