@@ -171,15 +171,22 @@ _FAMILIES = {  # family: (config class, model class, the family's own config fie
              dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, conv_L_cache=3)),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          dict(_MAMBA2, layer_types=["mamba", "attention"], num_local_experts=0)),
+    # beyond ARCHITECTURES' matrix, for the paths that hit its cache: a Mamba-2 layer (its cache layer cannot drop
+    # rows), an attention layer and an MLP
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(layers_block_type=["linear_attention", "full_attention", "mlp"], ssm_state_size=8,
+                        mamba_num_heads=4, mamba_head_dim=8, n_groups=1, mamba_chunk_size=4, n_routed_experts=2,
+                        num_experts_per_tok=1, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)),
 }
 
 
 def tiny_architecture(family: str, tokenizer=None, seed: int = 0, classifier: bool = False):
-    """A randomly initialised tiny causal LM of one of ARCHITECTURES (seeded, float32), from transformers' own config
-    and model classes: hidden size 32, 4 attention heads (2 key/value) of 8, 2 layers unless the family's layer kinds
-    take more (Qwen3.5 and Qwen3-Next: 3 Gated DeltaNet layers and an attention layer; LFM2: two short-convolution
-    layers around an attention layer; GraniteMoeHybrid: a Mamba-2 layer and an attention layer; Gemma 3: a
-    sliding-window layer of window 4 and a global one). With `classifier`, the family's one-label sequence
+    """A randomly initialised tiny causal LM of one of ARCHITECTURES, or "nemotron_h" (seeded, float32), from
+    transformers' own config and model classes: hidden size 32, 4 attention heads (2 key/value) of 8, 2 layers unless
+    the family's layer kinds take more (Qwen3.5 and Qwen3-Next: 3 Gated DeltaNet layers and an attention layer; LFM2:
+    two short-convolution layers around an attention layer; GraniteMoeHybrid: a Mamba-2 layer and an attention layer;
+    NemotronH: a Mamba-2 layer, an attention layer and an MLP; Gemma 3: a sliding-window layer of window 4 and a
+    global one). With `classifier`, the family's one-label sequence
     classifier (AutoModelForSequenceClassification; LFM2 and GraniteMoeHybrid have none)."""
     import torch
     import transformers

@@ -296,6 +296,26 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_what_they_would_have(
     assert torch.allclose(compacted.sampler_logprobs, every_row.sampler_logprobs, atol=1e-5)
 
 
+def test_a_cache_whose_layers_cannot_drop_rows_keeps_them_and_samples_the_same(tokenizer):
+    """NemotronH's cache has batch_select_indices, and its Mamba layer (LinearAttentionLayer) has none: dropping the
+    finished rows raised AttributeError mid-run (after the layers before it had dropped theirs) whenever a row ended
+    early. The decode keeps every row instead, and samples what it samples with the rows kept."""
+    from posttrain.generation.transformers_backend import can_select_rows
+    from posttrain.testing import tiny_architecture
+
+    model = tiny_architecture("nemotron_h", tokenizer)
+    with torch.no_grad():  # a likely EOS: rows end at different lengths
+        model.lm_head.weight[tokenizer.eos_token_id] = model.lm_head.weight[tokenizer.eos_token_id] * 60.0
+    cache = model(input_ids=torch.tensor([[5, 6]]), use_cache=True).past_key_values
+    assert callable(getattr(cache, "batch_select_indices", None)) and not can_select_rows(cache)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    out = TransformersGenerator(model, tokenizer, params, seed=5, lean=False).generate(_prompts(tokenizer) * 3)
+    lengths = out.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) >= 2 and out.is_eos.any()  # some rows ended before others
+    again = TransformersGenerator(model, tokenizer, params, seed=5, lean=False).generate(_prompts(tokenizer) * 3)
+    assert torch.equal(out.completion_ids, again.completion_ids)
+
+
 def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokenizer, monkeypatch):
     """On CPU the decoder's products go through oneDNN's linear on packed weights (2-3x faster for a decode step's
     rows); the tokens and log-probs are those of torch's GEMM, and a weight budget of 0 (weights read in place)

@@ -52,6 +52,16 @@ def generation_copy(policy):
     return model.to(dtype=first.dtype, device=first.device).eval().requires_grad_(False)
 
 
+def can_select_rows(cache) -> bool:
+    """Whether `cache` can keep a subset of its rows (batch_select_indices): the cache's method, and for a cache of
+    layers every layer's, checked before any layer is changed (a hybrid's Mamba layers may lack it: NemotronH's
+    LinearAttentionLayer raises AttributeError after the layers before it dropped their rows)."""
+    if not callable(getattr(cache, "batch_select_indices", None)):
+        return False
+    layers = getattr(cache, "layers", None)
+    return layers is None or all(callable(getattr(layer, "batch_select_indices", None)) for layer in layers)
+
+
 class ModelStepper:
     """Prefill and one-token steps through the model's own forward and a transformers KV cache."""
 
@@ -78,10 +88,9 @@ class ModelStepper:
 
     def keep_rows(self, rows: torch.Tensor) -> bool:
         """Keep only these rows ([n'] indices) of the batch; False when the cache cannot drop rows."""
-        select = getattr(self.cache, "batch_select_indices", None)
-        if select is None:
+        if not can_select_rows(self.cache):
             return False
-        select(rows)
+        self.cache.batch_select_indices(rows)
         self.attention = self.attention[rows]
         return True
 
