@@ -7,7 +7,7 @@ Same flags, workload and JSON keys as bench/trl_grpo_tools.py (TRL's side); the 
 The tool calls are scripted through posttrain's own override, `response_template=` a function (turn text, prefix
 text) -> assistant message (tools_workload.scripted_turn_function); generation, the tool, the tool results' ids
 (agents/chat_templates.py ToolSuffix) and the step are posttrain's. The batch statistics are read from each
-micro-batch `_micro_step` receives (before posttrain drops rows whose advantage is 0; `rows_with_gradient` counts
+micro-batch `_step_loss` receives (before posttrain drops rows whose advantage is 0; `rows_with_gradient` counts
 the rows it then trained on).
 """
 
@@ -32,11 +32,11 @@ def main():
     with_gradient = []
 
     class Recorded(GRPOTrainer):
-        def _micro_step(self, mb, *rest, **kwargs):
+        def _step_loss(self, mb, *rest, **kwargs):
             r = mb.rollouts
             stats.add(r.completion_mask, r.tool_mask, r.prompt_mask)
             with_gradient.append(len(self._rows_with_gradient(mb)) if self.skip_zero_advantage_rows else len(mb))
-            return super()._micro_step(mb, *rest, **kwargs)
+            return super()._step_loss(mb, *rest, **kwargs)
 
     cfg = GRPOConfig(**w.config_values(args, "/tmp/posttrain-bench-tools-out"),
                      plot_on_end=False)  # a one-off end-of-run cost, not a step

@@ -238,6 +238,41 @@ def test_lora_trains_the_score_head_and_saves_it(tokenizer, tmp_path):
                                                                                      task_type="CAUSAL_LM"))
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_compute_metrics_gets_the_scores_trls_gives_it(tokenizer, tmp_path, batched):
+    """TRL's RewardTrainer feeds compute_metrics its eval loop's predictions: per eval batch, the chosen scores then the
+    rejected ones ([2P, 1]), and no labels (label_ids ()); posttrain's the same, on the same model and data (and with
+    batch_eval_metrics, batch by batch). Its metrics are logged with eval_."""
+    from trl import RewardConfig as TRLConfig
+    from trl import RewardTrainer as TRLTrainer
+
+    seen = {"trl": [], "ours": []}
+
+    def recorder(name):
+        def compute_metrics(prediction, compute_result=True):
+            seen[name].append((torch.as_tensor(prediction.predictions).float(), prediction.label_ids))
+            return {"spread": float(torch.as_tensor(prediction.predictions).std())}
+        return compute_metrics
+
+    options = dict(per_device_eval_batch_size=4, report_to="none", use_cpu=True, batch_eval_metrics=batched)
+    # batches of 4 pairs: on a last batch of fewer, TRL's evaluation loop keeps as many rows as that batch has pairs
+    # (gather_for_metrics counts rows as examples), losing rejected scores; posttrain gives every score
+    data = Dataset.from_dict({k: v[:8] for k, v in PAIRS.items()})
+    theirs = TRLTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1),
+                        args=TRLConfig(output_dir=str(tmp_path / "trl"), bf16=False, **options), train_dataset=data,
+                        processing_class=tokenizer, compute_metrics=recorder("trl"))
+    trl_metrics = theirs.evaluate(data)
+    ours = RewardTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1),
+                         args=RewardConfig(output_dir=str(tmp_path / "ours"), **options), train_dataset=data,
+                         processing_class=tokenizer, compute_metrics=recorder("ours"))
+    metrics = ours.evaluate(data)
+    assert len(seen["ours"]) == len(seen["trl"]) == (2 if batched else 1)
+    for (mine, no_labels), (trls, trl_labels) in zip(seen["ours"], seen["trl"]):
+        assert mine.shape == trls.shape and torch.allclose(mine, trls, atol=1e-5)
+        assert len(no_labels) == len(trl_labels) == 0
+    assert metrics["eval_spread"] == pytest.approx(trl_metrics["eval_spread"], abs=1e-5)
+
+
 def test_errors_a_user_can_cause(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match=r"^The model has num_labels=2, and a reward model gives one score per "):
         model = tiny_reward_model(tokenizer, hidden=32, layers=1)
@@ -253,10 +288,10 @@ def test_errors_a_user_can_cause(tokenizer, tmp_path):
                                         r"finite number"):
         _train(tokenizer, tmp_path, data=Dataset.from_dict({**{k: v[:2] for k, v in PAIRS.items()},
                                                             "margin": [0.5, None]}), train=False)
-    with pytest.raises(ConfigError, match=r"^RewardTrainer\(compute_metrics=\.\.\.\) is not supported"):
+    with pytest.raises(ConfigError, match=r"^compute_metrics <lambda>\(\) cannot be called as the evaluation calls "):
         RewardTrainer(tiny_reward_model(tokenizer, hidden=32, layers=1), args=reward_config(tmp_path),
                       train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer,
-                      compute_metrics=lambda p: {})
+                      compute_metrics=lambda: {})
     with pytest.raises(ConfigError, match=r"^label_smoothing_factor=0.1 is not supported: the reward loss has no "
                                           r"labels to smooth"):
         reward_config(tmp_path, label_smoothing_factor=0.1)

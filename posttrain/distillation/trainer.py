@@ -78,21 +78,23 @@ class DistillationTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def _micro_step(self, mb, norm, bonus: float, share: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch: [3] its divergence sum, entropy sum and loss tokens."""
+    def _step_loss(self, mb, norm, bonus: float, share: float):
+        """One micro-batch's forward: (its share of the step's loss, [3] its divergence sum, entropy sum and loss
+        tokens)."""
         mb = mb.padded(self.pad_to_multiple_of)
         per_token = 1.0 / max(norm.tokens_per_process, 1.0)
         with self._offloading():
             divergence, entropy = self.rollout.divergence(self.model, mb, grad_scale=per_token)
-            self._backward(divergence.sum() * per_token)
-        return torch.stack([divergence.detach().double().sum(), entropy.double().sum(),
-                            torch.tensor(float(mb.loss_mask.sum()), dtype=torch.float64, device=entropy.device)])
+        stats = torch.stack([divergence.detach().double().sum(), entropy.double().sum(),
+                             torch.tensor(float(mb.loss_mask.sum()), dtype=torch.float64, device=entropy.device)])
+        return divergence.sum() * per_token, stats
 
     def _optimizer_step(self) -> dict:
         micro, round_metrics = self._step_micro_batches()
         norm, seen_tokens = self._step_counts(micro)
         self.state.total_flos += self._flops_per_token * seen_tokens
-        sums = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, 0.0, 1.0 / len(micro)))
+        sums = self._accumulate(micro, lambda mb: self._step_loss(mb, norm, 0.0, 1.0 / len(micro)),
+                                norm.tokens_per_process * self.accelerator.num_processes)
         totals = self.accelerator.reduce(torch.stack(sums).sum(0), reduction="sum")
         tokens = max(float(totals[2]), 1.0)
         loss = float(totals[0]) / tokens

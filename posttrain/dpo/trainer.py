@@ -245,33 +245,31 @@ class DPOTrainer(AgainstReferenceTrainer):
                       entropy.sum(), top1[chosen].sum().float()]
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=per_pair.device) for v in values])
 
-    def _micro_step(self, batch: PairBatch, pairs_total: float, chosen_total: float, share: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch (`share`: its part of the step, for a router loss); its statistics
-        (sft's share of the loss folded into 'loss')."""
+    def _step_loss(self, batch: PairBatch, pairs_total: float, chosen_total: float, share: float):
+        """One micro-batch's forward (`share`: its part of the step, for a router loss): (its share of the step's
+        loss, its statistics with sft's share of the loss folded into 'loss')."""
         n = self.accelerator.num_processes
         with self._offloading():
             pair_sum, sft_sum, stats, router = self._micro_loss(batch, grad=True,
                                                                 router_share=share if batch.pairs else 0.0)
-            loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
-            self._backward(loss + router)
+        loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
         stats = stats.clone()
         stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
-        return stats
+        return loss + router, stats
 
     def _collate(self, pairs: PairRows) -> PairBatch:
         padding_free = self._runs_padding_free(self.args.padding_free, self._no_grad_model, self.ref_model)
         return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
 
     def _optimizer_step(self) -> dict:
-        shares = self.batches.next_step()
-        batches = [self._collate(pairs) for pairs in shares]
+        batches = self._step_batches(self.batches)
         acc = self.accelerator
         local = torch.tensor([sum(b.pairs for b in batches),
                               sum(int(b.targets[0::2].sum()) for b in batches),
                               sum(b.sequences.tokens for b in batches)], dtype=torch.float64, device=acc.device)
         pairs_total, chosen_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        stats = self._accumulate(batches, lambda b: self._micro_step(b.to(acc.device), pairs_total, chosen_total,
-                                                                     1.0 / len(batches)))
+        stats = self._accumulate(batches, lambda b: self._step_loss(b.to(acc.device), pairs_total, chosen_total,
+                                                                    1.0 / len(batches)), pairs_total)
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
         metrics = step_metrics(totals)
         return self._finish_step(metrics, tokens)

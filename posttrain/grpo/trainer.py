@@ -9,8 +9,8 @@
     buffer    += batch.micro_batches(...) x num_iterations
     each optimizer step: gradient_accumulation_steps micro-batches, loss normalised over all of them
 
-Generation happens whenever the buffer is empty, so how often we generate (steps_per_generation)
-is independent of how many micro-batches make an optimizer step (gradient_accumulation_steps).
+Generation happens whenever the buffer is empty, so how often we generate (steps_per_generation) is independent of
+how many micro-batches make an optimizer step (gradient_accumulation_steps).
 """
 
 import contextlib
@@ -44,9 +44,9 @@ from posttrain.rewards import RewardFunction, check_required_columns, resolve_re
 from posttrain.rewards.resolving import NO_REWARD
 from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
 from posttrain.training.distributed import guarded, run_name
+from posttrain.training.loaders import eval_prompt_batches, train_prompt_batches
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
-from posttrain.training.trainer import Trainer
-from posttrain.training.trainer import TrainingError  # noqa: F401 - part of this module's API
+from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError: this module's API too
 
 logger = logging.getLogger("posttrain")
 
@@ -107,9 +107,8 @@ class GRPOTrainer(Trainer):
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
         self._prepare(model, self._total_steps())
         rank, run_id = self.accelerator.process_index, run_name(self.accelerator)
-        with guarded(self.accelerator):  # a server one process cannot reach stops every process
-            # one seed on every process: each row's key (its index in the round) tells the rows apart, so the
-            # completions do not depend on the number of processes
+        with guarded(self.accelerator):  # a server one process cannot reach stops every process; one seed on every
+            # process: each row's key (its index in the round) tells the rows apart, whatever the number of processes
             generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
                                        run_id=run_id, num_processes=self.accelerator.num_processes,
                                        local_process_index=self.accelerator.local_process_index)
@@ -319,9 +318,10 @@ class GRPOTrainer(Trainer):
 
         return gradient
 
-    def _micro_step(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float, share: float) -> MicroBatchLoss:
-        """Forward and backward of one micro-batch (`share`: its part of the step, for the router loss); its loss
-        (with the router term), the objective's, and its sums, detached."""
+    def _step_loss(self, mb: TrainingBatch, norm: StepNormalizer, bonus: float,
+                   share: float) -> tuple[torch.Tensor, MicroBatchLoss]:
+        """One micro-batch's forward (`share`: its part of the step, for the router loss): (its share of the step's
+        loss, with the router term; that loss, the objective's, and its sums, detached)."""
         all_tokens = mb.loss_mask.sum()
         # clip ratios count every token (or sequence, with a sequence-level ratio) of the micro-batch, skipped rows too
         sequence_level = self.loss_params.importance_sampling_level in SEQUENCE_LEVELS
@@ -336,12 +336,11 @@ class GRPOTrainer(Trainer):
                                                            entropy_grad=self.entropy_control.enabled)
             out = self._policy_loss(bonus)(self._loss_inputs(mb, logps), entropy, norm)
             loss = out.loss + sum(router_term)  # TRL adds it last: coef * aux_loss / micro-batches of the step
-            self._backward(loss)
         # clip counts are divided by every loss token of the micro-batch (skipped rows clip nothing);
         # the entropy is the mean over the tokens it was computed on
         units = clip_units if out.stats.clip_units is not None else None
-        return MicroBatchLoss(loss.detach(), out.policy_loss.detach(),
-                              replace(out.stats, clip_units=units, tokens=all_tokens))
+        return loss, MicroBatchLoss(loss.detach(), out.policy_loss.detach(),
+                                    replace(out.stats, clip_units=units, tokens=all_tokens))
 
     def _optimizer_step(self) -> dict:
         args = self.args
@@ -349,7 +348,8 @@ class GRPOTrainer(Trainer):
         norm, seen_tokens = self._step_counts(micro)
         self.state.total_flos += self._flops_per_token * seen_tokens
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        results = self._accumulate(micro, lambda mb: self._micro_step(mb, norm, bonus, 1.0 / len(micro)))
+        results = self._accumulate(micro, lambda mb: self._step_loss(mb, norm, bonus, 1.0 / len(micro)),
+                                   norm.tokens_per_process * self.accelerator.num_processes)
         loss = float(self.accelerator.reduce(sum(r.loss for r in results), reduction="mean"))
         grad_norm = self._apply_update(loss)
         metrics = loss_metrics([r.stats for r in results], self.accelerator)
@@ -385,6 +385,12 @@ class GRPOTrainer(Trainer):
             return self.rollout.ahead.skip_rest_of_epoch(rounds)
         for _ in range(-self.rounds_consumed % rounds):
             self._next_round()
+
+    def _train_loader(self):
+        return train_prompt_batches(self.train_dataset, self.encoder, self.args, self._data_seed)
+
+    def _eval_loader(self, dataset):
+        return eval_prompt_batches(dataset, self.encoder, self.args, self.accelerator.num_processes)
 
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0

@@ -237,26 +237,34 @@ class KTOTrainer(AgainstReferenceTrainer):
             statistics = torch.stack([torch.as_tensor(v, device=losses.device).double() for v in values])
         return losses.sum(), statistics, sum(router_term)
 
-    def _micro_step(self, batch: KTOBatch, kl, examples_total: float, share: float) -> torch.Tensor:
+    def _step_loss(self, batch: KTOBatch, kl, examples_total: float, share: float):
+        """One micro-batch's forward: (its share of the step's loss, its statistics)."""
         n = self.accelerator.num_processes
         with self._offloading():
             loss_sum, stats, router = self._micro_loss(batch, kl, grad=True,
                                                        router_share=share if batch.size else 0.0)
-            self._backward(loss_sum * (n / max(examples_total, 1.0)) + router)
         stats = stats.clone()
         stats[0] = stats[0] / max(examples_total, 1.0)
-        return stats
+        return loss_sum * (n / max(examples_total, 1.0)) + router, stats
+
+    def _step_batches(self, batches) -> list:
+        shares = batches.next_step()
+        partners = batches.step_predecessors() if self.args.uses_kl else [None] * len(shares)
+        return [self._collate(share, mine) for share, mine in zip(shares, partners)]
+
+    def _eval_micro_batches(self, dataset):
+        for share in self._eval_shares(self._prepared_eval(dataset)):
+            yield self._collate(share, share.select(rotated(len(share))) if self.args.uses_kl else None)
 
     def _optimizer_step(self) -> dict:
         acc = self.accelerator
-        shares = self.batches.next_step()
-        partners = self.batches.step_predecessors() if self.args.uses_kl else [None] * len(shares)
-        batches = [self._collate(share, mine) for share, mine in zip(shares, partners)]
+        batches = self._step_batches(self.batches)
         local = torch.tensor([sum(b.size for b in batches), sum(b.examples.tokens for b in batches)],
                              dtype=torch.float64, device=acc.device)
         examples_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
         kl = self._kl_point(batches)
-        stats = self._accumulate(batches, lambda b: self._micro_step(b, kl, examples_total, 1.0 / len(batches)))
+        stats = self._accumulate(batches, lambda b: self._step_loss(b, kl, examples_total, 1.0 / len(batches)),
+                                 examples_total)
         totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
         metrics = step_metrics(totals, float(kl))
         return self._finish_step(metrics, tokens)

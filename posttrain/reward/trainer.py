@@ -41,6 +41,7 @@ from posttrain.sequences.prefixes import PrefixBatch, prefix_batch
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
+from posttrain.training.prediction import UserMetrics, check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 from posttrain.training.sparse_rows import SparseRows
 
@@ -56,10 +57,6 @@ SUMS = ("loss", "pairs", "correct_pairs", "margin", "reward_sum", "rewards")
 _REFUSED = {
     "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
                      "the rows in the dataset instead (chosen_ids / rejected_ids columns work as they are)",
-    "compute_metrics": "the reward trainer logs TRL's eval_accuracy, eval_margin and eval_*_reward itself and takes "
-                       "no compute_metrics yet; remove it and read those",
-    "preprocess_logits_for_metrics": "it only serves compute_metrics, which the reward trainer does not take yet; "
-                                     "remove it",
 }
 
 
@@ -124,12 +121,12 @@ class RewardTrainer(BatchedDataTrainer):
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None):
         args = trainer_config(RewardConfig, args, model, "Reward")
-        for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics),
-                            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics)):
-            if value is not None:
-                raise ConfigError(f"RewardTrainer({name}=...) is not supported: {_REFUSED[name]}.")
+        if data_collator is not None:
+            raise ConfigError(f"RewardTrainer(data_collator=...) is not supported: {_REFUSED['data_collator']}.")
         take_quantization_config(model, args, quantization_config)
         super().__init__(args, callbacks, optimizers, optimizer_cls_and_kwargs)
+        self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
+        check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args)  # before any slow work
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
         self._model_fingerprint = model_fingerprint(model)
@@ -261,21 +258,21 @@ class RewardTrainer(BatchedDataTrainer):
             stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=rewards.device) for v in values])
         return per_pair.sum(), stats, rewards.detach()
 
-    def _micro_step(self, batch: RewardBatch, pairs_total: float):
+    def _step_loss(self, batch: RewardBatch, pairs_total: float):
+        """One micro-batch's forward: (its share of the step's loss, (its statistics, its rewards))."""
         with self._offloading():
             loss, stats, rewards = self._micro_loss(batch, grad=True)
-            self._backward(loss * (self.accelerator.num_processes / max(pairs_total, 1.0)))
         stats = stats.clone()
         stats[0] = stats[0] / max(pairs_total, 1.0)
-        return stats, rewards
+        return loss * (self.accelerator.num_processes / max(pairs_total, 1.0)), (stats, rewards)
 
     def _optimizer_step(self) -> dict:
-        batches = [self._collate(pairs) for pairs in self.batches.next_step()]
+        batches = self._step_batches(self.batches)
         acc = self.accelerator
         local = torch.tensor([sum(b.pairs for b in batches), sum(b.sequences.tokens for b in batches)],
                              dtype=torch.float64, device=acc.device)
         pairs_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        results = self._accumulate(batches, lambda b: self._micro_step(b.to(acc.device), pairs_total))
+        results = self._accumulate(batches, lambda b: self._step_loss(b.to(acc.device), pairs_total), pairs_total)
         metrics = self._metrics([r[0] for r in results], [r[1] for r in results])
         metrics["grad_norm"] = self._apply_update(metrics["loss"])
         metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
@@ -312,14 +309,22 @@ class RewardTrainer(BatchedDataTrainer):
         pairs = self._prepared_eval(dataset)
         acc = self.accelerator
         stats, rewards = [], []
+        user = UserMetrics.of(self)
+        shares = list(eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
         with torch.no_grad():
-            for share in eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes,
-                                      acc.process_index):
-                _, batch_stats, batch_rewards = self._micro_loss(self._collate(share).to(acc.device), grad=False)
+            for i, share in enumerate(shares):
+                batch = self._collate(share).to(acc.device)
+                _, batch_stats, batch_rewards = self._micro_loss(batch, grad=False)
                 batch_stats[0] = batch_stats[0] / max(len(pairs), 1)
                 stats.append(batch_stats)
                 rewards.append(batch_rewards)
+                if user is not None:  # as TRL's prediction_step gives them: chosen scores, then rejected ones; no labels
+                    scores = torch.cat([batch_rewards[0::2], batch_rewards[1::2]])[:, None]
+                    ids = batch.sequences.input_ids
+                    user.add(scores, None, torch.cat([ids[0::2], ids[1::2]]), last=i == len(shares) - 1)
         metrics = self._metrics(stats, rewards, f"{prefix}_")
+        if user is not None:
+            metrics.update(user.result(prefix))
         runtime = time.time() - start
         metrics.update({f"{prefix}_runtime": round(runtime, 4),
                         f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),

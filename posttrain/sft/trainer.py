@@ -190,15 +190,15 @@ class SFTTrainer(BatchedDataTrainer):
                 boundaries=batch.boundaries)
             return self._token_losses(logps), entropy, top1
 
-    def _micro_step(self, batch, scale: float, share: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch (`share`: its part of the step, for a router loss); [loss sum,
-        entropy sum, correct, targets] (no gradient)."""
+    def _step_loss(self, batch, scale: float, share: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward (`share`: its part of the step, for a router loss): (its share of the step's
+        loss, [loss sum, entropy sum, correct, targets] without gradient)."""
         with self._offloading():
             with self.router_loss.collecting(self.model, share if batch.tokens else 0.0) as router_term:
                 losses, entropy, top1 = self._forward(batch, scale)
-            self._backward(losses.sum() * scale + sum(router_term))
-        return torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
-                            torch.tensor(float(batch.num_targets), device=losses.device)])
+        stats = torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
+                             torch.tensor(float(batch.num_targets), device=losses.device)])
+        return losses.sum() * scale + sum(router_term), stats
 
     def _collate(self, rows, padding_free: bool):
         """A micro-batch's rows as the forward's tensors: one packed row where padding-free is asked for and the model
@@ -206,15 +206,22 @@ class SFTTrainer(BatchedDataTrainer):
         return collate(rows, self.tokenizer.pad_token_id, self._runs_padding_free(padding_free, self.model),
                        self.pad_to_multiple_of)
 
+    def _step_batches(self, batches) -> list:
+        return [self._collate(rows, self.padding_free) for rows in batches.next_step()]
+
+    def _eval_micro_batches(self, dataset):
+        _, rows, packing = self._prepared_eval(dataset)
+        for share in self._eval_shares(rows):
+            yield self._collate(share, self.args.padding_free or packing)
+
     def _optimizer_step(self) -> dict:
-        shares = self.batches.next_step()
-        batches = [self._collate(rows, self.padding_free) for rows in shares]
+        batches = self._step_batches(self.batches)
         device = self.accelerator.device
         local = torch.tensor([sum(b.num_targets for b in batches), sum(b.tokens for b in batches)],
                              dtype=torch.float64, device=device)
         targets, tokens = (float(x) for x in self.accelerator.reduce(local, reduction="sum"))
         scale = self.accelerator.num_processes / max(targets, 1.0)
-        stats = self._accumulate(batches, lambda b: self._micro_step(b, scale, 1.0 / len(batches)))
+        stats = self._accumulate(batches, lambda b: self._step_loss(b, scale, 1.0 / len(batches)), targets)
         totals = self.accelerator.reduce(torch.stack(stats).detach().sum(0), reduction="sum")
         loss_sum, entropy_sum, correct, _ = (float(x) for x in totals)
         router = self._router_metrics()

@@ -1,20 +1,27 @@
 """The shared part of the trainers whose data are prepared token rows, taken step by step from a batcher
 (sequences/batches.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFTTrainer and DPOTrainer.
 
-A subclass sets, during its set-up:
+A subclass sets, during its set-up (`_set_batches`):
     self.batches            the batcher: next_step(), epoch_progress(), skip_rest_of_epoch(), position(),
                             restore(position), and steps_per_epoch unless it is a stream
     self.data_fingerprint   a hash of the prepared rows (None for a stream), checked when resuming
-and counts the tokens it trains on in self._tokens_seen.
+counts the tokens it trains on in self._tokens_seen, and provides `_collate(share)` and `_prepared_eval(dataset)`,
+from which
+    _step_batches(batcher) -> list          the collated micro-batches of the batcher's next step (this process's)
+    _eval_micro_batches(dataset) -> iter    the collated micro-batches evaluation runs over `dataset`
+are built (a trainer whose collation takes more overrides them), which the steps and get_train_dataloader /
+get_eval_dataloader share (training/loaders.py).
 """
 
+import itertools
 import math
 
 from posttrain.data import DataError
 from posttrain.models.packed_layouts import packs_one_row
-from posttrain.sequences.batches import MapBatches, StreamBatches, is_iterable
+from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, is_iterable
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
+from posttrain.training.loaders import MicroBatches
 from posttrain.training.setup import run_length_unknown
 from posttrain.training.trainer import Trainer
 
@@ -59,9 +66,10 @@ class BatchedDataTrainer(Trainer):
         `fingerprint()`) and taken in its EpochPlan's order; one sentence when not one global batch is left."""
         args, acc = self.args, self.accelerator
         if is_iterable(train_dataset):
-            self.batches = StreamBatches(train_dataset, preparation, args.per_device_train_batch_size,
-                                         acc.num_processes, args.gradient_accumulation_steps, acc.process_index)
-            self.data_fingerprint = None
+            self._new_batches = lambda: StreamBatches(train_dataset, preparation, args.per_device_train_batch_size,
+                                                      acc.num_processes, args.gradient_accumulation_steps,
+                                                      acc.process_index)
+            self.batches, self.data_fingerprint = self._new_batches(), None
             return
         rows = prepare_all(train_dataset, preparation)
         plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, acc.num_processes,
@@ -75,7 +83,38 @@ class BatchedDataTrainer(Trainer):
                             f"({args.per_device_train_batch_size} x {acc.num_processes} processes) with "
                             "dataloader_drop_last=True: set it to False or lower per_device_train_batch_size.")
         self.data_fingerprint = rows.fingerprint()
-        self.batches = MapBatches(rows, plan, acc.process_index)
+        self._new_batches = lambda: MapBatches(rows, plan, acc.process_index)
+        self.batches = self._new_batches()
+
+    def _step_batches(self, batches) -> list:
+        """The collated micro-batches of the batcher's next step (this process's shares), as the step takes them."""
+        return [self._collate(share) for share in batches.next_step()]
+
+    def _eval_shares(self, rows):
+        """This process's share of each eval micro-batch of the prepared `rows`, every row once, in order."""
+        acc = self.accelerator
+        return eval_batches(rows, self.args.per_device_eval_batch_size, acc.num_processes, acc.process_index)
+
+    def _eval_micro_batches(self, dataset):
+        """The collated micro-batches evaluation runs over `dataset` (prepared once, `_prepared_eval`)."""
+        for share in self._eval_shares(self._prepared_eval(dataset)):
+            yield self._collate(share)
+
+    def _train_loader(self) -> MicroBatches:
+        """One epoch of this process's micro-batches, as the steps collate them, from a fresh batcher."""
+        def one_epoch():
+            batches = self._new_batches()
+            steps = getattr(batches, "steps_per_epoch", None)
+            for step in itertools.count():
+                if (step >= steps) if steps is not None else batches.epoch > 0:
+                    return
+                yield from self._step_batches(batches)
+
+        plan = getattr(self.batches, "plan", None)
+        return MicroBatches(one_epoch, None if plan is None else plan.micro_batches, self._train_source)
+
+    def _eval_loader(self, dataset) -> MicroBatches:
+        return MicroBatches(lambda: self._eval_micro_batches(dataset), None, dataset)
 
     def _total_steps(self) -> int:
         args = self.args

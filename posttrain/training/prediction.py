@@ -1,4 +1,5 @@
-"""compute_metrics over an evaluation pass, fed as transformers' evaluation loop feeds it (SFT, DPO).
+"""compute_metrics over an evaluation pass, fed as transformers' evaluation loop feeds it (SFT, DPO, KTO, the reward
+model: its scores, chosen then rejected per batch, [2P, 1], and no labels, as TRL's prediction_step gives them).
 
 posttrain's own evaluation never builds whole logits. A user's `compute_metrics` asks for them, so each eval batch
 is run once more through the model for its [B, T, V] logits, as TRL 1.16 does (it too recomputes them, in an extra
@@ -114,11 +115,15 @@ class UserMetrics:
             return None
         return cls(trainer.compute_metrics, trainer.preprocess_logits_for_metrics, trainer.args, trainer.accelerator)
 
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor, last: bool) -> None:
-        """One batch: its logits [B, T, V], labels [B, T] (-100: not a target) and token ids [B, T] (B may be 0)."""
+    def add(self, logits: torch.Tensor, labels: torch.Tensor | None, input_ids: torch.Tensor, last: bool) -> None:
+        """One batch: its logits [B, T, V] (the reward model's: scores [B, 1]), labels [B, T] (-100: not a target;
+        None where the trainer has none, as the reward model: label_ids is then ()) and token ids [B, T] (B may be
+        0)."""
         if self.preprocess is not None:
             logits = self._preprocessed(logits, labels)
         local = {"predictions": logits, "label_ids": labels, "inputs": input_ids}
+        if labels is None:
+            local.pop("label_ids")
         gathered = {}
         for name, value in local.items():
             arrays = self._gather(value.detach().float().cpu().numpy() if value.is_floating_point()
@@ -194,7 +199,9 @@ class UserMetrics:
 
     def _prediction(self, cls, values: dict):
         kwargs = {"inputs": values["inputs"]} if self.with_inputs else {}
-        return cls(predictions=values["predictions"], label_ids=values["label_ids"], **kwargs)
+        labels = values.get("label_ids")
+        return cls(predictions=values["predictions"], label_ids=labels if labels is not None and len(labels) else (),
+                   **kwargs)
 
     def result(self, prefix: str) -> dict:
         """compute_metrics' metrics, each key with the `prefix`_ (eval_, or eval_<name>_) it lacks."""
@@ -204,7 +211,7 @@ class UserMetrics:
             from transformers import EvalPrediction
 
             concat = getattr(self.args, "eval_do_concat_batches", True)
-            values = {name: (_pad_concat(parts) if concat else parts) for name, parts in self._parts.items()}
+            values = {name: (_pad_concat(parts) if concat else parts) for name, parts in self._parts.items() if parts}
             metrics = self._compute(self._prediction(EvalPrediction, values))
         return {(key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"): value
                 for key, value in self._checked(metrics).items()}

@@ -1,9 +1,10 @@
 """The parts of one optimizer step that every trainer's `_optimizer_step` uses (a mixin of training/trainer.py's
 Trainer, on its `args`, `accelerator`, `sharding`, `model`, `policy`, `optimizer`, `lr_scheduler` and `state`):
 
-    stats = self._accumulate(micro_batches, micro_step)    each micro-batch through `training_step` (the override
-                                                            point), gradients synchronised on the last one only
-    self._backward(loss)                                   inside micro_step: the micro-batch's share of the loss
+    stats = self._accumulate(micro_batches, micro_loss, num_items_in_batch)
+                                    each micro-batch through `training_step` -> `compute_loss` (the override points),
+                                    which runs `micro_loss(batch)` -> (its share of the step's loss, its statistics),
+                                    then `_backward`; gradients synchronised on the last one only
     grad_norm = self._apply_update(loss)                   clip, check finite, step optimizer and schedule
 """
 
@@ -39,22 +40,26 @@ class StepMixin:
     """transformers' training_step and the update, shared by every trainer."""
 
     _sparse_rows = None  # a trainer's row-wise embedding update (training/sparse_rows.py), set after _prepare
+    _returned_losses = ()  # the step's micro-batch losses as compute_loss returned them (_logged_loss)
 
-    def _accumulate(self, micro_batches: list, micro_step) -> list:
-        """Run a step's micro-batches through `training_step`, which runs `micro_step(micro_batch)`, gradients
-        synchronised across processes only on the last one; `on_substep_end` between them. Returns the micro-steps'
-        results."""
-        results = []
-        self._run_micro_step = micro_step
+    def _accumulate(self, micro_batches: list, micro_loss, num_items_in_batch=None) -> list:
+        """Run a step's micro-batches through `training_step`, whose `compute_loss` runs `micro_loss(micro_batch)` ->
+        (the micro-batch's share of the step's loss, its statistics), gradients synchronised across processes only
+        on the last one; `on_substep_end` between them. `num_items_in_batch`: what the step's loss is normalised over,
+        across processes (passed on as transformers passes it). Returns the micro-batches' statistics."""
+        results, self._returned_losses = [], []
+        self._run_micro_loss = micro_loss
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
             with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1):
-                self._micro_result = None
-                self.training_step(self.model, mb)
+                self._micro_result = self._backpropagated = None
+                self.training_step(self.model, mb, num_items_in_batch)
+                self._returned_losses.append(self._backpropagated)
                 if self._micro_result is None:
-                    raise UserError(f"{type(self).__name__}.training_step returned without calling "
-                                    "super().training_step(model, inputs), so the micro-batch was not trained: call it "
-                                    "in the override.")
+                    method = "compute_loss" if self._backpropagated is not None else "training_step"
+                    raise UserError(f"{type(self).__name__}.{method} returned without calling super().{method}(...), "
+                                    "so the micro-batch was not trained as posttrain trains it (its statistics are "
+                                    "its loss's): call it in the override, and change what it returns.")
                 results.append(self._micro_result)
             if not sync:
                 self._call("on_substep_end")
@@ -67,25 +72,54 @@ class StepMixin:
             model: the model being trained (self.model).
             inputs: the trainer's micro-batch: GRPO a TrainingBatch (rollouts, advantages, log-probs), SFT a
                 SequenceBatch (input_ids, attention_mask or position_ids, targets), DPO a PairBatch.
-            num_items_in_batch: accepted for transformers' signature; the loss is normalised over the whole step
-                (its tokens, sequences or pairs across processes) whatever is passed.
+            num_items_in_batch: what the step's loss is normalised over, across processes, as transformers passes
+                it (SFT: target tokens; DPO and the reward model: pairs; KTO: examples; GRPO, RLOO and distillation:
+                loss tokens, whatever loss_type then divides by).
         Returns:
             The loss it backpropagated, detached: the micro-batch's share of the step's loss. An override calls
             `super().training_step(model, inputs, num_items_in_batch)` to train (and may act before and after).
         """
-        self._micro_result = self._run_micro_step(inputs)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self._backward(loss)
         return self._backpropagated
 
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The micro-batch's loss, to be backpropagated: transformers' override point (training_step calls it).
+
+        The loss is the micro-batch's share of the step's loss: its terms divided by what the whole step's loss is
+        normalised over (`num_items_in_batch`), so the micro-batches' losses add up to the step's (averaged over
+        processes). An override calls `super().compute_loss(model, inputs, return_outputs, num_items_in_batch)` and
+        may change what it returns (add a term, scale it): that is what is backpropagated, and the logged `loss` is
+        then the sum of what it returned. With `return_outputs`: (loss, the micro-batch's statistics, as the
+        trainer logs them).
+        """
+        loss, self._micro_result = self._run_micro_loss(inputs)
+        return (loss, self._micro_result) if return_outputs else loss
+
+    def _logged_loss(self, metrics: dict) -> dict:
+        """The step's metrics, with `loss` the sum of what an overridden compute_loss returned (averaged over
+        processes), as transformers logs it; as they are without an override."""
+        if type(self).compute_loss is StepMixin.compute_loss or not self._returned_losses:
+            return metrics
+        total = torch.stack([loss.float() for loss in self._returned_losses]).sum().to(self.accelerator.device)
+        return {**metrics, "loss": float(self.accelerator.reduce(total, reduction="mean"))}
+
     def get_train_dataloader(self):
-        raise self._no_dataloader("get_train_dataloader")
+        """transformers' train DataLoader, as posttrain has it: what the steps take, one epoch (training/loaders.py)."""
+        return self._train_loader()
 
     def get_eval_dataloader(self, eval_dataset=None):
-        raise self._no_dataloader("get_eval_dataloader")
-
-    def _no_dataloader(self, name: str) -> Exception:
-        return UserError(f"{type(self).__name__}.{name}() is transformers' DataLoader, which posttrain does not have: it "
-                         "batches the prepared rows itself (read them in trainer.train_dataset and trainer.eval_dataset), "
-                         "and training_step(model, inputs) is the override point that sees each micro-batch.")
+        """transformers' eval DataLoader, as posttrain has it: what evaluation takes of `eval_dataset` (default: the
+        trainer's; a name picks one of a dict of them), as training/loaders.py says."""
+        if eval_dataset is None or isinstance(eval_dataset, str):
+            named, given = eval_dataset, self.eval_dataset
+            if given is None:
+                raise UserError(f"{type(self).__name__} has no eval_dataset: pass one to get_eval_dataloader.")
+            if isinstance(given, dict) and named not in given:
+                raise UserError(f"eval_dataset is a dict of datasets ({', '.join(map(str, given))}): pass the name "
+                                "of one to get_eval_dataloader.")
+            eval_dataset = given[named] if isinstance(given, dict) else given
+        return self._eval_loader(eval_dataset)
 
     @property
     def router_aux_loss_coef(self) -> float:
@@ -105,6 +139,11 @@ class StepMixin:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's loss (normalised for the whole step) through the run's sharding."""
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise UserError(f"{type(self).__name__}.compute_loss returned {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else ' without a gradient'}, where the "
+                            "micro-batch's loss is a tensor connected to the model's parameters: return super()'s "
+                            "loss, or a term added to it.")
         self._backpropagated = loss.detach()  # what training_step returns
         self.sharding.backward(self.model, loss)
 

@@ -104,7 +104,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         self.logger = None
         self.eval_dataset = None
         self.router_loss = RouterLoss(0.0)  # a mixture-of-experts model's load-balancing loss, set with the policy
-        self.compute_metrics = self.preprocess_logits_for_metrics = None  # SFT's and DPO's (training/prediction.py)
+        self.compute_metrics = self.preprocess_logits_for_metrics = None  # training/prediction.py's
         with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
             if self.accelerator.is_main_process:
                 check_writable(args.output_dir)
@@ -324,7 +324,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             self._call("on_epoch_begin")
         self._call("on_step_begin")
         start = time.perf_counter()
-        metrics = self._optimizer_step()
+        metrics = self._logged_loss(self._optimizer_step())
         state.global_step += 1
         state.epoch = self._epoch()
         metrics["step_time"] = time.perf_counter() - start
