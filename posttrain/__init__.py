@@ -10,9 +10,9 @@ Heavy modules (torch, transformers) load on first use of a name, so `posttrain -
 """
 
 from posttrain._version import __version__
+from posttrain.registry import TRAINERS as _TRAINERS
 
 _EXPORTS = {
-    "GRPOConfig": "posttrain.configs",
     "LoraArguments": "posttrain.configs",
     "ScriptArguments": "posttrain.scripts",
     "ModelConfig": "posttrain.scripts",
@@ -22,21 +22,6 @@ _EXPORTS = {
     "get_peft_config": "posttrain.scripts",
     "get_quantization_config": "posttrain.scripts",
     "get_kbit_device_map": "posttrain.scripts",
-    "GRPOTrainer": "posttrain.grpo.trainer",
-    "SFTConfig": "posttrain.configs",
-    "SFTTrainer": "posttrain.sft.trainer",
-    "DPOConfig": "posttrain.configs",
-    "DPOTrainer": "posttrain.dpo.trainer",
-    "RLOOConfig": "posttrain.configs",
-    "RLOOTrainer": "posttrain.rloo.trainer",
-    "RewardConfig": "posttrain.configs",
-    "RewardTrainer": "posttrain.reward.trainer",
-    "KTOConfig": "posttrain.configs",
-    "KTOTrainer": "posttrain.kto.trainer",
-    "DistillationConfig": "posttrain.configs",
-    "DistillationTrainer": "posttrain.distillation.trainer",
-    "AsyncGRPOConfig": "posttrain.configs",
-    "AsyncGRPOTrainer": "posttrain.grpo.async_trainer",
     "TrainerState": "transformers",
     "TrainerCallback": "transformers",
     "Rollouts": "posttrain.generation",
@@ -44,6 +29,10 @@ _EXPORTS = {
     "export_weights": "posttrain.weights",
     "token_logprobs": "posttrain.models.logprobs",
 }
+
+for _entry in _TRAINERS:  # every trainer and its config, as the registry names them
+    _EXPORTS[_entry.trainer_name] = _entry.trainer.split(":")[0]
+    _EXPORTS[_entry.config_name] = _entry.config.split(":")[0]
 
 __all__ = ["__version__", *_EXPORTS]
 

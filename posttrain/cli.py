@@ -1,5 +1,5 @@
-"""Command line: `posttrain grpo | rloo | sft | dpo | reward | serve | vllm-serve | demo | plot | report | env`,
-`posttrain --version`.
+"""Command line: `posttrain TRAINER` (each trainer of posttrain/registry.py that has a command: grpo, sft, dpo, ...),
+`posttrain serve | vllm-serve | demo | plot | report | env`, `posttrain --version`.
 
     posttrain grpo --config run.yaml [--any_field value ...]
     posttrain sft --config run.yaml --num_processes 2          (relaunches itself through accelerate)
@@ -21,25 +21,16 @@ import time
 from posttrain._version import __version__
 from posttrain.cli_help import USAGE, add_fields, add_launch_flags, add_run_options, field_classes, help_topic, \
     trainer_help
-from posttrain.configs import (ConfigError, DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, SFTConfig,
-                               ScriptArguments, build, field_types, load_yaml, split_values, suggest)
+from posttrain import registry
+from posttrain.configs import (ConfigError, DPOConfig, GRPOConfig, LoraArguments, SFTConfig, ScriptArguments, build,
+                               field_types, load_yaml, split_values, suggest)
 from posttrain.configs.parsing import refuse_repeated_flags
 from posttrain.configs.script import BaseScriptArguments
-from posttrain.runs import run_distillation, run_dpo, run_grpo, run_kto, run_reward, run_rloo, run_sft
+from posttrain.registry import load
 
-# command -> (script arguments, trainer config, help line)
-TRAINERS = {
-    "grpo": (ScriptArguments, GRPOConfig, "Train with GRPO from a YAML config and flags."),
-    "sft": (BaseScriptArguments, SFTConfig, "Supervised fine-tuning from a YAML config and flags."),
-    "dpo": (BaseScriptArguments, DPOConfig, "Direct preference optimisation from a YAML config and flags."),
-    "rloo": (ScriptArguments, RLOOConfig, "Train with RLOO (REINFORCE leave-one-out) from a YAML config and flags."),
-    "reward": (BaseScriptArguments, RewardConfig, "Train a reward model on preference pairs from a YAML config and "
-               "flags."),
-    "kto": (BaseScriptArguments, KTOConfig, "Train with KTO on unpaired (prompt, completion, label) examples from a "
-            "YAML config and flags."),
-    "distillation": (BaseScriptArguments, DistillationConfig, "Distil a teacher into the student on the student's own "
-                     "completions from a YAML config and flags."),
-}
+# command -> (script arguments, trainer config, help line), from the registry
+TRAINERS = {name: (ScriptArguments if entry.script == "prompts" else BaseScriptArguments, load(entry.config),
+                   entry.command) for name, entry in registry.COMMANDS.items()}
 COMMANDS = (*TRAINERS, "serve", "vllm-serve", "demo", "plot", "report", "env")
 
 
@@ -54,7 +45,7 @@ def _hint(command: str, name: str = "") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: GRPO, RLOO, SFT, DPO, KTO, reward models and distillation.",
+    parser = argparse.ArgumentParser(prog="posttrain", description=f"Post-train language models: {', '.join(e.title for e in registry.COMMANDS.values())}.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -241,8 +232,12 @@ def parse_dpo(argv: list[str]) -> tuple[BaseScriptArguments, LoraArguments, DPOC
     return parse_command("dpo", argv)[:3]
 
 
-RUNS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rloo": run_rloo, "reward": run_reward, "kto": run_kto,
-        "distillation": run_distillation}
+def _runner(entry: registry.TrainerEntry):
+    """What the command runs with its parsed (script, lora, config): the entry's run function (posttrain/runs.py)."""
+    return lambda script, lora, config: load(entry.run)(entry, script, lora, config)
+
+
+RUNS = {name: _runner(entry) for name, entry in registry.COMMANDS.items()}
 
 
 def run_command(command: str, argv: list[str]) -> int:

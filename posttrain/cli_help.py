@@ -1,4 +1,4 @@
-"""The trainers' flags, and their help: `posttrain grpo | rloo | sft | dpo | reward --help`.
+"""The trainers' flags, and their help: `posttrain TRAINER --help` (each command of posttrain/registry.py).
 
 Every field of the script arguments, LoRA and the trainer's config is a flag (`add_fields`), as are accelerate's
 launch settings (`add_launch_flags`); cli.py parses with all of them. The help shows them a page at a time:
@@ -18,34 +18,10 @@ import textwrap
 
 from posttrain.configs import ConfigError, LoraArguments, field_help, field_types, suggest
 from posttrain.configs.base import base_type
+from posttrain.registry import COMMANDS
 
 # the fields a user sets most often, in the order the first page shows them
-COMMON = {
-    "grpo": ("model_name_or_path", "dataset_name", "reward_funcs", "output_dir", "learning_rate",
-             "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
-             "num_generations", "max_completion_length", "temperature", "beta", "loss_type", "use_vllm", "use_peft",
-             "logging_steps", "save_steps"),
-    "sft": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "max_steps", "num_train_epochs", "max_length", "packing",
-            "completion_only_loss", "assistant_only_loss", "use_peft", "logging_steps", "save_steps"),
-    "rloo": ("model_name_or_path", "dataset_name", "reward_funcs", "output_dir", "learning_rate",
-             "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
-             "num_generations", "max_completion_length", "temperature", "beta", "normalize_advantages",
-             "reward_clip_range", "use_vllm", "use_peft", "logging_steps", "save_steps"),
-    "reward": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
-               "gradient_accumulation_steps", "max_steps", "num_train_epochs", "max_length",
-               "center_rewards_coefficient", "eval_strategy", "use_peft", "logging_steps", "save_steps"),
-    "kto": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "desirable_weight",
-            "undesirable_weight", "max_length", "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
-    "distillation": ("model_name_or_path", "teacher_model_name_or_path", "dataset_name", "output_dir",
-                     "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps",
-                     "num_train_epochs", "beta", "temperature", "max_completion_length", "use_vllm", "use_peft",
-                     "logging_steps", "save_steps"),
-    "dpo": ("model_name_or_path", "dataset_name", "output_dir", "learning_rate", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "max_steps", "num_train_epochs", "beta", "loss_type", "max_length",
-            "precompute_ref_log_probs", "use_peft", "logging_steps", "save_steps"),
-}
+COMMON = {name: entry.common for name, entry in COMMANDS.items()}
 # each field class's group name (`--help GROUP`), as docs/config.md groups the fields
 GROUP_NAMES = {
     "ScriptArguments": "script", "BaseScriptArguments": "script", "LoraArguments": "lora",

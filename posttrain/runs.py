@@ -1,10 +1,11 @@
 """What each trainer command runs once its arguments are parsed (posttrain/cli.py): the model's init kwargs from the
 script's, the datasets (a name or a mixture, the test split when evaluating), the trainer, train() and close().
-Nothing heavy is imported before a command runs."""
+Each function takes the trainer's registry entry (posttrain/registry.py names which one a trainer runs); nothing heavy
+is imported before a command runs."""
 
-from posttrain.configs import ConfigError, DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, LoraArguments, RewardConfig, RLOOConfig, \
-    SFTConfig, ScriptArguments
+from posttrain.configs import ConfigError, DistillationConfig, KTOConfig, LoraArguments, RewardConfig, ScriptArguments
 from posttrain.configs.script import BaseScriptArguments
+from posttrain.registry import TrainerEntry, load
 
 
 def _model_init_kwargs(script, config) -> None:
@@ -61,19 +62,19 @@ def _train_and_close(trainer) -> None:
     trainer.close()
 
 
-def run_grpo(script: ScriptArguments, lora: LoraArguments, config: GRPOConfig) -> None:
-    from posttrain.grpo.trainer import GRPOTrainer
-
-    _run_online(GRPOTrainer, script, lora, config)
-
-
-def run_rloo(script: ScriptArguments, lora: LoraArguments, config: RLOOConfig) -> None:
-    from posttrain.rloo.trainer import RLOOTrainer
-
-    _run_online(RLOOTrainer, script, lora, config)
+def _trainer(entry, script, config, peft_config, dataset, eval_dataset, **kwargs):
+    """The entry's trainer on the run's model, config and datasets (imported only now: after the quick checks)."""
+    return load(entry.trainer)(script.model_name_or_path, args=config, train_dataset=dataset,
+                               eval_dataset=eval_dataset, peft_config=peft_config, **kwargs)
 
 
-def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, config) -> None:
+def run_trainer(entry: TrainerEntry, script: BaseScriptArguments, lora: LoraArguments, config) -> None:
+    """A trainer that takes the model, its config and the datasets, and nothing else from the script."""
+    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
+    _train_and_close(_trainer(entry, script, config, peft_config, dataset, eval_dataset))
+
+
+def run_online(entry: TrainerEntry, script: ScriptArguments, lora: LoraArguments, config) -> None:
     """GRPO or RLOO: the reward model (if any) first, then the reward functions, as TRL's scripts list them; their
     names checked before the datasets and the model load."""
     from posttrain.rewards.resolving import check_reward_names
@@ -81,55 +82,30 @@ def _run_online(trainer_cls, script: ScriptArguments, lora: LoraArguments, confi
     rewards = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
         script.reward_funcs or [])
     peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, lambda: check_reward_names(rewards, config))
-    _train_and_close(trainer_cls(script.model_name_or_path, reward_funcs=rewards, args=config, train_dataset=dataset,
-                                 eval_dataset=eval_dataset, peft_config=peft_config))
+    _train_and_close(_trainer(entry, script, config, peft_config, dataset, eval_dataset, reward_funcs=rewards))
 
 
-def run_sft(script: BaseScriptArguments, lora: LoraArguments, config: SFTConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.sft.trainer import SFTTrainer
-
-    _train_and_close(SFTTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                eval_dataset=eval_dataset, peft_config=peft_config))
-
-
-def run_dpo(script: BaseScriptArguments, lora: LoraArguments, config: DPOConfig) -> None:
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.dpo.trainer import DPOTrainer
-
-    _train_and_close(DPOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                eval_dataset=eval_dataset, peft_config=peft_config))
-
-
-def run_kto(script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig) -> None:
+def run_kto(entry: TrainerEntry, script: BaseScriptArguments, lora: LoraArguments, config: KTOConfig) -> None:
     import os
 
-    from posttrain.kto.trainer import KTOTrainer, check_settings
+    from posttrain.kto.trainer import check_settings
 
     peft_config, dataset, eval_dataset = _prepare_run(
         script, lora, config, lambda: check_settings(config, int(os.environ.get("WORLD_SIZE", "1"))))
-
-    _train_and_close(KTOTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                eval_dataset=eval_dataset, peft_config=peft_config))
+    _train_and_close(_trainer(entry, script, config, peft_config, dataset, eval_dataset))
 
 
-def run_distillation(script: BaseScriptArguments, lora: LoraArguments, config: DistillationConfig) -> None:
+def run_distillation(entry: TrainerEntry, script: BaseScriptArguments, lora: LoraArguments,
+                     config: DistillationConfig) -> None:
     """The teacher is the config's teacher_model_name_or_path (with teacher_model_init_kwargs), as in `trl
     distillation`."""
     from posttrain.training.reference import check_teacher_given
 
     peft_config, dataset, eval_dataset = _prepare_run(script, lora, config, lambda: check_teacher_given(None, config))
-    from posttrain.distillation.trainer import DistillationTrainer
-
-    _train_and_close(DistillationTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                         eval_dataset=eval_dataset, peft_config=peft_config))
+    _train_and_close(_trainer(entry, script, config, peft_config, dataset, eval_dataset))
 
 
-def run_reward(script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:
+def run_reward(entry: TrainerEntry, script: BaseScriptArguments, lora: LoraArguments, config: RewardConfig) -> None:
     if lora.use_peft and lora.lora_task_type == "CAUSAL_LM":  # the default, which names the other trainers' models
         lora.lora_task_type = "SEQ_CLS"
-    peft_config, dataset, eval_dataset = _prepare_run(script, lora, config)
-    from posttrain.reward.trainer import RewardTrainer
-
-    _train_and_close(RewardTrainer(script.model_name_or_path, args=config, train_dataset=dataset,
-                                   eval_dataset=eval_dataset, peft_config=peft_config))
+    run_trainer(entry, script, lora, config)

@@ -9,6 +9,7 @@ import pytest
 from posttrain.configs import ConfigError, GRPOConfig, suggest
 from posttrain.configs.reference import DEFAULT_DIFFERENCES, IMPLEMENTED, trl_field_status
 from posttrain.configs.trl_compat import COMPAT, SAME, UNSUPPORTED, installed_trl_fields, trl_snapshot
+from posttrain.registry import TRAINERS as TRAINER_ENTRIES
 
 
 def _trl_fields() -> list[dict]:
@@ -212,7 +213,7 @@ def _trl_fields_of(trainer: str) -> list[dict]:
     return installed if installed is not None else trl_snapshot(trainer)["fields"]
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "rloo", "reward", "kto", "distillation", "async_grpo"])
+@pytest.mark.parametrize("trainer", [entry.name for entry in TRAINER_ENTRIES])
 def test_trainer_snapshot_matches_the_installed_trl(trainer):
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16."):

@@ -8,35 +8,17 @@ import dataclasses
 from posttrain.configs.base import field_range
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
-from posttrain.configs.async_generation import AsyncGenerationConfig
-from posttrain.configs.async_grpo import AsyncGRPOConfig, AsyncModelConfig
-from posttrain.configs.grpo import GRPOConfig, GRPOObjectiveConfig, PromptDataConfig, SamplingConfig
 from posttrain.configs.script import LoraArguments, ScriptArguments
-from posttrain.configs.dpo import DPOConfig, DPODataConfig, DPOLegacyConfig, DPOLossConfig, DPOReferenceConfig
-from posttrain.configs.rloo import GRPO_ONLY, RLOOConfig, RLOOObjectiveConfig
-from posttrain.configs.reward import RewardConfig, RewardDataConfig, RewardLossConfig
-from posttrain.configs.kto import KTOConfig, KTODataConfig, KTOLossConfig
-from posttrain.configs.distillation import DistillationConfig, DistillationObjectiveConfig
-from posttrain.configs.sft import SFTConfig, SFTDataConfig, SFTLossConfig
-from posttrain.configs.trl_compat import ASYNC_GRPO_COMPAT, DISTILLATION_COMPAT, DPO_COMPAT, GRPO_COMPAT, KTO_COMPAT, REWARD_COMPAT, RLOO_COMPAT, SAME, SFT_COMPAT, UNSUPPORTED, \
-    trl_snapshot
+from posttrain.configs.rloo import GRPO_ONLY
+from posttrain.configs.trl_compat import SAME, UNSUPPORTED, trl_snapshot
+from posttrain.registry import TRAINERS as ENTRIES
+from posttrain.registry import load
 
 SHARED_GROUPS = [("Training loop", TrainingLoopConfig), ("Model", ModelConfig),
                  ("Devices and precision", DeviceConfig), ("Logging", LoggingConfig), ("Evaluation", EvaluationConfig),
                  ("Checkpoints and the Hub", CheckpointConfig)]
-GRPO_GROUPS = [("GRPO: prompts and completions", PromptDataConfig), ("GRPO: sampling", SamplingConfig),
-               ("GRPO: objective", GRPOObjectiveConfig), ("GRPO: asynchronous generation", AsyncGenerationConfig)]
-SFT_GROUPS = [("SFT: data", SFTDataConfig), ("SFT: loss", SFTLossConfig)]
-DPO_GROUPS = [("DPO: data", DPODataConfig), ("DPO: reference", DPOReferenceConfig), ("DPO: loss", DPOLossConfig),
-              ("DPO: TRL 0.18 names", DPOLegacyConfig)]
-RLOO_GROUPS = [("RLOO: advantage", RLOOObjectiveConfig)]
-REWARD_GROUPS = [("Reward: data", RewardDataConfig), ("Reward: loss", RewardLossConfig)]
-KTO_GROUPS = [("KTO: data", KTODataConfig), ("KTO: loss", KTOLossConfig)]
-DISTILLATION_GROUPS = [("Distillation: teacher and divergence", DistillationObjectiveConfig)]
-ASYNC_GRPO_GROUPS = [("AsyncGRPO: model", AsyncModelConfig)]
 SCRIPT_GROUPS = [("Command-line script", ScriptArguments), ("LoRA (command line)", LoraArguments)]
-GROUPS = (SHARED_GROUPS + GRPO_GROUPS + RLOO_GROUPS + SFT_GROUPS + DPO_GROUPS + REWARD_GROUPS + KTO_GROUPS
-          + DISTILLATION_GROUPS + ASYNC_GRPO_GROUPS + SCRIPT_GROUPS)
+GROUPS = (SHARED_GROUPS + [(title, load(path)) for entry in ENTRIES for title, path in entry.groups] + SCRIPT_GROUPS)
 
 # Defaults of implemented TRL fields that differ from TRL 1.16's, and why.
 DEFAULT_DIFFERENCES = {
@@ -49,10 +31,7 @@ DEFAULT_DIFFERENCES = {
                         "every other config",
 }
 # What each trainer's config is, and the TRL table it answers for.
-TRAINERS = {"grpo": (GRPOConfig, GRPO_COMPAT), "sft": (SFTConfig, SFT_COMPAT), "dpo": (DPOConfig, DPO_COMPAT),
-            "rloo": (RLOOConfig, RLOO_COMPAT), "reward": (RewardConfig, REWARD_COMPAT),
-            "kto": (KTOConfig, KTO_COMPAT), "distillation": (DistillationConfig, DISTILLATION_COMPAT),
-            "async_grpo": (AsyncGRPOConfig, ASYNC_GRPO_COMPAT)}
+TRAINERS = {entry.name: (load(entry.config), load(entry.compat)) for entry in ENTRIES}
 
 IMPLEMENTED = "implemented"
 
@@ -125,6 +104,4 @@ def config_reference() -> str:
              "checked when the config is built: a value outside it stops with one sentence.", ""]
     for title, cls in GROUPS:
         lines += _group_table(title, cls)
-    return "\n".join(lines + trl_table("grpo") + trl_table("sft") + trl_table("dpo") + trl_table("rloo")
-                     + trl_table("reward") + trl_table("kto") + trl_table("distillation")
-                     + trl_table("async_grpo"))
+    return "\n".join(lines + [line for entry in ENTRIES for line in trl_table(entry.name)])

@@ -16,15 +16,17 @@ installed TRL, when it is importable) is covered.
 """
 
 import dataclasses
+import importlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from posttrain.configs.base import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Help, Range
+from posttrain.registry import BY_NAME as BY_TRAINER
 
-SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json")
-             for name in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation", "async_grpo")}
+SNAPSHOTS = {name: os.path.join(os.path.dirname(__file__), f"trl_{name}_fields.json") for name in BY_TRAINER}
 SNAPSHOT = SNAPSHOTS["grpo"]
 ANY = "any value"
 SAME, UNSUPPORTED = "same behaviour", "not supported"
@@ -380,22 +382,17 @@ def installed_trl_fields(trainer: str = "grpo") -> list[dict] | None:
     """The installed TRL's GRPOConfig (or SFTConfig) fields in the snapshot's form, or None when TRL cannot be
     imported."""
     try:
-        import trl
+        import trl  # noqa: F401 - whether TRL is there at all
         from transformers import TrainingArguments
     except ImportError:
         return None
-    name = {"grpo": "GRPOConfig", "sft": "SFTConfig", "dpo": "DPOConfig", "rloo": "RLOOConfig",
-            "reward": "RewardConfig", "kto": "KTOConfig", "distillation": "DistillationConfig",
-            "async_grpo": "AsyncGRPOConfig"}[trainer]
-    if trainer == "async_grpo":  # TRL's experimental trainer (its import warns that it is)
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from trl.experimental import async_grpo as trl
+    module, name = BY_TRAINER[trainer].trl_config.split(":")
+    with warnings.catch_warnings():  # TRL's experimental trainers warn that they are, when imported
+        warnings.simplefilter("ignore")
+        owner = importlib.import_module(module)
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     out = []
-    for f in dataclasses.fields(getattr(trl, name)):
+    for f in dataclasses.fields(getattr(owner, name)):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         out.append({"name": f.name, "default": repr(default),
