@@ -1,25 +1,42 @@
-"""DPO's metrics, with TRL's names, from the sums every micro-batch adds to."""
+"""DPO's statistics, and its metrics with TRL's names."""
 
-import torch
+from dataclasses import dataclass
 
-# the step's sums every micro-batch adds to; metrics and the logged loss are read from them
-SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct_pairs", "chosen_logps", "rejected_logps",
-        "chosen_logits", "chosen_tokens", "rejected_logits", "rejected_tokens", "entropy", "correct_tokens")
+from posttrain.training.statistics import SidedStatistics, StepCounts
 
 
-def step_metrics(totals: torch.Tensor, prefix: str = "") -> dict:
-    """TRL's DPO metrics (loss, rewards/*, logps/*, logits/*, entropy, mean_token_accuracy) from the [len(SUMS)]
-    sums over a step or an evaluation, each name prefixed with `prefix`."""
-    s = dict(zip(SUMS, (float(x) for x in totals)))
-    pairs = max(s["pairs"], 1.0)
-    targets = max(s["chosen_tokens"] + s["rejected_tokens"], 1.0)
-    out = {"loss": s["loss"],
-           "rewards/chosen": s["chosen_reward"] / pairs, "rewards/rejected": s["rejected_reward"] / pairs,
-           "rewards/accuracies": s["correct_pairs"] / pairs,
-           "rewards/margins": (s["chosen_reward"] - s["rejected_reward"]) / pairs,
-           "logps/chosen": s["chosen_logps"] / pairs, "logps/rejected": s["rejected_logps"] / pairs,
-           "logits/chosen": s["chosen_logits"] / max(s["chosen_tokens"], 1.0),
-           "logits/rejected": s["rejected_logits"] / max(s["rejected_tokens"], 1.0),
-           "entropy": s["entropy"] / targets,
-           "mean_token_accuracy": s["correct_tokens"] / max(s["chosen_tokens"], 1.0)}
-    return {prefix + k: v for k, v in out.items()}
+@dataclass
+class PairCounts(StepCounts):
+    """A DPO step's: items are its pairs; chosen_targets the chosen completions' targets (the sft term's
+    normaliser)."""
+
+    chosen_targets: float = 0.0
+
+
+@dataclass
+class PairStatistics(SidedStatistics):
+    """A micro-batch's sums: the preference loss summed over its pairs, the sft term summed over its chosen targets,
+    the implicit rewards (beta * policy-reference log-ratio), the sequence log-probs, the targets' logits, entropy and
+    top-1 hits."""
+
+    pair_loss: float = 0.0
+    sft_loss: float = 0.0
+    pairs: float = 0.0
+    correct_pairs: float = 0.0
+    correct_tokens: float = 0.0
+
+    def metrics(self, prefix: str = "") -> dict:
+        """TRL's DPO metrics (loss, rewards/*, logps/*, logits/*, entropy, mean_token_accuracy): the loss the mean
+        over the pairs (and, for the sft term, over the chosen targets)."""
+        pairs = max(self.pairs, 1.0)
+        targets = max(self.chosen_tokens + self.rejected_tokens, 1.0)
+        out = {"loss": self.pair_loss / pairs + self.sft_loss / max(self.chosen_tokens, 1.0),
+               "rewards/chosen": self.chosen_reward / pairs, "rewards/rejected": self.rejected_reward / pairs,
+               "rewards/accuracies": self.correct_pairs / pairs,
+               "rewards/margins": (self.chosen_reward - self.rejected_reward) / pairs,
+               "logps/chosen": self.chosen_logps / pairs, "logps/rejected": self.rejected_logps / pairs,
+               "logits/chosen": self.chosen_logits / max(self.chosen_tokens, 1.0),
+               "logits/rejected": self.rejected_logits / max(self.rejected_tokens, 1.0),
+               "entropy": self.entropy / targets,
+               "mean_token_accuracy": self.correct_tokens / max(self.chosen_tokens, 1.0)}
+        return {prefix + k: v for k, v in out.items()}

@@ -14,7 +14,6 @@ micro-batches and processes (aot and aot_unpaired excepted: they sort within a m
 
 import contextlib
 import logging
-import time
 
 import numpy as np
 import torch
@@ -25,13 +24,13 @@ from posttrain.dpo.batch import PairBatch, collate_pairs
 from posttrain.dpo.data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
-from posttrain.dpo.metrics import SUMS, step_metrics
+from posttrain.dpo.metrics import PairCounts, PairStatistics
 from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.training.against_reference import AgainstReferenceTrainer
-from posttrain.training.prediction import UserMetrics, check_metric_functions
+from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
 logger = logging.getLogger("posttrain")
@@ -62,6 +61,7 @@ class DPOTrainer(AgainstReferenceTrainer):
     """
 
     _title = "DPO"
+    _statistics = PairStatistics
     _shown_metrics = ("loss", "rewards/accuracies", "rewards/margins")
     _data_noun = "pairs"
     _data_parts = "the pairs or their order"
@@ -103,7 +103,6 @@ class DPOTrainer(AgainstReferenceTrainer):
                               "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
         self._set_batches(train_dataset, self.train_preparation, prepare_pairs)
         self.eval_dataset = eval_dataset
-        self._eval_pairs = {}
         return model
 
     def _precompute_references(self, model) -> None:
@@ -202,8 +201,8 @@ class DPOTrainer(AgainstReferenceTrainer):
 
     def _micro_loss(self, batch: PairBatch, grad: bool, router_share: float | None = None):
         """(loss sum of the micro-batch: preference terms summed over pairs, sft term summed over chosen targets,
-        each still to be divided by the step's pairs / chosen targets; statistics [len(SUMS)]; the router loss term
-        to add, 0 unless `router_share` is given (training: models/router.py))."""
+        each still to be divided by the step's pairs / chosen targets; its PairStatistics; the router loss term to
+        add, 0 unless `router_share` is given (training: models/router.py))."""
         args = self.args
         with self.accelerator.autocast():
             model = self.model if grad else self._no_grad_model
@@ -231,88 +230,56 @@ class DPOTrainer(AgainstReferenceTrainer):
             if pair_weight is not None:
                 token_terms = token_terms * pair_weight[batch.target_seq[chosen] // 2]
             sft = weight * token_terms.sum()
-        statistics = self._statistics(terms, per_pair, sft, entropy, top1, stats, chosen, batch)
+        statistics = self._pair_statistics(terms, per_pair, sft, entropy, top1, stats, chosen, batch)
         return per_pair.sum(), sft, statistics, sum(router_term)
 
-    def _statistics(self, terms, per_pair, sft, entropy, top1, stats, chosen, batch) -> torch.Tensor:
+    def _pair_statistics(self, terms, per_pair, sft, entropy, top1, stats, chosen, batch) -> PairStatistics:
         with torch.no_grad():
             beta = self.args.beta
             rc, rr = beta * terms.chosen_logratios.detach(), beta * terms.rejected_logratios.detach()
             rejected = ~chosen
-            values = [per_pair.detach().sum(), float(batch.pairs), rc.sum(), rr.sum(), (rc > rr).float().sum(),
-                      terms.chosen_logps.detach().sum(), terms.rejected_logps.detach().sum(),
-                      stats[chosen, 0].sum(), chosen.sum().float(), stats[rejected, 0].sum(), rejected.sum().float(),
-                      entropy.sum(), top1[chosen].sum().float()]
-            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=per_pair.device) for v in values])
+            return PairStatistics(
+                pair_loss=per_pair.detach().sum(), sft_loss=sft.detach(), pairs=float(batch.pairs),
+                chosen_reward=rc.sum(), rejected_reward=rr.sum(), correct_pairs=(rc > rr).float().sum(),
+                chosen_logps=terms.chosen_logps.detach().sum(), rejected_logps=terms.rejected_logps.detach().sum(),
+                chosen_logits=stats[chosen, 0].sum(), chosen_tokens=chosen.sum().float(),
+                rejected_logits=stats[rejected, 0].sum(), rejected_tokens=rejected.sum().float(),
+                entropy=entropy.sum(), correct_tokens=top1[chosen].sum().float())
 
-    def _step_loss(self, batch: PairBatch, pairs_total: float, chosen_total: float, share: float):
+    def _step_counts(self, batches: list) -> PairCounts:
+        return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
+                          chosen_targets=sum(int(b.targets[0::2].sum()) for b in batches))
+
+    def _step_loss(self, batch: PairBatch, counts: PairCounts, context, share: float):
         """One micro-batch's forward (`share`: its part of the step, for a router loss): (its share of the step's
-        loss, its statistics with sft's share of the loss folded into 'loss')."""
+        loss, its statistics)."""
         n = self.accelerator.num_processes
+        batch = batch.to(self.accelerator.device)
         with self._offloading():
             pair_sum, sft_sum, stats, router = self._micro_loss(batch, grad=True,
                                                                 router_share=share if batch.pairs else 0.0)
-        loss = pair_sum * (n / max(pairs_total, 1.0)) + sft_sum * (n / max(chosen_total, 1.0))
-        stats = stats.clone()
-        stats[0] = stats[0] / max(pairs_total, 1.0) + float(sft_sum.detach()) / max(chosen_total, 1.0)
+        loss = pair_sum * (n / max(counts.items, 1.0)) + sft_sum * (n / max(counts.chosen_targets, 1.0))
         return loss + router, stats
 
     def _collate(self, pairs: PairRows) -> PairBatch:
         padding_free = self._runs_padding_free(self.args.padding_free, self._no_grad_model, self.ref_model)
         return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
 
-    def _optimizer_step(self) -> dict:
-        batches = self._step_batches(self.batches)
-        acc = self.accelerator
-        local = torch.tensor([sum(b.pairs for b in batches),
-                              sum(int(b.targets[0::2].sum()) for b in batches),
-                              sum(b.sequences.tokens for b in batches)], dtype=torch.float64, device=acc.device)
-        pairs_total, chosen_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        stats = self._accumulate(batches, lambda b: self._step_loss(b.to(acc.device), pairs_total, chosen_total,
-                                                                    1.0 / len(batches)), pairs_total)
-        totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
-        metrics = step_metrics(totals)
-        return self._finish_step(metrics, tokens)
-
     # ------------------------------------------------------------------ evaluation
 
-    def _prepared_eval(self, dataset, model=None) -> PairRows:
-        key = id(dataset)
-        if key not in self._eval_pairs:  # prepared once per dataset object, as TRL prepares it once
-            args = self.args
-            rows = read_whole(dataset)  # an IterableDataset once, to its end
-            pairs = prepare_pairs(rows, self._preparation(rows, "eval_dataset"))
-            if args.precompute_ref_log_probs:
-                self._check_reference_computable(model)
-                pairs.ref = self._precomputed_reference(model if model is not None else self.policy, pairs,
-                                                        "eval_dataset", args.precompute_ref_batch_size or
-                                                        args.per_device_eval_batch_size)
-            self._eval_pairs[key] = (dataset, pairs)  # the dataset is kept so its id is not reused
-        return self._eval_pairs[key][1]
+    def _prepare_eval(self, rows, model) -> PairRows:
+        args = self.args
+        pairs = prepare_pairs(rows, self._preparation(rows, "eval_dataset"))
+        if args.precompute_ref_log_probs:
+            self._check_reference_computable(model)
+            pairs.ref = self._precomputed_reference(model if model is not None else self.policy, pairs,
+                                                    "eval_dataset", args.precompute_ref_batch_size or
+                                                    args.per_device_eval_batch_size)
+        return pairs
 
-    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        start = time.time()
-        pairs = self._prepared_eval(dataset)
-        acc = self.accelerator
-        chosen_total = float(pairs.rows.target_counts[0::2].sum())
-        totals = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
-        user = UserMetrics.of(self)
-        shares = list(eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
-        with torch.no_grad():
-            for i, share in enumerate(shares):
-                batch = self._collate(share).to(acc.device)
-                pair_sum, sft_sum, stats, _ = self._micro_loss(batch, grad=False)
-                stats[0] = stats[0] / max(len(pairs), 1) + float(sft_sum) / max(chosen_total, 1.0)
-                totals += stats
-                if user is not None:
-                    user.add(*self._logits_and_inputs(batch), last=i == len(shares) - 1)
-        totals = acc.reduce(totals, reduction="sum")
-        runtime = time.time() - start
-        metrics = step_metrics(totals, f"{prefix}_")
-        metrics.update({f"{prefix}_runtime": round(runtime, 4),
-                        f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
-                        f"{prefix}_num_tokens": float(self._tokens_seen)})
-        return {**metrics, **user.result(prefix)} if user is not None else metrics
+    def _eval_statistics(self, batch: PairBatch):
+        batch = batch.to(self.accelerator.device)
+        return self._micro_loss(batch, grad=False)[2], lambda: self._logits_and_inputs(batch)
 
     def _logits_and_inputs(self, batch: PairBatch) -> tuple:
         """compute_metrics' view of an eval batch, as TRL gives it: (logits [2P, T, V], labels = input_ids [2P, T],

@@ -19,7 +19,6 @@ same.
 
 import contextlib
 import logging
-import time
 
 import numpy as np
 import torch
@@ -30,16 +29,16 @@ from posttrain.kto.batch import KTOBatch, collate_examples
 from posttrain.kto.data import (KTOEncoder, UnpairedPreparation, UnpairedRows, balance_advice, detect_format,
                                 prepare_unpaired, rotated)
 from posttrain.kto.losses import example_losses, kl_reference_point
-from posttrain.kto.metrics import SUMS, step_metrics
+from posttrain.kto.metrics import KTOStatistics
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.sequences.batches import (MapBatches, eval_batches, first_row, is_iterable, predecessor_positions,
-                                         read_whole)
+from posttrain.sequences.batches import MapBatches, first_row, is_iterable, predecessor_positions
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.against_reference import AgainstReferenceTrainer
-from posttrain.training.prediction import UserMetrics, check_metric_functions
+from posttrain.training.prediction import check_metric_functions
 from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
 
@@ -63,6 +62,7 @@ class KTOTrainer(AgainstReferenceTrainer):
     """
 
     _title = "KTO"
+    _statistics = KTOStatistics
     _shown_metrics = ("loss", "rewards/margins", "kl")
     _data_noun = "examples"
     _data_parts = "the examples or their order"
@@ -118,7 +118,6 @@ class KTOTrainer(AgainstReferenceTrainer):
             if advice is not None:
                 logger.warning(advice)
         self.eval_dataset = eval_dataset
-        self._eval_examples = {}
         return model
 
     def _preparation(self, dataset, name: str) -> UnpairedPreparation:
@@ -214,8 +213,8 @@ class KTOTrainer(AgainstReferenceTrainer):
         return kl_reference_point(sums[0], sums[1]).float()
 
     def _micro_loss(self, batch: KTOBatch, kl: torch.Tensor, grad: bool, router_share: float | None = None):
-        """(loss summed over the micro-batch's examples, still to be divided by the step's; statistics [len(SUMS)];
-        the router loss term to add, 0 unless `router_share` is given (training: models/router.py))."""
+        """(loss summed over the micro-batch's examples, still to be divided by the step's; its KTOStatistics against
+        the KL point `kl`; the router loss term to add, 0 unless `router_share` is given (training: models/router.py))."""
         args = self.args
         with self.accelerator.autocast():
             model = self.model if grad else self._no_grad_model
@@ -230,22 +229,28 @@ class KTOTrainer(AgainstReferenceTrainer):
         with torch.no_grad():
             chosen, rejected = batch.desirable, ~batch.desirable
             target_chosen = chosen[batch.target_seq]
-            values = [losses.detach().sum(), chosen.sum(), rejected.sum(), rewards[chosen].sum(),
-                      rewards[rejected].sum(), policy.detach()[chosen].sum(), policy.detach()[rejected].sum(),
-                      stats[target_chosen, 0].sum(), target_chosen.sum(), stats[~target_chosen, 0].sum(),
-                      (~target_chosen).sum(), entropy.sum()]
-            statistics = torch.stack([torch.as_tensor(v, device=losses.device).double() for v in values])
+            statistics = KTOStatistics(
+                loss=losses.detach().sum(), chosen=chosen.sum(), rejected=rejected.sum(),
+                chosen_reward=rewards[chosen].sum(), rejected_reward=rewards[rejected].sum(),
+                chosen_logps=policy.detach()[chosen].sum(), rejected_logps=policy.detach()[rejected].sum(),
+                chosen_logits=stats[target_chosen, 0].sum(), chosen_tokens=target_chosen.sum(),
+                rejected_logits=stats[~target_chosen, 0].sum(), rejected_tokens=(~target_chosen).sum(),
+                entropy=entropy.sum(), kl=kl.detach(), kl_points=1.0)
         return losses.sum(), statistics, sum(router_term)
 
-    def _step_loss(self, batch: KTOBatch, kl, examples_total: float, share: float):
-        """One micro-batch's forward: (its share of the step's loss, its statistics)."""
+    def _step_counts(self, batches: list) -> StepCounts:
+        return StepCounts(items=sum(b.size for b in batches), tokens=sum(b.examples.tokens for b in batches))
+
+    def _step_context(self, batches: list) -> torch.Tensor:
+        return self._kl_point(batches)
+
+    def _step_loss(self, batch: KTOBatch, counts: StepCounts, kl: torch.Tensor, share: float):
+        """One micro-batch's forward against the step's KL point: (its share of the step's loss, its statistics)."""
         n = self.accelerator.num_processes
         with self._offloading():
             loss_sum, stats, router = self._micro_loss(batch, kl, grad=True,
                                                        router_share=share if batch.size else 0.0)
-        stats = stats.clone()
-        stats[0] = stats[0] / max(examples_total, 1.0)
-        return loss_sum * (n / max(examples_total, 1.0)) + router, stats
+        return loss_sum * (n / max(counts.items, 1.0)) + router, stats
 
     def _step_batches(self, batches) -> list:
         shares = batches.next_step()
@@ -256,65 +261,24 @@ class KTOTrainer(AgainstReferenceTrainer):
         for share in self._eval_shares(self._prepared_eval(dataset)):
             yield self._collate(share, share.select(rotated(len(share))) if self.args.uses_kl else None)
 
-    def _optimizer_step(self) -> dict:
-        acc = self.accelerator
-        batches = self._step_batches(self.batches)
-        local = torch.tensor([sum(b.size for b in batches), sum(b.examples.tokens for b in batches)],
-                             dtype=torch.float64, device=acc.device)
-        examples_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        kl = self._kl_point(batches)
-        stats = self._accumulate(batches, lambda b: self._step_loss(b, kl, examples_total, 1.0 / len(batches)),
-                                 examples_total)
-        totals = acc.reduce(torch.stack(stats).sum(0), reduction="sum")
-        metrics = step_metrics(totals, float(kl))
-        return self._finish_step(metrics, tokens)
-
     # ------------------------------------------------------------------ evaluation
 
-    def _prepared_eval(self, dataset, model=None) -> UnpairedRows:
-        key = id(dataset)
-        if key not in self._eval_examples:  # prepared once per dataset object, as TRL prepares it once
-            args = self.args
-            rows = read_whole(dataset)  # an IterableDataset once, to its end
-            examples = prepare_unpaired_rows(rows, self._preparation(rows, "eval_dataset"))
-            if args.precompute_ref_log_probs:
-                self._check_reference_computable(model)
-                size = args.per_device_eval_batch_size
-                sources = self._eval_sources(examples, size, self.accelerator.num_processes)
-                examples.ref = self._precomputed_reference(model if model is not None else self.policy, examples,
-                                                           sources, "eval_dataset",
-                                                           args.precompute_ref_batch_size or size)
-            self._eval_examples[key] = (dataset, examples)  # the dataset is kept so its id is not reused
-        return self._eval_examples[key][1]
+    def _prepare_eval(self, rows, model) -> UnpairedRows:
+        args = self.args
+        examples = prepare_unpaired_rows(rows, self._preparation(rows, "eval_dataset"))
+        if args.precompute_ref_log_probs:
+            self._check_reference_computable(model)
+            size = args.per_device_eval_batch_size
+            sources = self._eval_sources(examples, size, self.accelerator.num_processes)
+            examples.ref = self._precomputed_reference(model if model is not None else self.policy, examples,
+                                                       sources, "eval_dataset", args.precompute_ref_batch_size or size)
+        return examples
 
-    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        """Each eval micro-batch (every process's share of it) against its own z0, as TRL takes it per batch; the
-        loss is the mean over the eval examples, z0 the mean over the micro-batches."""
-        start = time.time()
-        examples = self._prepared_eval(dataset)
-        acc = self.accelerator
-        totals = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
-        points = []
-        user = UserMetrics.of(self)
-        shares = list(eval_batches(examples, self.args.per_device_eval_batch_size, acc.num_processes,
-                                   acc.process_index))
-        with torch.no_grad():
-            for i, share in enumerate(shares):
-                batch = self._collate(share, share.select(rotated(len(share))) if self.args.uses_kl else None)
-                kl = self._kl_point([batch])
-                _, stats, _ = self._micro_loss(batch, kl, grad=False)
-                stats[0] = stats[0] / max(len(examples), 1)
-                totals += stats
-                points.append(float(kl))
-                if user is not None:
-                    user.add(*self._logits_and_inputs(batch), last=i == len(shares) - 1)
-        totals = acc.reduce(totals, reduction="sum")
-        runtime = time.time() - start
-        metrics = step_metrics(totals, sum(points) / max(len(points), 1), f"{prefix}_")
-        metrics.update({f"{prefix}_runtime": round(runtime, 4),
-                        f"{prefix}_samples_per_second": round(len(examples) / max(runtime, 1e-9), 3),
-                        f"{prefix}_num_tokens": float(self._tokens_seen)})
-        return {**metrics, **user.result(prefix)} if user is not None else metrics
+    def _eval_statistics(self, batch: KTOBatch):
+        """Each eval micro-batch (every process's share of it) against its own z0, as TRL takes it per batch: the
+        loss is the mean over the eval examples, kl the mean of the micro-batches' points."""
+        kl = self._kl_point([batch])
+        return self._micro_loss(batch, kl, grad=False)[1], lambda: self._logits_and_inputs(batch)
 
     def _logits_and_inputs(self, batch: KTOBatch) -> tuple:
         """compute_metrics' view of an eval batch, as TRL gives it: (logits [N, T, V], labels = input_ids, input_ids)."""

@@ -19,7 +19,6 @@ logging window; posttrain takes them over the step (equal with one micro-batch a
 
 import logging
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,16 +33,18 @@ from posttrain.models.scores import (HEAD_NAMES, prefix_shared_scores, prefix_sh
                                      score_positions, sequence_scores)
 from posttrain.reward.data import (RewardEncoder, RewardPreparation, detect_format, pairs_as_dataset,
                                    prepare_reward_pairs)
-from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.reward.metrics import RewardStatistics
+from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.collate import SequenceBatch, collate
 from posttrain.sequences.pairs import PairRows
 from posttrain.sequences.prefixes import PrefixBatch, prefix_batch
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.prediction import UserMetrics, check_metric_functions
+from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 from posttrain.training.sparse_rows import SparseRows
+from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
 
@@ -52,8 +53,6 @@ logger = logging.getLogger("posttrain")
 # the 152k-vocabulary model of bench/reward_step.py (body 288k parameters), a step's forward and backward of 8 pairs:
 # prompt 64 + answers 64 (3e8 saved) 47 -> 44 ms, prompt 128 + answers 64 (6e8) 82 -> 57 ms, 192 + 64: 118 -> 78 ms
 MIN_PREFIX_SAVING_FLOP = 5e8
-# the step's sums every micro-batch adds to; the metrics and the logged loss are read from them
-SUMS = ("loss", "pairs", "correct_pairs", "margin", "reward_sum", "rewards")
 _REFUSED = {
     "data_collator": "posttrain batches the pairs itself (padded, or padding-free with padding_free=True); prepare "
                      "the rows in the dataset instead (chosen_ids / rejected_ids columns work as they are)",
@@ -109,6 +108,8 @@ class RewardTrainer(BatchedDataTrainer):
     """
 
     _title = "Reward"
+    _statistics = RewardStatistics
+    _collects_router_loss = False
     _shown_metrics = ("loss", "accuracy", "margin")
     _data_noun = "pairs"
     _data_parts = "the pairs or their order"
@@ -151,7 +152,6 @@ class RewardTrainer(BatchedDataTrainer):
         self._train_source = train_dataset
         self._set_batches(train_dataset, self.train_preparation, prepare_reward_pairs)
         self.eval_dataset = eval_dataset
-        self._eval_pairs = {}
         return model
 
     @staticmethod
@@ -243,7 +243,7 @@ class RewardTrainer(BatchedDataTrainer):
             return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last, s.boundaries)
 
     def _micro_loss(self, batch: RewardBatch, grad: bool):
-        """(the micro-batch's loss summed over its pairs, [len(SUMS)] statistics, [2p] detached rewards)."""
+        """(the micro-batch's loss summed over its pairs, its RewardStatistics, [2p] detached rewards)."""
         with self.accelerator.autocast():
             rewards = self._scores(self.model if grad else self._no_grad_model, batch)
         chosen, rejected = rewards[0::2], rewards[1::2]
@@ -253,83 +253,36 @@ class RewardTrainer(BatchedDataTrainer):
         if coefficient is not None:
             per_pair = per_pair + coefficient * (chosen + rejected) ** 2
         with torch.no_grad():
-            values = [per_pair.sum(), float(batch.pairs), (difference > 0).float().sum(), difference.sum(),
-                      rewards.sum(), float(rewards.numel())]
-            stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=rewards.device) for v in values])
+            every = rewards.detach().double()
+            none = not every.numel()
+            stats = RewardStatistics(
+                loss=per_pair.detach().sum(), pairs=float(batch.pairs), correct_pairs=(difference > 0).float().sum(),
+                margin=difference.detach().sum(), reward_sum=every.sum(), rewards=float(every.numel()),
+                min_reward=float("inf") if none else every.min(), max_reward=float("-inf") if none else every.max())
         return per_pair.sum(), stats, rewards.detach()
 
-    def _step_loss(self, batch: RewardBatch, pairs_total: float):
-        """One micro-batch's forward: (its share of the step's loss, (its statistics, its rewards))."""
+    def _step_counts(self, batches: list) -> StepCounts:
+        return StepCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches))
+
+    def _step_loss(self, batch: RewardBatch, counts: StepCounts, context, share: float):
+        """One micro-batch's forward: (its share of the step's loss, its statistics)."""
         with self._offloading():
-            loss, stats, rewards = self._micro_loss(batch, grad=True)
-        stats = stats.clone()
-        stats[0] = stats[0] / max(pairs_total, 1.0)
-        return loss * (self.accelerator.num_processes / max(pairs_total, 1.0)), (stats, rewards)
-
-    def _optimizer_step(self) -> dict:
-        batches = self._step_batches(self.batches)
-        acc = self.accelerator
-        local = torch.tensor([sum(b.pairs for b in batches), sum(b.sequences.tokens for b in batches)],
-                             dtype=torch.float64, device=acc.device)
-        pairs_total, tokens = (float(x) for x in acc.reduce(local, reduction="sum"))
-        results = self._accumulate(batches, lambda b: self._step_loss(b.to(acc.device), pairs_total), pairs_total)
-        metrics = self._metrics([r[0] for r in results], [r[1] for r in results])
-        metrics["grad_norm"] = self._apply_update(metrics["loss"])
-        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-        self._tokens_seen += int(tokens)
-        metrics["num_tokens"] = float(self._tokens_seen)
-        self.state.total_flos += self._flops_per_token * tokens
-        return metrics
-
-    def _metrics(self, stats: list, rewards: list, prefix: str = "") -> dict:
-        """TRL's reward metrics from the micro-batches' sums and rewards, over every process."""
-        acc = self.accelerator
-        device = acc.device
-        totals = acc.reduce(torch.stack(stats).sum(0) if stats else torch.zeros(len(SUMS), dtype=torch.float64,
-                                                                                  device=device), reduction="sum")
-        every = torch.cat(rewards).double() if rewards else torch.zeros(0, dtype=torch.float64, device=device)
-        low, high = _smallest(every, acc.num_processes), -_smallest(-every, acc.num_processes)
-        s = dict(zip(SUMS, (float(x) for x in totals)))
-        pairs = max(s["pairs"], 1.0)
-        out = {"loss": s["loss"], "accuracy": s["correct_pairs"] / pairs, "margin": s["margin"] / pairs,
-               "min_reward": low, "mean_reward": s["reward_sum"] / max(s["rewards"], 1.0), "max_reward": high}
-        return {prefix + k: v for k, v in out.items()}
+            loss, stats, _ = self._micro_loss(batch.to(self.accelerator.device), grad=True)
+        return loss * (self.accelerator.num_processes / max(counts.items, 1.0)), stats
 
     # ------------------------------------------------------------------ evaluation
 
-    def _prepared_eval(self, dataset) -> PairRows:
-        key = id(dataset)
-        if key not in self._eval_pairs:  # prepared once per dataset object, as TRL prepares it once
-            rows = read_whole(dataset)
-            self._eval_pairs[key] = (dataset, prepare_reward_pairs(rows, self._preparation(rows, "eval_dataset")))
-        return self._eval_pairs[key][1]
+    def _prepare_eval(self, rows, model) -> PairRows:
+        return prepare_reward_pairs(rows, self._preparation(rows, "eval_dataset"))
 
-    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        start = time.time()
-        pairs = self._prepared_eval(dataset)
-        acc = self.accelerator
-        stats, rewards = [], []
-        user = UserMetrics.of(self)
-        shares = list(eval_batches(pairs, self.args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
-        with torch.no_grad():
-            for i, share in enumerate(shares):
-                batch = self._collate(share).to(acc.device)
-                _, batch_stats, batch_rewards = self._micro_loss(batch, grad=False)
-                batch_stats[0] = batch_stats[0] / max(len(pairs), 1)
-                stats.append(batch_stats)
-                rewards.append(batch_rewards)
-                if user is not None:  # as TRL's prediction_step gives them: chosen scores, then rejected ones; no labels
-                    scores = torch.cat([batch_rewards[0::2], batch_rewards[1::2]])[:, None]
-                    ids = batch.sequences.input_ids
-                    user.add(scores, None, torch.cat([ids[0::2], ids[1::2]]), last=i == len(shares) - 1)
-        metrics = self._metrics(stats, rewards, f"{prefix}_")
-        if user is not None:
-            metrics.update(user.result(prefix))
-        runtime = time.time() - start
-        metrics.update({f"{prefix}_runtime": round(runtime, 4),
-                        f"{prefix}_samples_per_second": round(len(pairs) / max(runtime, 1e-9), 3),
-                        f"{prefix}_num_tokens": float(self._tokens_seen)})
-        return metrics
+    def _eval_statistics(self, batch: RewardBatch):
+        """An eval micro-batch's statistics, and compute_metrics' view of it as TRL's prediction_step gives it: the
+        chosen scores, then the rejected ones; no labels."""
+        batch = batch.to(self.accelerator.device)
+        _, stats, rewards = self._micro_loss(batch, grad=False)
+        ids = batch.sequences.input_ids
+        return stats, lambda: (torch.cat([rewards[0::2], rewards[1::2]])[:, None], None,
+                               torch.cat([ids[0::2], ids[1::2]]))
 
     @property
     def train_dataset(self):
@@ -340,13 +293,3 @@ class RewardTrainer(BatchedDataTrainer):
 
     def _prepared_view(self, dataset):
         return pairs_as_dataset(self._prepared_eval(dataset))
-
-
-def _smallest(values: torch.Tensor, processes: int) -> float:
-    """The smallest of `values` [n] float64 over every process (inf where none has a value)."""
-    low = torch.cat([values, torch.full((1,), float("inf"), dtype=values.dtype, device=values.device)]).min().view(1)
-    if processes > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return float(low)

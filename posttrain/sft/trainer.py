@@ -10,6 +10,7 @@ processes; `loss` is logged as that mean. With loss_type="dft" each term is -log
 """
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,16 +18,18 @@ from posttrain.configs import ConfigError, SFTConfig
 from posttrain.data import DataError
 from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.sequences.batches import MapBatches, eval_batches, first_row, is_iterable, read_whole
+from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.collate import collate
 from posttrain.sft.data import Preparation, prepare_map_dataset
 from posttrain.sft.row_formats import detect_format
 from posttrain.sft.formats import RowEncoder, check_formatting_func
+from posttrain.sft.metrics import TokenStatistics
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.prediction import UserMetrics, check_metric_functions
+from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
 
@@ -58,6 +61,7 @@ class SFTTrainer(BatchedDataTrainer):
     """
 
     _title = "SFT"
+    _statistics = TokenStatistics
     _shown_metrics = ("loss", "mean_token_accuracy")
     # fields whose change makes a checkpoint's optimizer state or data position mean something else
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
@@ -106,7 +110,6 @@ class SFTTrainer(BatchedDataTrainer):
         self._set_batches(train_dataset, self.train_preparation,
                           lambda dataset, preparation: prepare_map_dataset(dataset, preparation, self._data_seed))
         self.eval_dataset = eval_dataset
-        self._eval_rows = {}
         return model
 
     def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
@@ -190,15 +193,21 @@ class SFTTrainer(BatchedDataTrainer):
                 boundaries=batch.boundaries)
             return self._token_losses(logps), entropy, top1
 
-    def _step_loss(self, batch, scale: float, share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _statistics_of(self, losses, entropy, top1, batch) -> TokenStatistics:
+        return TokenStatistics(loss=losses.detach().sum(), entropy=entropy.sum(), correct=top1.sum().float(),
+                               targets=float(batch.num_targets))
+
+    def _step_counts(self, batches: list) -> StepCounts:
+        return StepCounts(items=sum(b.num_targets for b in batches), tokens=sum(b.tokens for b in batches))
+
+    def _step_loss(self, batch, counts: StepCounts, context, share: float):
         """One micro-batch's forward (`share`: its part of the step, for a router loss): (its share of the step's
-        loss, [loss sum, entropy sum, correct, targets] without gradient)."""
+        loss, its statistics)."""
+        scale = self.accelerator.num_processes / max(counts.items, 1.0)
         with self._offloading():
             with self.router_loss.collecting(self.model, share if batch.tokens else 0.0) as router_term:
                 losses, entropy, top1 = self._forward(batch, scale)
-        stats = torch.stack([losses.detach().sum(), entropy.sum(), top1.sum().float(),
-                             torch.tensor(float(batch.num_targets), device=losses.device)])
-        return losses.sum() * scale + sum(router_term), stats
+        return losses.sum() * scale + sum(router_term), self._statistics_of(losses, entropy, top1, batch)
 
     def _collate(self, rows, padding_free: bool):
         """A micro-batch's rows as the forward's tensors: one packed row where padding-free is asked for and the model
@@ -210,28 +219,9 @@ class SFTTrainer(BatchedDataTrainer):
         return [self._collate(rows, self.padding_free) for rows in batches.next_step()]
 
     def _eval_micro_batches(self, dataset):
-        _, rows, packing = self._prepared_eval(dataset)
-        for share in self._eval_shares(rows):
-            yield self._collate(share, self.args.padding_free or packing)
-
-    def _optimizer_step(self) -> dict:
-        batches = self._step_batches(self.batches)
-        device = self.accelerator.device
-        local = torch.tensor([sum(b.num_targets for b in batches), sum(b.tokens for b in batches)],
-                             dtype=torch.float64, device=device)
-        targets, tokens = (float(x) for x in self.accelerator.reduce(local, reduction="sum"))
-        scale = self.accelerator.num_processes / max(targets, 1.0)
-        stats = self._accumulate(batches, lambda b: self._step_loss(b, scale, 1.0 / len(batches)), targets)
-        totals = self.accelerator.reduce(torch.stack(stats).detach().sum(0), reduction="sum")
-        loss_sum, entropy_sum, correct, _ = (float(x) for x in totals)
-        router = self._router_metrics()
-        loss = loss_sum / max(targets, 1.0) + self.router_loss.coef * router.get("aux_loss", 0.0)
-        grad_norm = self._apply_update(loss)
-        self._tokens_seen += int(tokens)
-        self.state.total_flos += self._flops_per_token * tokens
-        return {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0],
-                "entropy": entropy_sum / max(targets, 1.0), "mean_token_accuracy": correct / max(targets, 1.0),
-                "num_tokens": float(self._tokens_seen), **router}
+        prepared = self._prepared_eval(dataset)
+        for share in self._eval_shares(prepared.rows):
+            yield self._collate(share, self.args.padding_free or prepared.packing)
 
     @property
     def train_dataset(self):
@@ -242,8 +232,8 @@ class SFTTrainer(BatchedDataTrainer):
         return self._rows_as_dataset(self.batches.rows, self.args.packing)
 
     def _prepared_view(self, dataset):
-        _, rows, packing = self._prepared_eval(dataset)
-        return self._rows_as_dataset(rows, packing)
+        prepared = self._prepared_eval(dataset)
+        return self._rows_as_dataset(prepared.rows, prepared.packing)
 
     @staticmethod
     def _rows_as_dataset(rows, packing: bool):
@@ -264,41 +254,14 @@ class SFTTrainer(BatchedDataTrainer):
 
     # ------------------------------------------------------------------ evaluation
 
-    def _prepared_eval(self, dataset):
-        key = id(dataset)
-        if key not in self._eval_rows:  # prepared once per dataset object, as TRL prepares it once
-            packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
-            name = "eval_dataset"
-            rows = read_whole(dataset)  # an IterableDataset once, to its end
-            preparation = self._preparation(rows, packing, name)
-            self._eval_rows[key] = (dataset, prepare_map_dataset(rows, preparation, self._data_seed), packing)
-        return self._eval_rows[key]
+    def _prepare_eval(self, rows, model) -> "EvalRows":
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+        preparation = self._preparation(rows, packing, "eval_dataset")
+        return EvalRows(prepare_map_dataset(rows, preparation, self._data_seed), packing)
 
-    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
-        import time
-
-        start = time.time()
-        _, rows, packing = self._prepared_eval(dataset)
-        args, acc = self.args, self.accelerator
-        totals = torch.zeros(4, dtype=torch.float64, device=acc.device)
-        user = UserMetrics.of(self)
-        shares = list(eval_batches(rows, args.per_device_eval_batch_size, acc.num_processes, acc.process_index))
-        with torch.no_grad():
-            for i, share in enumerate(shares):
-                batch = self._collate(share, args.padding_free or packing)
-                losses, entropy, top1 = self._forward(batch, None)
-                totals += torch.stack([losses.sum(), entropy.sum(), top1.sum().float(),
-                                       torch.tensor(float(batch.num_targets), device=losses.device)]).double()
-                if user is not None:
-                    user.add(*self._logits_and_labels(batch), last=i == len(shares) - 1)
-        loss, entropy, correct, targets = (float(x) for x in acc.reduce(totals, reduction="sum"))
-        runtime = time.time() - start
-        n = max(targets, 1.0)
-        metrics = {f"{prefix}_loss": loss / n, f"{prefix}_entropy": entropy / n,
-                   f"{prefix}_mean_token_accuracy": correct / n, f"{prefix}_runtime": round(runtime, 4),
-                   f"{prefix}_samples_per_second": round(len(rows) / max(runtime, 1e-9), 3),
-                   f"{prefix}_num_tokens": float(self._tokens_seen)}
-        return {**metrics, **user.result(prefix)} if user is not None else metrics
+    def _eval_statistics(self, batch):
+        losses, entropy, top1 = self._forward(batch, None)
+        return self._statistics_of(losses, entropy, top1, batch), lambda: self._logits_and_labels(batch)
 
     def _logits_and_labels(self, batch) -> tuple:
         """compute_metrics' view of a collated eval batch, as TRL gives it: (logits [B, T, V], labels [B, T] (the token
@@ -310,3 +273,14 @@ class SFTTrainer(BatchedDataTrainer):
                                   batch.boundaries)
         labels = torch.where(batch.label_mask, batch.input_ids, -100)
         return logits[rows], labels[rows], batch.input_ids[rows]
+
+
+@dataclass(frozen=True)
+class EvalRows:
+    """An eval dataset's prepared rows, and whether they are packed (eval_packing, else packing)."""
+
+    rows: object
+    packing: bool
+
+    def __len__(self) -> int:
+        return len(self.rows)

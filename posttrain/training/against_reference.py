@@ -58,17 +58,8 @@ class AgainstReferenceTrainer(BatchedDataTrainer):
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
 
     def _finish_step(self, metrics: dict, tokens: float) -> dict:
-        """The step's update after its backward passes, from its metrics (its loss among them) and the tokens its
-        forwards saw on every process: the router's load-balancing term, the update (grad_norm), the learning rate,
-        num_tokens and total_flos, TR-DPO's sync; the metrics to log."""
-        router = self._router_metrics()
-        metrics.update(router)
-        metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
-        metrics["grad_norm"] = self._apply_update(metrics["loss"])
-        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-        self._tokens_seen += int(tokens)
-        metrics["num_tokens"] = float(self._tokens_seen)
-        self.state.total_flos += self._flops_per_token * tokens
+        """The shared step's end (training/batched.py), then TR-DPO's sync of the reference."""
+        metrics = super()._finish_step(metrics, tokens)
         self._sync_reference()
         return metrics
 

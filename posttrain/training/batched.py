@@ -1,5 +1,15 @@
 """The shared part of the trainers whose data are prepared token rows, taken step by step from a batcher
-(sequences/batches.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFTTrainer and DPOTrainer.
+(sequences/batches.py's MapBatches for a map-style dataset, StreamBatches for an iterable one): SFT, DPO, KTO and the
+reward model. The step and the evaluation loop are this module's; a trainer gives its objective:
+
+    _statistics                     its Statistics class (training/statistics.py): the sums its metrics are made of
+    _step_counts(batches) -> StepCounts          what this process's micro-batches of a step hold (items, tokens, ...)
+    _step_context(batches)          what the whole step's loss needs before any micro-batch (KTO's KL point); None
+    _step_loss(batch, counts, context, share) -> (its share of the step's loss, its Statistics)
+                                    counts: the step's, over every process; share: 1 / micro-batches (a router loss's)
+    _eval_statistics(batch) -> (Statistics, view)   an eval micro-batch's; view() -> compute_metrics' (logits, labels,
+                                    inputs) of it
+    _prepare_eval(rows, model)      an eval dataset's rows (read whole) prepared, once per dataset (`_prepared_eval`)
 
 A subclass sets, during its set-up (`_set_batches`):
     self.batches            the batcher: next_step(), epoch_progress(), skip_rest_of_epoch(), position(),
@@ -15,18 +25,25 @@ get_eval_dataloader share (training/loaders.py).
 
 import itertools
 import math
+import time
+
+import torch
 
 from posttrain.data import DataError
 from posttrain.models.packed_layouts import packs_one_row
-from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, is_iterable
+from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, is_iterable, read_whole
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
 from posttrain.training.loaders import MicroBatches
+from posttrain.training.prediction import UserMetrics
+from posttrain.training.statistics import Statistics
 from posttrain.training.setup import run_length_unknown
 from posttrain.training.trainer import Trainer
 
 
 class BatchedDataTrainer(Trainer):
+    _statistics = Statistics  # the trainer's (training/statistics.py)
+    _collects_router_loss = True  # whether its training forwards add a mixture-of-experts router loss
     _cumulative_metrics = ("num_tokens",)
     _data_noun = "rows"  # what the prepared data are called in messages
     _data_parts = "the rows, their packing or their order"  # what would not continue after a change
@@ -116,6 +133,64 @@ class BatchedDataTrainer(Trainer):
     def _eval_loader(self, dataset) -> MicroBatches:
         return MicroBatches(lambda: self._eval_micro_batches(dataset), None, dataset)
 
+    # ------------------------------------------------------------------ the step
+
+    def _step_context(self, batches: list):
+        return None
+
+    def _optimizer_step(self) -> dict:
+        acc = self.accelerator
+        batches = self._step_batches(self.batches)
+        counts = self._step_counts(batches).reduced(acc)
+        context = self._step_context(batches)
+        share = 1.0 / len(batches)
+        parts = self._accumulate(batches, lambda b: self._step_loss(b, counts, context, share), counts.items)
+        metrics = self._statistics.total(parts).reduced(acc).metrics()
+        return self._finish_step(metrics, counts.tokens)
+
+    def _finish_step(self, metrics: dict, tokens: float) -> dict:
+        """The step's update after its backward passes, from its metrics (its loss among them) and the tokens its
+        forwards saw on every process: the router's load-balancing term, the update (grad_norm), the learning rate,
+        num_tokens and total_flos; the metrics to log."""
+        if self._collects_router_loss:
+            router = self._router_metrics()
+            metrics.update(router)
+            metrics["loss"] += self.router_loss.coef * router.get("aux_loss", 0.0)
+        metrics["grad_norm"] = self._apply_update(metrics["loss"])
+        metrics["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        self._tokens_seen += int(tokens)
+        metrics["num_tokens"] = float(self._tokens_seen)
+        self.state.total_flos += self._flops_per_token * tokens
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _prepared_eval(self, dataset, model=None):
+        """An eval dataset's prepared rows (`_prepare_eval`), once per dataset object, as TRL prepares it once."""
+        cache = vars(self).setdefault("_eval_prepared", {})
+        key = id(dataset)
+        if key not in cache:  # the dataset is kept beside its rows, so its id is not reused
+            cache[key] = (dataset, self._prepare_eval(read_whole(dataset), model))  # an IterableDataset to its end
+        return cache[key][1]
+
+    def _evaluation_metrics(self, dataset, prefix: str) -> dict:
+        start = time.time()
+        size = len(self._prepared_eval(dataset))
+        user = UserMetrics.of(self)
+        parts = []
+        with torch.no_grad():
+            for batch, last in _with_last(self._eval_micro_batches(dataset)):
+                stats, view = self._eval_statistics(batch)
+                parts.append(stats)
+                if user is not None:
+                    user.add(*view(), last=last)
+        metrics = self._statistics.total(parts).reduced(self.accelerator).metrics(f"{prefix}_")
+        runtime = time.time() - start
+        metrics.update({f"{prefix}_runtime": round(runtime, 4),
+                        f"{prefix}_samples_per_second": round(size / max(runtime, 1e-9), 3),
+                        f"{prefix}_num_tokens": float(self._tokens_seen)})
+        return {**metrics, **user.result(prefix)} if user is not None else metrics
+
     def _total_steps(self) -> int:
         args = self.args
         if args.max_steps > 0:
@@ -148,3 +223,16 @@ class BatchedDataTrainer(Trainer):
         self._tokens_seen = state.get("tokens_seen", 0)
         if not self.args.ignore_data_skip:
             self.batches.restore(state["data_position"])
+
+
+def _with_last(items):
+    """(item, whether it is the last) of each of `items`, read one ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
