@@ -21,6 +21,19 @@ from posttrain.training.distributed import guarded
 
 
 class AgainstReferenceTrainer(BatchedDataTrainer):
+    """A subclass gives `_setup` and `_precompute_references`; `_setup` sets `_setup_model`."""
+
+    _setup_model = None  # the policy as `_setup` prepared it, before the accelerator wraps it
+
+    def _setup(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config):
+        """Load the policy (setting `_setup_model`) and the reference, prepare the data; return the policy."""
+        raise NotImplementedError
+
+    def _precompute_references(self, model) -> None:
+        """precompute_ref_log_probs: every train (and eval) row's reference log-probs, while `model` still is the
+        reference."""
+        raise NotImplementedError
+
     def _build(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config) -> None:
         """The end of construction, once the config and the accelerator exist: the subclass's `_setup` (the policy,
         the reference, the data; a failure on one process stops them all before DDP's first collective), the

@@ -36,7 +36,7 @@ from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
 from posttrain.training.loaders import MicroBatches
 from posttrain.training.prediction import UserMetrics
-from posttrain.training.statistics import Statistics
+from posttrain.training.statistics import Statistics, StepCounts
 from posttrain.training.setup import run_length_unknown
 from posttrain.training.trainer import Trainer
 
@@ -45,6 +45,7 @@ class BatchedDataTrainer(Trainer):
     _statistics = Statistics  # the trainer's (training/statistics.py)
     _collects_router_loss = True  # whether its training forwards add a mixture-of-experts router loss
     _cumulative_metrics = ("num_tokens",)
+    _train_source = None  # the train_dataset as given (what get_train_dataloader and train_dataset start from)
     _data_noun = "rows"  # what the prepared data are called in messages
     _data_parts = "the rows, their packing or their order"  # what would not continue after a change
 
@@ -133,10 +134,34 @@ class BatchedDataTrainer(Trainer):
     def _eval_loader(self, dataset) -> MicroBatches:
         return MicroBatches(lambda: self._eval_micro_batches(dataset), None, dataset)
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ the objective (the trainer's)
+
+    def _collate(self, rows, *args):
+        """A micro-batch's prepared rows as the tensors its forward takes."""
+        raise NotImplementedError
+
+    def _step_counts(self, batches: list) -> StepCounts:
+        """What this process's micro-batches of a step hold: items (what the loss is normalised over), tokens, ..."""
+        raise NotImplementedError
 
     def _step_context(self, batches: list):
+        """What the whole step's loss needs before its first micro-batch (KTO's KL point); None."""
         return None
+
+    def _step_loss(self, batch, counts: StepCounts, context, share: float) -> tuple:
+        """(a micro-batch's share of the step's loss, its Statistics); `counts` the step's over every process,
+        `share` the micro-batch's part of the step (1 / micro-batches, for a router loss)."""
+        raise NotImplementedError
+
+    def _eval_statistics(self, batch) -> tuple:
+        """(an eval micro-batch's Statistics, a function giving compute_metrics' (logits, labels, inputs) of it)."""
+        raise NotImplementedError
+
+    def _prepare_eval(self, rows: list, model):
+        """An eval dataset's rows (read whole) prepared as the training rows are (`len()`: how many examples)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the step
 
     def _optimizer_step(self) -> dict:
         acc = self.accelerator
