@@ -145,7 +145,7 @@ class PromptEncoder:
         vocab_size: the model's vocabulary_rows: every prompt's token ids must lie below it (None: unchecked).
     """
 
-    def __init__(self, tokenizer, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
+    def __init__(self, tokenizer, *, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
                  max_completion_length=0, chat_template: str | None = None, vocab_size: int | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.chat_template = chat_template
@@ -159,6 +159,13 @@ class PromptEncoder:
         self.max_prompt_length = max_prompt_length
         self.max_total_length = max_total_length
         self.max_completion_length = max_completion_length
+
+    @classmethod
+    def for_run(cls, tokenizer, args, context: int | None, chat_template: str | None, vocab_size: int | None):
+        """The encoder of a GRPO-family run: its config's chat_template_kwargs and lengths, the model's context."""
+        return cls(tokenizer, chat_template_kwargs=args.chat_template_kwargs, max_prompt_length=args.max_prompt_length,
+                   max_total_length=context, max_completion_length=args.max_completion_length,
+                   chat_template=chat_template, vocab_size=vocab_size)
 
     def text(self, prompt, tools: list | None = None) -> str:
         """The prompt as the model reads it: a conversation through the chat template (with `tools`, the tools'
@@ -229,7 +236,7 @@ class PromptSource:
     last incomplete round of an epoch is dropped. Iterable datasets are read in order.
     """
 
-    def __init__(self, dataset, encoder: PromptEncoder, per_round: int, shuffle: bool = True, seed: int = 42,
+    def __init__(self, dataset, encoder: PromptEncoder, per_round: int, *, shuffle: bool = True, seed: int = 42,
                  full_rounds: bool = True):
         import datasets
 

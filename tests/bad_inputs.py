@@ -546,7 +546,7 @@ def model_init_kwargs_typo(tmp):
 def chat_template_kwargs_typo(tmp):
     from posttrain.data import PromptEncoder
 
-    PromptEncoder(_tokenizer(), {"enable_thinkng": False})
+    PromptEncoder(_tokenizer(), chat_template_kwargs={"enable_thinkng": False})
 
 
 @case("Config", "typo in `gradient_checkpointing_kwargs`", ConfigError,

@@ -105,7 +105,8 @@ def test_in_process_lean_and_plain_forward_and_posttrain_serve_sample_the_same_m
     engine = TransformersEngine(copy.deepcopy(trainer.policy), tokenizer, max_model_len=2048, name="tiny")
     with running(engine) as url:
         client = ServerClient(url, connect_timeout=10, request_timeout=30, sync_timeout=30)
-        served = ServerGenerator(client, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=7)
+        served = ServerGenerator(client, params, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+                                 seed=7)
         assert _sample(trainer, served) == in_process
     trainer.close()
 
@@ -143,8 +144,8 @@ def test_vllm_colocate_and_server_run_the_tool_loop(tmp_path, _restore_environme
     fake = FakeVLLMServer(max_model_len=2048)
     with fake_vllm(), serving(fake) as url:
         client = ServerClient(url, connect_timeout=5, request_timeout=5, sync_timeout=10)
-        generator = ServerGenerator(client, SamplingParams(max_new_tokens=TURN), tokenizer.pad_token_id,
-                                    [tokenizer.eos_token_id], group_port=51998)
+        generator = ServerGenerator(client, SamplingParams(max_new_tokens=TURN), pad_id=tokenizer.pad_token_id,
+                                    eos_ids=[tokenizer.eos_token_id], group_port=51998)
         generator.sync_weights(export_weights(trainer.policy))
         rows = _sample(trainer, generator)
     _check_rows(trainer, tokenizer, rows)

@@ -888,8 +888,8 @@ def _rollout_stage(fn, max_completion_length: int = 4):
     from posttrain.agents.loop import Budget
     from posttrain.agents.rollouts import AgentRollouts, Agents
 
-    return AgentRollouts(tiny_tokenizer(), None, Agents(rollout_func=fn), None, {}, Budget(max_completion_length, 512),
-                         vocab_size=100)
+    return AgentRollouts(tiny_tokenizer(), None, Agents(rollout_func=fn), chat_template=None, chat_template_kwargs={},
+                         budget=Budget(max_completion_length, 512), vocab_size=100)
 
 
 def test_rollout_rows_that_cannot_train_as_expected_are_said_once_a_run(caplog):
@@ -951,8 +951,8 @@ def test_a_tool_result_with_a_token_the_embedding_lacks_is_one_sentence():
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     rows = len(tokenizer)
     tokenizer.add_tokens(["<added>"])
-    stage = AgentRollouts(tokenizer, None, Agents(tools=[lookup]), TOOL_CHAT_TEMPLATE, {}, Budget(64, 512),
-                          vocab_size=rows)
+    stage = AgentRollouts(tokenizer, None, Agents(tools=[lookup]), chat_template=TOOL_CHAT_TEMPLATE,
+                          chat_template_kwargs={}, budget=Budget(64, 512), vocab_size=rows)
     try:
         assert stage._suffix_ids([{"role": "tool", "name": "lookup", "content": "found"}])
         with pytest.raises(DataError, match=rf"^The result of tool 'lookup' tokenizes to id {rows} \('<added>'\), "

@@ -179,7 +179,8 @@ def test_every_process_drops_the_same_pairs_and_the_main_one_says_so(tokenizer, 
     caplog.clear()
     shared = []
     for rank in (1, 0):
-        stream = StreamBatches(dataset.to_iterable_dataset(), preparation(rank), 1, 2, 1, rank)
+        stream = StreamBatches(dataset.to_iterable_dataset(), preparation(rank), micro_batch_size=1, num_processes=2,
+                               accumulation=1, rank=rank)
         shared.append([stream.next_step()[0].index.tolist() for _ in range(2)])
     assert shared == [[[3], [5]], [[1], [4]]]  # the 4 pairs left, alternately to each process
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [

@@ -161,7 +161,8 @@ def test_each_example_gets_another_for_its_kl_reference_point(n, size, accumulat
     from posttrain.sequences.batches import predecessor_positions
     from posttrain.sequences.rows import EpochPlan
 
-    before = predecessor_positions(EpochPlan(np.ones(n, dtype=np.int64), size, 1, accumulation), n)
+    plan = EpochPlan(np.ones(n, dtype=np.int64), size, num_processes=1, accumulation=accumulation)
+    before = predecessor_positions(plan, n)
     assert (before != np.arange(n)).all() or n == 1
     for step in range(-(-n // (size * accumulation))):
         first, end = step * size * accumulation, min((step + 1) * size * accumulation, n)

@@ -135,8 +135,8 @@ def test_generation_equals_the_in_process_generator_and_sync_is_verified(tokeniz
     with running(engine) as url:
         client = _client(url)
         model = tiny_model(tokenizer)
-        generator = ServerGenerator(client, PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=3,
-                                    model_fingerprint=wire.fingerprint(export_weights(model)))
+        generator = ServerGenerator(client, PARAMS, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+                                    seed=3, model_fingerprint=wire.fingerprint(export_weights(model)))
         assert generator.server_info["engine"] == "transformers"
         _same(generator.generate(PROMPTS), _in_process(model, tokenizer, _first_request_seed(3)))
         # new weights: pushed, verified by digest, and sampled from
@@ -154,7 +154,8 @@ def test_a_lora_policy_reaches_the_server_merged(tokenizer):
     policy = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                               init_lora_weights=False))
     with running(_engine(tokenizer)) as url:
-        generator = ServerGenerator(_client(url), PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=5)
+        generator = ServerGenerator(_client(url), PARAMS, pad_id=tokenizer.pad_token_id,
+                                    eos_ids=[tokenizer.eos_token_id], seed=5)
         generator.sync_weights(export_weights(policy))  # plain names: the server would refuse base_model.model.*
         merged = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8,
                                                                   target_modules=["q_proj", "v_proj"]))
@@ -197,8 +198,9 @@ def test_the_wrong_model_at_the_other_end(tokenizer):
     with running(_engine(tokenizer)) as url:
         bigger = tiny_model(tokenizer, hidden=48)
         with pytest.raises(GenerationError, match="serves another model than the one being trained"):
-            ServerGenerator(_client(url), PARAMS, 0, [1], model_fingerprint=wire.fingerprint(export_weights(bigger)))
-        generator = ServerGenerator(_client(url), PARAMS, 0, [1])
+            ServerGenerator(_client(url), PARAMS, pad_id=0, eos_ids=[1],
+                            model_fingerprint=wire.fingerprint(export_weights(bigger)))
+        generator = ServerGenerator(_client(url), PARAMS, pad_id=0, eos_ids=[1])
         with pytest.raises(GenerationError, match=r"400: weight '\S+' has shape \([\d, ]+\), the served model's "
                                                   r"\([\d, ]+\): the trainer's model differs from the served one"):
             generator.sync_weights(export_weights(bigger))
@@ -212,7 +214,7 @@ def test_no_server_raises_within_the_connect_timeout():
     start = time.time()
     with pytest.raises(GenerationError, match=rf"No generation server answered at http://127.0.0.1:{port} within "
                                               r"1.5 s \(vllm_server_timeout\)"):
-        ServerGenerator(_client(f"http://127.0.0.1:{port}", connect_timeout=1.5), PARAMS, 0, [1])
+        ServerGenerator(_client(f"http://127.0.0.1:{port}", connect_timeout=1.5), PARAMS, pad_id=0, eos_ids=[1])
     assert time.time() - start < 5
 
 
@@ -243,7 +245,7 @@ def test_a_500_on_a_bucket_is_retried(tokenizer):
             return super().load(*args, **kwargs)
 
     with running(Flaky(tiny_model(tokenizer), tokenizer)) as url:
-        generator = ServerGenerator(_client(url), PARAMS, 0, [1])
+        generator = ServerGenerator(_client(url), PARAMS, pad_id=0, eos_ids=[1])
         generator.sync_weights(export_weights(tiny_model(tokenizer, seed=2)))  # verified by digest after the retry
         assert Flaky.failures == 0
 
@@ -438,7 +440,8 @@ def test_the_client_fits_its_requests_and_buckets_to_the_server_limits(tokenizer
     with running(engine, limits=Limits(max_num_seqs=3, max_batch_tokens=3 * (5 + 6), max_bucket_bytes=largest)) \
             as url:
         model = tiny_model(tokenizer)
-        generator = ServerGenerator(_client(url), PARAMS, tokenizer.pad_token_id, [tokenizer.eos_token_id], seed=3)
+        generator = ServerGenerator(_client(url), PARAMS, pad_id=tokenizer.pad_token_id,
+                                    eos_ids=[tokenizer.eos_token_id], seed=3)
         split, whole = generator.generate(PROMPTS), _in_process(model, tokenizer, _first_request_seed(3))
         assert sorted(sizes) == [1, 1, 3, 3]  # each group of 4 as 3 + 1 (the requests are sent together)
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos"):
@@ -744,8 +747,8 @@ def test_a_key_guards_every_route(tokenizer):
             for headers in ({}, {"Authorization": "Bearer wrong"}):
                 assert requests.request(method, f"{url}{path}", headers=headers, timeout=5).status_code == 401, path
         with pytest.raises(GenerationError, match="refused the API key"):
-            ServerGenerator(_client(url, connect_timeout=3, api_key="wrong"), PARAMS, 0, [1])
-        generator = ServerGenerator(_client(url, api_key="s3cret"), PARAMS, 0, [1])
+            ServerGenerator(_client(url, connect_timeout=3, api_key="wrong"), PARAMS, pad_id=0, eos_ids=[1])
+        generator = ServerGenerator(_client(url, api_key="s3cret"), PARAMS, pad_id=0, eos_ids=[1])
         assert len(generator.generate([[5, 6]] * 2)) == 2
 
 
@@ -804,7 +807,7 @@ def test_a_thousand_half_finished_connections_do_not_lock_the_trainer_out(tokeni
         held = _half_finished(port, 1000)
         try:
             start = time.perf_counter()
-            generator = ServerGenerator(_client(url, api_key="k"), PARAMS, 0, [1])
+            generator = ServerGenerator(_client(url, api_key="k"), PARAMS, pad_id=0, eos_ids=[1])
             assert len(generator.generate([[5, 6]] * 2)) == 2 and time.perf_counter() - start < 10
             assert all(_closed_by_server(conn) for conn in held[:900:50])  # evicted, oldest first
             assert _still_open(held) <= 64  # the bound, however fast they came

@@ -44,7 +44,7 @@ def _prepared(tokenizer, dataset, formatting_func=None, main_process=True, **con
     """(training rows, the Preparation) of a whole map-style dataset, as the trainer prepares it."""
     args = SFTConfig(output_dir="/tmp/unused", **config)
     encoder = RowEncoder(tokenizer, args, formatting_func, dataset[0])
-    preparation = Preparation(encoder, args, args.packing, "train_dataset", main_process)
+    preparation = Preparation(encoder, args, packing=args.packing, name="train_dataset", main_process=main_process)
     return prepare_map_dataset(dataset, preparation, seed=0), preparation
 
 
@@ -280,11 +280,12 @@ def test_epoch_plan_orders_and_shares():
     assert plan.micro_batches == 3 and plan.steps == 2 and list(plan.step_micro_batches(1)) == [2]
     assert plan.share(order, 0, 1).tolist() == [2, 3] and [plan.share(order, 2, r).tolist() for r in (0, 1)] == [[8],
                                                                                                                  [9]]
-    random = EpochPlan(np.arange(10), 2, 1, 1, "random", seed=3)
+    random = EpochPlan(np.arange(10), 2, num_processes=1, accumulation=1, strategy="random", seed=3)
     assert sorted(random.order(0).tolist()) == list(range(10)) and random.order(0).tolist() != random.order(1).tolist()
-    assert random.order(1).tolist() == EpochPlan(np.arange(10), 2, 1, 1, "random", seed=3).order(1).tolist()
-    assert EpochPlan(np.arange(10), 4, 1, 1, drop_last=True).micro_batches == 2
-    grouped = EpochPlan(np.arange(100), 1, 1, 1, "group_by_length").order(0)
+    again = EpochPlan(np.arange(10), 2, num_processes=1, accumulation=1, strategy="random", seed=3)
+    assert random.order(1).tolist() == again.order(1).tolist()
+    assert EpochPlan(np.arange(10), 4, num_processes=1, accumulation=1, drop_last=True).micro_batches == 2
+    grouped = EpochPlan(np.arange(100), 1, num_processes=1, accumulation=1, strategy="group_by_length").order(0)
     assert grouped.tolist()[:50] == sorted(grouped.tolist()[:50], reverse=True)
 
 
@@ -380,9 +381,9 @@ def test_a_stream_says_what_max_length_cuts_once(tokenizer, caplog, monkeypatch)
     monkeypatch.setattr(batches, "BLOCK", 2)  # 3 blocks: none cut, then 2 rows cut, then 1
     dataset = Dataset.from_dict({"text": TEXTS}).to_iterable_dataset()
     args = SFTConfig(output_dir="/tmp/unused", packing=True, max_length=6)
-    preparation = Preparation(RowEncoder(tokenizer, args, None, batches.first_row(dataset)), args, True,
-                              "train_dataset", stream=True)
-    stream = batches.StreamBatches(dataset, preparation, 1, 1, 1, 0)
+    preparation = Preparation(RowEncoder(tokenizer, args, None, batches.first_row(dataset)), args, packing=True,
+                              name="train_dataset", stream=True)
+    stream = batches.StreamBatches(dataset, preparation, micro_batch_size=1, num_processes=1, accumulation=1, rank=0)
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         for _ in range(6):
             stream.next_step()

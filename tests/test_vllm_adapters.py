@@ -190,7 +190,7 @@ def serving(fake):
 
 def _vllm_generator(url, sync_timeout=10.0, **kw):
     client = ServerClient(url, connect_timeout=5, request_timeout=5, sync_timeout=sync_timeout)
-    return ServerGenerator(client, SamplingParams(max_new_tokens=4), 0, [2], group_port=51999, **kw)
+    return ServerGenerator(client, SamplingParams(max_new_tokens=4), pad_id=0, eos_ids=[2], group_port=51999, **kw)
 
 
 def test_weights_reach_a_vllm_server_in_vllms_order_with_the_version(tokenizer):

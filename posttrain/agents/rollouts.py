@@ -105,7 +105,7 @@ class AgentRollouts:
         results_as_text: tool results' special-token texts are tokenized as text (ToolSuffix).
     """
 
-    def __init__(self, tokenizer, encoder, agents: Agents, chat_template: str | None, chat_template_kwargs: dict,
+    def __init__(self, tokenizer, encoder, agents: Agents, *, chat_template: str | None, chat_template_kwargs: dict,
                  budget: Budget, tool_timeout: float | None = None, trainer: Any = None, vocab_size: int | None = None,
                  reserved=(), placeholder_prompts: bool = False, results_as_text: bool = True):
         self.tokenizer, self.encoder, self.agents, self.budget = tokenizer, encoder, agents, budget

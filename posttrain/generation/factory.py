@@ -18,8 +18,9 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
 
         max_num_seqs = (config.per_device_train_batch_size * config.vllm_tensor_parallel_size
                         * config.steps_per_generation)
-        return ColocateGenerator(config, policy, tokenizer, params, eos_token_ids(policy, tokenizer), seed,
-                                 process_index, local_process_index, num_processes, max_num_seqs)
+        return ColocateGenerator(config, policy, tokenizer, params, eos_ids=eos_token_ids(policy, tokenizer), seed=seed,
+                                 process_index=process_index, local_process_index=local_process_index,
+                                 num_processes=num_processes, max_num_seqs=max_num_seqs)
     if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
         from posttrain.generation.server import ServerClient, ServerGenerator, api_key_from_env
         from posttrain.weights import export_weights
@@ -29,7 +30,8 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                               connect_timeout=config.vllm_server_timeout, request_timeout=config.request_timeout,
                               sync_timeout=config.weight_sync_timeout)
         max_length = (config.max_prompt_length + params.max_new_tokens) if config.max_prompt_length else None
-        return ServerGenerator(client, params, tokenizer.pad_token_id, eos_token_ids(policy, tokenizer), seed=seed,
+        return ServerGenerator(client, params, pad_id=tokenizer.pad_token_id, eos_ids=eos_token_ids(policy, tokenizer),
+                               seed=seed,
                                model_fingerprint=fingerprint(export_weights(policy)),
                                pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device,
                                max_length=max_length, needs_processed_logprobs=config.corrects_sampling,

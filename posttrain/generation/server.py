@@ -46,7 +46,7 @@ class ServerClient:
         retries: attempts of an idempotent call that failed on the connection or with a 5xx.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, connect_timeout: float = 240.0,
+    def __init__(self, base_url: str, *, api_key: str | None = None, connect_timeout: float = 240.0,
                  request_timeout: float = 600.0, sync_timeout: float = 1800.0, retries: int = 3,
                  max_bucket_bytes: int = wire.MAX_BUCKET_BYTES):
         from posttrain._optional import require
@@ -265,7 +265,7 @@ class ServerGenerator:
     # client waits out; vLLM pauses), so a rollout worker may sample while the trainer pushes
     samples_during_push = True
 
-    def __init__(self, client: ServerClient, params: SamplingParams, pad_id: int, eos_ids: list[int], seed: int = 0,
+    def __init__(self, client: ServerClient, params: SamplingParams, *, pad_id: int, eos_ids: list[int], seed: int = 0,
                  model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu",
                  max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216,
                  versions_advance: bool = False):

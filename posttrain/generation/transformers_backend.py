@@ -122,7 +122,7 @@ class TransformersGenerator:
         lean: decode with `LeanDecoder` where it reproduces the model; False always uses the model's forward.
     """
 
-    def __init__(self, model, tokenizer, params: SamplingParams, seed: int = 0, shares_policy: bool = True,
+    def __init__(self, model, tokenizer, params: SamplingParams, *, seed: int = 0, shares_policy: bool = True,
                  lean: bool = True):
         self.model = model
         self.lean = lean

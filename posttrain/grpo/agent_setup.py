@@ -56,7 +56,8 @@ def agent_rollouts(agents: Agents, args, encoder, chat_template: str | None, con
     if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_max_model_length:
         context = args.vllm_max_model_length
     budget = Budget(args.max_completion_length, context or 2 ** 62, args.max_tool_calling_iterations)
-    return AgentRollouts(encoder.tokenizer, encoder, agents, chat_template, args.chat_template_kwargs or {}, budget,
-                         args.tool_timeout, trainer=trainer, vocab_size=encoder.vocab_size,
+    return AgentRollouts(encoder.tokenizer, encoder, agents, chat_template=chat_template,
+                         chat_template_kwargs=args.chat_template_kwargs or {}, budget=budget,
+                         tool_timeout=args.tool_timeout, trainer=trainer, vocab_size=encoder.vocab_size,
                          reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts,
                          results_as_text=args.tool_results_as_text)

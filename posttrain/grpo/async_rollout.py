@@ -59,7 +59,7 @@ class RolloutWorker:
         next_index: the first round to draw; queue: rounds sampled before a resume.
     """
 
-    def __init__(self, draw: Callable, sample: Callable, plan: Callable, ahead: int, heartbeat_s: float,
+    def __init__(self, draw: Callable, sample: Callable, plan: Callable, *, ahead: int, heartbeat_s: float,
                  next_index: int = 0, queue=()):
         self._draw, self._sample, self._plan = draw, sample, plan
         self.ahead, self.heartbeat_s = ahead, heartbeat_s
@@ -214,7 +214,7 @@ class AheadRounds:
         next_index, queue: where a resumed run's worker starts, and the rounds it had sampled.
     """
 
-    def __init__(self, args, accelerator, sample: Callable, draw: Callable, on_taken: Callable, push: Callable,
+    def __init__(self, args, accelerator, *, sample: Callable, draw: Callable, on_taken: Callable, push: Callable,
                  next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True,
                  background: tuple[Callable, Callable] | None = None):
         self.args, self.accelerator, self._push, self._on_taken = args, accelerator, push, on_taken
@@ -223,7 +223,8 @@ class AheadRounds:
         self._background, self._pushing = background, None
         self.extra_rounds = extra_rounds  # dynamic sampling's rounds beyond one per batch
         ahead = args.rounds_ahead(args.generation_batch_size, accelerator.num_processes)
-        self.worker = RolloutWorker(draw, sample, self.plan, ahead, args.heartbeat_stale_after_s, next_index, queue)
+        self.worker = RolloutWorker(draw, sample, self.plan, ahead=ahead, heartbeat_s=args.heartbeat_stale_after_s,
+                                    next_index=next_index, queue=queue)
         self._stats = {"stale_dropped": 0.0, "trainer_wait_s": 0.0}
         self._staleness: list[int] = []
         self._depths: list[int] = []
@@ -359,8 +360,9 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
     def sample(prompt_round, step: int, engine):
         return rollout.sample_local(prompt_round, args.num_generations, step, skip_bad, engine=engine)
 
-    ahead = AheadRounds(args, accelerator, sample, lambda: next(rounds), on_taken, rollout.push_weights, next_index,
-                        resumed[1] if resumed else (), resumed[0]["extra_rounds"] if resumed else 0,
+    ahead = AheadRounds(args, accelerator, sample=sample, draw=lambda: next(rounds), on_taken=on_taken,
+                        push=rollout.push_weights, next_index=next_index,
+                        queue=resumed[1] if resumed else (), extra_rounds=resumed[0]["extra_rounds"] if resumed else 0,
                         exclusive_push=not getattr(rollout.generator, "samples_during_push", False),
                         background=((rollout.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
                                     if getattr(rollout.generator, "pushes_in_background", False) else None))

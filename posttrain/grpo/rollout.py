@@ -126,33 +126,53 @@ class Rewards:
         return [f.name for f in self.funcs]
 
 
+@dataclass(frozen=True)
+class RoundModels:
+    """The models a round runs: `model` as prepared (its weights go to the generator), `policy` unwrapped,
+    `forward_policy` for forwards without gradient; a separate reference `ref_model`, or None (then the policy with its
+    adapters off, `reference_adapter`)."""
+
+    model: Any
+    policy: Any
+    forward_policy: Any
+    ref_model: Any
+    reference_adapter: str | None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How the log-prob forwards lay rows out (models/logprobs.py): packed, prompts shared, padded to a multiple."""
+
+    packing: bool
+    share_prompts: bool
+    pad_to_multiple_of: int | None
+
+
 class Rollout:
     """Turns rounds of prompts into scored batches.
 
     Args:
         args: the GRPOConfig.
         accelerator, sharding: the run's (training/).
-        model: the model being trained (as prepared: its weights go to the generator), `policy` unwrapped, and
-            `forward_policy` for forwards without gradient.
-        ref_model: a separate reference, or None (then the policy with its adapters off, `reference_adapter`).
+        models: the policy as prepared, unwrapped and for forwards without gradient, and the reference.
         generator: the generation backend (posttrain/generation).
         tokenizer: decodes completions for the reward functions.
         rewards: the reward functions, weights and columns.
         trainer_state: transformers' TrainerState, which reward functions receive.
-        packing, share_prompts, pad_to_multiple_of: how the log-prob forwards lay rows out (models/logprobs.py).
+        layout: how the log-prob forwards lay rows out.
         sampling_params: the generator's, for the sampler correction's support.
         needs_old_logps: whether old log-probs are kept.
         agents: tools, environments or a rollout_func (posttrain/agents/rollouts.py), or None: one generate() call.
     """
 
-    def __init__(self, args, accelerator, sharding, model, policy, forward_policy, ref_model, reference_adapter,
-                 generator, tokenizer, rewards: Rewards, trainer_state: Any, packing: bool, share_prompts: bool,
-                 pad_to_multiple_of: int | None, sampling_params, needs_old_logps: bool, agents=None):
+    def __init__(self, args, *, accelerator, sharding, models: RoundModels, generator, tokenizer, rewards: Rewards,
+                 trainer_state: Any, layout: RowLayout, sampling_params, needs_old_logps: bool, agents=None):
         self.args, self.accelerator, self.sharding = args, accelerator, sharding
-        self.model, self.policy, self.forward_policy = model, policy, forward_policy
-        self.ref_model, self.reference_adapter = ref_model, reference_adapter
+        self.model, self.policy, self.forward_policy = models.model, models.policy, models.forward_policy
+        self.ref_model, self.reference_adapter = models.ref_model, models.reference_adapter
         self.generator, self.tokenizer, self.rewards, self.trainer_state = generator, tokenizer, rewards, trainer_state
-        self.packing, self.share_prompts, self.pad_to_multiple_of = packing, share_prompts, pad_to_multiple_of
+        self.packing, self.share_prompts = layout.packing, layout.share_prompts
+        self.pad_to_multiple_of = layout.pad_to_multiple_of
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
         self.agents = agents
         self.ahead = None  # async_generation's rounds sampled ahead (grpo/async_rollout.py AheadRounds), else None

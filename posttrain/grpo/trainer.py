@@ -37,7 +37,7 @@ from posttrain.grpo.flat_rewards import FlatRewardWatch
 from posttrain.grpo.losses import (SEQUENCE_LEVELS, LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss,
                                   micro_batch_loss)
 from posttrain.grpo.metrics import loss_metrics, with_tokens_seen
-from posttrain.grpo.rollout import Rewards, Rollout
+from posttrain.grpo.rollout import Rewards, Rollout, RoundModels, RowLayout
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs, reward_weights
@@ -64,10 +64,8 @@ class GRPOTrainer(Trainer):
         processing_class: the tokenizer (or a processor holding one); loaded from the model's path when None.
         reward_processing_classes: tokenizers of reward models (one, or one per reward function; None entries load
             the reward model's own).
-        callbacks: transformers TrainerCallbacks (instances or classes), see training/callbacks.py.
-        optimizers: (optimizer, lr_scheduler); None entries are built from the config.
-        quantization_config: a transformers quantization config (TRL's get_quantization_config) for a model loaded
-            from a path or hub id.
+        callbacks: transformers TrainerCallbacks (instances or classes); optimizers: (optimizer, lr_scheduler).
+        quantization_config: a transformers quantization config for a model loaded from a path or hub id.
         peft_config: a peft LoraConfig to train adapters instead of all weights (needs `posttrain[peft]`).
         tools: functions (sync or async, with type hints and a Google-style docstring) the model may call; their
             schemas are rendered into the prompts and each rollout runs the calls it makes (docs/tools.md).
@@ -131,9 +129,11 @@ class GRPOTrainer(Trainer):
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
         rewards = Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter)
         self.rollout = self._rollout_class(
-            args, self.accelerator, self.sharding, self.model, self.policy, self.forward_policy, self.ref_model,
-            self.reference_adapter, generator, self.tokenizer, rewards, self.state, self.packing, self.share_prompts,
-            self.pad_to_multiple_of, self.sampling_params, self.needs_old_logps, self.agents)
+            args, accelerator=self.accelerator, sharding=self.sharding, models=RoundModels(
+                self.model, self.policy, self.forward_policy, self.ref_model, self.reference_adapter),
+            generator=generator, tokenizer=self.tokenizer, rewards=rewards, trainer_state=self.state,
+            layout=RowLayout(self.packing, self.share_prompts, self.pad_to_multiple_of),
+            sampling_params=self.sampling_params, needs_old_logps=self.needs_old_logps, agents=self.agents)
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._rounds = self.prompts.rounds()
@@ -183,10 +183,9 @@ class GRPOTrainer(Trainer):
         context = getattr(model.config, "max_position_embeddings", None)
         # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
-        self.encoder = PromptEncoder(self.tokenizer, args.chat_template_kwargs, args.max_prompt_length, context,
-                                     args.max_completion_length, chat_template, self._vocab_rows)
-        self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context,
-                                     placeholder_prompts, trainer=self)
+        self.encoder = PromptEncoder.for_run(self.tokenizer, args, context, chat_template, self._vocab_rows)
+        self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context, placeholder_prompts,
+                                     trainer=self)
         sources = self.agents.reward_sources() if self.agents is not None else []
         if agents.environment_factory is not None and not user_funcs and not sources:
             raise ConfigError(NO_REWARD + ", or environments whose class defines get_reward.")
@@ -198,8 +197,8 @@ class GRPOTrainer(Trainer):
             if f.model is not None:
                 f.model.to(self.accelerator.device)
 
-        self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation, args.shuffle_dataset,
-                                    self._data_seed)
+        self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation,
+                                    shuffle=args.shuffle_dataset, seed=self._data_seed)
         self.train_dataset = train_dataset  # as given, as TRL keeps it (GRPO prepares prompts round by round)
         # TRL's GRPO remove_unused_columns=True drops every column but the prompt before the reward functions see them
         self.reward_columns = [] if args.drops_reward_columns else self.prompts.columns

@@ -273,7 +273,7 @@ def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
     its block. posttrain's trainer pairs within each optimizer step's examples (every process's micro-batches in turn,
     sequences/batches.py predecessor_positions), which is this pairing where a step is one such block: one process,
     one micro-batch a step, sequential sampling, as here."""
-    plan = EpochPlan(examples.lengths, batch_size, 1, 1, strategy="sequential")
+    plan = EpochPlan(examples.lengths, batch_size, num_processes=1, accumulation=1, strategy="sequential")
     return kl_rows(examples, examples.select(predecessor_positions(plan, len(examples))))
 
 

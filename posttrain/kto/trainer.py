@@ -162,7 +162,7 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _eval_sources(rows: UnpairedRows, batch_size: int, processes: int) -> np.ndarray:
         """[N] whose completion each eval example's KL pair takes: the one before it in its process's share of its
         eval micro-batch (as TRL pairs within a batch)."""
-        plan = EpochPlan(rows.lengths, batch_size, processes, 1, strategy="sequential")
+        plan = EpochPlan(rows.lengths, batch_size, num_processes=processes, accumulation=1, strategy="sequential")
         order, sources = plan.order(0), np.arange(len(rows))
         for m in range(plan.micro_batches):
             for rank in range(processes):

@@ -122,7 +122,7 @@ def predecessor_positions(plan: EpochPlan, n: int) -> np.ndarray:
 class StreamBatches:
     """Micro-batches of an iterable dataset, read in order, epoch after epoch: position = stream rows consumed."""
 
-    def __init__(self, dataset, preparation, micro_batch_size: int, num_processes: int,
+    def __init__(self, dataset, preparation, *, micro_batch_size: int, num_processes: int,
                  accumulation: int, rank: int):
         self.dataset = dataset
         self.preparation = preparation
@@ -222,7 +222,7 @@ class StreamBatches:
 
 def eval_batches(rows: TokenRows, micro_batch_size: int, num_processes: int, rank: int):
     """This process's share of each eval micro-batch, every row once, in order."""
-    plan = EpochPlan(rows.lengths, micro_batch_size, num_processes, 1, strategy="sequential")
+    plan = EpochPlan(rows.lengths, micro_batch_size, num_processes=num_processes, accumulation=1, strategy="sequential")
     order = plan.order(0)
     for m in range(plan.micro_batches):
         yield rows.select(plan.share(order, m, rank))

@@ -235,7 +235,7 @@ class EpochPlan:
     an epoch's end (the last step of an epoch may take fewer, as in transformers).
     """
 
-    def __init__(self, lengths: np.ndarray, micro_batch_size: int, num_processes: int, accumulation: int,
+    def __init__(self, lengths: np.ndarray, micro_batch_size: int, *, num_processes: int, accumulation: int,
                  strategy: str = "random", seed: int = 0, drop_last: bool = False):
         self.lengths = lengths
         self.size = micro_batch_size

@@ -248,8 +248,8 @@ def _run(model, host, port, key, source, limits, max_model_len, dtype, device, t
     if dtype != "auto":
         kwargs["dtype"] = dtype
     loaded = load_causal_lm(model, kwargs).to(device)
-    engine = TransformersEngine(loaded, load_tokenizer(model, trust_remote_code), max_model_len, name=model,
-                                update_timeout=update_timeout)
+    engine = TransformersEngine(loaded, load_tokenizer(model, trust_remote_code), max_model_len=max_model_len,
+                                name=model, update_timeout=update_timeout)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit it: without, each keep-alive response waits ~40 ms for a delayed ACK (Nagle)

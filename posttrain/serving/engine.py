@@ -71,7 +71,7 @@ class TransformersEngine:
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, model, tokenizer, max_model_len: int | None = None, name: str = "model",
+    def __init__(self, model, tokenizer, *, max_model_len: int | None = None, name: str = "model",
                  update_timeout: float = 120.0, clock=time.monotonic):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer

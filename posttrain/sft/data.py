@@ -42,7 +42,7 @@ class Preparation:
     """Turns a dataset's rows into training rows with one config (its encoder, max_length, packing), counting what it
     leaves out (Losses) and saying it once (`report`; a stream's first losses at once)."""
 
-    def __init__(self, encoder: RowEncoder, args, packing: bool, name: str, main_process: bool = True,
+    def __init__(self, encoder: RowEncoder, args, *, packing: bool, name: str, main_process: bool = True,
                  stream: bool = False):
         self.encoder = encoder
         self.args = args

@@ -72,7 +72,7 @@ class RowEncoder:
         vocab_size: the model's vocabulary (its embedding rows): every token id must lie below it. None: unchecked.
     """
 
-    def __init__(self, tokenizer, args, formatting_func, first_row: dict, name: str = "train_dataset",
+    def __init__(self, tokenizer, args, formatting_func, first_row: dict, *, name: str = "train_dataset",
                  vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.args = args

@@ -115,9 +115,10 @@ class SFTTrainer(BatchedDataTrainer):
     def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one row.")
-        encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name,
-                             self._vocab_rows)
-        return Preparation(encoder, self.args, packing, name, self.accelerator.is_main_process, is_iterable(dataset))
+        encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name=name,
+                             vocab_size=self._vocab_rows)
+        return Preparation(encoder, self.args, packing=packing, name=name,
+                           main_process=self.accelerator.is_main_process, stream=is_iterable(dataset))
 
     def _apply_chat_template_path(self, model, peft_config) -> None:
         """chat_template_path onto the tokenizer, new tokens into the model and, with adapters, into what trains

@@ -84,15 +84,15 @@ class BatchedDataTrainer(Trainer):
         `fingerprint()`) and taken in its EpochPlan's order; one sentence when not one global batch is left."""
         args, acc = self.args, self.accelerator
         if is_iterable(train_dataset):
-            self._new_batches = lambda: StreamBatches(train_dataset, preparation, args.per_device_train_batch_size,
-                                                      acc.num_processes, args.gradient_accumulation_steps,
-                                                      acc.process_index)
+            self._new_batches = lambda: StreamBatches(
+                train_dataset, preparation, micro_batch_size=args.per_device_train_batch_size,
+                num_processes=acc.num_processes, accumulation=args.gradient_accumulation_steps, rank=acc.process_index)
             self.batches, self.data_fingerprint = self._new_batches(), None
             return
         rows = prepare_all(train_dataset, preparation)
-        plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, acc.num_processes,
-                         args.gradient_accumulation_steps, args.train_sampling_strategy, self._data_seed,
-                         args.dataloader_drop_last)
+        plan = EpochPlan(rows.lengths, args.per_device_train_batch_size, num_processes=acc.num_processes,
+                         accumulation=args.gradient_accumulation_steps, strategy=args.train_sampling_strategy,
+                         seed=self._data_seed, drop_last=args.dataloader_drop_last)
         if plan.micro_batches == 0:
             dropped = len(train_dataset) - len(rows) if self._data_noun == "pairs" else 0
             left = f" ({dropped} of {len(train_dataset)} dropped: see the warning)" if dropped > 0 else ""

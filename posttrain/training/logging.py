@@ -203,7 +203,7 @@ class MetricsLogger:
               "rewards/accuracies": "accuracy", "rewards/margins": "margin"}
     AVERAGING = 0.9  # the headline's moving average: weight on the past (debiased, as the plots' smoothing)
 
-    def __init__(self, args, total_steps: int, enabled: bool = True, run_config: dict | None = None,
+    def __init__(self, args, total_steps: int, *, enabled: bool = True, run_config: dict | None = None,
                  append: bool = False, start_step: int = 0, title: str = "GRPO", cumulative: tuple = (),
                  shown: tuple = ("loss",), console=None):
         self.enabled = enabled
