@@ -365,7 +365,7 @@ def test_the_rlhf_pipeline_example_runs_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 1e-3])
 def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_norm):
-    """The input embedding's sparse gradient, updated row by row (training/sparse_rows.py), against torch's dense
+    """The input embedding's sparse gradient, updated row by row (reward/sparse_rows.py), against torch's dense
     AdamW on the same run: 6 steps over batches that touch different rows (a row touched once keeps moving on its
     moments), clipped (1e-3 clips every step) or not; the same weights, moments and gradient norms to rounding
     (AdamW turns rounding-level differences of a near-zero gradient, such as k_proj's bias, whose gradient is zero
@@ -376,8 +376,8 @@ def test_the_embedding_rows_update_is_dense_adamw(tokenizer, tmp_path, max_grad_
                                per_device_train_batch_size=3, learning_rate=1e-2, max_grad_norm=max_grad_norm,
                                train_sampling_strategy="sequential")
         if not sparse:
-            trainer._sparse_rows.release()
-            trainer._sparse_rows = None
+            trainer._update.rows.release()
+            trainer._update = None  # the dense update, as the shared loop makes it
         else:
             assert trainer.policy.get_input_embeddings().sparse
         trainer.train()
@@ -402,7 +402,7 @@ def test_sixteen_bit_embedding_rows_update_as_torchs_fused_adamw(dtype):
     """A 16-bit embedding: the row-wise update computes in float32 and stores its moments in the weight's dtype, as
     torch's fused AdamW (the default optimizer) does, so eps=1e-8 is not 0 and an element without gradient stays
     finite (in float16, 0 / (0 + 0) was NaN at step 1). The same weights and moments as the fused kernel's."""
-    from posttrain.training.sparse_rows import SparseRows
+    from posttrain.reward.sparse_rows import SparseRows
 
     torch.manual_seed(0)
     sparse, dense = torch.nn.Embedding(12, 8, sparse=True).to(dtype), torch.nn.Embedding(12, 8).to(dtype)
@@ -449,7 +449,7 @@ def test_a_float16_reward_model_trains_as_trls(tokenizer, tmp_path, tiny_model_d
 def test_the_embedding_rows_written_non_finite_stop_the_run(tokenizer, tmp_path):
     """The row-wise update checks the rows it writes (the rest of the embedding did not change): a learning rate
     that overflows float32 makes them infinite, and the run's weight check names the embedding."""
-    from posttrain.training.sparse_rows import SparseRows
+    from posttrain.reward.sparse_rows import SparseRows
     from posttrain.training.step import TrainingError
 
     embedding = torch.nn.Embedding(10, 4)
@@ -461,6 +461,6 @@ def test_the_embedding_rows_written_non_finite_stop_the_run(tokenizer, tmp_path)
     assert torch.isfinite(embedding.weight[3:]).all()  # rows never looked up are untouched
 
     trainer, _, _ = _train(tokenizer, tmp_path, train=False)
-    trainer._sparse_rows.finite = False
+    trainer._update.rows.finite = False
     with pytest.raises(TrainingError, match=r"non-finite \(first: model\.embed_tokens\.weight\)"):
         trainer._check_weights_finite()

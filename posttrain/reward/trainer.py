@@ -34,6 +34,7 @@ from posttrain.models.scores import (HEAD_NAMES, prefix_shared_scores, prefix_sh
 from posttrain.reward.data import (RewardEncoder, RewardPreparation, detect_format, pairs_as_dataset,
                                    prepare_reward_pairs)
 from posttrain.reward.metrics import RewardStatistics
+from posttrain.reward.sparse_rows import RowwiseEmbeddingUpdate, SparseRows
 from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.collate import SequenceBatch, collate
 from posttrain.sequences.pairs import PairRows
@@ -43,7 +44,6 @@ from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
-from posttrain.training.sparse_rows import SparseRows
 from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
@@ -132,7 +132,11 @@ class RewardTrainer(BatchedDataTrainer):
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config)
         self._model_fingerprint = model_fingerprint(model)
         self._prepare(model, self._total_steps())
-        self._sparse_rows = SparseRows.for_run(self)  # the embedding's rows that move, updated alone
+        rows = SparseRows.where_exact(
+            self.policy, self.optimizer, fp16=args.fp16, one_process=self.accelerator.num_processes == 1 and
+            self.model is self.policy, optimizer_built_here=optimizers == (None, None) and not optimizer_cls_and_kwargs)
+        if rows is not None:  # the embedding's rows that move, updated alone
+            self._update = RowwiseEmbeddingUpdate(self.sharding, rows)
         self._min_shared = self._prefix_sharing_floor()
         self._tokens_seen = 0
         self._call("on_init_end")

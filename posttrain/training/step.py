@@ -16,6 +16,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.training.checkpoint import checkpoints, save_checkpoint
 from posttrain.training.distributed import mark_agreed
+from posttrain.training.update import Update
 
 
 class TrainingError(UserError, RuntimeError):
@@ -39,7 +40,7 @@ def _unused_parameters_said(step: int):
 class StepMixin:
     """transformers' training_step and the update, shared by every trainer."""
 
-    _sparse_rows = None  # a trainer's row-wise embedding update (training/sparse_rows.py), set after _prepare
+    _update = None  # how gradients become an update (training/update.py): the dense one unless a trainer sets its own
     _returned_losses = ()  # the step's micro-batch losses as compute_loss returned them (_logged_loss)
 
     def _accumulate(self, micro_batches: list, micro_loss, num_items_in_batch=None) -> list:
@@ -154,20 +155,12 @@ class StepMixin:
         Under DeepSpeed the engine's step clips and measures the norm itself, and skips an update whose norm is not
         finite: the norm is checked right after it, with the same outcome (no update applied, the run stops)."""
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else 0.0
-        rows = self._sparse_rows
-        if rows is not None and not rows.serves(self.optimizer):  # an optimizer put in after construction
-            rows.release()
-            self._sparse_rows = rows = None
-        if rows is not None:  # the input embedding's sparse gradient, updated row by row (training/sparse_rows.py)
-            grad_norm = rows.clip([p for p in self.model.parameters() if p.requires_grad], max_norm)
-        else:
-            grad_norm = self.sharding.clip_gradients(self.model, max_norm)
+        if self._update is None:
+            self._update = Update(self.sharding)
+        grad_norm = self._update.clip(self.model, self.optimizer, max_norm)
         self._check_finite(loss, grad_norm)
         self._call("on_pre_optimizer_step")
-        if rows is not None:
-            stepped_norm = rows.step(lambda: self.sharding.optimizer_step(self.model, self.optimizer))
-        else:
-            stepped_norm = self.sharding.optimizer_step(self.model, self.optimizer)
+        stepped_norm = self._update.step(self.model, self.optimizer)
         if grad_norm is None:
             grad_norm = stepped_norm
             self._check_finite(loss, grad_norm)
@@ -195,11 +188,8 @@ class StepMixin:
     def _check_weights_finite(self) -> None:
         """Stop when an update (finite loss and gradient, but e.g. a huge learning rate) made weights non-finite:
         such weights are never saved as a good state."""
-        rows = self._sparse_rows  # the input embedding's updated rows were checked as they were written
-        finite, name = self.sharding.all_finite(self.policy, skip=rows.weight if rows is not None else None)
-        if finite and rows is not None and not rows.finite:
-            finite, name = False, next(n for n, p in self.policy.named_parameters() if p is rows.weight)
-        if finite:
+        name = self._update.nonfinite_weight(self.policy)
+        if name is None:
             return
         newest = checkpoints(self.args.output_dir)
         where = f"the newest checkpoint is {newest[-1][1]}" if newest else "there is no checkpoint"

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from posttrain.training.update import Update
+
 
 class SparseRows:
     def __init__(self, embedding: torch.nn.Embedding, optimizer: torch.optim.Optimizer):
@@ -44,21 +46,19 @@ class SparseRows:
         embedding.sparse = True
 
     @classmethod
-    def for_run(cls, trainer) -> "SparseRows | None":
-        """The row-wise update for `trainer`'s policy, where it is exact (the module's docstring), else None."""
-        model, optimizer = trainer.policy, trainer.optimizer
+    def where_exact(cls, policy, optimizer, *, one_process: bool, fp16: bool, optimizer_built_here: bool):
+        """The row-wise update of `policy`'s input embedding under `optimizer`, where it is exact (the module's
+        docstring), else None. `one_process`: one process and the policy unwrapped; `optimizer_built_here`: the
+        optimizer is the one posttrain built from the config."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-        args = trainer.args
-        if trainer.accelerator.num_processes != 1 or trainer.model is not trainer.policy or args.fp16:
-            return None
-        if trainer._optimizers != (None, None) or trainer._optimizer_cls_and_kwargs is not None:
+        if not one_process or fp16 or not optimizer_built_here:
             return None
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
             return None
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embedding = policy.get_input_embeddings() if hasattr(policy, "get_input_embeddings") else None
         if type(embedding) is not torch.nn.Embedding or not embedding.weight.requires_grad or embedding.max_norm:
             return None
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        output = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
         if output is not None and getattr(output, "weight", None) is embedding.weight:
             return None
         groups = [g for g in optimizer.param_groups if any(p is embedding.weight for p in g["params"])]
@@ -203,3 +203,40 @@ class SparseRows:
         updated = updated.to(weight.dtype)
         self.finite = bool(torch.isfinite(updated).all())  # the only rows that changed: the weight's check
         weight.index_copy_(0, self.rows, updated)
+
+
+class RowwiseEmbeddingUpdate(Update):
+    """The reward trainer's update: the dense one for every parameter but the input embedding, whose touched rows
+    `rows` steps; the dense one alone once the optimizer is replaced (the rows' moments handed back to it)."""
+
+    def __init__(self, sharding, rows: SparseRows):
+        super().__init__(sharding)
+        self.rows = rows
+
+    def _serving(self, optimizer) -> SparseRows | None:
+        if self.rows is not None and not self.rows.serves(optimizer):  # an optimizer put in after construction
+            self.rows.release()
+            self.rows = None
+        return self.rows
+
+    def clip(self, model, optimizer, max_norm: float) -> float | None:
+        rows = self._serving(optimizer)
+        if rows is None:
+            return super().clip(model, optimizer, max_norm)
+        return rows.clip([p for p in model.parameters() if p.requires_grad], max_norm)
+
+    def step(self, model, optimizer) -> float | None:
+        rows = self._serving(optimizer)
+        if rows is None:
+            return super().step(model, optimizer)
+        return rows.step(lambda: super(RowwiseEmbeddingUpdate, self).step(model, optimizer))
+
+    def nonfinite_weight(self, policy) -> str | None:
+        """The embedding's updated rows were checked as they were written; every other weight here."""
+        rows = self.rows
+        if rows is None:
+            return super().nonfinite_weight(policy)
+        finite, name = self.sharding.all_finite(policy, skip=rows.weight)
+        if finite and not rows.finite:
+            return next(n for n, p in policy.named_parameters() if p is rows.weight)
+        return None if finite else name
