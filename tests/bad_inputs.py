@@ -2166,7 +2166,7 @@ def reward_margin_missing(tmp):
 
 @case("Reward model", "a prompt-completion (SFT) dataset (TRL: KeyError 'chosen')", DataError,
       r"^train_dataset is in no preference format: its columns are prompt, completion; a reward model needs .* "
-      r"\(prompt/completion is an SFT dataset; a reward model learns from a chosen and a rejected answer\)\.$",
+      r"\(prompt/completion is an SFT dataset; a preference dataset pairs a chosen and a rejected answer\)\.$",
       kind="crash")
 def reward_sft_dataset(tmp):
     _reward(tmp, data={"prompt": ["a", "b"], "completion": ["c", "d"]})

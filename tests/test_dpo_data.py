@@ -8,8 +8,8 @@ from datasets import Dataset
 
 from posttrain.configs import DPOConfig
 from posttrain.data import DataError
-from posttrain.dpo.batch import collate_pairs
-from posttrain.dpo.data import PairEncoder, PairPreparation, prepare_pairs
+from posttrain.sequences.pair_batch import collate_pairs
+from posttrain.sequences.pair_data import PairEncoder, PairPreparation, prepare_pairs
 from posttrain.sequences.chat import extract_prompt
 
 STANDARD = {"prompt": ["1+1=", "2+3=", "9+9="], "chosen": ["2", "5", "18"], "rejected": ["3", "6 ", "81"]}

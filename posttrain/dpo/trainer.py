@@ -20,8 +20,9 @@ import torch
 
 from posttrain.configs import ConfigError, DPOConfig
 from posttrain.data import DataError
-from posttrain.dpo.batch import PairBatch, collate_pairs
-from posttrain.dpo.data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
+from posttrain.sequences.pair_batch import PairBatch, collate_pairs
+from posttrain.sequences.pair_data import (PairEncoder, PairPreparation, detect_format, pairs_as_dataset,
+                                           prepare_pairs)
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import PairCounts, PairStatistics

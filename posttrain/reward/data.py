@@ -23,8 +23,9 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError, check_encoded_within_vocabulary
-from posttrain.sequences.chat import chat_ids, check_messages, is_messages, template_kwargs
+from posttrain.sequences.chat import chat_ids, check_messages, template_kwargs
 from posttrain.sequences.batches import BLOCK, block_rows
+from posttrain.sequences.preference import preference_format
 from posttrain.sequences.pairs import DroppedPairs, PairRows, nothing_left, same_answers, same_answers_warning
 from posttrain.sequences.rows import TokenRows
 
@@ -35,21 +36,10 @@ LEGACY = {"chosen_ids": "chosen_input_ids", "rejected_ids": "rejected_input_ids"
 
 
 def detect_format(row: dict, name: str) -> str:
-    """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
-    if all(k in row for k in ("chosen_ids", "rejected_ids")) or all(k in row for k in LEGACY.values()):
-        return "tokenized"
-    if "chosen" in row and "rejected" in row:
-        return "conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt")) else "standard"
-    found = ", ".join(row) or "none"
-    hint = ""
-    if "label" in row and "completion" in row:
-        hint = " (an unpaired dataset with labels is KTO's format)"
-    elif "prompt" in row and "completion" in row:
-        hint = " (prompt/completion is an SFT dataset; a reward model learns from a chosen and a rejected answer)"
-    elif "chosen" in row or "rejected" in row:
-        hint = f" (it has no {'rejected' if 'chosen' in row else 'chosen'!r} column)"
-    raise DataError(f"{name} is in no preference format: its columns are {found}; a reward model needs {ACCEPTED}"
-                    f"{hint}.")
+    """standard, conversational or tokenized (chosen_ids and rejected_ids, or TRL's earlier names); a DataError
+    naming the columns found and the formats accepted."""
+    return preference_format(row, name, tokenized=(tuple(LEGACY), tuple(LEGACY.values())), needs="a reward model",
+                             accepted=ACCEPTED)
 
 
 class RewardEncoder:

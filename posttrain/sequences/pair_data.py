@@ -1,4 +1,5 @@
-"""Preference datasets -> token pairs, in TRL's formats.
+"""Preference datasets -> token pairs, in TRL's formats (DPOTrainer's preparation; any trainer of preference pairs
+against their completions uses it).
 
     explicit, standard           {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
     explicit, conversational     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
@@ -29,9 +30,9 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError, check_encoded_within_vocabulary
-from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
-                                      template_kwargs)
+from posttrain.sequences.chat import PromptBoundary, chat_ids, check_messages, extract_prompt, template_kwargs
 from posttrain.sequences.batches import BLOCK, block_rows
+from posttrain.sequences.preference import preference_format
 from posttrain.sequences.pairs import DroppedPairs, PairRows, nothing_left, same_answers, same_answers_warning
 from posttrain.sequences.rows import TokenRows, truncate
 
@@ -42,22 +43,11 @@ ACCEPTED = ("prompt + chosen + rejected (text or messages), chosen + rejected wi
             "start, or prompt_ids + chosen_ids + rejected_ids")
 
 
-def detect_format(row: dict, name: str) -> str:
-    """standard, conversational or tokenized; a DataError naming the columns found and the formats accepted."""
-    if all(k in row for k in ("prompt_ids", "chosen_ids", "rejected_ids")):
-        return "tokenized"
-    if "chosen" in row and "rejected" in row:
-        return "conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt")) else "standard"
-    found = ", ".join(row) or "none"
-    hint = ""
-    if "label" in row and "completion" in row:
-        hint = " (an unpaired dataset with labels is KTO's format, not DPO's)"
-    elif "prompt" in row and "completion" in row:
-        hint = " (prompt/completion is an SFT dataset; a preference dataset pairs a chosen and a rejected answer)"
-    elif "chosen" in row or "rejected" in row:
-        missing = "rejected" if "chosen" in row else "chosen"
-        hint = f" (it has no {missing!r} column)"
-    raise DataError(f"{name} is in no preference format: its columns are {found}; DPO needs {ACCEPTED}{hint}.")
+def detect_format(row: dict, name: str, needs: str = "DPO") -> str:
+    """standard, conversational or tokenized (prompt_ids, chosen_ids, rejected_ids); a DataError naming the columns
+    found and the formats accepted (`needs`: the trainer, as the message names it)."""
+    return preference_format(row, name, tokenized=(("prompt_ids", "chosen_ids", "rejected_ids"),), needs=needs,
+                             accepted=ACCEPTED)
 
 
 class PairEncoder:
