@@ -19,18 +19,15 @@ import numpy as np
 import torch
 
 from posttrain.configs import ConfigError, DPOConfig
-from posttrain.data import DataError
-from posttrain.sequences.pair_batch import PairBatch, collate_pairs
-from posttrain.sequences.pair_data import (PairEncoder, PairPreparation, detect_format, pairs_as_dataset,
-                                           prepare_pairs)
+from posttrain.sequences.pair_batch import PairBatch
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
 from posttrain.dpo.metrics import PairCounts, PairStatistics
 from posttrain.training.reference import make_reference, precompute_logps
-from posttrain.models.forwards import whole_logits
 from posttrain.models.logprobs import next_token_logprobs
-from posttrain.sequences.batches import MapBatches, first_row, is_iterable
+from posttrain.sequences.batches import is_iterable
 from posttrain.training.against_reference import AgainstReferenceTrainer
+from posttrain.training.pairs import PairTrainer
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
@@ -43,7 +40,7 @@ _REFUSED = {
 }
 
 
-class DPOTrainer(AgainstReferenceTrainer):
+class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
     """Direct preference optimisation, with TRL's DPOTrainer signature.
 
     Args:
@@ -64,8 +61,6 @@ class DPOTrainer(AgainstReferenceTrainer):
     _title = "DPO"
     _statistics = PairStatistics
     _shown_metrics = ("loss", "rewards/accuracies", "rewards/margins")
-    _data_noun = "pairs"
-    _data_parts = "the pairs or their order"
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",
                        "padding_free", "train_sampling_strategy", "dataloader_drop_last", "seed", "data_seed",
                        "precompute_ref_log_probs", "ld_alpha", "loss_type", "reference_free")
@@ -87,23 +82,14 @@ class DPOTrainer(AgainstReferenceTrainer):
 
     def _setup(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config):
         args = self.args
-        if train_dataset is None:
-            raise DataError("DPOTrainer needs a train_dataset of preference pairs (prompt, chosen, rejected).")
-        detect_format(first_row(train_dataset), "train_dataset")  # before the model loads
-        model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
-        self._setup_model = model
-        self._configure_tokenizer(model)
+        model, came_with_adapter = self._load_pair_policy(model, train_dataset, processing_class, peft_config)
         self.ref_model, self.reference_adapter = make_reference(model, ref_model, args, came_with_adapter,
                                                                 self.accelerator.device, self._trust_remote_code,
                                                                 self.tokenizer)
-        self.pad_to_multiple_of = self._padding_multiple()
-        self._train_source = train_dataset
-        self.train_preparation = self._preparation(train_dataset, "train_dataset")
         if is_iterable(train_dataset) and args.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs=True needs every pair up front, and train_dataset is an "
                               "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
-        self._set_batches(train_dataset, self.train_preparation, prepare_pairs)
-        self.eval_dataset = eval_dataset
+        self._set_pair_data(train_dataset, eval_dataset)
         return model
 
     def _precompute_references(self, model) -> None:
@@ -118,23 +104,6 @@ class DPOTrainer(AgainstReferenceTrainer):
             datasets = source.values() if isinstance(source, dict) else [source]
             for dataset in datasets:
                 self._prepared_eval(dataset, model)
-
-    def _preparation(self, dataset, name: str) -> PairPreparation:
-        if not is_iterable(dataset) and len(dataset) == 0:
-            raise DataError(f"{name} is empty: it needs at least one pair.")
-        encoder = PairEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows)
-        return PairPreparation(encoder, self.args, name, announce=self.accelerator.is_main_process)
-
-    def _configure_tokenizer(self, model) -> None:
-        """pad_token onto the tokenizer and the model's configs, as in TRL; the EOS must exist."""
-        args, tok = self.args, self.tokenizer
-        if args.pad_token is not None and args.pad_token not in tok.get_vocab():
-            raise ConfigError(f"pad_token={args.pad_token!r} is not in the tokenizer's vocabulary: use one of its "
-                              f"tokens (its EOS is {tok.eos_token!r}).")
-        if tok.eos_token is None:
-            raise ConfigError("The tokenizer has no EOS token, which DPO appends to every chosen and rejected text so "
-                              "the model learns to stop: set tokenizer.eos_token before passing it.")
-        self._set_pad_token(model)
 
     # ------------------------------------------------------------------ the reference
 
@@ -262,15 +231,14 @@ class DPOTrainer(AgainstReferenceTrainer):
         loss = pair_sum * (n / max(counts.items, 1.0)) + sft_sum * (n / max(counts.chosen_targets, 1.0))
         return loss + router, stats
 
-    def _collate(self, pairs: PairRows) -> PairBatch:
-        padding_free = self._runs_padding_free(self.args.padding_free, self._no_grad_model, self.ref_model)
-        return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
+    def _forward_models(self) -> tuple:
+        return self._no_grad_model, self.ref_model
 
     # ------------------------------------------------------------------ evaluation
 
     def _prepare_eval(self, rows, model) -> PairRows:
         args = self.args
-        pairs = prepare_pairs(rows, self._preparation(rows, "eval_dataset"))
+        pairs = super()._prepare_eval(rows, model)
         if args.precompute_ref_log_probs:
             self._check_reference_computable(model)
             pairs.ref = self._precomputed_reference(model if model is not None else self.policy, pairs,
@@ -281,30 +249,3 @@ class DPOTrainer(AgainstReferenceTrainer):
     def _eval_statistics(self, batch: PairBatch):
         batch = batch.to(self.accelerator.device)
         return self._micro_loss(batch, grad=False)[2], lambda: self._logits_and_inputs(batch)
-
-    def _logits_and_inputs(self, batch: PairBatch) -> tuple:
-        """compute_metrics' view of an eval batch, as TRL gives it: (logits [2P, T, V], labels = input_ids [2P, T],
-        input_ids) with the chosen rows first, then the rejected (padded rows; padding-free: the one packed row)."""
-        s = batch.sequences
-        with self.accelerator.autocast():
-            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids, s.boundaries)
-        if not batch.pairs:
-            return logits[:0], s.input_ids[:0], s.input_ids[:0]
-        order = slice(None) if s.attention_mask is None else \
-            torch.cat([torch.arange(0, len(s.input_ids), 2), torch.arange(1, len(s.input_ids), 2)])
-        return logits[order], s.input_ids[order], s.input_ids[order]
-
-    @property
-    def train_dataset(self):
-        """The pairs as TRL shows its prepared dataset: prompt_ids, chosen_ids, rejected_ids (here already truncated
-        to max_length, which TRL's collator does later) and, when precomputed, ref_chosen_logps / ref_rejected_logps.
-        Built on access."""
-        if not isinstance(self.batches, MapBatches):
-            return self._train_source
-        return pairs_as_dataset(self.batches.rows)
-
-    def _prepared_view(self, dataset):
-        return pairs_as_dataset(self._prepared_eval(dataset))
-
-    # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
-

@@ -58,12 +58,14 @@ class PairEncoder:
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages.
         vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
+        needs: the trainer, as a wrong format's message names it.
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None):
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None,
+                 needs: str = "DPO"):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.name = name
-        self.format = detect_format(first_row, name)
+        self.format = detect_format(first_row, name, needs)
         self.implicit = self.format != "tokenized" and "prompt" not in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
