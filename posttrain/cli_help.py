@@ -18,7 +18,7 @@ import textwrap
 
 from posttrain.configs import ConfigError, LoraArguments, field_help, field_types, suggest
 from posttrain.configs.base import base_type
-from posttrain.registry import COMMANDS
+from posttrain.registry import COMMANDS, TRAINERS
 
 # the fields a user sets most often, in the order the first page shows them
 COMMON = {name: entry.common for name, entry in COMMANDS.items()}
@@ -47,7 +47,15 @@ def field_classes(script_cls, config_cls) -> tuple:
 
 
 def group_name(cls) -> str:
-    return "trl" if cls.__name__.endswith("CompatConfig") else GROUP_NAMES.get(cls.__name__, cls.__name__.lower())
+    """`--help GROUP`'s name of a field class: "trl" for the TRL fields, GROUP_NAMES', else the class's name without
+    its trainer's title and "Config" (a new trainer's "ORPOLossConfig": "loss")."""
+    name = cls.__name__
+    if name.endswith("CompatConfig"):
+        return "trl"
+    if name in GROUP_NAMES:
+        return GROUP_NAMES[name]
+    title = next((e.title for e in sorted(TRAINERS, key=lambda e: -len(e.title)) if name.startswith(e.title)), "")
+    return name[len(title):].removesuffix("Config").lower() or name.lower()
 
 
 def _summary(cls) -> str:
