@@ -118,6 +118,12 @@ TRAINERS = (
                 "use_vllm", *_LAST),
         run="posttrain.runs:run_distillation"),
     TrainerEntry(
+        "orpo", "ORPO", "posttrain.orpo:ORPOTrainer", "posttrain.configs.orpo:ORPOConfig",
+        "trl.experimental.orpo:ORPOConfig", "posttrain.configs.orpo:ORPO_COMPAT",
+        (("ORPO: loss", "posttrain.configs.orpo:ORPOLossConfig"),),
+        command="Odds ratio preference optimisation (no reference model) from a YAML config and flags.",
+        common=(*_COMMON, "beta", "max_length", *_LAST)),
+    TrainerEntry(
         "async_grpo", "AsyncGRPO", "posttrain.grpo.async_trainer:AsyncGRPOTrainer",
         "posttrain.configs.async_grpo:AsyncGRPOConfig", "trl.experimental.async_grpo:AsyncGRPOConfig",
         "posttrain.configs.trl_compat:ASYNC_GRPO_COMPAT",

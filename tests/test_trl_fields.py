@@ -371,7 +371,8 @@ def test_every_trl_field_of_rloo_reward_kto_and_distillation_at_its_default_is_a
 
 @pytest.mark.parametrize("trainer,name", [("sft", "SFTConfig"), ("dpo", "DPOConfig"), ("rloo", "RLOOConfig"),
                                           ("reward", "RewardConfig"), ("kto", "KTOConfig"),
-                                          ("distillation", "DistillationConfig"), ("async_grpo", "AsyncGRPOConfig")])
+                                          ("distillation", "DistillationConfig"), ("async_grpo", "AsyncGRPOConfig"),
+                                          ("orpo", "ORPOConfig")])
 def test_readme_counts_of_the_other_trainers_match_their_tables(trainer, name):
     counts = {IMPLEMENTED: 0, SAME: 0, UNSUPPORTED: 0}
     for f in trl_snapshot(trainer)["fields"]:
