@@ -107,6 +107,8 @@ class ScriptedEngine:
     """posttrain's Generator protocol over a Script: each prompt's next turn (cut to max_tokens), LOGPROB per token;
     the calls it got are recorded (prompts, keys, new_round)."""
 
+    samples_during_push = pushes_in_background = False  # an engine in the trainer's process (the protocol's)
+
     def __init__(self, script: Script, pad_id: int, eos_ids: list[int], max_tokens: int, vary: bool = False):
         import torch
 

@@ -227,7 +227,15 @@ class Rollouts:
 
 
 class Generator(Protocol):
-    """What the trainer needs from a generation engine."""
+    """What the trainer needs from a generation engine, and what asynchronous generation asks of it:
+
+        samples_during_push     whether it may sample while new weights are being pushed (a server does; an engine
+                                in this process shares the weights and does not)
+        pushes_in_background    whether a push may be sent from a copy of the weights while the trainer steps on
+    """
+
+    samples_during_push: bool
+    pushes_in_background: bool
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
                  new_round: bool = True) -> Rollouts:

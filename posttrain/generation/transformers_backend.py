@@ -122,6 +122,8 @@ class TransformersGenerator:
         lean: decode with `LeanDecoder` where it reproduces the model; False always uses the model's forward.
     """
 
+    samples_during_push = pushes_in_background = False  # the policy's own weights: neither (protocol.py)
+
     def __init__(self, model, tokenizer, params: SamplingParams, *, seed: int = 0, shares_policy: bool = True,
                  lean: bool = True):
         self.model = model

@@ -62,6 +62,8 @@ class ColocateGenerator:
         process_index, local_process_index, num_processes: this process in the run.
     """
 
+    samples_during_push = pushes_in_background = False  # the policy's own weights: neither (protocol.py)
+
     def __init__(self, config, policy, tokenizer, params: SamplingParams, *, eos_ids: list[int], seed: int,
                  process_index: int, local_process_index: int, num_processes: int, max_num_seqs: int):
         vllm_compat.check_installed("vllm_mode='colocate'")

@@ -363,9 +363,9 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
     ahead = AheadRounds(args, accelerator, sample=sample, draw=lambda: next(rounds), on_taken=on_taken,
                         push=rollout.push_weights, next_index=next_index,
                         queue=resumed[1] if resumed else (), extra_rounds=resumed[0]["extra_rounds"] if resumed else 0,
-                        exclusive_push=not getattr(rollout.generator, "samples_during_push", False),
+                        exclusive_push=not rollout.generator.samples_during_push,
                         background=((rollout.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
-                                    if getattr(rollout.generator, "pushes_in_background", False) else None))
+                                    if rollout.generator.pushes_in_background else None))
     ahead.start(steps_taken)
     return ahead
 
