@@ -1,10 +1,11 @@
-"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO, reward models, on-policy
-distillation and asynchronous GRPO, a drop-in for TRL
-users.
+"""posttrain: post-train language models with GRPO and its family, RLOO, SFT, DPO, KTO, ORPO, reward models,
+on-policy distillation and asynchronous GRPO, a drop-in for TRL users.
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, DPOConfig, DPOTrainer, RLOOConfig, RLOOTrainer
     from posttrain import RewardConfig, RewardTrainer, KTOConfig, KTOTrainer, DistillationConfig, DistillationTrainer
-    from posttrain import AsyncGRPOConfig, AsyncGRPOTrainer
+    from posttrain import AsyncGRPOConfig, AsyncGRPOTrainer, ORPOConfig, ORPOTrainer
+
+Every trainer and its config is an entry of posttrain/registry.py, exported from there.
 
 Heavy modules (torch, transformers) load on first use of a name, so `posttrain --help` stays fast.
 """
