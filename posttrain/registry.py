@@ -27,6 +27,8 @@ class TrainerEntry:
         script: the command's script arguments: "prompts" (ScriptArguments: rewards, as GRPO's) or "base".
         common: the fields the command's first help page shows, in order.
         run: the function the command runs once its arguments are parsed, "module:function" (runs.py).
+        headlines: the metrics a run report shows first (its progress line's), then `eval_headlines`, evaluation's
+            ("rewards/*/mean": each reward function's mean); () for another trainer's (`headlines_of`).
     """
 
     name: str
@@ -40,6 +42,8 @@ class TrainerEntry:
     script: str = "base"
     common: tuple = ()
     run: str = "posttrain.runs:run_trainer"
+    headlines: tuple = ()
+    eval_headlines: tuple = ()
 
     @property
     def trainer_name(self) -> str:
@@ -71,7 +75,9 @@ TRAINERS = (
         command="Train with GRPO from a YAML config and flags.", script="prompts",
         common=(*_COMMON[:2], "reward_funcs", *_COMMON[2:], "num_generations", "max_completion_length", "temperature",
                 "beta", "loss_type", "use_vllm", *_LAST),
-        run="posttrain.runs:run_online"),
+        run="posttrain.runs:run_online",
+        headlines=("reward", "rewards/*/mean", "kl", "entropy", "completions/mean_length"),
+        eval_headlines=("eval_reward", "eval_rewards/*/mean")),
     TrainerEntry(
         "rloo", "RLOO", "posttrain.rloo.trainer:RLOOTrainer", "posttrain.configs.rloo:RLOOConfig", "trl:RLOOConfig",
         "posttrain.configs.trl_compat:RLOO_COMPAT", (("RLOO: advantage", "posttrain.configs.rloo:RLOOObjectiveConfig"),),
@@ -84,14 +90,18 @@ TRAINERS = (
         "posttrain.configs.trl_compat:SFT_COMPAT",
         (("SFT: data", "posttrain.configs.sft:SFTDataConfig"), ("SFT: loss", "posttrain.configs.sft:SFTLossConfig")),
         command="Supervised fine-tuning from a YAML config and flags.",
-        common=(*_COMMON, "max_length", "packing", "completion_only_loss", "assistant_only_loss", *_LAST)),
+        common=(*_COMMON, "max_length", "packing", "completion_only_loss", "assistant_only_loss", *_LAST),
+        headlines=("loss", "mean_token_accuracy"),
+        eval_headlines=("eval_loss", "eval_mean_token_accuracy")),
     TrainerEntry(
         "dpo", "DPO", "posttrain.dpo.trainer:DPOTrainer", "posttrain.configs.dpo:DPOConfig", "trl:DPOConfig",
         "posttrain.configs.trl_compat:DPO_COMPAT",
         (("DPO: data", "posttrain.configs.dpo:DPODataConfig"), ("DPO: reference", "posttrain.configs.dpo:DPOReferenceConfig"),
          ("DPO: loss", "posttrain.configs.dpo:DPOLossConfig"), ("DPO: TRL 0.18 names", "posttrain.configs.dpo:DPOLegacyConfig")),
         command="Direct preference optimisation from a YAML config and flags.",
-        common=(*_COMMON, "beta", "loss_type", "max_length", "precompute_ref_log_probs", *_LAST)),
+        common=(*_COMMON, "beta", "loss_type", "max_length", "precompute_ref_log_probs", *_LAST),
+        headlines=("loss", "rewards/accuracies", "rewards/margins"),
+        eval_headlines=("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")),
     TrainerEntry(
         "reward", "Reward", "posttrain.reward.trainer:RewardTrainer", "posttrain.configs.reward:RewardConfig",
         "trl:RewardConfig", "posttrain.configs.trl_compat:REWARD_COMPAT",
@@ -99,7 +109,9 @@ TRAINERS = (
          ("Reward: loss", "posttrain.configs.reward:RewardLossConfig")),
         command="Train a reward model on preference pairs from a YAML config and flags.",
         common=(*_COMMON, "max_length", "center_rewards_coefficient", "eval_strategy", *_LAST),
-        run="posttrain.runs:run_reward"),
+        run="posttrain.runs:run_reward",
+        headlines=("loss", "accuracy", "margin"),
+        eval_headlines=("eval_loss", "eval_accuracy", "eval_margin")),
     TrainerEntry(
         "kto", "KTO", "posttrain.kto.trainer:KTOTrainer", "posttrain.configs.kto:KTOConfig", "trl:KTOConfig",
         "posttrain.configs.trl_compat:KTO_COMPAT",
@@ -107,7 +119,9 @@ TRAINERS = (
         command="Train with KTO on unpaired (prompt, completion, label) examples from a YAML config and flags.",
         common=(*_COMMON, "beta", "loss_type", "desirable_weight", "undesirable_weight", "max_length",
                 "precompute_ref_log_probs", *_LAST),
-        run="posttrain.runs:run_kto"),
+        run="posttrain.runs:run_kto",
+        headlines=("loss", "rewards/margins", "kl"),
+        eval_headlines=("eval_loss", "eval_rewards/margins", "eval_kl")),
     TrainerEntry(
         "distillation", "Distillation", "posttrain.distillation.trainer:DistillationTrainer",
         "posttrain.configs.distillation:DistillationConfig", "trl:DistillationConfig",
@@ -116,13 +130,17 @@ TRAINERS = (
         command="Distil a teacher into the student on the student's own completions from a YAML config and flags.",
         common=(_COMMON[0], "teacher_model_name_or_path", *_COMMON[1:], "beta", "temperature", "max_completion_length",
                 "use_vllm", *_LAST),
-        run="posttrain.runs:run_distillation"),
+        run="posttrain.runs:run_distillation",
+        headlines=("loss", "entropy", "completions/mean_length"),
+        eval_headlines=("eval_loss", "eval_entropy")),
     TrainerEntry(
         "orpo", "ORPO", "posttrain.orpo:ORPOTrainer", "posttrain.configs.orpo:ORPOConfig",
         "trl.experimental.orpo:ORPOConfig", "posttrain.configs.orpo:ORPO_COMPAT",
         (("ORPO: loss", "posttrain.configs.orpo:ORPOLossConfig"),),
         command="Odds ratio preference optimisation (no reference model) from a YAML config and flags.",
-        common=(*_COMMON, "beta", "max_length", *_LAST)),
+        common=(*_COMMON, "beta", "max_length", *_LAST),
+        headlines=("loss", "rewards/accuracies", "log_odds_ratio"),
+        eval_headlines=("eval_loss", "eval_rewards/accuracies", "eval_log_odds_ratio")),
     TrainerEntry(
         "async_grpo", "AsyncGRPO", "posttrain.grpo.async_trainer:AsyncGRPOTrainer",
         "posttrain.configs.async_grpo:AsyncGRPOConfig", "trl.experimental.async_grpo:AsyncGRPOConfig",
@@ -130,4 +148,21 @@ TRAINERS = (
         (("AsyncGRPO: model", "posttrain.configs.async_grpo:AsyncModelConfig"),)),
 )
 BY_NAME = {entry.name: entry for entry in TRAINERS}
+# which trainer wrote a run (the run report): a config field of its own, looked for in this order (a trainer's before
+# those whose fields it shares), else a metric of its own
+IDENTIFYING_FIELDS = (("RLOO", "reward_clip_range"), ("Distillation", "teacher_model_name_or_path"),
+                      ("GRPO", "num_generations"), ("KTO", "desirable_weight"), ("DPO", "precompute_ref_log_probs"),
+                      ("SFT", "dataset_text_field"), ("Reward", "center_rewards_coefficient"))
+IDENTIFYING_METRICS = (("GRPO", "reward"), ("ORPO", "log_odds_ratio"), ("DPO", "rewards/accuracies"),
+                       ("KTO", "rewards/margins"), ("SFT", "mean_token_accuracy"), ("Reward", "max_reward"))
+
+
+def headlines_of(title: str | None) -> tuple[tuple, tuple]:
+    """(headlines, eval_headlines) of the trainer titled `title` (RLOO and AsyncGRPO: GRPO's; None: a run whose
+    trainer is not known)."""
+    by_title = {entry.title: entry for entry in TRAINERS}
+    entry = by_title.get({"RLOO": "GRPO", "AsyncGRPO": "GRPO"}.get(title, title))
+    if entry is None or not entry.headlines:
+        return ("reward", "loss"), ("eval_reward", "eval_loss")
+    return entry.headlines, entry.eval_headlines
 COMMANDS = {entry.name: entry for entry in TRAINERS if entry.command is not None}

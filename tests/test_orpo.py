@@ -2,6 +2,7 @@
 against TRL's own ORPOTrainer code on the same tensors, the loss recomputed from full logits, the update for any split
 of a step, exact resume, the CLI, and TRL's metric names."""
 
+import dataclasses
 import math
 import types
 import warnings
@@ -97,6 +98,11 @@ def test_a_run_logs_trls_metrics_and_learns_its_preferences(tokenizer, tmp_path)
     assert late > max(records[0]["rewards/accuracies"], 0.75) and records[-1]["loss"] < records[0]["loss"] / 2
     metrics = trainer.evaluate(Dataset.from_dict(PAIRS))
     assert all(f"eval_{k}" in metrics for k in TRL_METRICS) and math.isfinite(metrics["eval_loss"])
+    from posttrain.report.run import trainer_of  # the run report names the trainer, and shows its metrics first
+    from posttrain.report.summary import HEADLINES
+
+    assert trainer_of(dataclasses.asdict(trainer.args), set(records[-1])) == "ORPO"
+    assert HEADLINES["ORPO"] == trainer._shown_metrics
 
 
 @pytest.mark.parametrize("options", [{}, {"padding_free": True}])

@@ -7,17 +7,13 @@ import math
 import os
 import re
 
+from posttrain.registry import IDENTIFYING_FIELDS, IDENTIFYING_METRICS
 from posttrain.run_files import read_json_object, read_yaml_mapping
 
 SUMMARY_FILES = ("all_results.json", "train_results.json")  # the end-of-training summary (all: with evaluation's)
 CONFIG_FILE = "posttrain_config.yaml"
 # each trainer's own config fields (posttrain_config.yaml), then its own metrics: which trainer wrote the run
-TRAINER_FIELDS = (("RLOO", "reward_clip_range"), ("Distillation", "teacher_model_name_or_path"),
-                  ("GRPO", "num_generations"), ("KTO", "desirable_weight"),
-                  ("DPO", "precompute_ref_log_probs"),
-                  ("SFT", "dataset_text_field"), ("Reward", "center_rewards_coefficient"))
-TRAINER_METRICS = (("GRPO", "reward"), ("DPO", "rewards/accuracies"), ("KTO", "rewards/margins"), ("SFT", "mean_token_accuracy"),
-                   ("Reward", "max_reward"))
+TRAINER_FIELDS, TRAINER_METRICS = IDENTIFYING_FIELDS, IDENTIFYING_METRICS
 WEIGHT_FILES = ("model.safetensors", "model-*-of-*.safetensors", "adapter_model.safetensors", "pytorch_model*.bin",
                 "adapter_model.bin")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
@@ -55,7 +51,8 @@ def final_summary(output_dir: str) -> tuple[str | None, dict]:
 
 
 def trainer_of(config: dict | None, metric_names: set[str]) -> str | None:
-    """GRPO, RLOO, SFT, DPO or Reward: from the config's own fields, else from the metrics logged; None where neither says."""
+    """The title of the trainer that wrote the run (posttrain/registry.py's): from the config's own fields, else from
+    the metrics logged; None where neither says."""
     for trainer, field in TRAINER_FIELDS:
         if config and field in config:
             return trainer

@@ -6,23 +6,12 @@ import os
 
 from posttrain.plotting import FUNCTION_MEAN, function_name, series, sole_reward_function
 from posttrain.report.run import checkpoint_dirs, weight_files
+from posttrain.registry import TRAINERS, headlines_of
 from posttrain.report.tables import change, clock, escape, link, markup_table, number, raw_cell
 
-# each trainer's metrics to watch (as its progress line shows them), then its evaluation's
-HEADLINES = {"GRPO": ("reward", FUNCTION_MEAN, "kl", "entropy", "completions/mean_length"),
-             "SFT": ("loss", "mean_token_accuracy"),
-             "DPO": ("loss", "rewards/accuracies", "rewards/margins"),
-             "Reward": ("loss", "accuracy", "margin"),
-             "KTO": ("loss", "rewards/margins", "kl"),
-             "Distillation": ("loss", "entropy", "completions/mean_length")}
-HEADLINES["RLOO"], HEADLINES[None] = HEADLINES["GRPO"], ("reward", "loss")
-EVALUATION = {"GRPO": ("eval_reward", "eval_" + FUNCTION_MEAN),
-              "SFT": ("eval_loss", "eval_mean_token_accuracy"),
-              "DPO": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
-              "Reward": ("eval_loss", "eval_accuracy", "eval_margin"),
-              "KTO": ("eval_loss", "eval_rewards/margins", "eval_kl"),
-              "Distillation": ("eval_loss", "eval_entropy")}
-EVALUATION["RLOO"], EVALUATION[None] = EVALUATION["GRPO"], ("eval_reward", "eval_loss")
+# each trainer's metrics to watch (as its progress line shows them), then its evaluation's: the registry's
+HEADLINES = {title: headlines_of(title)[0] for title in [entry.title for entry in TRAINERS] + [None]}
+EVALUATION = {title: headlines_of(title)[1] for title in [entry.title for entry in TRAINERS] + [None]}
 LOWER_IS_BETTER = ("loss", "eval_loss")
 HIGHER_IS_BETTER = ("reward", FUNCTION_MEAN, "mean_token_accuracy", "rewards/accuracies", "rewards/margins", "accuracy",
                     "margin")
