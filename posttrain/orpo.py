@@ -24,10 +24,10 @@ from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sequences.pair_batch import PairBatch
 from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
-from posttrain.training.pairs import PairTrainer
+from posttrain.training.pairs import PairCounts, PairTrainer
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import trainer_config
-from posttrain.training.statistics import SidedStatistics, StepCounts
+from posttrain.training.statistics import SidedStatistics
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -41,13 +41,6 @@ def odds_ratio_terms(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, b
     chosen, rejected = chosen_logps.float(), rejected_logps.float()
     log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
     return beta * F.logsigmoid(log_odds), log_odds
-
-
-@dataclass
-class PairCounts(StepCounts):
-    """An ORPO step's: items are its pairs; chosen_targets the chosen completions' targets (the NLL's normaliser)."""
-
-    chosen_targets: float = 0.0
 
 
 @dataclass
@@ -144,10 +137,6 @@ class ORPOTrainer(PairTrainer):
                 rejected_logits=stats[~chosen, 0].sum(), rejected_tokens=(~chosen).sum().float(),
                 entropy=entropy.sum())
         return nll, odds.sum(), statistics, sum(router_term)
-
-    def _step_counts(self, batches: list) -> PairCounts:
-        return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
-                          chosen_targets=sum(int(b.targets[0::2].sum()) for b in batches))
 
     def _step_loss(self, batch: PairBatch, counts: PairCounts, context, share: float):
         n = self.accelerator.num_processes

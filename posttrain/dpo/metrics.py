@@ -2,15 +2,7 @@
 
 from dataclasses import dataclass
 
-from posttrain.training.statistics import SidedStatistics, StepCounts
-
-
-@dataclass
-class PairCounts(StepCounts):
-    """A DPO step's: items are its pairs; chosen_targets the chosen completions' targets (the sft term's
-    normaliser)."""
-
-    chosen_targets: float = 0.0
+from posttrain.training.statistics import SidedStatistics
 
 
 @dataclass

@@ -22,12 +22,12 @@ from posttrain.configs import ConfigError, DPOConfig
 from posttrain.sequences.pair_batch import PairBatch
 from posttrain.sequences.pairs import PairRows
 from posttrain.dpo.losses import PAIR_LOSSES, PairTerms
-from posttrain.dpo.metrics import PairCounts, PairStatistics
+from posttrain.dpo.metrics import PairStatistics
 from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.models.logprobs import next_token_logprobs
 from posttrain.sequences.batches import is_iterable
 from posttrain.training.against_reference import AgainstReferenceTrainer
-from posttrain.training.pairs import PairTrainer
+from posttrain.training.pairs import PairCounts, PairTrainer
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
 
@@ -215,10 +215,6 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
                 chosen_logits=stats[chosen, 0].sum(), chosen_tokens=chosen.sum().float(),
                 rejected_logits=stats[rejected, 0].sum(), rejected_tokens=rejected.sum().float(),
                 entropy=entropy.sum(), correct_tokens=top1[chosen].sum().float())
-
-    def _step_counts(self, batches: list) -> PairCounts:
-        return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
-                          chosen_targets=sum(int(b.targets[0::2].sum()) for b in batches))
 
     def _step_loss(self, batch: PairBatch, counts: PairCounts, context, share: float):
         """One micro-batch's forward (`share`: its part of the step, for a router loss): (its share of the step's

@@ -12,8 +12,6 @@ from posttrain.run_files import read_json_object, read_yaml_mapping
 
 SUMMARY_FILES = ("all_results.json", "train_results.json")  # the end-of-training summary (all: with evaluation's)
 CONFIG_FILE = "posttrain_config.yaml"
-# each trainer's own config fields (posttrain_config.yaml), then its own metrics: which trainer wrote the run
-TRAINER_FIELDS, TRAINER_METRICS = IDENTIFYING_FIELDS, IDENTIFYING_METRICS
 WEIGHT_FILES = ("model.safetensors", "model-*-of-*.safetensors", "adapter_model.safetensors", "pytorch_model*.bin",
                 "adapter_model.bin")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
@@ -53,10 +51,10 @@ def final_summary(output_dir: str) -> tuple[str | None, dict]:
 def trainer_of(config: dict | None, metric_names: set[str]) -> str | None:
     """The title of the trainer that wrote the run (posttrain/registry.py's): from the config's own fields, else from
     the metrics logged; None where neither says."""
-    for trainer, field in TRAINER_FIELDS:
+    for trainer, field in IDENTIFYING_FIELDS:
         if config and field in config:
             return trainer
-    for trainer, metric in TRAINER_METRICS:
+    for trainer, metric in IDENTIFYING_METRICS:
         if metric in metric_names:
             return trainer
     return None

@@ -8,6 +8,8 @@ micro-batches; a trainer adds its objective (training/batched.py) and, where it 
     _set_pair_data(train_dataset, eval_dataset)               the train pairs (map-style or a stream) and the eval set
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from posttrain.configs import ConfigError
@@ -18,6 +20,15 @@ from posttrain.sequences.pair_batch import PairBatch, collate_pairs
 from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
 from posttrain.sequences.pairs import PairRows
 from posttrain.training.batched import BatchedDataTrainer
+from posttrain.training.statistics import StepCounts
+
+
+@dataclass
+class PairCounts(StepCounts):
+    """A pair trainer's step: items are its pairs; chosen_targets its chosen completions' targets (the normaliser of a
+    term over the chosen tokens: DPO's sft, ORPO's NLL)."""
+
+    chosen_targets: float = 0.0
 
 
 class PairTrainer(BatchedDataTrainer):
@@ -69,8 +80,12 @@ class PairTrainer(BatchedDataTrainer):
         return (self._no_grad_model,)
 
     def _collate(self, pairs: PairRows) -> PairBatch:
-        padding_free = self._runs_padding_free(getattr(self.args, "padding_free", False), *self._forward_models())
+        padding_free = self._runs_padding_free(self.args.padding_free, *self._forward_models())
         return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
+
+    def _step_counts(self, batches: list) -> PairCounts:
+        return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
+                          chosen_targets=sum(int(b.targets[0::2].sum()) for b in batches))
 
     def _prepare_eval(self, rows, model) -> PairRows:
         return prepare_pairs(rows, self._preparation(rows, "eval_dataset"))
