@@ -15,22 +15,36 @@ from posttrain.rewards import RewardError
 from posttrain.testing import tiny_model
 
 
-class SlowSteps:
-    """A callback that makes each optimizer step take `seconds` longer, so a worker that may run ahead does."""
+class Settled:
+    """A callback that, before each update's push and after each step, waits until the rollout worker has sampled
+    every round it may (grpo/async_rollout.py RolloutWorker.wait_settled): each round is then sampled with the
+    oldest weights max_staleness allows, the order a worker faster than the trainer takes, on any machine load."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self):
+        self.trainer = None
+
+    def _settle(self):
+        ahead = self.trainer.rollout.ahead
+        if ahead is not None:
+            assert ahead.worker.wait_settled(60.0), "the rollout worker did not settle within 60 s"
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._settle()
 
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(self.seconds)
+        self._settle()
 
 
 def _trainer(tokenizer, dataset, out, reward=length_reward, callbacks=None, peft_config=None, **overrides):
     values = dict(max_steps=4, num_iterations=1)
     values.update(overrides)
-    return GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), reward, tiny_config(out, **values),
-                       train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks,
-                       peft_config=peft_config)
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), reward, tiny_config(out, **values),
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks,
+                          peft_config=peft_config)
+    for callback in callbacks or ():
+        if isinstance(callback, Settled):
+            callback.trainer = trainer
+    return trainer
 
 
 def _records(trainer):
@@ -87,10 +101,10 @@ def test_staleness_0_through_posttrain_serve_equals_synchronous_serving(tokenize
 
 
 def test_rounds_run_ahead_within_max_staleness_and_are_corrected(tokenizer, addition_dataset, tmp_path):
-    """With slow steps the worker samples up to max_staleness versions ahead: the rounds are that stale, none is
+    """A worker that samples every round it may before the trainer pushes samples up to max_staleness versions ahead: the rounds are that stale, none is
     dropped, and the importance-sampling correction (the sampler's log-probs the behaviour policy) is logged."""
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=5, async_generation=True, max_staleness=2,
-                       callbacks=[SlowSteps(0.3)])
+                       callbacks=[Settled()])
     trainer.train()
     staleness = _async_metrics(trainer, "async/staleness_mean")
     assert staleness[0] == 0 and max(staleness) == 2 and all(s <= 2 for s in staleness), staleness
@@ -106,7 +120,7 @@ def test_a_round_staler_than_max_staleness_is_dropped_and_counted(tokenizer, add
     that are too old by the time they are trained on: each is dropped and counted, none trained on."""
     monkeypatch.setattr(AheadRounds, "plan", lambda self, index: (0, 0))
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, async_generation=True, max_staleness=0,
-                       max_inflight_tasks=64, callbacks=[SlowSteps(0.2)])
+                       max_inflight_tasks=64, callbacks=[Settled()])
     trainer.train()
     dropped = sum(_async_metrics(trainer, "async/stale_dropped"))
     assert dropped > 0
@@ -171,14 +185,12 @@ def test_a_server_that_fails_stops_the_run_with_one_sentence(tokenizer, addition
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_resume_equals_the_uninterrupted_run(tokenizer, addition_dataset, tmp_path, staleness):
     """The checkpoint holds the worker's queue (rounds sampled ahead, with their versions) and its sampler's state:
-    the resumed run takes the same rounds and ends with the same weights, bit for bit (at staleness 1 the worker is
-    kept deterministic by slow steps: it always waits for its version; at both, they leave the worker the time to
-    sample the next round before the checkpoint is taken, so the queue it holds is known)."""
+    the resumed run takes the same rounds and ends with the same weights, bit for bit (the worker settles before each
+    push and after each step, so each round's weights and the queue the checkpoint holds are known on any load)."""
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, async_generation=True, max_staleness=staleness)
-    slow = [SlowSteps(0.2)]
-    straight = _trainer(tokenizer, addition_dataset, tmp_path / "a", callbacks=slow, **values)
+    straight = _trainer(tokenizer, addition_dataset, tmp_path / "a", callbacks=[Settled()], **values)
     straight.train()
-    first = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=[StopAt(2), *slow], **values)
+    first = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=[StopAt(2), Settled()], **values)
     first.train()
     from safetensors.torch import load_file
 
@@ -186,7 +198,7 @@ def test_resume_equals_the_uninterrupted_run(tokenizer, addition_dataset, tmp_pa
 
     queued = queue_from_tensors(load_file(tmp_path / "b" / "out" / "checkpoint-2" / "buffer_0.safetensors"))
     assert [(r.index, r.version) for r in queued] == ([(2, 2 - staleness)])
-    resumed = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=slow, **values)
+    resumed = _trainer(tokenizer, addition_dataset, tmp_path / "b", callbacks=[Settled()], **values)
     resumed.train(resume_from_checkpoint=True)
     def tail(trainer):
         return [r for r in _records(trainer) if r["step"] > 2]
@@ -337,7 +349,7 @@ def test_a_callback_ending_the_epoch_drops_the_rounds_sampled_for_its_rest(token
             control.should_epoch_stop = state.global_step == 1
 
     trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=3, async_generation=True, max_staleness=2,
-                       per_device_train_batch_size=32, callbacks=[EndEpoch(), SlowSteps(0.2)])
+                       per_device_train_batch_size=32, callbacks=[EndEpoch(), Settled()])
     assert trainer.prompts.rounds_per_epoch == 2
     trainer.train()
     assert trainer.rounds_consumed == 4  # rounds 0 and 1 (dropped), then 2 and 3

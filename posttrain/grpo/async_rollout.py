@@ -177,6 +177,15 @@ class RolloutWorker:
                 self.held = False
                 self._cond.notify_all()
 
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until no round is in progress and none could start with the weights the engine holds and the room
+        the queue has (or the worker failed or stops); False when `timeout_s` passed first. Between a step's update
+        and its push, and after it, this fixes which weights each round is sampled with: for runs that must be
+        reproducible to the bit (the resume tests), where the worker otherwise races the trainer."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.error is not None or self.stopping
+                                       or not (self.busy or (not self.held and self._may_start())), timeout_s)
+
     def skip_until(self, end: int, on_taken: Callable) -> None:
         """Drop every round before index `end` (the rest of an epoch), queued or not yet drawn; `on_taken` is told of
         each. Call paused."""
