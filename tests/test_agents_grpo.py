@@ -277,7 +277,7 @@ def test_training_with_tools_masks_the_results_and_logs_trls_tool_metrics(tmp_pa
     tokenizer = _tokenizer("qwen2_5")
     trainer = _tool_trainer(tmp_path, tokenizer, save_strategy="no", max_steps=1, shuffle_dataset=False)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-    scored = trainer.rollout.scored_batch(trainer._next_round, 1)
+    scored = trainer.rollout.scored_batch(trainer.rounds, 1)
     batch = scored.batch
     assert batch.rollouts.tool_mask is not None and not torch.equal(batch.loss_mask, batch.rollouts.completion_mask)
     assert torch.equal(batch.loss_mask, batch.rollouts.completion_mask & batch.rollouts.tool_mask)

@@ -68,7 +68,7 @@ def _trl_loss(trainer, batch, beta, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer, tmp_path, beta, temperature):
     trainer = _trainer(tokenizer, tmp_path, beta=beta, temperature=temperature)
-    batch = trainer.rollout.scored_batch(trainer._next_round, 1).batch
+    batch = trainer.rollout.scored_batch(trainer.rounds, 1).batch
     assert 0 < int(batch.loss_mask.sum()) < batch.loss_mask.numel()  # completions of different lengths
 
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
@@ -223,7 +223,7 @@ def test_with_tools_the_results_carry_no_loss(tmp_path):
                                   tools=TOOLS)
     trainer.generator = ScriptedEngine(Script(tokenizer), tokenizer.pad_token_id, [tokenizer.eos_token_id], 1000,
                                        vary=True)
-    scored = trainer.rollout.scored_batch(trainer._next_round, 1)
+    scored = trainer.rollout.scored_batch(trainer.rounds, 1)
     batch = scored.batch
     assert not bool(batch.rollouts.tool_mask.all())
     assert torch.equal(batch.loss_mask, batch.rollouts.completion_mask & batch.rollouts.tool_mask)

@@ -259,7 +259,7 @@ def test_on_bad_reward_skip_zeroes_the_group_and_counts_it(tokenizer, addition_d
     trainer = GRPOTrainer(variable_length_model(tokenizer), sometimes_inf,
                           tiny_config(tmp_path, max_steps=2, on_bad_reward="skip"), train_dataset=addition_dataset,
                           processing_class=tokenizer)
-    scored = trainer.rollout.scored_batch(trainer._next_round, step=1)
+    scored = trainer.rollout.scored_batch(trainer.rounds, step=1)
     assert scored.batch.advantages[:4].tolist() == [0.0] * 4 and scored.batch.advantages[4:].abs().sum() > 0
     assert scored.metrics["rewards/skipped_groups"] == 1
     with pytest.raises(RewardError, match="returned inf for completion 1 at step 1.*on_bad_reward=skip"):

@@ -1,26 +1,30 @@
-"""DistillationTrainer: TRL 1.16's on-policy DistillationTrainer on GRPO's trainer, which it shares its data (the
-prompt stream, the generation buffer), its generation paths, its loop, checkpoints and tools with.
+"""DistillationTrainer: TRL 1.16's on-policy DistillationTrainer, a divergence objective on the online trainers' data
+(grpo/online.py: the prompt stream, the round source, the generation buffer, the generation paths, checkpoints and
+tools), with no reward.
 
-    round      = next(prompt rounds)                         # B unique prompts
-    rollouts   = generator.generate(my share, 1 each)        # the student's completions (rollout.py)
+    round      = rounds.next_round(step)                 # B unique prompts, the student's completions, one each
+                                                         # (distillation/rollout.py)
     each optimizer step: gradient_accumulation_steps micro-batches of the round (shuffled), each
                loss = sum over its loss tokens of D_beta(student || teacher) / (step's loss tokens / processes)
                the teacher's final hidden states without gradient, the student's with, both output layers in chunks
                (models/teacher.py, models/divergence.py): no [tokens, vocabulary] logits on either side
 
-The teacher is the round's frozen model (`ref_model`, as GRPO's reference): loaded from teacher_model_name_or_path
-or given, checked against the student's vocabulary, and sharded as the policy under FSDP and ZeRO-3.
+The teacher is the round's frozen model (`ref_model`): loaded from teacher_model_name_or_path or given, checked
+against the student's vocabulary, and sharded as the policy under FSDP and ZeRO-3.
 """
 
 import torch
 
+from posttrain.agents.rollouts import Agents
 from posttrain.configs.distillation import DistillationConfig
-from posttrain.distillation.rollout import DistillationRollout, evaluation_metrics
-from posttrain.grpo.trainer import GRPOTrainer
+from posttrain.distillation.rollout import DistillationRound, evaluation_metrics
+from posttrain.grpo.online import OnlineTrainer
+from posttrain.grpo.rollout import RowLayout
+from posttrain.grpo.sampling import RoundSampler
 from posttrain.training.reference import check_teacher_given, make_teacher
 
 
-class DistillationTrainer(GRPOTrainer):
+class DistillationTrainer(OnlineTrainer):
     """TRL's DistillationTrainer: `DistillationTrainer(model, teacher_model, args=DistillationConfig(...),
     train_dataset=...)`, with TRL's arguments.
 
@@ -37,7 +41,6 @@ class DistillationTrainer(GRPOTrainer):
 
     _title = "Distillation"
     _config_class = DistillationConfig
-    _rollout_class = DistillationRollout
     _shown_metrics = ("loss", "entropy", "completions/mean_length")
     _nonfinite_hint = "Lower the learning_rate."
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length",
@@ -47,34 +50,31 @@ class DistillationTrainer(GRPOTrainer):
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None):
         self._teacher_given = teacher_model
-        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
-                         optimizers, quantization_config, peft_config, tools=tools)
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         quantization_config=quantization_config, peft_config=peft_config,
+                         agents=Agents(list(tools or []), None, None, None))
 
     @property
     def teacher_model(self):
         """The teacher, as prepared (sharded as the student under FSDP and ZeRO-3)."""
         return self.ref_model
 
-    # ------------------------------------------------------------------ GRPO's hooks
+    # ------------------------------------------------------------------ the signal: the teacher (grpo/online.py)
 
-    def _reference(self, model, came_with_adapter: bool) -> tuple:
+    def _before_model(self, agents: Agents) -> None:
+        check_teacher_given(self._teacher_given, self.args)  # before the student loads
+
+    def _frozen_model(self, model, came_with_adapter: bool) -> tuple:
         teacher = make_teacher(self._teacher_given, model, self.args, self.accelerator.device,
                                self._trust_remote_code, self.tokenizer)
         self._teacher_given = None  # the prepared one is self.ref_model
         return teacher, None
 
-    def _user_reward_funcs(self, reward_funcs, reward_processing_classes, environments: bool) -> list:
-        check_teacher_given(self._teacher_given, self.args)  # called before the student loads
-        return []  # the teacher is the signal
-
-    def _needs_old_logps(self, args) -> bool:
-        return False
-
-    def _gradients_besides_rewards(self) -> list[str]:
-        return []
-
-    def _watch_rewards(self, scored) -> None:
-        pass  # no reward
+    def _round_stage(self, sampler: RoundSampler, layout: RowLayout) -> DistillationRound:
+        """The student's completions, one per prompt, and their divergence from the teacher."""
+        return DistillationRound(self.args, accelerator=self.accelerator, sampler=sampler, model=self.model,
+                                 teacher=self.ref_model)
 
     # ------------------------------------------------------------------ the step
 

@@ -18,6 +18,7 @@ import torch
 
 from posttrain.configs import ConfigError
 from posttrain.errors import UserError
+from posttrain.model_inputs import ModelInputs
 
 
 def _token_ids(key: str, value) -> tuple:
@@ -151,6 +152,8 @@ class Rollouts:
         tool_mask: [N, C] bool, True on the tokens the model produced, False on the tokens a multi-turn rollout
             put between its turns (tool results, an environment's observations: TRL's tool_mask / env_mask); True
             on padding. None for single-turn rollouts, where every completion token is the model's.
+        model_inputs: each row's extra forward inputs (posttrain/model_inputs.py: a vision-language model's pixel
+            values), selected and checkpointed with the row; None for text-only rows.
     """
 
     prompt_ids: torch.Tensor
@@ -160,6 +163,7 @@ class Rollouts:
     is_eos: torch.Tensor
     sampler_logprobs: torch.Tensor
     tool_mask: torch.Tensor | None = None
+    model_inputs: ModelInputs | None = None
 
     @property
     def model_tokens(self) -> torch.Tensor:
@@ -172,9 +176,11 @@ class Rollouts:
 
     @classmethod
     def from_lists(cls, rows: list[tuple[list[int], list[int], list[float]]], pad_id: int, eos_ids: list[int],
-                   device, tool_masks: list[list[bool] | None] | None = None) -> "Rollouts":
+                   device, tool_masks: list[list[bool] | None] | None = None,
+                   model_inputs: ModelInputs | None = None) -> "Rollouts":
         """Rollouts from an engine's answers: one (prompt ids, completion ids, sampler log-probs) per row; with
-        `tool_masks`, each row's tool mask over its completion (None: every token the model's)."""
+        `tool_masks`, each row's tool mask over its completion (None: every token the model's); `model_inputs`, the
+        rows' extra forward inputs."""
         prompt_ids, prompt_mask = left_pad([p for p, _, _ in rows], pad_id, "cpu")
         width = max(1, max(len(c) for _, c, _ in rows))
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -195,7 +201,7 @@ class Rollouts:
             tool_mask = tool_mask.to(device)
         return cls(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
                    completion_ids=ids.to(device), completion_mask=mask.to(device), is_eos=is_eos.to(device),
-                   sampler_logprobs=logps.to(device), tool_mask=tool_mask)
+                   sampler_logprobs=logps.to(device), tool_mask=tool_mask, model_inputs=model_inputs)
 
     def select(self, index: torch.Tensor) -> "Rollouts":
         """Rows `index`, with columns that are padding in every selected row trimmed away."""
@@ -223,7 +229,12 @@ class Rollouts:
                         completion_ids=pad(self.completion_ids, (0, right)),
                         completion_mask=pad(self.completion_mask, (0, right)), is_eos=self.is_eos,
                         sampler_logprobs=pad(self.sampler_logprobs, (0, right)),
-                        tool_mask=None if self.tool_mask is None else pad(self.tool_mask, (0, right), value=True))
+                        tool_mask=None if self.tool_mask is None else pad(self.tool_mask, (0, right), value=True),
+                        model_inputs=self.model_inputs)
+
+    def forward_inputs(self) -> dict:
+        """The rows' extra forward inputs batched for one forward on the rows' device ({} for text-only rows)."""
+        return {} if self.model_inputs is None else self.model_inputs.batched(self.prompt_ids.device)
 
 
 class Generator(Protocol):

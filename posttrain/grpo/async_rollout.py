@@ -211,22 +211,24 @@ class RolloutWorker:
 
 
 class AheadRounds:
-    """The trainer's side of async_generation: starts the worker, takes its rounds within max_staleness, pushes the
+    """The trainer's side of async_generation, a round source (grpo/round_source.py): starts the worker, takes its rounds within max_staleness, pushes the
     weights every weight_sync_steps, and carries the queue through checkpoints.
 
     Args:
         args: the GRPOConfig.
         accelerator: the run's.
         sample: Rollout.sample_local's arguments after the round: (prompt round, step, engine) -> LocalRound.
+        gather: LocalRound -> the round gathered on every process (Rollout.gathered; the trainer's thread).
         draw: the prompt stream's next round; on_taken: told of each round the trainer takes or drops.
         push: sends the policy's current weights to the engine (a collective under sharding: every process calls it).
         next_index, queue: where a resumed run's worker starts, and the rounds it had sampled.
     """
 
-    def __init__(self, args, accelerator, *, sample: Callable, draw: Callable, on_taken: Callable, push: Callable,
-                 next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True,
+    def __init__(self, args, accelerator, *, sample: Callable, gather: Callable, draw: Callable, on_taken: Callable,
+                 push: Callable, next_index: int = 0, queue=(), extra_rounds: int = 0, exclusive_push: bool = True,
                  background: tuple[Callable, Callable] | None = None):
         self.args, self.accelerator, self._push, self._on_taken = args, accelerator, push, on_taken
+        self._gather = gather
         self.exclusive_push = exclusive_push  # no round generates during a push (a copy of the policy in process)
         # (snapshot, send): a push sent by a thread of its own while the trainer steps on (posttrain serve)
         self._background, self._pushing = background, None
@@ -287,8 +289,9 @@ class AheadRounds:
             self._pushing = None
 
     def next_round(self, step: int, extra: bool = False):
-        """The LocalRound to train on at `step` (1-based, as reward functions are told), skipping those more than
-        max_staleness syncs old; `extra`: a dynamic-sampling round beyond the batch's first."""
+        """The round to train on at `step` (1-based, as reward functions are told), gathered on every process,
+        skipping those more than max_staleness syncs old; `extra`: a dynamic-sampling round beyond the batch's
+        first."""
         args, acc, W = self.args, self.accelerator, self.args.weight_sync_steps
         self.extra_rounds += int(extra)
         while True:
@@ -301,7 +304,7 @@ class AheadRounds:
             if worst <= args.max_staleness:
                 self._staleness.append(worst)
                 self._depths.append(depth)
-                return item.local
+                return self._gather(item.local)
             self._stats["stale_dropped"] += 1
 
     def metrics(self) -> dict:
@@ -369,11 +372,14 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
     def sample(prompt_round, step: int, engine):
         return rollout.sample_local(prompt_round, args.num_generations, step, skip_bad, engine=engine)
 
-    ahead = AheadRounds(args, accelerator, sample=sample, draw=lambda: next(rounds), on_taken=on_taken,
-                        push=rollout.push_weights, next_index=next_index,
+    def gather(local):
+        return rollout.gathered(local, args.num_generations, args.log_completions)
+
+    ahead = AheadRounds(args, accelerator, sample=sample, gather=gather, draw=lambda: next(rounds), on_taken=on_taken,
+                        push=rollout.sampler.push_weights, next_index=next_index,
                         queue=resumed[1] if resumed else (), extra_rounds=resumed[0]["extra_rounds"] if resumed else 0,
                         exclusive_push=not rollout.generator.samples_during_push,
-                        background=((rollout.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
+                        background=((rollout.sampler.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
                                     if rollout.generator.pushes_in_background else None))
     ahead.start(steps_taken)
     return ahead

@@ -1,10 +1,12 @@
-"""The unit the optimizer consumes: rollouts with their advantages and reference log-probs."""
+"""The unit the optimizer consumes: rollouts with their advantages and reference log-probs (GRPO's), or with their
+loss mask alone (distillation's)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from posttrain.generation import Rollouts
+from posttrain.model_inputs import ModelInputs
 
 
 @dataclass(frozen=True)
@@ -13,7 +15,7 @@ class TrainingBatch:
 
     Attributes:
         rollouts: the sampled completions.
-        advantages: [N] float32.
+        advantages: [N] float32, or None for a round that has none (distillation's).
         loss_mask: [N, C] bool, tokens that carry loss (the model's completion tokens, Rollouts.model_tokens, minus
             truncated completions when mask_truncated_completions is on).
         old_logps: [N, C] log-probs of the sampling policy, or None when every micro-step is on-policy.
@@ -23,7 +25,7 @@ class TrainingBatch:
     """
 
     rollouts: Rollouts
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None
     loss_mask: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
@@ -40,7 +42,8 @@ class TrainingBatch:
         def take(x):
             return None if x is None else x[index][:, :width]
 
-        return TrainingBatch(rollouts, self.advantages[index], take(self.loss_mask), take(self.old_logps),
+        advantages = None if self.advantages is None else self.advantages[index]
+        return TrainingBatch(rollouts, advantages, take(self.loss_mask), take(self.old_logps),
                              take(self.ref_logps), take(self.sampling_ratio))
 
     def rows_with_gradient(self) -> "TrainingBatch":
@@ -76,9 +79,12 @@ _BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps", "sampling_
 
 
 def buffer_tensors(buffer: list[TrainingBatch]) -> dict[str, torch.Tensor]:
-    """Buffered micro-batches as a flat name -> tensor dict (for a checkpoint's safetensors file)."""
+    """Buffered micro-batches as a flat name -> tensor dict (for a checkpoint's safetensors file); a row's model_inputs
+    as `<micro-batch>.model_inputs.<row>.<name>`."""
     out = {}
     for i, mb in enumerate(buffer):
+        if mb.rollouts.model_inputs is not None:
+            out.update(mb.rollouts.model_inputs.tensors(f"{i}.model_inputs."))
         for name in _ROLLOUT_FIELDS:
             if getattr(mb.rollouts, name) is not None:
                 out[f"{i}.{name}"] = getattr(mb.rollouts, name).contiguous().cpu()
@@ -99,5 +105,7 @@ def buffer_from_tensors(tensors: dict[str, torch.Tensor], device) -> list[Traini
             return tensors[key].to(device) if key in tensors else None
 
         rollouts = Rollouts(**{name: get(name) for name in _ROLLOUT_FIELDS})
+        inputs = ModelInputs.from_tensors(tensors, f"{i}.model_inputs.", len(rollouts), device)
+        rollouts = rollouts if inputs is None else replace(rollouts, model_inputs=inputs)
         buffer.append(TrainingBatch(rollouts, **{name: get(name) for name in _BATCH_FIELDS}))
     return buffer

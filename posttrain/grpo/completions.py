@@ -17,6 +17,8 @@ import math
 import os
 import random
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
 
 from posttrain.completion_rows import as_text, extra_columns
 from posttrain.training.distributed import guarded
@@ -62,6 +64,18 @@ class RewardLogs:
         return {c: gather_object(self.extra.get(c, [None] * n_local)) for c in columns}
 
 
+@dataclass(frozen=True)
+class LoggedRound:
+    """What the completions log takes of a generation batch: this process's prompts and completion texts, every
+    process's [N, F] rewards and [N] advantages (None where the round has none), and the extra columns."""
+
+    prompts: list
+    texts: list[str]
+    rewards: Any = None
+    advantages: Any = None
+    extra: dict = field(default_factory=dict)
+
+
 class CompletionLog:
     """completions.jsonl and the printed sample (main process only)."""
 
@@ -75,16 +89,14 @@ class CompletionLog:
         self.quiet = args.log_level in QUIET_LEVELS
         self.last: list[dict] = []
 
-    def add_batch(self, step: int, scored) -> None:
-        """A training batch's completions (grpo/rollout.py ScoredBatch), with log_completions."""
+    def add_round(self, step: int, logged: "LoggedRound") -> None:
+        """A generation batch's completions (its `logged()`), with log_completions."""
         if self.enabled:
-            rows = scored.scored
-            self.add(step, [row["prompt"] for row in rows.rows], rows.texts, rows.rewards, scored.advantages,
-                     rows.extra)
+            self.add(step, logged.prompts, logged.texts, logged.rewards, logged.advantages, logged.extra)
 
     def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
-        """Append a generation round: this process's prompts and texts, the gathered [N, F] rewards, [N] advantages
-        and extra columns."""
+        """Append a generation round: this process's prompts and texts, the gathered [N, F] rewards and [N]
+        advantages (None for a round with neither: distillation's), and extra columns."""
         from accelerate.utils import gather_object
 
         prompts, texts = gather_object(prompts), gather_object(texts)
@@ -95,9 +107,10 @@ class CompletionLog:
     def _write(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
         rows = []
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
-            row = {"step": step, "prompt": prompt, "completion": text,
-                   "rewards": {n: None if math.isnan(v) else v for n, v in zip(self.names, rewards[i].tolist())},
-                   "advantage": float(advantages[i])}
+            row = {"step": step, "prompt": prompt, "completion": text, "rewards": {} if rewards is None else
+                   {n: None if math.isnan(v) else v for n, v in zip(self.names, rewards[i].tolist())}}
+            if advantages is not None:
+                row["advantage"] = float(advantages[i])
             row.update({column: values[i] if i < len(values) else None for column, values in extra.items()})
             rows.append(row)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -109,15 +122,16 @@ class CompletionLog:
         """The latest round as a table: its columns and one list per row (conversational prompts as role: content
         lines); with log_unique_prompts each prompt's first row only."""
         extra = extra_columns(self.last[0]) if self.last else []
-        columns = ["step", "prompt", "completion", *self.names, "advantage", *extra]
+        advantage = ["advantage"] if self.last and "advantage" in self.last[0] else []
+        columns = ["step", "prompt", "completion", *self.names, *advantage, *extra]
         rows, seen = [], set()
         for row in self.last:
             prompt = as_text(row["prompt"])
             if self.unique_prompts and prompt in seen:
                 continue
             seen.add(prompt)
-            rows.append([row["step"], prompt, as_text(row["completion"]), *row["rewards"].values(), row["advantage"],
-                         *(row[c] for c in extra)])
+            rows.append([row["step"], prompt, as_text(row["completion"]), *row["rewards"].values(),
+                         *(row[c] for c in advantage), *(row[c] for c in extra)])
         return columns, rows
 
     def to_trackers(self, metrics_logger, step: int) -> None:
@@ -161,12 +175,13 @@ def completions_table(step: int, rows: list[dict], names: list[str], path: str, 
                   expand=True)
     table.add_column("prompt", ratio=1, no_wrap=True, overflow="ellipsis", style="bright_yellow")
     table.add_column("completion", ratio=2, no_wrap=True, overflow="ellipsis", style="bright_green")
-    for name in [*names, "advantage"]:
+    advantage = ["advantage"] if "advantage" in rows[0] else []
+    for name in [*names, *advantage]:
         table.add_column(name, justify="right", no_wrap=True, style="bold cyan")
     for column in extra:
         table.add_column(column, ratio=1, no_wrap=True, overflow="ellipsis")
     for row in shown:
-        numbers = [*row["rewards"].values(), row["advantage"]]
+        numbers = [*row["rewards"].values(), *(row[c] for c in advantage)]
         table.add_row(Text(_one_line(as_text(row["prompt"]))), Text(_one_line(as_text(row["completion"]))),
                       *("-" if v is None else f"{v:.2f}" for v in numbers),
                       *(Text(_one_line(as_text(row[c]) if row[c] is not None else "-")) for c in extra))

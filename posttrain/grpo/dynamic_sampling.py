@@ -31,6 +31,7 @@ from posttrain.configs import ConfigError
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.grpo.advantages import nanstd, weighted_sum
 from posttrain.grpo.completions import RewardLogs
+from posttrain.model_inputs import ModelInputs
 from posttrain.timeouts import waiting_on
 
 DEFAULT_MAX_ROUNDS = 10
@@ -73,6 +74,7 @@ class KeptRow:
     reward: list[float]
     extra: dict
     tool_mask: list[bool] | None = None  # a multi-turn rollout's: False on its tool results' tokens
+    model_inputs: dict | None = None  # the row's extra forward inputs (posttrain/model_inputs.py), on the CPU
 
 
 def resolve_filter(spec) -> Callable | None:
@@ -159,7 +161,9 @@ def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, g
                             r.sampler_logprobs[j][completion].tolist(), scored.rows[j], scored.texts[j],
                             scored.rewards[index].tolist(),
                             {c: values[index] for c, values in scored.extra.items()},
-                            None if r.tool_mask is None else r.tool_mask[j][completion].tolist()))
+                            None if r.tool_mask is None else r.tool_mask[j][completion].tolist(),
+                            None if r.model_inputs is None else
+                            {name: value.cpu() for name, value in r.model_inputs.rows[j].items()}))
     return gather_object(mine)
 
 
@@ -173,8 +177,10 @@ def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, log
     n = needed // processes
     mine = batch[process * n:(process + 1) * n]
     tool_masks = [r.tool_mask for r in mine] if any(r.tool_mask is not None for r in batch) else None
+    inputs = ModelInputs.from_rows([r.model_inputs for r in mine]) \
+        if any(r.model_inputs is not None for r in batch) else None
     rollouts = Rollouts.from_lists([(r.prompt_ids, r.completion_ids, r.sampler_logprobs) for r in mine], pad_id,
-                                   eos_ids, device, tool_masks)
+                                   eos_ids, device, tool_masks, inputs)
     columns = sorted({c for r in batch for c in r.extra})
     return ScoredRound(rows=[r.row for r in mine], texts=[r.text for r in mine], rollouts=rollouts,
                        rewards=torch.tensor([r.reward for r in batch], dtype=torch.float32), logs=logs,

@@ -3,7 +3,8 @@
     share   = rollout.share(round, G)              this process's rows of the round, G per prompt
     scored  = rollout.sample(round, G, step)       generated and scored here; every process's rewards gathered
     logps   = rollout.log_probs(rollouts)          old (or sampler-corrected) and reference log-probs, no gradient
-    batch   = rollout.scored_batch(draw, step)     the next training batch (dynamic sampling draws more rounds)
+    batch   = rollout.scored_batch(source, step)   the next training batch from a round source (grpo/round_source.py;
+                                                   dynamic sampling takes more rounds)
 
 The policy loss of a micro-batch is grpo/losses.py's `micro_batch_loss`; training (grpo/trainer.py) and evaluation
 (grpo/evaluation.py) call it on what this stage produced. Nothing here reads the trainer.
@@ -19,34 +20,15 @@ from posttrain.data import DataError, PromptRound
 from posttrain.generation import Rollouts
 from posttrain.grpo.advantages import Advantages, group_advantages
 from posttrain.grpo.batch import TrainingBatch
-from posttrain.grpo.completions import RewardLogs
+from posttrain.grpo.completions import LoggedRound, RewardLogs
 from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs
 from posttrain.grpo.metrics import completion_metrics, reward_metrics, tool_metrics
 from posttrain.grpo.sampler_correction import local_stats, reduce_stats, sampling_ratio, trainer_logps
+from posttrain.grpo.sampling import RoundSampler, RoundShare
 from posttrain.models import token_logprobs
 from posttrain.models.peft import reference_mode
-from posttrain.rewards import reward_inputs, score
+from posttrain.rewards import score
 from posttrain.training.distributed import guarded, mark_agreed
-from posttrain.weights import export_weights
-
-
-@dataclass(frozen=True)
-class RoundShare:
-    """This process's rows of a round, each prompt repeated G times.
-
-    Attributes:
-        rows: the dataset rows, one per completion.
-        prompt_ids: their token ids.
-        indices: each row's position in the dataset.
-        row_keys: each row's index in the (padded) round: what its completion's randomness depends on.
-        real: False for the repeats that fill the last processes' shares when the prompts do not split evenly.
-    """
-
-    rows: list[dict]
-    prompt_ids: list[list[int]]
-    indices: list[int]
-    row_keys: list[int]
-    real: list[bool]
 
 
 @dataclass(frozen=True)
@@ -104,6 +86,11 @@ class ScoredBatch:
     advantages: torch.Tensor
     metrics: dict
 
+    def logged(self) -> LoggedRound:
+        """What the completions log takes of it."""
+        rows = self.scored
+        return LoggedRound([row["prompt"] for row in rows.rows], rows.texts, rows.rewards, self.advantages, rows.extra)
+
 
 @dataclass(frozen=True)
 class Rewards:
@@ -155,46 +142,34 @@ class Rollout:
         args: the GRPOConfig.
         accelerator, sharding: the run's (training/).
         models: the policy as prepared, unwrapped and for forwards without gradient, and the reference.
-        generator: the generation backend (posttrain/generation).
-        tokenizer: decodes completions for the reward functions.
+        sampler: samples the rounds' completions (grpo/sampling.py: the generator, the tokenizer, the agents).
         rewards: the reward functions, weights and columns.
         trainer_state: transformers' TrainerState, which reward functions receive.
         layout: how the log-prob forwards lay rows out.
         sampling_params: the generator's, for the sampler correction's support.
         needs_old_logps: whether old log-probs are kept.
-        agents: tools, environments or a rollout_func (posttrain/agents/rollouts.py), or None: one generate() call.
     """
 
-    def __init__(self, args, *, accelerator, sharding, models: RoundModels, generator, tokenizer, rewards: Rewards,
-                 trainer_state: Any, layout: RowLayout, sampling_params, needs_old_logps: bool, agents=None):
+    def __init__(self, args, *, accelerator, sharding, models: RoundModels, sampler: RoundSampler, rewards: Rewards,
+                 trainer_state: Any, layout: RowLayout, sampling_params, needs_old_logps: bool):
         self.args, self.accelerator, self.sharding = args, accelerator, sharding
         self.model, self.policy, self.forward_policy = models.model, models.policy, models.forward_policy
         self.ref_model, self.reference_adapter = models.ref_model, models.reference_adapter
-        self.generator, self.tokenizer, self.rewards, self.trainer_state = generator, tokenizer, rewards, trainer_state
+        self.sampler, self.rewards, self.trainer_state = sampler, rewards, trainer_state
         self.packing, self.share_prompts = layout.packing, layout.share_prompts
         self.pad_to_multiple_of = layout.pad_to_multiple_of
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
-        self.agents = agents
-        self.ahead = None  # async_generation's rounds sampled ahead (grpo/async_rollout.py AheadRounds), else None
+
+    @property
+    def generator(self):
+        """The generation backend the round samples with (the sampler's)."""
+        return self.sampler.generator
+
+    @generator.setter
+    def generator(self, value) -> None:
+        self.sampler.generator = value
 
     # ------------------------------------------------------------------ sampling and scoring
-
-    def share(self, prompt_round: PromptRound, G: int, pad_prompts: bool = False) -> RoundShare:
-        """This process's contiguous share of the round's B*G rows (B*G splits evenly over the processes in
-        training). With `pad_prompts` (evaluation, whose last round may hold any number of prompts), the first prompts
-        are repeated until B splits over the processes, the repeats marked not real."""
-        acc = self.accelerator
-        real = len(prompt_round.rows)
-        padded = real + (-real % acc.num_processes) if pad_prompts else real
-        order = [i % real for i in range(padded)]
-        n = padded * G // acc.num_processes
-        mine = slice(acc.process_index * n, (acc.process_index + 1) * n)
-
-        def spread(values: list) -> list:
-            return [values[i] for i in order for _ in range(G)][mine]
-
-        return RoundShare(spread(prompt_round.rows), spread(prompt_round.prompt_ids), spread(prompt_round.indices),
-                          list(range(padded * G))[mine], [k < real * G for k in range(padded * G)][mine])
 
     def sample(self, prompt_round: PromptRound, G: int, step: int, skip_bad: bool = False,
                gather_extra: bool = False, pad_prompts: bool = False) -> tuple[ScoredRound, RoundShare]:
@@ -218,12 +193,12 @@ class Rollout:
         (the worker's hold on the engine; the weights are then pushed by the trainer, not here)."""
         bad_rows = [] if skip_bad else None
         logs = RewardLogs()
-        share = self.share(prompt_round, G, pad_prompts)
+        share = self.sampler.share(prompt_round, G, pad_prompts)
         if engine is None:
-            sampled = self._synced_generate(share)
+            sampled = self.sampler.generate(share)
         else:
             with engine():
-                sampled = self._generate(share)
+                sampled = self.sampler.generate_with_held_weights(share)
         columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
         columns.update(sampled.columns)  # environments, rollout_func's extra columns (which take precedence)
         completion_ids = [ids[mask].tolist() for ids, mask in zip(sampled.rollouts.completion_ids,
@@ -232,6 +207,14 @@ class Rollout:
                       self.trainer_state, step, bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
         return LocalRound(prompt_round, share, sampled, local, bad_rows, logs)
 
+    def training_round(self, prompt_round: PromptRound, step: int) -> ScoredRound:
+        """A round sampled and scored as training samples it (num_generations each, on_bad_reward, log_completions'
+        extra columns): what a round source (grpo/round_source.py) gives the step."""
+        args = self.args
+        scored, _ = self.sample(prompt_round, args.num_generations, step, skip_bad=args.on_bad_reward == "skip",
+                                gather_extra=args.log_completions)
+        return scored
+
     def gathered(self, local: LocalRound, G: int, gather_extra: bool = False) -> ScoredRound:
         """A round sampled on every process (`sample_local`), its rewards gathered [rows of every process, F], a
         group with a non-finite reward blanked (on_bad_reward=skip), its log_extra columns gathered (gather_extra)."""
@@ -239,38 +222,9 @@ class Rollout:
         rewards = acc.gather(local.rewards.to(acc.device)).cpu()  # [rows of every process, F]
         skipped = self._skip_bad_groups(rewards, local.bad_rows, G) if local.bad_rows is not None else None
         extra = local.logs.gathered_extra(acc, len(local.share.rows)) if gather_extra else {}
-        tool_counts = sampled.counts if self.agents is not None and self.agents.agents.calls_tools else None
+        tool_counts = sampled.counts if self.sampler.calls_tools else None
         return ScoredRound(local.share.rows, sampled.texts, sampled.rollouts, rewards, local.logs, extra, skipped,
                            tool_counts)
-
-    def push_weights(self) -> None:
-        """The policy's weights to the generator (a collective under sharding: every process calls it)."""
-        with self.sharding.whole_weights(self.model):
-            self.generator.sync_weights(export_weights(self.model))
-
-    def weights_snapshot(self) -> list:
-        """The policy's weights as the generator takes them, copied to the CPU, for a push that runs while training
-        goes on (a collective under sharding: every process calls it)."""
-        with self.sharding.whole_weights(self.model):
-            return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in export_weights(self.model)]
-
-    def _synced_generate(self, share: RoundShare) -> AgentSample:
-        """`_generate` after pushing the policy's weights to the generator, within the whole weights (sharded
-        training: for the export and the whole decode)."""
-        with self.sharding.whole_weights(self.model):
-            self.generator.sync_weights(export_weights(self.model))
-            return self._generate(share)
-
-    def _generate(self, share: RoundShare) -> AgentSample:
-        """This process's rows sampled (through the agents' loop when the trainer has tools, environments or a
-        rollout_func), with what the reward functions receive."""
-        if self.agents is not None:
-            return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
-                                      self.accelerator.device)
-        rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
-        prompts = [row["prompt"] for row in share.rows]
-        completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
-        return AgentSample(rollouts, prompts, completions, texts, {}, torch.zeros(3, dtype=torch.long))
 
     def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, G: int) -> int:
         """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.
@@ -307,7 +261,8 @@ class Rollout:
         lays them out; keyword arguments go to models.token_logprobs."""
         r = rollouts
         return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                              self.args.temperature, packing=self.packing, share_prompts=self.share_prompts, **kwargs)
+                              self.args.temperature, packing=self.packing, share_prompts=self.share_prompts,
+                              model_inputs=r.forward_inputs(), **kwargs)
 
     def log_probs(self, rollouts: Rollouts, old: bool = True) -> LogProbs:
         """The old (when kept, and `old`), sampler-corrected and reference log-probs of this process's rollouts."""
@@ -360,18 +315,18 @@ class Rollout:
 
     # ------------------------------------------------------------------ the training batch
 
-    def scored_batch(self, draw_round: Callable[[], PromptRound], step: int) -> ScoredBatch:
+    def scored_batch(self, source, step: int) -> ScoredBatch:
         """The next generation batch: sampled and scored (with dynamic_sampling, from as many rounds as it takes to
         fill it with groups whose rewards differ), then its log-probs and its advantages.
 
         Args:
-            draw_round: the next round of the prompt stream.
+            source: where the rounds come from (grpo/round_source.py RoundSource).
             step: the optimizer step the batch is for (what reward functions are told).
         """
         args, G, acc = self.args, self.args.num_generations, self.accelerator
-        scored, sampling = self._sample_next(draw_round, step), {}
+        scored, sampling = source.next_round(step), {}
         if args.dynamic_sampling:
-            scored, sampling = self._dynamically_sampled(scored, draw_round, step)
+            scored, sampling = self._dynamically_sampled(scored, source, step)
         rollouts = scored.rollouts
         logps = self.log_probs(rollouts)
         loss_mask = rollouts.model_tokens  # a multi-turn rollout's tool results carry no loss (TRL's tool_mask)
@@ -393,22 +348,10 @@ class Rollout:
                    **({"rewards/skipped_groups": scored.skipped} if scored.skipped is not None else {}),
                    **completion_metrics(lengths[:, 1], acc.gather(rollouts.is_eos).cpu()),  # the model's tokens
                    **scored.logs.reduced_metrics(acc), **sampling, **adv_metrics,
-                   **tool_metrics(scored.tool_counts, acc), **(self.ahead.metrics() if self.ahead else {})}
+                   **tool_metrics(scored.tool_counts, acc), **source.metrics()}
         return ScoredBatch(batch, scored, adv.advantages, metrics)
 
-    def _sample_next(self, draw_round: Callable[[], PromptRound], step: int, extra: bool = False) -> ScoredRound:
-        """The next round of the stream, sampled and scored as training samples it (with async_generation, the
-        next round the rollout worker sampled ahead: grpo/async_rollout.py)."""
-        args = self.args
-        if self.ahead is not None:
-            return self.gathered(self.ahead.next_round(step, extra), args.num_generations, args.log_completions)
-        with guarded(self.accelerator):  # reading the data can fail on one process only
-            prompt_round = draw_round()
-        scored, _ = self.sample(prompt_round, args.num_generations, step, skip_bad=args.on_bad_reward == "skip",
-                                gather_extra=args.log_completions)
-        return scored
-
-    def _dynamically_sampled(self, scored: ScoredRound, draw_round, step: int) -> tuple[ScoredRound, dict]:
+    def _dynamically_sampled(self, scored: ScoredRound, source, step: int) -> tuple[ScoredRound, dict]:
         """DAPO's dynamic sampling (grpo/dynamic_sampling.py): rounds until the groups whose rewards differ fill the
         batch; the batch of the first of them (this process's share) and the sampling/* metrics."""
         from accelerate.utils import gather_object
@@ -435,7 +378,7 @@ class Rollout:
                     f"groups a batch needs whose rewards differ (dynamic_sampling_max_rounds="
                     f"{args.dynamic_sampling_max_rounds}): raise dynamic_sampling_max_rounds, use prompts that are "
                     "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
-            scored = self._sample_next(draw_round, step, extra=True)
+            scored = source.next_round(step, extra=True)
         batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
-                         self.tokenizer.pad_token_id, self.generator.eos_ids, acc.device, tool_counts)
+                         self.sampler.tokenizer.pad_token_id, self.generator.eos_ids, acc.device, tool_counts)
         return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}

@@ -107,19 +107,20 @@ def trainer_logps(model, rollouts: Rollouts, params: SamplingParams, temperature
     attention = torch.cat([rollouts.prompt_mask, rollouts.completion_mask], dim=1).long()
     width = rollouts.completion_ids.size(1)
     mask = rollouts.completion_mask.bool()
+    extra = rollouts.forward_inputs()
     if not restricts_support(params):
         full, _ = lp.token_logprobs(model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids,
-                                   rollouts.completion_mask, temperature)
+                                   rollouts.completion_mask, temperature, model_inputs=extra)
         return full, full
     steps = torch.arange(width, device=mask.device).expand_as(mask)[mask]
     chosen = rollouts.completion_ids[mask]
-    layer = lp.output_layer(model) if lp.fast_path_available(model) else None
+    layer = lp.output_layer(model) if lp.fast_path_available(model) and not extra else None
     if layer is not None and not lp.whole_only_in_forward(layer):  # as token_logprobs computes them, and the kept mass from the same hidden states
         hidden = lp.final_hidden(model, ids, attention)[:, -width - 1:-1][mask]  # [M, H]
         logps, _ = lp.chunked_token_logprobs(hidden, layer.weight, layer.bias, chosen, temperature, False)
         kept = _kept_from_hidden(hidden, layer, chosen, logps, steps, params, temperature, eos_ids)
     else:
-        logits = lp.completion_logits(model, ids, attention, width + 1)[:, :-1][mask].float() / temperature
+        logits = lp.completion_logits(model, ids, attention, width + 1, extra)[:, :-1][mask].float() / temperature
         logps = logits.gather(-1, chosen[:, None]).squeeze(-1) - logits.logsumexp(-1)
         kept = _kept_in_chunks(lambda rows: logits[rows], logps.numel(), steps, params, eos_ids)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)

@@ -1,9 +1,9 @@
-"""The GRPO trainer: its data (prompt rounds, generation, rewards) and its step, on the shared loop
-(training/trainer.py).
+"""The GRPO trainer: its signal (rewards) and its objective (the policy loss) on the online trainers' data
+(grpo/online.py: prompt rounds sampled from the policy, the buffer, the round source).
 
-    round      = next(prompt rounds)                    # B unique prompts, same on every process
-    rollouts   = generator.generate(my share, G each,   # token ids, masks, sampler log-probs; a row's
-                                    its rows' keys)       # completion depends on its key, not on the process
+    round      = rounds.next_round(step)                # B unique prompts, same on every process, G completions
+                                                        # each; a row's completion depends on its key, not on the
+                                                        # process (grpo/rollout.py)
     rewards    = score(...) gathered over processes     # [B*G, F], NaN where a function returned None
     advantages = group_advantages(rewards, G, ...)      # [B*G], then this process's slice
     buffer    += batch.micro_batches(...) x num_iterations
@@ -13,45 +13,34 @@ Generation happens whenever the buffer is empty, so how often we generate (steps
 how many micro-batches make an optimizer step (gradient_accumulation_steps).
 """
 
-import contextlib
 import functools
 import logging
-import math
 from dataclasses import replace
 
 import torch
 
-from posttrain.agents.chat_templates import tool_chat_template
 from posttrain.agents.rollouts import Agents
 from posttrain.configs import ConfigError, GRPOConfig
-from posttrain.data import PromptEncoder, PromptSource, check_eval_columns, prompt_dataset_columns
-from posttrain.generation import SamplingParams, make_generator
-from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
-from posttrain.grpo.async_rollout import queue_from_tensors, start_ahead
-from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
-from posttrain.grpo.completions import CompletionLog
+from posttrain.grpo.batch import TrainingBatch
 from posttrain.grpo.dynamic_sampling import resolve_filter
 from posttrain.grpo.entropy import EntropyControl
 from posttrain.grpo.evaluation import evaluation_metrics
 from posttrain.grpo.flat_rewards import FlatRewardWatch
 from posttrain.grpo.losses import (SEQUENCE_LEVELS, LossInputs, LossParams, MicroBatchLoss, StepNormalizer, get_loss,
                                   micro_batch_loss)
-from posttrain.grpo.metrics import loss_metrics, with_tokens_seen
-from posttrain.grpo.rollout import Rewards, Rollout, RoundModels, RowLayout
-from posttrain.models.peft import refuse_prefix_tuning_for_sampling
+from posttrain.grpo.metrics import loss_metrics
+from posttrain.grpo.online import OnlineTrainer
+from posttrain.grpo.rollout import Rewards, Rollout, RoundModels
 from posttrain.models.preparation import make_reference, mix_reference
 from posttrain.rewards import RewardFunction, check_required_columns, resolve_reward_funcs, reward_weights
 from posttrain.rewards.resolving import NO_REWARD
-from posttrain.training.checkpoint import CheckpointExtras, model_fingerprint
-from posttrain.training.distributed import guarded, run_name
-from posttrain.training.loaders import eval_prompt_batches, train_prompt_batches
-from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
-from posttrain.training.trainer import Trainer, TrainingError  # noqa: F401 - TrainingError: this module's API too
+from posttrain.training.checkpoint import CheckpointExtras
+from posttrain.training.trainer import TrainingError  # noqa: F401 - TrainingError: this module's API too
 
 logger = logging.getLogger("posttrain")
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(OnlineTrainer):
     """Group Relative Policy Optimization, with TRL's GRPOTrainer signature.
 
     Args:
@@ -95,55 +84,73 @@ class GRPOTrainer(Trainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, response_template=None):
-        args = trainer_config(self._config_class, args, model, self._title)
-        agents = Agents(list(tools or []), environment_factory, rollout_func, response_template)
-        take_quantization_config(model, args, quantization_config)
-        super().__init__(args, callbacks, optimizers)
-        with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
-            model = self._setup(model, reward_funcs, train_dataset, eval_dataset, processing_class,
-                                reward_processing_classes, peft_config, agents)
-        self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
-        self._prepare(model, self._total_steps())
-        rank, run_id = self.accelerator.process_index, run_name(self.accelerator)
-        with guarded(self.accelerator):  # a server one process cannot reach stops every process; one seed on every
-            # process: each row's key (its index in the round) tells the rows apart, whatever the number of processes
-            generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
-                                       run_id=run_id, num_processes=self.accelerator.num_processes,
-                                       local_process_index=self.accelerator.local_process_index)
+        self._reward_funcs_given = (reward_funcs, reward_processing_classes)  # resolved before the policy loads
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         quantization_config=quantization_config, peft_config=peft_config,
+                         agents=Agents(list(tools or []), environment_factory, rollout_func, response_template))
+
+    # ------------------------------------------------------------------ the signal: rewards (grpo/online.py's hooks)
+
+    def _before_model(self, agents: Agents) -> None:
+        reward_funcs, reward_processing_classes = self._reward_funcs_given
+        self._reward_funcs_given = None
+        self._user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes,
+                                                   agents.environment_factory is not None)
+
+    def _frozen_model(self, model, came_with_adapter: bool) -> tuple:
+        """(a separate frozen model the round reads, sharded as the policy; or None, and the reference adapter or
+        None): GRPO's KL reference (models/preparation.py), none at beta 0."""
+        return make_reference(model, self.args, came_with_adapter)
+
+    def _after_agents(self, agents: Agents) -> None:
+        """The reward functions: the given ones, then each environment's get_reward; their weights and columns."""
+        args, user_funcs = self.args, self._user_funcs
+        sources = self.agents.reward_sources() if self.agents is not None else []
+        if agents.environment_factory is not None and not user_funcs and not sources:
+            raise ConfigError(NO_REWARD + ", or environments whose class defines get_reward.")
+        self.reward_weights = reward_weights(args.reward_weights, len(user_funcs), len(sources))
+        # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
+        self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
+        del self._user_funcs
+        self._group_filter = resolve_filter(args.dynamic_sampling_filter)
+        for f in self.reward_funcs:
+            if f.model is not None:
+                f.model.to(self.accelerator.device)
+        # TRL's GRPO remove_unused_columns=True drops every column but the prompt before the reward functions see them
+        self.reward_columns = [] if args.drops_reward_columns else self.prompts.columns
+        check_required_columns(self.reward_funcs, self.reward_columns,
+                               self.agents.column_names if self.agents is not None else (),
+                               more_columns=agents.rollout_func is not None)
+
+    def _eval_columns(self) -> list[str]:
+        return self.reward_columns
+
+    def _reward_names(self) -> list[str]:
+        return [f.name for f in self.reward_funcs]
+
+    def _set_objective(self, args) -> None:
+        """The loss, the entropy control, whether old log-probs are kept, and which rows skip the forward."""
         self.loss_fn, self.loss_params = self._objective(args)
         self.entropy_control = EntropyControl.from_config(args)
         self.needs_old_logps = self._needs_old_logps(args)
-        self.sampling_params = SamplingParams.from_config(args)
         # A row with advantage 0 has zero gradient unless the loss needs it (Loss.needs_zero_advantage_rows), an
         # entropy quantile or bonus (which look at every row) or a mixture-of-experts router loss involves it: such
         # rows skip the forward and backward.
         self.skip_zero_advantage_rows = (not self.loss_fn.needs_zero_advantage_rows(self.loss_params)
                                          and args.top_entropy_quantile >= 1.0 and not self.entropy_control.enabled
                                          and not self.router_loss.enabled)
-        self.pad_to_multiple_of = self._padding_multiple()
-        # padded widths are fixed for a reason: keep them; a router loss counts each real token of the padded rows
-        # once, under their attention mask, as in TRL (packed rows and shared prompts would count others)
-        self.packing = self.pad_to_multiple_of is None and not self.router_loss.enabled
-        # each distinct prompt once (two forwards before a backward) where every process holds the whole weights: one
-        # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
-        self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
-        rewards = Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter)
-        self.rollout = self._rollout_class(
-            args, accelerator=self.accelerator, sharding=self.sharding, models=RoundModels(
-                self.model, self.policy, self.forward_policy, self.ref_model, self.reference_adapter),
-            generator=generator, tokenizer=self.tokenizer, rewards=rewards, trainer_state=self.state,
-            layout=RowLayout(self.packing, self.share_prompts, self.pad_to_multiple_of),
-            sampling_params=self.sampling_params, needs_old_logps=self.needs_old_logps, agents=self.agents)
-        self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
-        self.buffer: list[TrainingBatch] = []
-        self._rounds = self.prompts.rounds()
-        self.rounds_consumed = 0  # generation rounds drawn from the prompts: the data position, for resuming
-        self._resumed_queue = None  # async_generation: (meta, rounds) a checkpoint's worker had sampled ahead
-        self._stream_epoch = 0.0
-        self.completion_log = CompletionLog(args, self.accelerator, [f.name for f in self.reward_funcs])
-        self.flat_rewards = FlatRewardWatch(args, self.sampling_params, [f.name for f in self.reward_funcs],
+        self.flat_rewards = FlatRewardWatch(args, self.sampling_params, self._reward_names(),
                                             self._gradients_besides_rewards())
-        self._call("on_init_end")
+
+    def _round_stage(self, sampler, layout):
+        """GRPO's round (grpo/rollout.py): sampling, scoring, log-probs, advantages (RLOO's differ)."""
+        rewards = Rewards(self.reward_funcs, self.reward_weights, self.reward_columns, self._group_filter)
+        return self._rollout_class(
+            self.args, accelerator=self.accelerator, sharding=self.sharding, models=RoundModels(
+                self.model, self.policy, self.forward_policy, self.ref_model, self.reference_adapter),
+            sampler=sampler, rewards=rewards, trainer_state=self.state, layout=layout,
+            sampling_params=self.sampling_params, needs_old_logps=self.needs_old_logps)
 
     def _objective(self, args) -> tuple:
         """The loss (grpo/losses.py) and its parameters: loss_type's."""
@@ -153,66 +160,6 @@ class GRPOTrainer(Trainer):
         """Old log-probs: when a step can land between sampling and training, or the engine's samples are corrected."""
         return (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
                 or args.corrects_sampling)
-
-    @property
-    def generator(self):
-        """The generation backend (posttrain/generation) the round samples with."""
-        return self.rollout.generator
-
-    @generator.setter
-    def generator(self, value) -> None:
-        self.rollout.generator = value
-
-    # ------------------------------------------------------------------ setup
-
-    def _setup(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-               peft_config, agents: Agents):
-        """Load the model and tokenizer, the reference, the agents, the rewards and the data; returns the prepared
-        policy."""
-        args = self.args
-        train_dataset, placeholder_prompts = agent_dataset(train_dataset, agents, args)
-        refuse_prefix_tuning_for_sampling(peft_config, model)
-        # the data's prompts and the given reward functions before the model loads: a dataset with no prompt, a misnamed
-        # reward or a missing package stops the run at once
-        if train_dataset is not None:
-            prompt_dataset_columns(train_dataset)
-        user_funcs = self._user_reward_funcs(reward_funcs, reward_processing_classes,
-                                             agents.environment_factory is not None)
-        model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
-        self.ref_model, self.reference_adapter = self._reference(model, came_with_adapter)
-        context = getattr(model.config, "max_position_embeddings", None)
-        # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
-        chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
-        self.encoder = PromptEncoder.for_run(self.tokenizer, args, context, chat_template, self._vocab_rows)
-        self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context, placeholder_prompts,
-                                     trainer=self)
-        sources = self.agents.reward_sources() if self.agents is not None else []
-        if agents.environment_factory is not None and not user_funcs and not sources:
-            raise ConfigError(NO_REWARD + ", or environments whose class defines get_reward.")
-        self.reward_weights = reward_weights(self.args.reward_weights, len(user_funcs), len(sources))
-        # an environment's get_reward is a reward of weight 1 named after its class, after the given ones (TRL's)
-        self.reward_funcs = user_funcs + [RewardFunction(name=name, fn=fn) for name, fn in sources]
-        self._group_filter = resolve_filter(args.dynamic_sampling_filter)
-        for f in self.reward_funcs:
-            if f.model is not None:
-                f.model.to(self.accelerator.device)
-
-        self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation,
-                                    shuffle=args.shuffle_dataset, seed=self._data_seed)
-        self.train_dataset = train_dataset  # as given, as TRL keeps it (GRPO prepares prompts round by round)
-        # TRL's GRPO remove_unused_columns=True drops every column but the prompt before the reward functions see them
-        self.reward_columns = [] if args.drops_reward_columns else self.prompts.columns
-        check_required_columns(self.reward_funcs, self.reward_columns,
-                               self.agents.column_names if self.agents is not None else (),
-                               more_columns=agents.rollout_func is not None)
-        self.eval_dataset = eval_dataset
-        check_eval_columns(eval_dataset, ["prompt", *self.reward_columns])
-        return model
-
-    def _reference(self, model, came_with_adapter: bool) -> tuple:
-        """(a separate frozen model the round reads, sharded as the policy; or None, and the reference adapter or
-        None): GRPO's KL reference (models/preparation.py), none at beta 0."""
-        return make_reference(model, self.args, came_with_adapter)
 
     def _user_reward_funcs(self, reward_funcs, reward_processing_classes, environments: bool) -> list:
         """The reward functions the user gave, resolved (posttrain/rewards); one is needed unless there are
@@ -229,64 +176,15 @@ class GRPOTrainer(Trainer):
             ["the entropy bonus, which only changes the model's entropy"] if self.entropy_control.enabled else []) + (
             ["the router's load-balancing loss, which only balances the experts"] if self.router_loss.enabled else [])
 
-    def _total_steps(self) -> int:
-        args = self.args
-        if args.max_steps > 0:
-            return args.max_steps
-        rounds = self.prompts.rounds_per_epoch
-        if rounds is None:
-            raise run_length_unknown()
-        micro = rounds * args.num_train_epochs * args.steps_per_generation * args.num_iterations
-        return max(1, math.ceil(micro / args.gradient_accumulation_steps))
+    # ------------------------------------------------------------------ the step
 
-    # ------------------------------------------------------------------ generation and scoring
-
-    def _step_micro_batches(self) -> tuple[list[TrainingBatch], dict]:
-        """The step's gradient_accumulation_steps micro-batches from the buffer, a new generation batch made (its
-        micro-batches, num_iterations times over) whenever it is empty; the metrics of the newest batch made ({} when
-        none was)."""
-        micro, round_metrics = [], {}
-        if self.args.async_generation and self.rollout.ahead is None:  # the rollout worker, where the run stands
-            resumed, self._resumed_queue = self._resumed_queue, None
-            self.rollout.ahead = start_ahead(self.args, self.accelerator, self.rollout, self._rounds,
-                                             self.rounds_consumed, self._round_taken, resumed, self.state.global_step)
-        for _ in range(self.args.gradient_accumulation_steps):
-            if not self.buffer:
-                scored = self.rollout.scored_batch(self._next_round, self.state.global_step + 1)
-                self.completion_log.add_batch(self.state.global_step + 1, scored)
-                self._watch_rewards(scored)
-                parts = scored.batch.micro_batches(self.args.per_device_train_batch_size, self.shuffle_rng)
-                self.buffer, round_metrics = parts * self.args.num_iterations, with_tokens_seen(scored.metrics, self.state)
-            micro.append(self.buffer.pop(0))
-        return micro, round_metrics
-
-    def _watch_rewards(self, scored) -> None:
-        """Warn once when the rewards have stopped telling completions apart (grpo/flat_rewards.py)."""
+    def _batch_made(self, scored) -> None:
+        """The completion log, and a warning once when the rewards have stopped telling completions apart
+        (grpo/flat_rewards.py)."""
+        super()._batch_made(scored)
         warning = self.flat_rewards.observe(scored.metrics, scored.scored.rewards)
         if warning and self.accelerator.is_main_process:
             logger.warning(warning)
-
-    def _next_round(self):
-        prompt_round = next(self._rounds)
-        self._round_taken(prompt_round)
-        return prompt_round
-
-    def _round_taken(self, prompt_round) -> None:
-        self.rounds_consumed += 1
-        self._stream_epoch = prompt_round.epoch
-
-    # ------------------------------------------------------------------ optimisation
-
-    def _step_counts(self, micro: list[TrainingBatch]) -> tuple[StepNormalizer, float]:
-        """What the step's loss is normalised by, and the tokens every process's forwards see (prompts and
-        completions, for total_flos)."""
-        tokens = sum(float(m.loss_mask.sum()) for m in micro)
-        seen = sum(float(m.rollouts.prompt_mask.sum() + m.rollouts.completion_mask.sum()) for m in micro)
-        totals = self.accelerator.reduce(torch.tensor([tokens, seen], device=self.accelerator.device),
-                                         reduction="sum")
-        norm = StepNormalizer(sequences=sum(len(m) for m in micro), tokens=tokens,
-                              tokens_per_process=float(totals[0]) / self.accelerator.num_processes)
-        return norm, float(totals[1])
 
     def _policy_loss(self, bonus: float):
         """A micro-batch's loss (grpo/losses.py micro_batch_loss): (inputs, entropy, norm) -> MicroBatchLoss."""
@@ -356,8 +254,7 @@ class GRPOTrainer(Trainer):
                        **self._router_metrics())
         if self.entropy_control.enabled:
             metrics.update(self.entropy_control.after_step(results, self.accelerator))
-        if self.rollout.ahead is not None:
-            self.rollout.ahead.after_step(self.state.global_step + 1)  # every weight_sync_steps, the weights pushed
+        self.rounds.after_step(self.state.global_step + 1)  # a rollout worker's engine takes the weights
         if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
             self.sharding.at_rest(self.ref_model, self.model)
             mix_reference(self.ref_model, self.policy, args.ref_model_mixup_alpha)
@@ -366,84 +263,23 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop's hooks (training/trainer.py)
 
-    def _epoch(self) -> float:
-        """Epochs of data trained on: micro-batches consumed over micro-batches per epoch (the stream's epoch for an
-        iterable dataset)."""
-        rounds = self.prompts.rounds_per_epoch
-        if rounds is None:
-            return self._stream_epoch
-        per_round = self.args.steps_per_generation * self.args.num_iterations
-        return (self.rounds_consumed * per_round - len(self.buffer)) / (rounds * per_round)
-
-    def _skip_rest_of_epoch(self) -> None:
-        rounds = self.prompts.rounds_per_epoch
-        if rounds is None:
-            return
-        self.buffer = []
-        if self.rollout.ahead is not None:
-            return self.rollout.ahead.skip_rest_of_epoch(rounds)
-        for _ in range(-self.rounds_consumed % rounds):
-            self._next_round()
-
-    def _train_loader(self):
-        return train_prompt_batches(self.train_dataset, self.encoder, self.args, self._data_seed)
-
-    def _eval_loader(self, dataset):
-        return eval_prompt_batches(dataset, self.encoder, self.args, self.accelerator.num_processes)
-
     def _evaluation_metrics(self, dataset, prefix: str) -> dict:
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
-        ahead = self.rollout.ahead
-        with ahead.evaluating(self.state.global_step) if ahead is not None else contextlib.nullcontext():
+        with self.rounds.evaluating(self.state.global_step):
             metrics = evaluation_metrics(self.rollout, self._policy_loss(bonus), self.encoder, dataset,
                                          self.state.global_step, prefix, lambda: self._call("on_prediction_step"))
         # as TRL: the training's running total (evaluation feeds the model tokens it does not count)
         return {**metrics, f"{prefix}_num_tokens": float(self.state.num_input_tokens_seen)}
 
-    def log(self, logs: dict, start_time=None) -> None:
-        super().log(logs, start_time)
-        if "loss" in logs:
-            self.completion_log.show(self.state.global_step, self.logger)  # above the progress line
-            if self.logger is not None:  # trainer.log called outside train() has no trackers
-                self.completion_log.to_trackers(self.logger, self.state.global_step)
-
     def _checkpoint_extras(self) -> CheckpointExtras:
-        """The prompt stream's position, the entropy controller, the buffered micro-batches, the sampler's and
-        shuffler's generators, and a synced reference."""
-        meta = {"rounds_consumed": self.rounds_consumed, "entropy_control": self.entropy_control.state()}
-        tensors, sampler = buffer_tensors(self.buffer), self.generator.rng
-        if self.rollout.ahead is not None:  # the worker's queue, and its sampler's state as of that queue
-            meta["async"], queued, sampler = self.rollout.ahead.snapshot(sampler)
-            tensors.update(queued)
-        return CheckpointExtras(meta=meta, tensors=tensors, generators={"sampler": sampler, "shuffle": self.shuffle_rng},
-                                models={"ref_model": self.ref_model} if self.args.sync_ref_model else {})
+        """The online data's (grpo/online.py), the entropy controller and a synced reference."""
+        extras = super()._checkpoint_extras()
+        extras.meta["entropy_control"] = self.entropy_control.state()
+        if self.args.sync_ref_model:
+            extras.models["ref_model"] = self.ref_model
+        return extras
 
     def _restore_position(self, state: dict, tensors: dict) -> None:
-        """Move the prompt stream to where the checkpoint left it (or to the start, with ignore_data_skip), and take
-        back the buffered micro-batches."""
-        self._rounds = self.prompts.rounds()
-        self.rounds_consumed = state["rounds_consumed"]
-        if not self.args.ignore_data_skip:
-            for _ in range(self.rounds_consumed):
-                next(self._rounds)
+        super()._restore_position(state, tensors)
         if "entropy_control" in state:
             self.entropy_control.load(state["entropy_control"])
-        self.buffer = buffer_from_tensors({k: v for k, v in tensors.items() if k != "async_queue"},
-                                          self.accelerator.device)
-        if "async" in state:
-            self._resumed_queue = (state["async"], queue_from_tensors(tensors))
-
-    def _train(self, resume_from_checkpoint):
-        try:
-            return super()._train(resume_from_checkpoint)
-        finally:  # async_generation: the worker stopped, its sampled rounds kept for a later train()
-            if self.rollout.ahead is not None:
-                self._resumed_queue, self.rollout.ahead = self.rollout.ahead.close(), None
-
-    def close(self, failed: bool = False) -> None:
-        """Release the generator, the tools' event loop and, in a multi-process run, the process group (call once, at
-        the end)."""
-        self.generator.close()
-        if getattr(self, "agents", None) is not None:
-            self.agents.close()
-        super().close(failed)

@@ -52,7 +52,8 @@ def forward_kwargs(model, attention_mask: torch.Tensor, n_keep: int) -> dict:
     return sequence_kwargs(model, mask_positions(model, attention_mask), n_keep)
 
 
-def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int) -> torch.Tensor:
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int,
+                      model_inputs: dict | None = None) -> torch.Tensor:
     """Logits of the last `n_keep` positions.
 
     Args:
@@ -60,11 +61,13 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         input_ids: [N, L] token ids, left-padded prompt followed by the completion.
         attention_mask: [N, L], 1 for real tokens.
         n_keep: positions to return, counted from the end.
+        model_inputs: extra forward inputs (a vision-language model's pixel values), or None; with them the model
+            derives its own positions (a multimodal rotary embedding's are not the text's 0, 1, 2, ...).
     Returns:
         [N, n_keep, V] logits.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   **forward_kwargs(model, attention_mask, n_keep)).logits
+    kwargs = sequence_kwargs(model, None, n_keep) if model_inputs else forward_kwargs(model, attention_mask, n_keep)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **(model_inputs or {})).logits
     if logits.size(1) < n_keep:
         keep = logits_to_keep_kwarg(model)
         raise RuntimeError(f"{type(unwrap(model)).__name__} returned logits for {logits.size(1)} positions when "

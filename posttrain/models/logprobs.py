@@ -69,7 +69,7 @@ def _with_cpu_linears(fn: Callable) -> Callable:
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
                    loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False,
-                   packing: bool = True, share_prompts: bool = False):
+                   packing: bool = True, share_prompts: bool = False, model_inputs: dict | None = None):
     """Log-probabilities of each completion token, with the logits divided by `temperature`.
 
     Args:
@@ -88,6 +88,10 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
             for a model whose weights are whole on every process (one process, DDP, DeepSpeed ZeRO-1/2; a model
             wrapped across processes agrees with the others on sharing, a collective on every call), not sharded
             by FSDP or ZeRO-3.
+        model_inputs: the rows' extra forward inputs, batched ({name: tensor}: Rollouts.forward_inputs, a
+            vision-language model's pixel values). They run through the model's own forward, with the positions
+            it derives itself: packing, prompt sharing and the chunked output layer cannot carry them and are not
+            taken (posttrain/model_inputs.py CANNOT_CARRY).
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -95,6 +99,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     with_entropy = with_entropy or entropy_grad
+    if model_inputs:
+        return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy,
+                                entropy_grad, model_inputs)
     if fast_path_available(model):
         # packed_layouts runs on every call, so its one-time check (forwards) is reached by every process alike
         layouts = packed_layouts(model) if packing else PADDED_ONLY
@@ -268,10 +275,11 @@ def _check_prompt_sharing(plain) -> bool:
         return check_raised(plain, SHARING_OFF, err)
 
 
-def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False):
+def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy, entropy_grad=False,
+                     model_inputs: dict | None = None):
     """token_logprobs' results [N, C] from the model's whole logits at the completion positions."""
     n = completion_ids.size(1)
-    logits = completion_logits(model, input_ids, attention_mask, n + 1)[:, :-1]  # [N, C, V]
+    logits = completion_logits(model, input_ids, attention_mask, n + 1, model_inputs)[:, :-1]  # [N, C, V]
     return completion_logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad)
 
 
@@ -282,7 +290,7 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
                         with_entropy: bool = False, with_top1: bool = False, predict_grad=None,
-                        with_stats: bool = False, boundaries=None):
+                        with_stats: bool = False, boundaries=None, model_inputs: dict | None = None):
     """Log-probabilities of the target tokens of right-padded or packed rows, through the output layer only at the
     positions that predict a target (never [B, T, V] logits on the fast path).
 
@@ -300,9 +308,16 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         with_stats: also return [M, 2] statistics of each target position: its mean logit over the vocabulary and
             log sum_v p(v)^2 (no gradient).
         boundaries: the padding-free row's Boundaries, or None.
+        model_inputs: the rows' extra forward inputs, batched (SequenceBatch.model_inputs: a vision-language
+            model's pixel values), for right-padded rows: they run through the model's own forward, with the
+            positions it derives itself; the chunked output layer cannot carry them and is not taken.
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
+    if model_inputs:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **sequence_kwargs(model, None, 0),
+                       **model_inputs).logits[source_mask].float()  # [M, V]
+        return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)
     if fast_path_available(model):
         layer = output_layer(model)
 

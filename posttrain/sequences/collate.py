@@ -9,6 +9,9 @@ apart (models/packed_layouts.py packs_one_row): the trainer decides, and collate
 
 Targets are shifted once, here: position t predicts token t + 1, which is a target when it is labelled and does not
 start a sequence (so no target is predicted across a boundary).
+
+Rows with model_inputs (posttrain/model_inputs.py) collate padded, their inputs batched for the forward
+(SequenceBatch.model_inputs); the padding-free layout cannot carry them and is refused.
 """
 
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from posttrain.model_inputs import refuse
 from posttrain.models.packed_layouts import Boundaries
 from posttrain.sequences.rows import TokenRows
 
@@ -30,6 +34,7 @@ class SequenceBatch:
     tokens: int  # real (non-padding) tokens
     label_mask: torch.Tensor | None = None  # [B, T] bool: the token is trained on (TRL's labels != -100)
     boundaries: Boundaries | None = None  # padding-free: the row's sequences; padded: None
+    model_inputs: dict | None = None  # {name: tensor} the rows' extra forward inputs, batched; None: text only
 
     @property
     def num_targets(self) -> int:
@@ -39,7 +44,8 @@ class SequenceBatch:
         move = (lambda t: t.to(device, non_blocking=True) if t is not None else None)
         return SequenceBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
                              move(self.source_mask), move(self.targets), self.tokens, move(self.label_mask),
-                             self.boundaries.to(device) if self.boundaries is not None else None)
+                             self.boundaries.to(device) if self.boundaries is not None else None,
+                             None if self.model_inputs is None else {k: move(v) for k, v in self.model_inputs.items()})
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -61,6 +67,8 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
         empty = torch.zeros((1, 1), dtype=torch.bool)
         return SequenceBatch(ids, torch.ones_like(ids), None, empty, torch.zeros(0, dtype=torch.long), 0, empty)
     if padding_free:
+        if rows.model_inputs is not None:
+            refuse("padding_free")
         return _flat(rows, pad_id, pad_to_multiple_of)
     rows = rows.one_sequence_per_row()
     lengths = rows.lengths
@@ -72,8 +80,10 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
     ids[valid], labels[valid], starts[valid] = rows.tokens, rows.labels, rows.starts
     source = _source_mask(labels, starts, valid)
     targets = ids[:, 1:][source[:, :-1]]
+    inputs = None if rows.model_inputs is None else rows.model_inputs.batched()
     return SequenceBatch(torch.from_numpy(ids), torch.from_numpy(valid.astype(np.int64)), None,
-                         torch.from_numpy(source), torch.from_numpy(targets), int(lengths.sum()), torch.from_numpy(labels))
+                         torch.from_numpy(source), torch.from_numpy(targets), int(lengths.sum()), torch.from_numpy(labels),
+                         model_inputs=inputs)
 
 
 def _flat(rows: TokenRows, pad_id: int, pad_to_multiple_of: int | None) -> SequenceBatch:

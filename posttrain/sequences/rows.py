@@ -14,6 +14,9 @@ Unpacked, a row is one sequence (truncated to max_length). Packed, a row of at m
     bfd_split  best-fit decreasing; a longer sequence is split into pieces of at most max_length, each its own sequence
     wrapped    the sequences end to end, cut every max_length tokens; a cut starts a new sequence
 A sequence (or piece) with no target left is dropped, and counted; so is what a cut removes (truncation_cut).
+
+Rows may carry each row's extra forward inputs (`model_inputs`, posttrain/model_inputs.py: a vision-language model's
+pixel values): selected, concatenated and truncated with their rows; packing and splitting them are refused.
 """
 
 import bisect
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from posttrain.model_inputs import ModelInputs, refuse
+
 
 @dataclass
 class TokenRows:
@@ -30,6 +35,7 @@ class TokenRows:
     labels: np.ndarray
     starts: np.ndarray
     offsets: np.ndarray
+    model_inputs: ModelInputs | None = None  # one entry per row, or None for text-only rows
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -49,6 +55,8 @@ class TokenRows:
         first = np.flatnonzero(self.starts)
         if np.isin(first, self.offsets[:-1]).all():  # no row holds a second sequence
             return self
+        if self.model_inputs is not None:
+            refuse("packing")
         edges = np.union1d(first, self.offsets).astype(np.int64)
         return TokenRows(self.tokens, self.labels, self.starts, edges)
 
@@ -60,18 +68,21 @@ class TokenRows:
         h = hashlib.sha256()
         for array in (self.tokens, self.labels, self.starts, self.offsets):
             h.update(np.ascontiguousarray(array).tobytes())
+        if self.model_inputs is not None:
+            h.update(self.model_inputs.fingerprint_bytes())
         return h.hexdigest()[:16]
 
     @classmethod
-    def from_sequences(cls, sequences: list[tuple[np.ndarray, np.ndarray]]) -> "TokenRows":
-        """One row per (ids, label mask) sequence."""
+    def from_sequences(cls, sequences: list[tuple[np.ndarray, np.ndarray]],
+                       model_inputs: ModelInputs | None = None) -> "TokenRows":
+        """One row per (ids, label mask) sequence; `model_inputs`, one entry per sequence, or None."""
         lengths = np.array([len(ids) for ids, _ in sequences], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         tokens = np.concatenate([ids for ids, _ in sequences]) if sequences else np.zeros(0, np.int32)
         labels = np.concatenate([m for _, m in sequences]) if sequences else np.zeros(0, bool)
         starts = np.zeros(len(tokens), dtype=bool)
         starts[offsets[:-1][lengths > 0]] = True
-        return cls(tokens.astype(np.int32), labels.astype(bool), starts, offsets)
+        return cls(tokens.astype(np.int32), labels.astype(bool), starts, offsets, model_inputs)
 
     @classmethod
     def concatenate(cls, parts: list["TokenRows"]) -> "TokenRows":
@@ -80,7 +91,8 @@ class TokenRows:
         sizes = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
         offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, sizes)])
         return cls(np.concatenate([p.tokens for p in parts]), np.concatenate([p.labels for p in parts]),
-                   np.concatenate([p.starts for p in parts]), offsets.astype(np.int64))
+                   np.concatenate([p.starts for p in parts]), offsets.astype(np.int64),
+                   ModelInputs.concatenate([p.model_inputs for p in parts], [len(p) for p in parts]))
 
     def select(self, rows: np.ndarray) -> "TokenRows":
         """The rows `rows`, in that order."""
@@ -88,7 +100,8 @@ class TokenRows:
         lengths = self.lengths[rows]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         index = _gather_index(self.offsets[rows], lengths)
-        return TokenRows(self.tokens[index], self.labels[index], self.starts[index], offsets)
+        inputs = None if self.model_inputs is None else self.model_inputs.select(rows.tolist())
+        return TokenRows(self.tokens[index], self.labels[index], self.starts[index], offsets, inputs)
 
 
 def _row_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -117,13 +130,15 @@ def truncate(rows: TokenRows, max_length: int | None, keep: str = "keep_start") 
     index = _gather_index(sources, lengths)
     starts = rows.starts[index].copy()
     starts[offsets[:-1][lengths > 0]] = True
-    return TokenRows(rows.tokens[index], rows.labels[index], starts, offsets)
+    return TokenRows(rows.tokens[index], rows.labels[index], starts, offsets, rows.model_inputs)
 
 
 def split_long(rows: TokenRows, max_length: int) -> TokenRows:
     """Rows longer than max_length cut into pieces of max_length (the last one shorter), each its own sequence."""
     if len(rows) == 0 or rows.lengths.max() <= max_length:
         return rows
+    if rows.model_inputs is not None:
+        refuse("split")
     lengths = rows.lengths
     pieces = -(-lengths // max_length)
     piece_row = np.repeat(np.arange(len(rows)), pieces)
@@ -179,6 +194,8 @@ def pack(rows: TokenRows, max_length: int, strategy: str) -> TokenRows:
     """Rows packed into rows of at most max_length tokens (see the module docstring)."""
     if len(rows) == 0:
         return rows
+    if rows.model_inputs is not None:
+        refuse("packing")
     if strategy == "wrapped":
         return _wrap(rows, max_length)
     bins = best_fit_bins(rows.lengths, max_length)

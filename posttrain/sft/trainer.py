@@ -191,7 +191,7 @@ class SFTTrainer(BatchedDataTrainer):
                 self.model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.source_mask,
                 batch.targets, with_entropy=True, with_top1=True,
                 predict_grad=self._predicted_gradient(scale) if scale is not None else None,
-                boundaries=batch.boundaries)
+                boundaries=batch.boundaries, model_inputs=batch.model_inputs)
             return self._token_losses(logps), entropy, top1
 
     def _statistics_of(self, losses, entropy, top1, batch) -> TokenStatistics:

@@ -12,7 +12,9 @@ travels the same way, and every process raises it as it is: they all stop with t
 A run of one process pays nothing: the error is raised where it happened.
 """
 
+import atexit
 import contextlib
+import time
 import traceback
 
 from posttrain.errors import UserError, is_storage_failure, storage_error, user_code_cause
@@ -113,3 +115,18 @@ def run_name(accelerator) -> str:
     if accelerator.num_processes > 1:
         broadcast_object_list(name, from_process=0)
     return name[0]
+
+
+def _let_collectives_finish() -> None:
+    """gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing a
+    Python-owned tensor takes the GIL: at interpreter exit such a thread is killed inside a C++ destructor and the
+    process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A moment without the GIL
+    lets them finish while the interpreter is alive. Registered to run at exit by every multi-process trainer, so
+    that scripts which never call `close()` (as TRL's users do not) are covered too."""
+    time.sleep(0.05)
+
+
+def let_collectives_finish_at_exit() -> None:
+    """Register `_let_collectives_finish` once per process, however many trainers it builds."""
+    atexit.unregister(_let_collectives_finish)
+    atexit.register(_let_collectives_finish)

@@ -8,6 +8,8 @@ A trainer subclasses `Trainer` and provides its data and its step:
     _evaluation_metrics(dataset, prefix) -> dict    metrics over an eval dataset (the model is in eval mode)
     _checkpoint_extras() -> CheckpointExtras        what its checkpoints hold besides the policy and optimizer
     _restore_position(state, tensors)               take them back: the data position, this process's tensors
+    _start_sources() / _stop_sources()              open a running data source where the position stands, and
+                                                    close it when training ends (grpo/round_source.py); optional
 
 The loop (`train`) runs steps until `max_steps` or a callback stops it; after each step the default flow
 (training/callbacks.py) and the callbacks decide whether to log, evaluate and checkpoint; at the end it logs the
@@ -18,7 +20,6 @@ The rest of transformers' surface comes from three mixins on the same fields: th
 (training/outputs.py).
 """
 
-import atexit
 import contextlib
 import logging
 import math
@@ -36,7 +37,7 @@ from posttrain.training.callbacks import CallbackHandler, Intervals, flow_after_
 from posttrain.training.checkpoint import (CheckpointExtras, RunState, checkpoints, load_checkpoint,
                                           load_policy_weights, run_identity, save_checkpoint)
 from posttrain.training.checkpoint import resolve as resolve_checkpoint
-from posttrain.training.distributed import AGREED, guarded, mark_agreed
+from posttrain.training.distributed import AGREED, guarded, let_collectives_finish_at_exit, mark_agreed
 from posttrain.training.evaluation import EvaluationMixin
 from posttrain.training.interrupts import Interrupted, InterruptWatch, interrupted_waiting
 from posttrain.training.logging import MetricsLogger, hide_deepspeed_cpu_notice
@@ -50,15 +51,6 @@ from posttrain.training.sharding import check_launch, check_supported, sharding_
 from posttrain.training.step import StepMixin, TrainingError  # noqa: F401 - TrainingError: part of this module's API
 
 logger = logging.getLogger("posttrain")
-
-
-def _let_collectives_finish() -> None:
-    """gloo's worker threads free a finished collective's tensors after the caller has moved on, and freeing a
-    Python-owned tensor takes the GIL: at interpreter exit such a thread is killed inside a C++ destructor and the
-    process aborts ("terminate called without an active exception", pytorch/pytorch#38228). A moment without the GIL
-    lets them finish while the interpreter is alive. Registered to run at exit by every multi-process trainer, so
-    that scripts which never call `close()` (as TRL's users do not) are covered too."""
-    time.sleep(0.05)
 
 
 class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
@@ -81,9 +73,8 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         hide_deepspeed_cpu_notice()  # accelerate imports DeepSpeed when installed, which warns on a CPU-only machine
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
-        if self.accelerator.num_processes > 1:  # once per process, however many trainers it builds
-            atexit.unregister(_let_collectives_finish)
-            atexit.register(_let_collectives_finish)
+        if self.accelerator.num_processes > 1:
+            let_collectives_finish_at_exit()
         check_launch(self.accelerator)  # FSDP or DeepSpeed asked for and not set up: one sentence, before any work
         check_supported(self.accelerator)
         self.sharding = sharding_of(self.accelerator)
@@ -276,6 +267,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         start_time, start_step, self._loss_sum = time.time(), self.state.global_step, 0.0
         self._call("on_train_begin")
         self._epoch_open = False
+        self._start_sources()
         try:
             with InterruptWatch(self.accelerator) as interrupts:
                 if args.eval_on_start and self.state.global_step == 0:
@@ -291,6 +283,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         except InterruptedWaiting as stop:  # a signal while the step waited on user code (training/interrupts.py)
             self._stop_while_waiting(stop)
         finally:
+            self._stop_sources()
             self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -424,6 +417,12 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         identity = run_identity(self.args, self._meaning_fields, self._model_fingerprint, self.policy)
         return RunState(self.accelerator, self.model, self.policy, self.processing_class, self.optimizer,
                         self.lr_scheduler, self.state, self.args, identity, self._checkpoint_extras())
+
+    def _start_sources(self) -> None:
+        """Training starts, where the restored position stands (a rollout worker opens here)."""
+
+    def _stop_sources(self) -> None:
+        """Training ends or fails: what `_start_sources` opened is closed."""
 
     def _checkpoint_extras(self) -> CheckpointExtras:
         """What this trainer's checkpoints hold besides the policy, optimizer, schedule and TrainerState."""
