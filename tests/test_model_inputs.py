@@ -45,10 +45,10 @@ def _rollouts() -> Rollouts:
 
 
 def _reference_logps(model, r: Rollouts) -> torch.Tensor:
-    """[N, C] log-probs of the completions from the model's own forward with its pixel values."""
+    """[N, C] log-probs of the completions from the model's own forward with the rows' inputs."""
     ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
     mask = torch.cat([r.prompt_mask, r.completion_mask], 1).long()
-    logits = model(input_ids=ids, attention_mask=mask, pixel_values=r.model_inputs.batched()["pixel_values"]).logits
+    logits = model(input_ids=ids, attention_mask=mask, **r.forward_inputs()).logits
     c = r.completion_ids.size(1)
     logps = logits[:, -c - 1:-1].float().log_softmax(-1)
     return logps.gather(-1, r.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -165,3 +165,28 @@ def test_dynamic_sampling_keeps_each_rows_inputs_with_it():
     rows = kept_rows(scored, keep, 0, 1, lambda mine: mine)
     batch = assemble(rows, 2, 0, 1, RewardLogs(), None, 0, [1], "cpu")
     assert torch.equal(batch.rollouts.forward_inputs()["pixel_values"], torch.cat([_pixels(1), _pixels(2)]))
+
+
+def test_a_multimodal_rotary_models_rows_keep_their_images_and_positions():
+    """Qwen2.5-VL (multimodal rotary positions, its inputs pixel_values [patches, 96] and image_grid_thw [images, 3]
+    concatenated over the rows): token_logprobs with the rows' inputs equals the model's own forward, which derives
+    the positions from the image grid, on the rows in any order."""
+    from posttrain.testing import tiny_tokenizer, tiny_vision_language
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_vision_language("qwen2_5_vl", tokenizer).eval()
+    start, image = model.config.vision_start_token_id, model.config.image_token_id
+    grid = torch.tensor([[1, 2, 2]])  # one 8x8 image: 2x2 patches of 4, merged 2x2 -> one image token
+    prompts = [[5, start, image, 7, 8], [start, image, 9], [3, 4, start, image, 2, 6]]
+    rows = [(p, [11 + i, 12, 13][:3 - i], [0.0] * (3 - i)) for i, p in enumerate(prompts)]
+    pixels = [torch.randn(4, 96, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    inputs = ModelInputs.from_rows([{"pixel_values": p, "image_grid_thw": grid} for p in pixels])
+    r = Rollouts.from_lists(rows, pad_id=tokenizer.pad_token_id, eos_ids=[1], device="cpu", model_inputs=inputs)
+    with torch.no_grad():
+        expected = _reference_logps(model, r)
+        for order in ([0, 1, 2], [2, 0]):
+            picked = r.select(torch.tensor(order))
+            logps, _ = token_logprobs(model, picked.prompt_ids, picked.prompt_mask, picked.completion_ids,
+                                      picked.completion_mask, model_inputs=picked.forward_inputs())
+            want = expected[order][:, :picked.completion_ids.size(1)]
+            assert torch.allclose(logps[picked.completion_mask], want[picked.completion_mask], atol=1e-5)

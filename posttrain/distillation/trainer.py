@@ -18,8 +18,8 @@ import torch
 from posttrain.agents.rollouts import Agents
 from posttrain.configs.distillation import DistillationConfig
 from posttrain.distillation.rollout import DistillationRound, evaluation_metrics
+from posttrain.grpo.batch import RowLayout
 from posttrain.grpo.online import OnlineTrainer
-from posttrain.grpo.rollout import RowLayout
 from posttrain.grpo.sampling import RoundSampler
 from posttrain.training.reference import check_teacher_given, make_teacher
 

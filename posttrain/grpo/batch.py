@@ -73,6 +73,16 @@ class TrainingBatch:
         return [self.select(order[i:i + size]) for i in range(0, len(self), size)]
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """How the log-prob forwards lay a batch's rows out (models/logprobs.py): packed, prompts shared, padded to a
+    multiple."""
+
+    packing: bool
+    share_prompts: bool
+    pad_to_multiple_of: int | None
+
+
 _ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs",
                    "tool_mask")
 _BATCH_FIELDS = ("advantages", "loss_mask", "old_logps", "ref_logps", "sampling_ratio")

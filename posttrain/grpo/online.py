@@ -29,11 +29,10 @@ from posttrain.agents.rollouts import Agents
 from posttrain.data import PromptEncoder, PromptSource, check_eval_columns, prompt_dataset_columns
 from posttrain.generation import SamplingParams, make_generator
 from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
-from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
+from posttrain.grpo.batch import RowLayout, TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.losses import StepNormalizer
 from posttrain.grpo.metrics import with_tokens_seen
-from posttrain.grpo.rollout import RowLayout
 from posttrain.grpo.round_source import SampledNow, open_round_source, resume_point
 from posttrain.grpo.sampling import RoundSampler
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling

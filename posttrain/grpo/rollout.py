@@ -19,7 +19,7 @@ from posttrain.agents.rollouts import AgentSample
 from posttrain.data import DataError, PromptRound
 from posttrain.generation import Rollouts
 from posttrain.grpo.advantages import Advantages, group_advantages
-from posttrain.grpo.batch import TrainingBatch
+from posttrain.grpo.batch import RowLayout, TrainingBatch
 from posttrain.grpo.completions import LoggedRound, RewardLogs
 from posttrain.grpo.dynamic_sampling import ScoredRound, assemble, groups_to_keep, kept_rows, merge_logs
 from posttrain.grpo.metrics import completion_metrics, reward_metrics, tool_metrics
@@ -124,15 +124,6 @@ class RoundModels:
     forward_policy: Any
     ref_model: Any
     reference_adapter: str | None
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How the log-prob forwards lay rows out (models/logprobs.py): packed, prompts shared, padded to a multiple."""
-
-    packing: bool
-    share_prompts: bool
-    pad_to_multiple_of: int | None
 
 
 class Rollout:
