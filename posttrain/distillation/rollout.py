@@ -24,6 +24,26 @@ from posttrain.grpo.sampling import RoundSampler, RoundShare
 from posttrain.model_inputs import refuse
 from posttrain.models.teacher import completion_divergence, teacher_pass
 from posttrain.training.distributed import guarded
+from posttrain.training.statistics import Statistics
+
+
+@dataclass
+class DivergenceStatistics(Statistics):
+    """A micro-batch's sums (training/statistics.py): the divergence and the student's entropy over its loss tokens,
+    and their count; `loss` and `entropy` are the means per loss token."""
+
+    divergence: float = 0.0
+    entropy: float = 0.0
+    tokens: float = 0.0
+
+    @classmethod
+    def of(cls, divergence: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> "DivergenceStatistics":
+        """From [M] divergences and entropies at the loss tokens of `mask`."""
+        return cls(divergence.detach().double().sum(), entropy.detach().double().sum(), mask.sum().double())
+
+    def metrics(self, prefix: str = "") -> dict:
+        tokens = max(float(self.tokens), 1.0)
+        return {f"{prefix}loss": float(self.divergence) / tokens, f"{prefix}entropy": float(self.entropy) / tokens}
 
 
 @dataclass(frozen=True)
@@ -134,7 +154,7 @@ def evaluation_metrics(rollout: DistillationRound, encoder, dataset, prefix: str
     args, acc = rollout.args, rollout.accelerator
     per_round = max(1, args.per_device_eval_batch_size * acc.num_processes)
     source = PromptSource(dataset, encoder, per_round, shuffle=False, seed=args.seed, full_rounds=False)
-    start, batches, samples, sums, lengths = time.time(), 0, 0, torch.zeros(3, dtype=torch.float64), {}
+    start, batches, samples, sums, lengths = time.time(), 0, 0, DivergenceStatistics(), {}
     for prompt_round in source.one_pass():
         student = rollout.sampled(prompt_round, pad_prompts=True)
         rollouts = student.sampled.rollouts
@@ -142,9 +162,7 @@ def evaluation_metrics(rollout: DistillationRound, encoder, dataset, prefix: str
         mask = rollouts.model_tokens & real
         with torch.no_grad():
             div, entropy = rollout.divergence(rollout.model, TrainingBatch(rollouts, None, mask), mask)
-        local = torch.stack([div.double().sum(), entropy.double().sum(),
-                             torch.tensor(float(mask.sum()), dtype=torch.float64, device=div.device)])
-        sums += acc.reduce(local, reduction="sum").cpu()
+        sums = sums + DivergenceStatistics.of(div, entropy, mask).reduced(acc)
         keep = torch.arange(len(prompt_round.rows))
         for key, value in rollout.round_metrics(rollouts, keep)[0].items():
             if value is not None and not math.isnan(value):
@@ -152,8 +170,6 @@ def evaluation_metrics(rollout: DistillationRound, encoder, dataset, prefix: str
         batches += 1
         samples += len(prompt_round.rows)
         on_batch()
-    tokens = max(float(sums[2]), 1.0)
-    out = {f"{prefix}_loss": float(sums[0]) / tokens, f"{prefix}_entropy": float(sums[1]) / tokens,
-           **{f"{prefix}_{k}": sum(v) / len(v) for k, v in sorted(lengths.items())}}
+    out = {**sums.metrics(f"{prefix}_"), **{f"{prefix}_{k}": sum(v) / len(v) for k, v in sorted(lengths.items())}}
     out.update(speed_metrics(prefix, start, num_samples=samples, num_steps=batches))
     return out

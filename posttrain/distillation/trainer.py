@@ -17,7 +17,7 @@ import torch
 
 from posttrain.agents.rollouts import Agents
 from posttrain.configs.distillation import DistillationConfig
-from posttrain.distillation.rollout import DistillationRound, evaluation_metrics
+from posttrain.distillation.rollout import DistillationRound, DivergenceStatistics, evaluation_metrics
 from posttrain.grpo.batch import RowLayout
 from posttrain.grpo.online import OnlineTrainer
 from posttrain.grpo.sampling import RoundSampler
@@ -78,28 +78,23 @@ class DistillationTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def _step_loss(self, mb, norm, bonus: float, share: float):
-        """One micro-batch's forward: (its share of the step's loss, [3] its divergence sum, entropy sum and loss
+    def _step_loss(self, mb, norm) -> tuple[torch.Tensor, DivergenceStatistics]:
+        """One micro-batch's forward: (its share of the step's loss, its divergence and entropy sums and loss
         tokens)."""
         mb = mb.padded(self.pad_to_multiple_of)
         per_token = 1.0 / max(norm.tokens_per_process, 1.0)
         with self._offloading():
             divergence, entropy = self.rollout.divergence(self.model, mb, grad_scale=per_token)
-        stats = torch.stack([divergence.detach().double().sum(), entropy.double().sum(),
-                             torch.tensor(float(mb.loss_mask.sum()), dtype=torch.float64, device=entropy.device)])
-        return divergence.sum() * per_token, stats
+        return divergence.sum() * per_token, DivergenceStatistics.of(divergence, entropy, mb.loss_mask)
 
     def _optimizer_step(self) -> dict:
         micro, round_metrics = self._step_micro_batches()
         norm, seen_tokens = self._step_counts(micro)
         self.state.total_flos += self._flops_per_token * seen_tokens
-        sums = self._accumulate(micro, lambda mb: self._step_loss(mb, norm, 0.0, 1.0 / len(micro)),
-                                norm.tokens_per_process * self.accelerator.num_processes)
-        totals = self.accelerator.reduce(torch.stack(sums).sum(0), reduction="sum")
-        tokens = max(float(totals[2]), 1.0)
-        loss = float(totals[0]) / tokens
-        metrics = {"loss": loss, "grad_norm": self._apply_update(loss), "entropy": float(totals[1]) / tokens,
-                   "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+        parts = self._accumulate(micro, lambda mb: self._step_loss(mb, norm),
+                                 norm.tokens_per_process * self.accelerator.num_processes)
+        metrics = DivergenceStatistics.total(parts).reduced(self.accelerator).metrics()
+        metrics.update(grad_norm=self._apply_update(metrics["loss"]), learning_rate=self.lr_scheduler.get_last_lr()[0])
         metrics.update(round_metrics)
         return metrics
 
