@@ -14,7 +14,8 @@ Rollouts (generation/protocol.py) and training buffer (grpo/batch.py), the token
 
 A row is an immutable {name: tensor}; nothing here reads a model. Where the rows are laid out in ways these inputs
 cannot follow (several rows packed into one, a row split in pieces, a prompt shared by several rows) the layout is
-refused or not taken, and `CANNOT_CARRY` names it.
+refused or not taken, and `CANNOT_CARRY` names it; the chunked output layer carries them (it sees only the hidden
+states of the model's own forward with its inputs).
 """
 
 from dataclasses import dataclass
@@ -30,8 +31,6 @@ CANNOT_CARRY = {
     "split": "a sequence split in pieces (bfd_split) is refused: use truncation or packing_strategy='bfd'",
     "rollout packing": "GRPO's packed log-prob forward is not taken: the rows run padded",
     "prompt sharing": "GRPO's shared-prompt forward is not taken: each row runs its own prompt",
-    "chunked output layer": "the chunked output layer's forward is not taken: the rows run through the model's own "
-                            "forward with their inputs",
     "teacher pass": "distillation's teacher and student passes do not take them: distil text-only rows",
 }
 

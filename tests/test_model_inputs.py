@@ -11,7 +11,7 @@ import torch
 from posttrain.generation import Rollouts
 from posttrain.grpo.batch import TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.model_inputs import CANNOT_CARRY, ModelInputs, ModelInputsError
-from posttrain.models.logprobs import next_token_logprobs, token_logprobs
+from posttrain.models.logprobs import fast_path_available, next_token_logprobs, token_logprobs
 from posttrain.sequences.collate import collate
 from posttrain.sequences.rows import TokenRows, drop_untrained, pack, prepare, split_long, truncate
 
@@ -141,8 +141,10 @@ def test_token_rows_carry_them_and_refuse_packing_splitting_and_padding_free():
 
 
 def test_sequence_log_probs_feed_them_to_the_models_forward():
-    """next_token_logprobs (SFT's, DPO's) with the collated rows' pixel values equals the model's own forward."""
+    """next_token_logprobs (SFT's, DPO's) with the collated rows' pixel values equals the model's own forward, through
+    the chunked output layer."""
     model = _llava()
+    assert fast_path_available(model)  # the chunked output layer, after the model's forward with the inputs
     kept, _ = drop_untrained(_token_rows())
     batch = collate(kept, 0, False, None)
     with torch.no_grad():
@@ -182,6 +184,7 @@ def test_a_multimodal_rotary_models_rows_keep_their_images_and_positions():
     pixels = [torch.randn(4, 96, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     inputs = ModelInputs.from_rows([{"pixel_values": p, "image_grid_thw": grid} for p in pixels])
     r = Rollouts.from_lists(rows, pad_id=tokenizer.pad_token_id, eos_ids=[1], device="cpu", model_inputs=inputs)
+    assert fast_path_available(model)  # the chunked output layer, after the model's forward with the inputs
     with torch.no_grad():
         expected = _reference_logps(model, r)
         for order in ([0, 1, 2], [2, 0]):
@@ -190,3 +193,12 @@ def test_a_multimodal_rotary_models_rows_keep_their_images_and_positions():
                                       picked.completion_mask, model_inputs=picked.forward_inputs())
             want = expected[order][:, :picked.completion_ids.size(1)]
             assert torch.allclose(logps[picked.completion_mask], want[picked.completion_mask], atol=1e-5)
+    # the gradient, the output layer's predicted in the forward (loss_gradient), equals the model's own
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(r.completion_ids.shape, generator=torch.Generator().manual_seed(5)) * r.completion_mask
+    ours, _ = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                             model_inputs=r.forward_inputs(), loss_gradient=lambda logps: weights)
+    theirs = torch.autograd.grad((_reference_logps(model, r) * weights).sum(), params, allow_unused=True)
+    mine = torch.autograd.grad((ours * weights).sum(), params, allow_unused=True)
+    for a, b in zip(mine, theirs):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5))

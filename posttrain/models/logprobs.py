@@ -89,9 +89,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
             wrapped across processes agrees with the others on sharing, a collective on every call), not sharded
             by FSDP or ZeRO-3.
         model_inputs: the rows' extra forward inputs, batched ({name: tensor}: Rollouts.forward_inputs, a
-            vision-language model's pixel values). They run through the model's own forward, with the positions
-            it derives itself: packing, prompt sharing and the chunked output layer cannot carry them and are not
-            taken (posttrain/model_inputs.py CANNOT_CARRY).
+            vision-language model's pixel values). They run through the model's own forward on the padded rows,
+            with the positions it derives itself, the chunked output layer after it where the model allows; packing
+            and prompt sharing cannot carry them and are not taken (posttrain/model_inputs.py CANNOT_CARRY).
     Returns:
         (logps [N, C] float32, entropy [N, C] float32 or None). Padding positions hold 0 on the fast path
         and finite garbage otherwise; callers mask them.
@@ -99,6 +99,9 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     with_entropy = with_entropy or entropy_grad
+    if model_inputs and fast_path_available(model):
+        return _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
+                                 with_entropy, loss_gradient, entropy_grad, model_inputs)
     if model_inputs:
         return _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy,
                                 entropy_grad, model_inputs)
@@ -145,29 +148,31 @@ def _at_positions(values: torch.Tensor, positions: torch.Tensor, shape: torch.Si
 
 
 def through_output_layer(model, input_ids, attention_mask, position_ids, n_keep: int, compute: Callable,
-                         boundaries=None):
+                         boundaries=None, model_inputs: dict | None = None):
     """`compute(h)` on the final hidden states [B, n_keep, H] of the last `n_keep` positions (every position when
     n_keep is 0), from the model's own forward: as the output layer's forward where its weight is whole only there
     (see `_computing_in`), else on the hidden states of a forward that computes one position of logits. A packed
-    row's `boundaries` go to the forward (models/packed_layouts.py)."""
-    layer = output_layer(model)
+    row's `boundaries` go to the forward (models/packed_layouts.py), and so do the rows' `model_inputs` (a
+    vision-language model's pixel values: the output layer sees only the hidden states)."""
+    layer, extra = output_layer(model), model_inputs or {}
     if whole_only_in_forward(layer):
         with _computing_in(layer, compute):
             return model(input_ids=input_ids, attention_mask=attention_mask,
-                         **sequence_kwargs(model, position_ids, n_keep, boundaries)).logits
+                         **sequence_kwargs(model, position_ids, n_keep, boundaries), **extra).logits
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                   **sequence_kwargs(model, position_ids, 1, boundaries)).hidden_states[-1]
+                   **sequence_kwargs(model, position_ids, 1, boundaries), **extra).hidden_states[-1]
     return compute(hidden[:, -n_keep:])  # n_keep 0: every position
 
 
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
-                      with_entropy, loss_gradient=None, entropy_grad=False):
+                      with_entropy, loss_gradient=None, entropy_grad=False, model_inputs: dict | None = None):
     n = completion_ids.size(1)
-    position_ids = mask_positions(model, attention_mask)
+    # rows with extra inputs: the model derives its positions (a multimodal rotary embedding's are not 0, 1, 2, ...)
+    position_ids = None if model_inputs else mask_positions(model, attention_mask)
 
     def run(rows):  # the model may keep more positions than asked (>= C + 1): C of them predict the C tokens
         return through_output_layer(model, input_ids, attention_mask, position_ids, n + 1,
-                                     lambda hidden: rows(hidden[:, -n - 1:-1]))
+                                     lambda hidden: rows(hidden[:, -n - 1:-1]), model_inputs=model_inputs)
 
     return _at_completions(model, run, completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
                            entropy_grad)
@@ -309,15 +314,11 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             log sum_v p(v)^2 (no gradient).
         boundaries: the padding-free row's Boundaries, or None.
         model_inputs: the rows' extra forward inputs, batched (SequenceBatch.model_inputs: a vision-language
-            model's pixel values), for right-padded rows: they run through the model's own forward, with the
-            positions it derives itself; the chunked output layer cannot carry them and is not taken.
+            model's pixel values), for right-padded rows (position_ids None: the model derives its own); they go to
+            the model's forward, the chunked output layer after it as for any rows.
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
-    if model_inputs:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, **sequence_kwargs(model, None, 0),
-                       **model_inputs).logits[source_mask].float()  # [M, V]
-        return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)
     if fast_path_available(model):
         layer = output_layer(model)
 
@@ -325,11 +326,12 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
                                           predict_grad, with_top1=True, with_stats=with_stats)
 
-        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows, boundaries)
+        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows, boundaries, model_inputs)
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   **sequence_kwargs(model, position_ids, 0, boundaries)).logits[source_mask].float()  # [M, V]
+                   **sequence_kwargs(model, position_ids, 0, boundaries), **(model_inputs or {})).logits[
+        source_mask].float()  # [M, V]
     return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)
