@@ -1,12 +1,13 @@
 """DPOTrainer on tiny in-process models: metrics, TRL's numbers, the update for any split of a step, the reference
 (copy, explicit, LoRA, precomputed, synced, none), exact resume, evaluation, and the errors a user can cause."""
 
+import functools
 import json
 import math
 
 import pytest
 import torch
-from conftest import StopAt, capture_gradients, use_sgd
+from conftest import StopAt, assert_any_split_gives_the_same_update, capture_gradients, use_sgd
 from datasets import Dataset
 
 from posttrain.configs import ConfigError, DPOConfig
@@ -91,18 +92,7 @@ def test_numbers_equal_trls(tokenizer, tmp_path, options):
 def test_any_split_of_a_step_gives_the_same_update(tokenizer, tmp_path, options):
     """8 pairs as 1 x 8, 2 x 4 or 8 x 1 micro-batches: the same gradient and update (aot and aot_unpaired sort
     within a micro-batch and are batch-dependent by definition, so they are not in this list)."""
-    results = {}
-    for micro, accum in ((8, 1), (4, 2), (1, 8)):
-        _, params, grads = _train(tokenizer, tmp_path / f"{micro}x{accum}", capture=True, sgd=True, max_steps=1,
-                                  per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-                                  train_sampling_strategy="sequential", **options)
-        results[(micro, accum)] = (params, grads[0])
-    ref_params, ref_grads = results[(8, 1)]
-    for split, (params, grads) in results.items():
-        for name in ref_grads:
-            assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
-            assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
-    assert any(g.abs().sum() > 0 for g in ref_grads.values())
+    assert_any_split_gives_the_same_update(functools.partial(_train, tokenizer), tmp_path, **options)
 
 
 def test_loss_recomputed_from_full_logits(tokenizer, tmp_path):

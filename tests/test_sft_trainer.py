@@ -1,12 +1,13 @@
 """SFTTrainer on tiny in-process models: metrics, TRL's step-1 loss, the update for any split of a step, packing,
 exact resume, evaluation, options and the errors a user can cause."""
 
+import functools
 import json
 import math
 
 import pytest
 import torch
-from conftest import StopAt, capture_gradients, use_sgd
+from conftest import StopAt, assert_any_split_gives_the_same_update, capture_gradients, use_sgd
 from datasets import Dataset
 
 from posttrain.configs import ConfigError, SFTConfig
@@ -82,19 +83,8 @@ def test_the_update_is_the_same_for_any_split_of_the_step(tokenizer, tmp_path, m
     """1x8, 2x4 and 8x1: the same gradient and update (rows of different lengths and label counts)."""
     options = {"padded": {}, "padding_free": {"padding_free": True}, "dft": {"loss_type": "dft"},
                "packed": {"packing": True, "max_length": 24}}[mode]
-    data = Dataset.from_dict(PAIRS)
-    results = {}
-    for micro, accum in ((8, 1), (4, 2), (1, 8)):
-        _, params, grads = _train(tokenizer, tmp_path / f"{micro}x{accum}", data=data, capture=True, sgd=True,
-                                  max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-                                  train_sampling_strategy="sequential", **options)
-        results[(micro, accum)] = (params, grads[0])
-    ref_params, ref_grads = results[(8, 1)]
-    for split, (params, grads) in results.items():
-        for name in ref_grads:
-            assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
-            assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
-    assert any(g.abs().sum() > 0 for g in ref_grads.values())
+    train = functools.partial(_train, tokenizer, data=Dataset.from_dict(PAIRS))
+    assert_any_split_gives_the_same_update(train, tmp_path, **options)
 
 
 def test_packed_and_padded_training_give_the_same_first_update(tokenizer, tmp_path):

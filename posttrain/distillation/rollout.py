@@ -88,15 +88,6 @@ class DistillationRound:
         self.args, self.accelerator, self.sampler = args, accelerator, sampler
         self.model, self.teacher = model, teacher
 
-    @property
-    def generator(self):
-        """The generation backend the round samples with (the sampler's)."""
-        return self.sampler.generator
-
-    @generator.setter
-    def generator(self, value) -> None:
-        self.sampler.generator = value
-
     def sampled(self, prompt_round: PromptRound, pad_prompts: bool = False) -> StudentRound:
         """This process's share of the round, its completions sampled, one per prompt."""
         share = self.sampler.share(prompt_round, 1, pad_prompts)

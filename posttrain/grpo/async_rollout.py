@@ -375,12 +375,14 @@ def start_ahead(args, accelerator, rollout, rounds, taken: int, on_taken: Callab
     def gather(local):
         return rollout.gathered(local, args.num_generations, args.log_completions)
 
+    sampler = rollout.sampler
+
     ahead = AheadRounds(args, accelerator, sample=sample, gather=gather, draw=lambda: next(rounds), on_taken=on_taken,
-                        push=rollout.sampler.push_weights, next_index=next_index,
+                        push=sampler.push_weights, next_index=next_index,
                         queue=resumed[1] if resumed else (), extra_rounds=resumed[0]["extra_rounds"] if resumed else 0,
-                        exclusive_push=not rollout.generator.samples_during_push,
-                        background=((rollout.sampler.weights_snapshot, lambda weights: rollout.generator.sync_weights(weights))
-                                    if rollout.generator.pushes_in_background else None))
+                        exclusive_push=not sampler.generator.samples_during_push,
+                        background=((sampler.weights_snapshot, lambda weights: sampler.generator.sync_weights(weights))
+                                    if sampler.generator.pushes_in_background else None))
     ahead.start(steps_taken)
     return ahead
 

@@ -98,11 +98,11 @@ class OnlineTrainer(Trainer):
     @property
     def generator(self):
         """The generation backend (posttrain/generation) the round samples with."""
-        return self.rollout.generator
+        return self.rollout.sampler.generator
 
     @generator.setter
     def generator(self, value) -> None:
-        self.rollout.generator = value
+        self.rollout.sampler.generator = value
 
     # ------------------------------------------------------------------ setup
 

@@ -151,15 +151,6 @@ class Rollout:
         self.pad_to_multiple_of = layout.pad_to_multiple_of
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
 
-    @property
-    def generator(self):
-        """The generation backend the round samples with (the sampler's)."""
-        return self.sampler.generator
-
-    @generator.setter
-    def generator(self, value) -> None:
-        self.sampler.generator = value
-
     # ------------------------------------------------------------------ sampling and scoring
 
     def sample(self, prompt_round: PromptRound, G: int, step: int, skip_bad: bool = False,
@@ -280,7 +271,7 @@ class Rollout:
         args = self.args
         old_logps, support_logps = self._per_micro_batch(
             rollouts, lambda r: trainer_logps(self.forward_policy, r, self.sampling_params, args.temperature,
-                                              self.generator.eos_ids))
+                                              self.sampler.generator.eos_ids))
         mask = rollouts.model_tokens.bool()  # a tool result's tokens were not sampled: no ratio, no statistics
         ratio = sampling_ratio(support_logps, rollouts.sampler_logprobs, mask, args.vllm_importance_sampling_mode,
                                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
@@ -371,5 +362,5 @@ class Rollout:
                     "neither always solved nor never solved by the model, or set dynamic_sampling=False."))
             scored = source.next_round(step, extra=True)
         batch = assemble(rows, needed, acc.process_index, acc.num_processes, logs, skipped,
-                         self.sampler.tokenizer.pad_token_id, self.generator.eos_ids, acc.device, tool_counts)
+                         self.sampler.tokenizer.pad_token_id, self.sampler.generator.eos_ids, acc.device, tool_counts)
         return batch, {"sampling/groups_filtered": filtered, "sampling/generation_rounds": rounds}
