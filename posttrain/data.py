@@ -76,6 +76,18 @@ def check_encoded_within_vocabulary(encoded: list, row_indices, name: str, size:
 
 
 
+IMAGE_COLUMNS = ("image", "images")  # TRL's vision datasets: a row's image, or its list of images
+
+
+def refuse_images(columns, name: str) -> None:
+    """One sentence for a dataset with images (an `image` or `images` column, TRL's vision datasets): posttrain
+    trains on text only in this release, and would otherwise train on the text and drop the images unsaid."""
+    found = [c for c in IMAGE_COLUMNS if c in columns]
+    if found:
+        raise DataError(f"{name} has an {found[0]!r} column: training on images is not in this release (vision-"
+                        "language checkpoints train on text); remove the column to train on the text alone.")
+
+
 def check_eval_columns(eval_dataset, required: list[str]) -> None:
     """An eval dataset (or each of a dict of them) needs the columns the training data gives the prompts and
     reward functions; an iterable dataset of unknown features is checked as it is read."""
@@ -84,6 +96,7 @@ def check_eval_columns(eval_dataset, required: list[str]) -> None:
     named = eval_dataset if isinstance(eval_dataset, dict) else {"eval_dataset": eval_dataset}
     for name, dataset in named.items():
         columns = getattr(dataset, "column_names", None)
+        refuse_images(columns or (), name)
         missing = [c for c in required if c not in (columns or required)]
         if missing:
             raise DataError(f"{name} lacks the column(s) {', '.join(missing)} that the training data has and the "
@@ -226,6 +239,7 @@ def prompt_dataset_columns(dataset) -> list[str]:
     if "prompt" not in names:
         raise DataError(f"The dataset has no 'prompt' column (columns: {', '.join(names)}): rename the column "
                         "that holds the prompts to 'prompt'.")
+    refuse_images(names, "The dataset")
     return [c for c in names if c != "prompt"]
 
 

@@ -235,6 +235,27 @@ def missing_prompt_column(tmp):
     _source({"question": ["a", "b"]})
 
 
+_IMAGES_REFUSED = (r"has an '{}' column: training on images is not in this release \(vision-language checkpoints "
+                   r"train on text\); remove the column to train on the text alone")
+
+
+@case("Data", "a vision dataset (an `image` column; TRL trains a vision-language model on it)", DataError,
+      "^The dataset " + _IMAGES_REFUSED.format("image"), kind="silently wrong")
+def grpo_image_column(tmp):
+    _trainer(tmp, dataset=_dataset({"prompt": ["a", "b", "c", "d"], "image": ["cat.png"] * 4}))
+
+
+@case("Data", "a vision eval dataset (an `images` column)", DataError,
+      "^eval_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+def grpo_eval_images_column(tmp):
+    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.testing import tiny_model
+
+    GRPOTrainer(tiny_model(_tokenizer(), hidden=32, layers=1), length_reward, _config(tmp), train_dataset=_dataset(),
+                eval_dataset=_dataset({"prompt": ["a", "b"], "images": [["cat.png"]] * 2}),
+                processing_class=_tokenizer())
+
+
 @case("Data", "empty dataset", DataError, r"The training dataset is empty")
 def empty_dataset(tmp):
     _source({"prompt": []})
@@ -816,6 +837,12 @@ def sft_unknown_format(tmp):
     _sft(tmp, {"question": ["a", "b"], "answer": ["c", "d"]})
 
 
+@case("SFT", "a vision dataset (`messages` and `images`; TRL trains a vision-language model on it)", DataError,
+      "^The dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+def sft_images_column(tmp):
+    _sft(tmp, {"messages": _CHAT, "images": [["cat.png"]] * 2})
+
+
 @case("SFT", "every row's completion beyond `max_length`", DataError,
       r"train_dataset has no token left to train on after truncation to max_length=4: .* raise max_length")
 def sft_empty_after_truncation(tmp):
@@ -983,6 +1010,12 @@ def _dpo(tmp: Path, data, tokenizer=None, model=None, ref_model=None, **override
 
 
 _PREFS = {"prompt": ["1+1=", "2+2="], "chosen": ["2", "4"], "rejected": ["3", "5"]}
+
+
+@case("DPO", "a vision preference dataset (an `images` column; TRL trains a vision-language model on it)",
+      DataError, "^train_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+def dpo_images_column(tmp):
+    _dpo(tmp, {**_PREFS, "images": [["cat.png"]] * 2})
 
 
 @case("DPO", "a preference dataset without its `rejected` column (TRL: KeyError)", DataError,
@@ -2172,6 +2205,12 @@ def reward_sft_dataset(tmp):
     _reward(tmp, data={"prompt": ["a", "b"], "completion": ["c", "d"]})
 
 
+@case("Reward model", "a preference dataset with an `image` column (TRL's RewardTrainer takes text only)",
+      DataError, "^train_dataset " + _IMAGES_REFUSED.format("image"), kind="silently wrong")
+def reward_image_column(tmp):
+    _reward(tmp, data={**_PREFS, "image": ["cat.png"] * 2})
+
+
 @case("Reward model", "`label_smoothing_factor: 0.5` (TRL: accepted and never read)", ConfigError,
       r"^label_smoothing_factor=0\.5 is not supported: the reward loss has no labels to smooth \(TRL's "
       r"RewardTrainer never reads it\); remove it\.$", kind="silently wrong")
@@ -2209,6 +2248,12 @@ def _kto(tmp: Path, data=None, **overrides):
       r"for undesirable\)\.$")
 def kto_sft_dataset(tmp):
     _kto(tmp, data={"prompt": ["a", "b"], "completion": ["c", "d"]})
+
+
+@case("KTO", "a vision unpaired dataset (an `images` column; TRL trains a vision-language model on it)", DataError,
+      "^train_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+def kto_images_column(tmp):
+    _kto(tmp, data={**_UNPAIRED, "images": [["cat.png"]] * 2})
 
 
 @case("KTO", "a label that is not a boolean, e.g. `\"good\"` or None (TRL: TypeError adding it up)", DataError,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from posttrain.configs import ConfigError
-from posttrain.data import DataError, check_encoded_within_vocabulary
+from posttrain.data import DataError, check_encoded_within_vocabulary, refuse_images
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
 from posttrain.sequences.batches import block_rows, predecessor_positions
@@ -42,6 +42,7 @@ ACCEPTED = ("prompt + completion + label (text or messages), or a preference dat
 def detect_format(row: dict, name: str) -> tuple[str, bool]:
     """(standard or conversational, whether the rows are preference pairs to unpair); a DataError naming the columns
     found and the formats accepted."""
+    refuse_images(row, name)
     if "chosen" in row and "rejected" in row:
         return ("conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt"))
                 else "standard"), True

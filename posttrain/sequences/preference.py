@@ -6,7 +6,7 @@ share (their encoders: sequences/pair_data.py, reward/data.py).
     tokenized         the trainer's id columns (DPO: prompt_ids, chosen_ids, rejected_ids)
 """
 
-from posttrain.data import DataError
+from posttrain.data import DataError, refuse_images
 from posttrain.sequences.chat import is_messages
 
 
@@ -15,6 +15,7 @@ def preference_format(row: dict, name: str, *, tokenized: tuple[tuple[str, ...],
     """standard, conversational or tokenized (`row` has every column of one of the `tokenized` tuples); else a
     DataError naming the columns found, what `needs` (the trainer, as the message says it) takes, and what the row
     looks like instead."""
+    refuse_images(row, name)
     if any(all(k in row for k in columns) for columns in tokenized):
         return "tokenized"
     if "chosen" in row and "rejected" in row:

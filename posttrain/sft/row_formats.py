@@ -2,7 +2,7 @@
 dataset gives None (null) to a column a row lacks, so a row of a file that mixes formats has every format's columns,
 most of them null, and a null is a missing value, never a format."""
 
-from posttrain.data import DataError
+from posttrain.data import DataError, refuse_images
 from posttrain.sequences.chat import is_messages
 
 FORMATS = ("text", "prompt-completion", "conversational", "conversational prompt-completion", "tokenized")
@@ -48,6 +48,7 @@ def format_of(row: dict, text_field: str) -> str | None:
 
 def detect_format(row: dict, text_field: str) -> str:
     """The format of a (formatted) row, or DataError naming its columns and the formats accepted."""
+    refuse_images(row, "The dataset")
     found_format = format_of(row, text_field)
     if found_format is not None:
         return found_format
