@@ -326,3 +326,55 @@ def tiny_vision_language(family: str, tokenizer=None, seed: int = 0):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+# each family's image tokens, added to tiny_tokenizer so that tiny_vision_language's ids (the last three: image,
+# video or begin-of-image, vision start or end-of-image) are theirs; and its real chat template, as TRL ships it
+_VISION_TOKENS = {"llava": ["<image>", "<|unused_0|>", "<|unused_1|>"],
+                  "qwen2_5_vl": ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]}
+_VISION_TEMPLATES = {"llava": "llava_next.jinja", "qwen2_5_vl": "qwen2_5_vl.jinja"}
+VISION_PROCESSORS = tuple(_VISION_TOKENS)  # tiny_vision_processor's families
+
+
+def tiny_vision_processor(family: str, seed: int = 0):
+    """(a tiny vision-language model of `family`, its processor), built offline: tiny_tokenizer with the family's
+    image tokens and TRL's copy of the family's chat template, and a PIL image processor (no torchvision) sized for
+    tiny images. LLaVA: 16x16 pixels in patches of 4 -> 16 image tokens; Qwen2.5-VL: up to 16x16 pixels in patches of
+    4 merged 2x2 (a 16x16 image -> 4 image tokens), `pixel_values` [patches, 96] and `image_grid_thw` [images, 3]."""
+    import os
+
+    import trl
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": _VISION_TOKENS[family]})
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", _VISION_TEMPLATES[family])) as f:
+        template = f.read()
+    model = tiny_vision_language(family, tokenizer, seed)
+    if family == "llava":
+        from transformers import LlavaProcessor
+        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+        images = LlavaImageProcessorPil(size={"height": 16, "width": 16}, do_center_crop=False)
+        return model, LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                     vision_feature_select_strategy="default", chat_template=template,
+                                     image_token="<image>", num_additional_image_tokens=1)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                      max_pixels=16 * 16)
+    return model, _image_only_qwen_vl_processor()(images, tokenizer, chat_template=template)
+
+
+def _image_only_qwen_vl_processor():
+    """Qwen2.5-VL's processor without its video processor (which imports torchvision): images and text only."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+    return ImageOnlyQwen2_5_VLProcessor
