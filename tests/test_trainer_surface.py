@@ -444,6 +444,68 @@ def test_fp16_trains_on_cpu(tokenizer, addition_dataset, tmp_path):
     assert math.isfinite(last_train_record(trainer)["loss"])
 
 
+def _with_cpu_grad_scaler(make_accelerator, init_scale: float):
+    """make_accelerator with fp16 as a GPU runs it: float16 autocast, and accelerate's GradScaler (a CPU one here)
+    scaling the loss and unscaling the gradients before clipping."""
+    def made(args, precision):
+        accelerator = make_accelerator(args, precision)
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+        return accelerator
+
+    return made
+
+
+def test_an_fp16_overflow_is_skipped_by_the_loss_scaler_and_the_run_goes_on(tokenizer, addition_dataset, tmp_path,
+                                                                           monkeypatch):
+    """fp16 as a GPU runs it, imitated on the CPU: float16 autocast and accelerate's GradScaler (a CPU one) starting at
+    2^40, so the first updates overflow in float16. The scaler skips them and halves its scale, the schedule waits, the weights
+    stay, and the run trains on once the scale fits (before: it stopped at step 1, grad_norm inf)."""
+    import posttrain.training.trainer as loop
+
+    monkeypatch.setattr(loop, "make_accelerator", _with_cpu_grad_scaler(loop.make_accelerator, 2.0 ** 40))
+    trainer = _trainer(tokenizer, addition_dataset, tmp_path, max_steps=32, fp16=True, learning_rate=1e-3,
+                       lr_scheduler_type="linear")
+    start = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    rates = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            rates.append(trainer.lr_scheduler.get_last_lr()[0])
+
+    trainer.add_callback(Watch())
+    trainer.train()
+    skipped = 40 - int(math.log2(trainer.accelerator.scaler.get_scale()))  # each skip halved the scale
+    assert 0 < skipped < 32 and trainer.state.global_step == 32
+    # the skipped steps' gradient norms are not finite (left out of the logged means), the applied ones are
+    norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
+    assert len(norms) == 32 - skipped and all(math.isfinite(n) for n in norms)
+    assert rates[0] == 1e-3  # the first update overflowed: skipped, the schedule waited
+    assert rates[-1] == pytest.approx(1e-3 * skipped / 32)  # linear: it advanced once per applied update only
+    assert any(not torch.equal(p, start[n]) for n, p in trainer.policy.named_parameters())
+
+
+def test_gradients_that_overflow_at_every_scale_stop_the_run_in_one_sentence(tokenizer, addition_dataset, tmp_path,
+                                                                            monkeypatch):
+    import posttrain.training.trainer as loop
+    from posttrain.training.step import MAX_SCALER_SKIPS, TrainingError
+
+    from datasets import Dataset
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    monkeypatch.setattr(loop, "make_accelerator", _with_cpu_grad_scaler(loop.make_accelerator, 2.0 ** 127))
+    data = Dataset.from_dict({"prompt": ["1+1=", "2+2="] * 4, "completion": ["2", "4"] * 4})
+    config = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=MAX_SCALER_SKIPS + 2, fp16=True, use_cpu=True,
+                       per_device_train_batch_size=2, save_strategy="no", report_to="none")
+    trainer = SFTTrainer(tiny_model(tokenizer, hidden=32, layers=1), args=config, train_dataset=data,
+                         processing_class=tokenizer)
+    with pytest.raises(TrainingError, match=rf"^Step {MAX_SCALER_SKIPS}: the fp16 loss scaler skipped the last "
+                                            rf"{MAX_SCALER_SKIPS} updates in a row for non-finite gradients .* Lower "
+                                            r"the learning_rate, check the data, or train in bf16\.$"):
+        trainer.train()
+
+
 def test_default_args_name_the_output_dir_after_the_model(tokenizer, addition_dataset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = tiny_model(tokenizer, hidden=32, layers=1, max_positions=1024)  # room for TRL's 512 new tokens

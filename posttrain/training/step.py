@@ -18,6 +18,10 @@ from posttrain.training.checkpoint import checkpoints, save_checkpoint
 from posttrain.training.distributed import mark_agreed
 from posttrain.training.update import Update
 
+# fp16 steps a dynamic loss scaler may skip in a row before the run stops: each halves the scale, so 24 take 2^16,
+# a GradScaler's first scale, down to 1/256 (gradients that overflow there overflow at any scale)
+MAX_SCALER_SKIPS = 24
+
 
 class TrainingError(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient); the message names the step and the metric."""
@@ -153,22 +157,42 @@ class StepMixin:
         are finite, step the optimizer and the schedule. Returns the gradient norm before clipping.
 
         Under DeepSpeed the engine's step clips and measures the norm itself, and skips an update whose norm is not
-        finite: the norm is checked right after it, with the same outcome (no update applied, the run stops)."""
+        finite: the norm is checked right after it, with the same outcome (no update applied, the run stops).
+
+        Under a dynamic loss scaler (fp16) a non-finite gradient norm is an overflow: the scaler skips the update and
+        lowers its scale, the schedule does not advance, and the run goes on (transformers' behaviour); only
+        MAX_SCALER_SKIPS skips in a row stop it."""
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else 0.0
         if self._update is None:
             self._update = Update(self.sharding)
         grad_norm = self._update.clip(self.model, self.optimizer, max_norm)
-        self._check_finite(loss, grad_norm)
+        scaled = self._update.scales_loss(self.model)
+        self._check_finite(loss, None if scaled else grad_norm)
         self._call("on_pre_optimizer_step")
         stepped_norm = self._update.step(self.model, self.optimizer)
         if grad_norm is None:
             grad_norm = stepped_norm
-            self._check_finite(loss, grad_norm)
+            self._check_finite(loss, None if scaled else grad_norm)
+        if scaled and self._update.step_skipped(self.model, self.optimizer):
+            self._scaler_skipped(grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        self._scaler_skips = 0
         self._check_weights_finite()
         self._call("on_optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _scaler_skipped(self, grad_norm: float | None) -> None:
+        """Count a step the loss scaler skipped; stop with one sentence after MAX_SCALER_SKIPS in a row (gradients that
+        are not finite at any scale)."""
+        self._scaler_skips = getattr(self, "_scaler_skips", 0) + 1
+        if self._scaler_skips >= MAX_SCALER_SKIPS:
+            raise mark_agreed(TrainingError(  # the scaler's verdict is the same on every process
+                f"Step {self.state.global_step + 1}: the fp16 loss scaler skipped the last {self._scaler_skips} updates "
+                f"in a row for non-finite gradients (grad_norm {grad_norm}), so they are not finite at any scale; no "
+                "update was applied. Lower the learning_rate, check the data, or train in bf16."))
 
     _nonfinite_hint = "Lower the learning_rate or check the data."
 

@@ -5,7 +5,7 @@
                         every trainable weight checked for finiteness afterwards
 
 A trainer whose optimizer does something of its own (the reward model's row-wise input embedding:
-reward/sparse_rows.py) sets another object with the same three methods.
+reward/sparse_rows.py) sets another object with the same methods.
 """
 
 
@@ -23,6 +23,14 @@ class Update:
     def step(self, model, optimizer) -> float | None:
         """Step the optimizer; the gradient norm where the step measured it, else None."""
         return self.sharding.optimizer_step(model, optimizer)
+
+    def scales_loss(self, model) -> bool:
+        """Whether a dynamic loss scaler owns the step (fp16): an overflow is its to skip."""
+        return self.sharding.scales_loss(model)
+
+    def step_skipped(self, model, optimizer) -> bool:
+        """Whether the loss scaler skipped the last step (its gradients overflowed)."""
+        return self.sharding.step_skipped(model, optimizer)
 
     def nonfinite_weight(self, policy) -> str | None:
         """The name of the first trainable weight the update made non-finite (on any process), or None."""

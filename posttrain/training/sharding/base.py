@@ -83,8 +83,22 @@ class Sharding:
 
     def optimizer_step(self, model, optimizer) -> float | None:
         """Apply the update; returns the gradient norm when the step measured it (here None: clip_gradients did)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        self._scale_before = scaler.get_scale() if scaler is not None else None
         optimizer.step()
         return None
+
+    def scales_loss(self, model) -> bool:
+        """Whether a dynamic loss scaler (fp16: accelerate's GradScaler) owns the step: it skips an update whose
+        gradients overflowed and lowers its scale, rather than the run stopping."""
+        return getattr(self.accelerator, "scaler", None) is not None
+
+    def step_skipped(self, model, optimizer) -> bool:
+        """Whether the loss scaler skipped the last optimizer step: a GradScaler lowers its scale exactly when it
+        found non-finite gradients, and then steps nothing."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        before = getattr(self, "_scale_before", None)
+        return scaler is not None and before is not None and scaler.get_scale() < before
 
     def all_finite(self, model, skip: torch.Tensor | None = None) -> tuple[bool, str | None]:
         """(whether every trainable weight but `skip` (one the caller checks itself) is finite on every process,

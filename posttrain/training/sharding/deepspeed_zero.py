@@ -49,6 +49,13 @@ class ZeroSharding(Sharding):
         model.step()
         return zero.global_grad_norm(model)
 
+    def scales_loss(self, model) -> bool:
+        """DeepSpeed's fp16 runs its own dynamic loss scale, which skips an overflowed step."""
+        return bool(model.fp16_enabled())
+
+    def step_skipped(self, model, optimizer) -> bool:
+        return not model.was_step_applied()
+
     def _gathered_state_dict(self, model: torch.nn.Module) -> dict:
         """The engine's module's whole state dict, gathered one parameter at a time (engine_full_state_dict)."""
         return engine_full_state_dict(model, self.accelerator.is_main_process)
