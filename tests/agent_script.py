@@ -129,6 +129,9 @@ class ScriptedEngine:
         for _ in weights:
             pass
 
+    def round_done(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

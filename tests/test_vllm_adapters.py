@@ -55,6 +55,7 @@ def test_colocate_builds_loads_and_samples_in_vllms_order(tokenizer):
         assert options["enable_sleep_mode"] and options["seed"] == 0 and options["max_num_seqs"] == 6
         generator.sync_weights(export_weights(policy))
         rollouts = generator.generate(PROMPTS, list(range(6)))
+        generator.round_done()
         calls = [name for name, _ in double.log]
         assert calls == ["LLM.__init__", "LLM.sleep", "LLM.wake_up", "LLM.apply_model", "LLM.update_weight_version",
                          "LLM.reset_prefix_cache", "LLM.wake_up", "LLM.generate",
@@ -69,6 +70,24 @@ def test_colocate_builds_loads_and_samples_in_vllms_order(tokenizer):
         assert all(r.logprobs == 0 and r.max_tokens == 5 for r in requests)
     assert rollouts.completion_ids.shape[0] == 6 and rollouts.prompt_ids[3:, -5:].tolist() == [PROMPTS[3]] * 3
     assert rollouts.completion_mask.all() and (rollouts.sampler_logprobs < 0).all()  # Logprob.logprob, per token
+
+
+def test_sleep_mode_keeps_the_engine_awake_through_a_rounds_later_turns(tokenizer):
+    """vllm_enable_sleep_mode: a multi-turn rollout's later turns (new_round=False) sample on the weights the round
+    started with; the engine sleeps (level 2: weights and KV cache released) only once the round is done, and the
+    next round's sync wakes it (before: it slept after every generate, and the next turn sampled with no weights)."""
+    policy, engine_model = tiny_model(tokenizer, seed=1), tiny_model(tokenizer, seed=2)
+    with fake_vllm(model=engine_model) as double:
+        generator = make_generator(_colocate_config(), policy, tokenizer, seed=4)
+        for _ in range(2):  # two rounds of two turns
+            generator.sync_weights(export_weights(policy))
+            generator.generate(PROMPTS, list(range(6)))
+            generator.generate(PROMPTS, list(range(6)), new_round=False)
+            generator.round_done()
+        calls = [name for name, _ in double.log]
+        turns = ["LLM.wake_up", "LLM.apply_model", "LLM.update_weight_version", "LLM.reset_prefix_cache",
+                 "LLM.wake_up", "LLM.generate", "LLM.generate", "LLM.sleep"]
+        assert calls == ["LLM.__init__", "LLM.sleep", *turns, *turns], calls
 
 
 def test_colocate_refuses_what_vllm_would_fail_on(tokenizer):

@@ -260,6 +260,10 @@ class Generator(Protocol):
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the policy's current weights (plain parameter names) before the next `generate`."""
 
+    def round_done(self) -> None:
+        """The round's sampling is over, every turn of its multi-turn rollouts included: an engine that frees its
+        memory for training (vLLM colocate's sleep mode) does it here, never between a round's turns."""
+
     def close(self) -> None:
         """Release the engine's resources."""
 

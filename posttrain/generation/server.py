@@ -407,6 +407,9 @@ class ServerGenerator:
         return Rollouts.from_lists([(p, c["token_ids"], c["logprobs"]["token_logprobs"]) for p, c in rows],
                                    self.pad_id, self.eos_ids, self.device)
 
+    def round_done(self) -> None:
+        pass  # the server's memory is its own
+
     def close(self) -> None:
         self.client.close()
 

@@ -148,6 +148,9 @@ class TransformersGenerator:
                     raise KeyError(f"Weight {name!r} has no counterpart in the generation model.")
                 state[name].copy_(tensor)
 
+    def round_done(self) -> None:
+        pass  # its memory is the policy's: nothing to release
+
     def close(self) -> None:
         self.model = None
 

@@ -6,7 +6,9 @@
     sync_weights: [wake_up(weights)] -> apply_model(model.load_weights(export)) -> update_weight_version
                   -> reset_prefix_cache
     generate:     [wake_up(kv_cache)] -> generate(one request per run of a prompt, n copies, seeded by the run's
-                  stream) -> [sleep(level=2)]
+                  stream); a multi-turn rollout's later turns generate on the same awake engine
+    round_done:   [sleep(level=2)] once the round's every turn is sampled (level 2 drops the weights, which the next
+                  round's sync loads again: sleeping between turns would leave the later turns none)
 
 With external_launcher the engine's worker runs in this process, so `apply_model` hands the model object itself to
 the loader: the exported tensors (plain names, LoRA merged) are loaded in place with no copy through a socket.
@@ -92,8 +94,8 @@ class ColocateGenerator:
                       dtype=str(next(policy.parameters()).dtype).removeprefix("torch."))
         vllm_compat.check_kwargs("LLM.__init__", kwargs, "An LLM argument")
         self.llm = vllm_compat.symbol("LLM")(**kwargs)
-        if self.sleeps:
-            self.llm.sleep(level=2)
+        self._asleep: set[str] = set()  # the engine's tags that sleep mode released
+        self.round_done()
         self.syncs = 0
 
     def _tp_group(self, process_index: int, num_processes: int):
@@ -107,8 +109,7 @@ class ColocateGenerator:
         """Load the exported weights into the engine's model in place, then drop the prefix cache (its keys were
         computed with the old weights)."""
         self.syncs += 1
-        if self.sleeps:
-            self.llm.wake_up(tags=["weights"])  # loading into released memory writes nowhere (TRL #5142)
+        self._wake("weights")  # loading into released memory writes nowhere (TRL #5142)
         weights = list(weights)
         self.llm.apply_model(lambda model: model.load_weights(weights))
         self.llm.update_weight_version(f"sync-{self.syncs}")
@@ -130,11 +131,11 @@ class ColocateGenerator:
         sampling = vllm_compat.symbol("SamplingParams")
         requests = [sampling(**vllm_sampling_params(self.params, n, stream_seed(seed, key), self.eos_ids))
                     for _, key, n in runs]
-        if self.sleeps:
-            self.llm.wake_up(tags=["kv_cache"])
+        if "weights" in self._asleep:
+            raise GenerationError("vLLM colocate was asked to generate with its weights released by sleep mode: sync "
+                                  "the policy's weights first (a posttrain bug if the trainer did this).")
+        self._wake("kv_cache")
         outputs = self.llm.generate([{"prompt_token_ids": p} for p, _, _ in runs], requests, use_tqdm=False)
-        if self.sleeps:
-            self.llm.sleep(level=2)
         # logprobs=0: one {token_id: Logprob} per position, holding the sampled token's
         rows = [(list(out.prompt_token_ids), list(c.token_ids),
                  [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
@@ -143,6 +144,18 @@ class ColocateGenerator:
             start = torch.distributed.get_rank(self.group) * mine
             rows = rows[start:start + mine]
         return Rollouts.from_lists(rows, self.pad_id, self.eos_ids, self.device)
+
+    def round_done(self) -> None:
+        """With vllm_enable_sleep_mode, release the weights and the KV cache (level 2) for training, once the round's
+        every turn is sampled."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            self.llm.wake_up(tags=[tag])
+            self._asleep.discard(tag)
 
     def close(self) -> None:
         self.llm = None

@@ -92,10 +92,13 @@ class RoundSampler:
     def generate_with_held_weights(self, share: RoundShare) -> AgentSample:
         """This process's rows sampled with the weights the generator holds (through the agents' loop when the
         trainer has tools, environments or a rollout_func), with what the reward functions receive."""
-        if self.agents is not None:
-            return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
-                                      self.accelerator.device)
-        rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+        try:
+            if self.agents is not None:
+                return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
+                                          self.accelerator.device)
+            rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+        finally:
+            self.generator.round_done()  # after the last turn: an engine may free its memory for training
         prompts = [row["prompt"] for row in share.rows]
         completion_ids, texts, completions = reward_inputs(self.tokenizer, rollouts, isinstance(prompts[0], list))
         return AgentSample(rollouts, prompts, completions, texts, {}, torch.zeros(3, dtype=torch.long))
