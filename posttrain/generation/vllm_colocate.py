@@ -110,8 +110,9 @@ class ColocateGenerator:
         computed with the old weights)."""
         self.syncs += 1
         self._wake("weights")  # loading into released memory writes nowhere (TRL #5142)
-        weights = list(weights)
-        self.llm.apply_model(lambda model: model.load_weights(weights))
+        # streamed: the engine's worker runs in this process (external_launcher), so the export is consumed one tensor
+        # at a time as the model loads it, never a second whole copy of the policy held at once
+        self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
         self.llm.update_weight_version(f"sync-{self.syncs}")
         self.llm.reset_prefix_cache()
 
