@@ -53,6 +53,7 @@ def test_colocate_builds_loads_and_samples_in_vllms_order(tokenizer):
         assert options["distributed_executor_backend"] == "external_launcher"
         assert options["logprobs_mode"] == "processed_logprobs" and options["kv_cache_dtype"] == "fp8"
         assert options["enable_sleep_mode"] and options["seed"] == 0 and options["max_num_seqs"] == 6
+        assert options["dtype"] == "auto"  # vLLM's pick from the checkpoint, as TRL lets it: not the float32 policy's
         generator.sync_weights(export_weights(policy))
         rollouts = generator.generate(PROMPTS, list(range(6)))
         generator.round_done()

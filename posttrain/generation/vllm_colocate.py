@@ -2,7 +2,7 @@
 
     LLM(model=path, distributed_executor_backend="external_launcher", seed=process // tp, tensor_parallel_size=tp,
         gpu_memory_utilization, max_model_len, max_num_seqs, enable_sleep_mode, model_impl, kv_cache_dtype,
-        logprobs_mode="processed_logprobs", max_num_batched_tokens=4096)
+        logprobs_mode="processed_logprobs", max_num_batched_tokens=4096, dtype="auto")
     sync_weights: [wake_up(weights)] -> apply_model(model.load_weights(export)) -> update_weight_version
                   -> reset_prefix_cache
     generate:     [wake_up(kv_cache)] -> generate(one request per run of a prompt, n copies, seeded by the run's
@@ -91,7 +91,9 @@ class ColocateGenerator:
                       enable_sleep_mode=self.sleeps, model_impl=config.vllm_model_impl,
                       kv_cache_dtype=config.vllm_kv_cache_dtype, distributed_executor_backend="external_launcher",
                       seed=process_index // self.tp, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                      dtype=str(next(policy.parameters()).dtype).removeprefix("torch."))
+                      # the checkpoint's 16-bit dtype as vLLM picks it (TRL passes none), not the float32 policy's:
+                      # half the engine's weights and KV cache, and its FlashAttention backend; load_weights casts
+                      dtype="auto")
         vllm_compat.check_kwargs("LLM.__init__", kwargs, "An LLM argument")
         self.llm = vllm_compat.symbol("LLM")(**kwargs)
         self._asleep: set[str] = set()  # the engine's tags that sleep mode released
