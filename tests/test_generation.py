@@ -189,6 +189,42 @@ def test_lean_decoder_builds_what_its_model_has():
     assert torch.equal(rotated, torch.cat((-x[..., 4:], x[..., :4]), dim=-1))
 
 
+def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer):
+    """keep_rows compacts the KV cache in place: it allocates less than one row's cache (the profiler's CPU memory
+    record; before: a second cache of the kept rows beside the first, and the gather's temporary), and the kept rows
+    decode the next tokens exactly as they would have in the uncompacted cache."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from posttrain.generation import lean_decoder
+    from posttrain.models.forwards import positions_from_mask
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer, hidden=64, layers=2)
+    n, p, steps = 12, 6, 8
+    ids = torch.randint(4, 90, (n, p), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones((n, p), dtype=torch.bool)
+    token = torch.randint(4, 90, (n,), generator=torch.Generator().manual_seed(1))
+    keep = torch.tensor([1, 2, 5, 6, 9, 11])
+    with torch.no_grad():
+        whole = lean_decoder.LeanDecoder(model, mask, steps)
+        whole.prefill(ids, positions_from_mask(mask))
+        compacted = lean_decoder.LeanDecoder(model, mask, steps)
+        compacted.prefill(ids, positions_from_mask(mask))
+        for _ in range(2):
+            positions = torch.full((n, 1), whole.length)
+            whole.step(token, positions)
+            compacted.step(token, positions)
+        one_row = compacted.keys[:, 0].numel() * compacted.keys.element_size() * 2  # keys and values
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            compacted.keep_rows(keep)
+        allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+        assert allocated < one_row, (allocated, one_row)
+        positions = torch.full((keep.numel(), 1), whole.length)
+        after = compacted.step(token[keep], positions).clone()
+        expected = whole.step(token, torch.full((n, 1), whole.length))[keep]
+    assert torch.allclose(after, expected, atol=1e-5)
+
+
 def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):
     """A Qwen2 subclass that changes its logits, and a sliding-window config, decode through the model's forward."""
     from transformers import Qwen2ForCausalLM

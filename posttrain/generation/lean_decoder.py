@@ -262,15 +262,18 @@ class LeanDecoder:
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
 
     def keep_rows(self, rows: torch.Tensor) -> bool:
-        """Keep only these rows ([n'] indices) of the batch: their keys, values and key mask move to a smaller cache
-        (the filled positions only); the logits buffer shrinks to n' rows."""
-        keys = self.keys.new_empty((self.keys.size(0), rows.numel()) + self.keys.shape[2:])
-        values = torch.empty_like(keys)
-        keys[:, :, :, :self.length] = self.keys[:, rows, :, :self.length]
-        values[:, :, :, :self.length] = self.values[:, rows, :, :self.length]
-        self.keys, self.values, self.key_mask = keys, values, self.key_mask[rows]
+        """Keep only these rows ([n'] ascending indices) of the batch: their keys and values move to the front of the
+        same cache, in place (the filled positions only, one row at a time), and the cache becomes a view of its first
+        n' rows; the key mask and the logits buffer shrink to n' rows. No second cache is made: at compaction the
+        memory stays that of the one cache (a copy would hold both, up to 3x the cache with the gather's temporary)."""
+        for i, r in enumerate(rows.tolist()):  # ascending: row r >= i, so no row is overwritten before it moves
+            if r != i:
+                self.keys[:, i, :, :self.length].copy_(self.keys[:, r, :, :self.length])
+                self.values[:, i, :, :self.length].copy_(self.values[:, r, :, :self.length])
+        n = rows.numel()
+        self.keys, self.values, self.key_mask = self.keys[:, :n], self.values[:, :n], self.key_mask[rows]
         if self.logits is not None:
-            self.logits = self.logits[:rows.numel()]
+            self.logits = self.logits[:n]
         return True
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, copies=None) -> torch.Tensor:
