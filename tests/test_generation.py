@@ -225,6 +225,42 @@ def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer):
     assert torch.allclose(after, expected, atol=1e-5)
 
 
+def test_grouped_query_attention_never_repeats_the_keys_and_values(tokenizer, monkeypatch):
+    """A decode step of a grouped-query model (4 query heads over 2 kv heads) allocates less than its layers' keys and
+    values repeated per query head (the profiler's CPU memory record; before: SDPA's enable_gqa with a mask took the
+    math kernel, which repeats them on every layer and token), and samples the same logits as the model's forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from posttrain.generation import lean_decoder
+    from posttrain.models.forwards import positions_from_mask
+    from posttrain.testing import tiny_model
+
+    monkeypatch.setattr(lean_decoder, "GROUPED_QUERY_DEVICES", {"cpu"})  # as on CUDA
+    model = tiny_model(tokenizer, hidden=64, layers=2, heads=4, kv_heads=2)
+    n, p = 4, 192
+    ids = torch.randint(4, 90, (n, p), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones((n, p), dtype=torch.bool)
+    mask[1, :10] = False  # a left-padded row: the mask matters
+    token = torch.randint(4, 90, (n,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        decoder = lean_decoder.LeanDecoder(model, mask, 4)
+        decoder.prefill(ids, positions_from_mask(mask))
+        positions = positions_from_mask(mask)[:, -1:] + 1
+        # SDPA's math kernel, which CUDA takes for enable_gqa with a mask (the CPU's own kernel reads the heads grouped)
+        with sdpa_kernel(SDPBackend.MATH), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            logits = decoder.step(token, positions).clone()
+        allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+        layers = decoder.keys.size(0)  # keys and values repeated per query head, one layer's times the layers
+        repeated = layers * n * decoder.q_heads * (p + 1) * decoder.head_dim * decoder.keys.element_size() * 2
+        assert allocated < repeated, (allocated, repeated)
+        full = torch.cat([ids, token[:, None]], 1)
+        attention = torch.cat([mask, torch.ones((n, 1), dtype=torch.bool)], 1)
+        expected = model(input_ids=full, attention_mask=attention.long(),
+                         position_ids=positions_from_mask(attention)).logits[:, -1]
+    assert torch.allclose(logits, expected.float(), atol=1e-4)
+
+
 def test_lean_decoder_refuses_models_it_does_not_reproduce(tokenizer):
     """A Qwen2 subclass that changes its logits, and a sliding-window config, decode through the model's forward."""
     from transformers import Qwen2ForCausalLM

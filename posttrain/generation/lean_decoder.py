@@ -184,6 +184,11 @@ def _rotate_half_matrix(head_dim: int, dtype, device) -> torch.Tensor:
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
+# devices where SDPA's enable_gqa with a mask takes the math kernel, which repeats the keys and values per query head
+# (CUDA): there the query heads are grouped by kv head instead (LeanDecoder._grouped_attention)
+GROUPED_QUERY_DEVICES = {"cuda"}
+
+
 class LeanDecoder:
     """Prefill, then one token per call, for a batch of left-padded prompts.
 
@@ -224,7 +229,6 @@ class LeanDecoder:
             at = torch.arange(p + max_new_tokens, device=device).unsqueeze(0)
             self.rope_table = tuple(t[0] for t in self.body.rotary_emb(self.keys[0, :1, 0], at))
         self.length = 0  # cache positions filled
-        self.gqa = self.kv_heads != self.q_heads
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
         plain_head = _linear_class(self.head) and self.head.bias is None
@@ -320,9 +324,25 @@ class LeanDecoder:
             keys, values = self.keys[i, :, :, :end], self.values[i, :, :, :end]
         else:
             keys, values = key.transpose(1, 2), value.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=self.gqa)  # [N, h, L, D]
-        return out.transpose(1, 2).reshape(n, length, -1)
+        return self._grouped_attention(q.transpose(1, 2), keys, values, mask).transpose(1, 2).reshape(n, length, -1)
+
+    def _grouped_attention(self, q, keys, values, mask) -> torch.Tensor:
+        """SDPA of q [N, h, L, D] over keys and values [N, k, T, D] (query head j reads kv head j // (h / k)), with a
+        [N, 1, L, T] mask -> [N, h, L, D]. Each kv head's h / k query heads attend as one batch row of (h / k) * L
+        queries, so the keys and values are never repeated per query head (SDPA's enable_gqa with a mask takes its
+        math kernel on CUDA, which expands them: every layer, every token); only the mask is repeated, L * T bools a
+        head. On a device outside GROUPED_QUERY_DEVICES (the CPU) SDPA's own grouped-query kernel runs."""
+        n, h, length, d = q.shape
+        k = keys.size(1)
+        if h == k or q.device.type not in GROUPED_QUERY_DEVICES:  # the CPU's kernel reads the heads grouped itself
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=h != k)
+        g = h // k
+        grouped = q.reshape(n, k, g * length, d)  # [N, k, g * L, D]
+        mask = mask.unsqueeze(2).expand(mask.size(0), 1, g, length, mask.size(-1)).reshape(mask.size(0), 1,
+                                                                                             g * length, -1)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
+        return out.view(n, h, length, d)
 
 
 def supports(model) -> bool:
