@@ -83,6 +83,32 @@ def test_logprobs_and_grads_match_reference_for_every_signature(tokenizer, cls, 
     assert entropy.shape == logps.shape and bool((entropy[mask] > 0).all())
 
 
+def test_a_pass_without_gradient_keeps_no_layers_hidden_states_but_the_last(tokenizer):
+    """Old and reference log-probs (no gradient) run the model's forward keeping no earlier layer's hidden states while
+    later layers run (weak references to each layer's output, counted as each layer starts; before: the forward ran
+    with output_hidden_states=True, every layer's [N, L, H] held to the end: gigabytes at 0.5-1.5B and long rows)."""
+    import weakref
+
+    from posttrain.models.logprobs import fast_path_available
+
+    model = tiny_model(tokenizer, hidden=32, layers=6)
+    assert fast_path_available(model)
+    outputs, alive = [], []
+
+    def record(module, args, output):
+        outputs.append(weakref.ref(output[0] if isinstance(output, tuple) else output))
+
+    def count(module, args):
+        alive.append(sum(ref() is not None for ref in outputs[:-1]))  # every earlier layer's output but the input
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(count)
+        layer.register_forward_hook(record)
+    with torch.no_grad():
+        token_logprobs(model, *_batch(tokenizer), packing=False)
+    assert len(alive) == 6 and max(alive) == 0, alive
+
+
 def test_model_returning_too_few_positions_is_an_error(tokenizer):
     model = tiny_model(tokenizer, model_class=ShortLM, hidden=32, layers=1)
     with pytest.raises(RuntimeError, match="does not honour that keyword"):

@@ -91,12 +91,36 @@ def output_layer(model) -> torch.nn.Linear | None:
     return layer if is_plain_linear(layer) else None
 
 
+def output_layer_input(model, layer: torch.nn.Module, n_keep: int, **inputs) -> torch.Tensor:
+    """[B, n, H] what the model's output `layer` receives in its own forward on `inputs` (its keywords, with
+    `sequence_kwargs` for n_keep positions: the last n_keep, or every one for 0, or every one where the model has no
+    logits_to_keep). The layer itself multiplies nothing (its input is cut to no position), and no layer's hidden
+    states are kept but the last: `output_hidden_states=True` would hold every layer's, gigabytes at long rows in a
+    pass without gradient."""
+    captured = []
+
+    def take(module, args):
+        captured.append(args[0])
+        return (args[0][..., :0, :],)
+
+    handle = layer.register_forward_pre_hook(take)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    hidden = captured[-1]
+    if n_keep and hidden.size(-2) < n_keep:
+        raise RuntimeError(f"{type(unwrap(model)).__name__} gave its output layer {hidden.size(-2)} positions when "
+                           f"{n_keep} were asked for with {logits_to_keep_kwarg(model)}: its forward does not honour "
+                           "that keyword.")
+    return hidden
+
+
 def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[N, L, H] input of the output layer for [N, L] left-padded rows, from the model's own forward with one
-    position of logits."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                **forward_kwargs(model, attention_mask, 1))
-    return out.hidden_states[-1]
+    """[N, L, H] input of the output layer for [N, L] left-padded rows, from the model's own forward (no logits)."""
+    layer = unwrap(model).get_output_embeddings()
+    return output_layer_input(model, layer, 0, input_ids=input_ids, attention_mask=attention_mask,
+                              **forward_kwargs(model, attention_mask, 0))
 
 
 def whole_only_in_forward(layer: torch.nn.Module) -> bool:

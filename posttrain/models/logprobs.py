@@ -1,8 +1,9 @@
 """Per-token log-probabilities of completions (GRPO) and of sequences' own targets (SFT, DPO) under a causal LM.
 
-Fast path: the model runs with `output_hidden_states=True` and `logits_to_keep=1`, so it computes its
-body but (almost) no logits. The completion tokens that carry loss then go through the output layer
-in chunks (`models/chunked.py`), never as a [N, C, V] tensor. The forward is the (possibly
+Fast path: the model runs its own forward with the output layer's input taken and the layer cut to no position
+(`models/forwards.py` output_layer_input), so it computes its body but no logits and keeps no layer's hidden states
+but the last. The completion tokens that carry loss then go through the output layer in chunks
+(`models/chunked.py`), never as a [N, C, V] tensor. The forward is the (possibly
 DDP-wrapped) model's own, so gradient synchronisation is untouched. The path is used where the model passes its
 one-time check (`models/chunked_check.py`); otherwise the model's whole logits are reduced a chunk of rows at a time
 (`models/logits_path.py`). How the model is called (its keywords, positions, logits) is `models/forwards.py`.
@@ -27,8 +28,8 @@ from posttrain.models import fast_paths
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.chunked_check import fast_path_available
 from posttrain.models.forwards import (agree_within_rounding, completion_logits, final_hidden, in_eval_mode,
-                                       mask_positions, output_layer, positions_from_mask, sequence_kwargs,
-                                       whole_only_in_forward)
+                                       mask_positions, output_layer, output_layer_input, positions_from_mask,
+                                       sequence_kwargs, whole_only_in_forward)
 from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
@@ -159,9 +160,9 @@ def through_output_layer(model, input_ids, attention_mask, position_ids, n_keep:
         with _computing_in(layer, compute):
             return model(input_ids=input_ids, attention_mask=attention_mask,
                          **sequence_kwargs(model, position_ids, n_keep, boundaries), **extra).logits
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                   **sequence_kwargs(model, position_ids, 1, boundaries), **extra).hidden_states[-1]
-    return compute(hidden[:, -n_keep:])  # n_keep 0: every position
+    hidden = output_layer_input(model, layer, n_keep, input_ids=input_ids, attention_mask=attention_mask,
+                                **sequence_kwargs(model, position_ids, n_keep, boundaries), **extra)
+    return compute(hidden[:, -n_keep:])  # n_keep 0: every position (a model without logits_to_keep gives all)
 
 
 def _chunked_logprobs(model, input_ids, attention_mask, completion_ids, completion_mask, temperature,
