@@ -74,11 +74,14 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
             out.logits = 5 * torch.tanh(out.logits / 5)
             return out
 
-    class NoHiddenStates(Qwen2ForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, output_hidden_states=None, **kw):
-            if output_hidden_states:
-                raise ValueError("no hidden states here")
-            return super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep, **kw)
+    class LastPositionOnly(Qwen2ForCausalLM):
+        """Reads its logits' last position after the output layer: with the layer cut to no position (the fast path's
+        forward) the one-time check raises, and the model runs on whole logits, said once."""
+
+        def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
+            out = super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)
+            self.last_logits = out.logits[:, -1]  # as a model that post-processes its last position would
+            return out
 
     class NoKeyword(Qwen2ForCausalLM):
         def forward(self, *args, **kwargs):
@@ -90,7 +93,7 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
         for model_class in (SoftCapped, NoKeyword):
             model = tiny_model(tokenizer, hidden=32, layers=1, model_class=model_class)
             assert not fast_path_available(model) and not fast_path_available(model)
-        raising = tiny_model(tokenizer, hidden=32, layers=1, model_class=NoHiddenStates)
+        raising = tiny_model(tokenizer, hidden=32, layers=1, model_class=LastPositionOnly)
         assert not fast_path_available(raising)
         custom_head = tiny_model(tokenizer, hidden=32, layers=1)
         custom_head.lm_head.__class__ = type("ScaledHead", (torch.nn.Linear,), {})  # a subclass may compute anything
@@ -102,7 +105,8 @@ def test_fast_path_is_used_for_qwen2_and_refused_for_softcapped_logits(tokenizer
         f"SoftCapped: {start} its logits are not its output layer's output (it changes them, as soft-capping does).",
         f"NoKeyword: {start} its forward (NoKeyword, transformers {transformers.__version__}) takes neither "
         "`logits_to_keep` nor `num_logits_to_keep`.",
-        f"NoHiddenStates: {start} its one-time check raised ValueError: no hidden states here.",
+        f"LastPositionOnly: {start} its one-time check raised IndexError: index -1 is out of bounds for dimension 1 "
+        "with size 0.",
         f"Qwen2ForCausalLM: {start} its output layer is ScaledHead, not a plain Linear (a LoRA adapter on it, or a "
         "custom head)."]
 

@@ -92,9 +92,14 @@ def output_layer(model) -> torch.nn.Linear | None:
 
 
 def output_layer_input(model, layer: torch.nn.Module, n_keep: int, **inputs) -> torch.Tensor:
-    """[B, n, H] what the model's output `layer` receives in its own forward on `inputs` (its keywords, with
+    """`output_layer_input_and_output`'s hidden states alone."""
+    return output_layer_input_and_output(model, layer, n_keep, **inputs)[0]
+
+
+def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **inputs) -> tuple:
+    """([B, n, H] what the model's output `layer` receives in its own forward on `inputs` (its keywords, with
     `sequence_kwargs` for n_keep positions: the last n_keep, or every one for 0, or every one where the model has no
-    logits_to_keep). The layer itself multiplies nothing (its input is cut to no position), and no layer's hidden
+    logits_to_keep), and the model's output (its cache, with use_cache). The layer itself multiplies nothing (its input is cut to no position), and no layer's hidden
     states are kept but the last: `output_hidden_states=True` would hold every layer's, gigabytes at long rows in a
     pass without gradient."""
     captured = []
@@ -105,7 +110,7 @@ def output_layer_input(model, layer: torch.nn.Module, n_keep: int, **inputs) -> 
 
     handle = layer.register_forward_pre_hook(take)
     try:
-        model(**inputs)
+        out = model(**inputs)
     finally:
         handle.remove()
     hidden = captured[-1]
@@ -113,7 +118,7 @@ def output_layer_input(model, layer: torch.nn.Module, n_keep: int, **inputs) -> 
         raise RuntimeError(f"{type(unwrap(model)).__name__} gave its output layer {hidden.size(-2)} positions when "
                            f"{n_keep} were asked for with {logits_to_keep_kwarg(model)}: its forward does not honour "
                            "that keyword.")
-    return hidden
+    return hidden, out
 
 
 def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ from posttrain.models import fast_paths
 from posttrain.models.chunked import chunked_token_logprobs
 from posttrain.models.chunked_check import fast_path_available
 from posttrain.models.forwards import (agree_within_rounding, completion_logits, final_hidden, in_eval_mode,
-                                       mask_positions, output_layer, output_layer_input, positions_from_mask,
-                                       sequence_kwargs, whole_only_in_forward)
+                                       mask_positions, output_layer, output_layer_input,
+                                       output_layer_input_and_output, positions_from_mask, sequence_kwargs,
+                                       whole_only_in_forward)
 from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
@@ -232,16 +233,18 @@ def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completi
     """[N, C, H] final hidden states that predict each completion token: the distinct prompts' forward with a cache
     (its last position predicts the first token), the cache's rows selected for the N rollouts, then the completions'
     forward against it (its positions 0 .. C - 2 predict tokens 1 .. C - 1)."""
-    kwargs = {"use_cache": True, "output_hidden_states": True, logits_to_keep_kwarg(model): 1}
-    prompts = model(input_ids=shared.prompt_ids, attention_mask=shared.prompt_mask,
-                    position_ids=positions_from_mask(shared.prompt_mask), **kwargs)
+    layer, c = output_layer(model), completion_ids.size(1)
+    prompt_hidden, prompts = output_layer_input_and_output(
+        model, layer, 1, input_ids=shared.prompt_ids, attention_mask=shared.prompt_mask, use_cache=True,
+        position_ids=positions_from_mask(shared.prompt_mask), **{logits_to_keep_kwarg(model): 1})
     cache = returned_cache(prompts)
     cache.batch_select_indices(shared.source)
     mask = torch.cat([shared.prompt_mask[shared.source], completion_mask.long()], dim=1)  # [N, Lp + C]
-    completions = model(input_ids=completion_ids, attention_mask=mask, **{cache_kwarg(model): cache},
-                        position_ids=positions_from_mask(mask)[:, shared.prompt_ids.size(1):], **kwargs)
-    last = prompts.hidden_states[-1][:, -1][shared.source]  # [N, H]
-    return torch.cat([last[:, None], completions.hidden_states[-1][:, :-1]], dim=1)
+    completions = output_layer_input(model, layer, c, input_ids=completion_ids, attention_mask=mask, use_cache=True,
+                                     position_ids=positions_from_mask(mask)[:, shared.prompt_ids.size(1):],
+                                     **{cache_kwarg(model): cache, logits_to_keep_kwarg(model): c})
+    last = prompt_hidden[:, -1][shared.source]  # [N, H]
+    return torch.cat([last[:, None], completions[:, -c:][:, :-1]], dim=1)
 
 
 def prompt_sharing_works(model) -> bool:
