@@ -79,15 +79,21 @@ PANELS = (
 def read_metrics(output_dir: str, damage: list[str] | None = None) -> dict[int, dict]:
     """{step: the step's metrics} from output_dir/metrics.jsonl. Records of one step merge (training and evaluation
     log separately), and a later record of a step replaces an earlier one's values (a resumed run logs again the steps
-    after its checkpoint). A line that is damaged (not UTF-8, not a JSON object, no whole-number step) is skipped and
-    noted in `damage` (posttrain/run_files.py); a running run's half-written last line is skipped silently."""
+    after its checkpoint). A script's summary line is read past. A line that is damaged (not UTF-8, not a JSON object,
+    no whole-number step) is skipped and noted in `damage` (posttrain/run_files.py); a running run's half-written last line is skipped silently."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise PlotError(f"{output_dir} has no metrics.jsonl: give the output_dir of a posttrain run.")
     steps: dict[int, dict] = {}
-    for record in read_jsonl(path, [] if damage is None else damage, valid=_has_step):
-        steps.setdefault(record["step"], {}).update(record)
+    for record in read_jsonl(path, [] if damage is None else damage, valid=_is_metrics_record):
+        if "step" in record:  # the other kind is a script's {"summary": ...} (the demo's), which has no curve
+            steps.setdefault(record["step"], {}).update(record)
     return dict(sorted(steps.items()))
+
+
+def _is_metrics_record(record: dict) -> bool:
+    """A step's record, or the {"summary": {...}} line a script appends (posttrain demo's before/after figures)."""
+    return _has_step(record) or (set(record) == {"summary"} and isinstance(record["summary"], dict))
 
 
 def _has_step(record: dict) -> bool:

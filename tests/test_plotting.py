@@ -44,6 +44,18 @@ def test_records_of_a_step_merge_and_a_resumed_runs_later_records_replace_earlie
     assert steps[3]["loss"] == 30.0
 
 
+def test_a_scripts_summary_line_is_read_past_and_a_damaged_line_is_noted(tmp_path):
+    """posttrain demo appends {"summary": {...}} to metrics.jsonl: no curve, and no note calling it damaged (before:
+    the demo's own report said it skipped a damaged line); a line of another form is still noted."""
+    lines = [json.dumps({"step": 1, "loss": 1.0}), json.dumps({"summary": {"reward_gain": 0.6}}),
+             json.dumps({"loss": 2.0}), json.dumps({"step": 2, "loss": 2.0})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    damage = []
+    steps = read_metrics(str(tmp_path), damage)
+    assert list(steps) == [1, 2]
+    assert damage == ["metrics.jsonl: skipped 1 line that is damaged or not of the form posttrain writes (line 3)."]
+
+
 def test_each_trainers_panels_are_drawn_and_no_empty_one(tmp_path):
     titles = {name: [panel.title for panel, _ in panels_with_data([read_metrics(str(_run_dir(tmp_path / name, m)))])]
               for name, m in (("grpo", GRPO), ("sft", SFT), ("dpo", DPO))}
