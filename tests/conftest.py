@@ -153,21 +153,28 @@ def capture_gradients(trainer) -> list:
 def assert_any_split_gives_the_same_update(train, directory, **options) -> None:
     """One optimizer step over 8 rows as 1 x 8, 2 x 4 or 8 x 1 micro-batches (plain SGD, rows in order) gives the
     same gradient and update, and a gradient that is not 0. `train(out, **config)` runs a trainer test's tiny run and
-    returns (trainer, parameters, captured gradients)."""
-    import torch
-
+    returns (trainer, parameters, captured gradients). Returns the 8 x 1 gradients."""
     results = {}
     for micro, accum in ((8, 1), (4, 2), (1, 8)):
         _, params, grads = train(directory / f"{micro}x{accum}", capture=True, sgd=True, max_steps=1,
                                  per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                                  train_sampling_strategy="sequential", **options)
         results[(micro, accum)] = (params, grads[0])
+    return assert_same_updates(results)
+
+
+def assert_same_updates(results: dict) -> dict:
+    """{(micro, accumulation): (parameters, gradients)} of one step split several ways: every split's gradients and
+    update equal the 8 x 1 split's, and some gradient is not 0. Returns the 8 x 1 gradients."""
+    import torch
+
     ref_params, ref_grads = results[(8, 1)]
     for split, (params, grads) in results.items():
         for name in ref_grads:
             assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), (split, name)
             assert torch.allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-7), (split, name)
     assert any(g.abs().sum() > 0 for g in ref_grads.values())
+    return ref_grads
 
 
 def last_train_record(trainer) -> dict:
