@@ -189,13 +189,12 @@ class OnlineTrainer(Trainer):
         """The rounds drawn and sampled when the step asks (outside train(), and within it without
         async_generation)."""
         return SampledNow(self.accelerator, draw=lambda: next(self._stream), sample=self.rollout.training_round,
-                          on_taken=self._round_taken, taken=self.rounds_consumed)
+                          on_taken=self._round_taken, taken=lambda: self.rounds_consumed)
 
     def _start_sources(self) -> None:
-        self.rounds = open_round_source(self.args, self.accelerator, sample_round=self.rollout.training_round,
-                                        rollout=self.rollout, rounds=self._stream, taken=self.rounds_consumed,
-                                        on_taken=self._round_taken, resumed=self._source_resume,
-                                        steps_taken=self.state.global_step)
+        self.rounds = open_round_source(self.args, self.accelerator, on_demand=self._on_demand, rollout=self.rollout,
+                                        rounds=self._stream, taken=self.rounds_consumed, on_taken=self._round_taken,
+                                        resumed=self._source_resume, steps_taken=self.state.global_step)
         self._source_resume = None
 
     def _stop_sources(self) -> None:

@@ -53,22 +53,18 @@ class SampledNow:
         draw: () -> the prompt stream's next round.
         sample: (prompt round, step) -> the round sampled, scored and gathered on every process.
         on_taken: told of each round drawn (the trainer's data position).
-        taken: rounds drawn before this source opened.
+        taken: () -> the rounds drawn so far (that position).
     """
 
-    def __init__(self, accelerator, *, draw: Callable, sample: Callable, on_taken: Callable, taken: int = 0):
+    def __init__(self, accelerator, *, draw: Callable, sample: Callable, on_taken: Callable, taken: Callable):
         self.accelerator, self._draw, self._sample, self._on_taken = accelerator, draw, sample, on_taken
-        self.taken = taken
+        self._taken = taken
 
     def next_round(self, step: int, extra: bool = False):
         with guarded(self.accelerator):  # reading the data can fail on one process only
             prompt_round = self._draw()
-        self._taken(prompt_round)
-        return self._sample(prompt_round, step)
-
-    def _taken(self, prompt_round) -> None:
-        self.taken += 1
         self._on_taken(prompt_round)
+        return self._sample(prompt_round, step)
 
     def metrics(self) -> dict:
         return {}
@@ -80,8 +76,8 @@ class SampledNow:
         return contextlib.nullcontext()
 
     def skip_rest_of_epoch(self, rounds_per_epoch: int) -> None:
-        for _ in range(-self.taken % rounds_per_epoch):
-            self._taken(self._draw())
+        for _ in range(-self._taken() % rounds_per_epoch):
+            self._on_taken(self._draw())
 
     def snapshot(self, sampler: torch.Generator) -> tuple[dict, dict, torch.Generator]:
         return {}, {}, sampler
@@ -96,17 +92,17 @@ def resume_point(state: dict, tensors: dict):
     return (state["async"], queue_from_tensors(tensors)) if "async" in state else None
 
 
-def open_round_source(args, accelerator, *, sample_round: Callable, rollout, rounds, taken: int,
+def open_round_source(args, accelerator, *, on_demand: Callable[[], RoundSource], rollout, rounds, taken: int,
                       on_taken: Callable, resumed, steps_taken: int) -> RoundSource:
     """The source a run's configuration asks for, opened where the run stands.
 
     Args:
-        sample_round: (prompt round, step) -> the round sampled, scored and gathered (grpo/rollout.py).
+        on_demand: () -> the trainer's SampledNow (without async_generation).
         rollout: the round stage, whose worker-side half the rollout worker runs (async_generation).
         rounds: the prompt stream, at the rounds `taken` (trained on or dropped); on_taken: told of each round taken.
-        resumed: what a closed source or a checkpoint left to resume from (`queued_rounds`), or None.
+        resumed: what a closed source or a checkpoint left to resume from (`resume_point`), or None.
         steps_taken: the optimizer steps taken (the version of the weights a rollout worker starts from).
     """
     if args.async_generation:
         return start_ahead(args, accelerator, rollout, rounds, taken, on_taken, resumed, steps_taken)
-    return SampledNow(accelerator, draw=lambda: next(rounds), sample=sample_round, on_taken=on_taken, taken=taken)
+    return on_demand()

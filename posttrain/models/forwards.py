@@ -123,8 +123,7 @@ def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **
 
 def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[N, L, H] input of the output layer for [N, L] left-padded rows, from the model's own forward (no logits)."""
-    layer = unwrap(model).get_output_embeddings()
-    return output_layer_input(model, layer, 0, input_ids=input_ids, attention_mask=attention_mask,
+    return output_layer_input(model, output_layer(model), 0, input_ids=input_ids, attention_mask=attention_mask,
                               **forward_kwargs(model, attention_mask, 0))
 
 
