@@ -10,6 +10,9 @@ Rollouts (generation/protocol.py) and training buffer (grpo/batch.py), the token
                                      along dim 0 in row order (a row without it adds nothing), the way transformers'
                                      vision-language models take them (Qwen2-VL's pixel_values [patches, dim] and
                                      image_grid_thw [images, 3]; LLaVA's pixel_values [images, C, H, W])
+    inputs.batched(device, input_ids)  the same, with the per-token input `token_types` derives from the forward's
+                                     ids (Qwen2.5-VL's mm_token_type_ids, Gemma 3's token_type_ids: [B, L], the
+                                     processor's modality of each token), so it follows any padding or truncation
     inputs.tensors(prefix) / ModelInputs.from_tensors(tensors, prefix, n)    a checkpoint's flat name -> tensor form
 
 A row is an immutable {name: tensor}; nothing here reads a model. Where the rows are laid out in ways these inputs
@@ -35,6 +38,30 @@ CANNOT_CARRY = {
 }
 
 
+@dataclass(frozen=True)
+class TokenTypes:
+    """A per-token input that is a function of the token ids: `name` is `types[id]` at a token whose id has a type
+    (1 an image token, 2 a video token, as transformers' processors number them), 0 elsewhere (text, padding)."""
+
+    name: str  # "mm_token_type_ids" (Qwen-VL) or "token_type_ids" (Gemma 3)
+    types: tuple[tuple[int, int], ...]  # (token id, its type)
+
+    def of(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, L] int64 types of `input_ids` [B, L]."""
+        out = torch.zeros_like(input_ids, dtype=torch.long)
+        for token, kind in self.types:
+            out[input_ids == token] = kind
+        return out
+
+    def tensor(self) -> torch.Tensor:
+        """[T, 2] (id, type) pairs, for a checkpoint."""
+        return torch.tensor(self.types, dtype=torch.long).reshape(-1, 2)
+
+    @classmethod
+    def from_tensor(cls, name: str, pairs: torch.Tensor) -> "TokenTypes":
+        return cls(name, tuple((int(t), int(k)) for t, k in pairs.tolist()))
+
+
 class ModelInputsError(ValueError):
     """A row's model_inputs cannot be carried where they were asked to go."""
 
@@ -47,12 +74,15 @@ def refuse(layout: str) -> None:
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """N rows' extra forward inputs, each row a {name: tensor} ({} for a row without any)."""
+    """N rows' extra forward inputs, each row a {name: tensor} ({} for a row without any), and the per-token input
+    derived from the ids (`token_types`), where the model takes one."""
 
     rows: tuple[Mapping[str, torch.Tensor], ...]
+    token_types: TokenTypes | None = None
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Mapping[str, torch.Tensor] | None]) -> "ModelInputs":
+    def from_rows(cls, rows: Sequence[Mapping[str, torch.Tensor] | None],
+                  token_types: TokenTypes | None = None) -> "ModelInputs":
         checked = []
         for i, row in enumerate(rows):
             row = dict(row or {})
@@ -63,7 +93,7 @@ class ModelInputs:
                                            "each input is a tensor whose first dimension the rows are concatenated "
                                            "along.")
             checked.append(row)
-        return cls(tuple(checked))
+        return cls(tuple(checked), token_types)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -78,7 +108,7 @@ class ModelInputs:
         if isinstance(index, torch.Tensor):
             index = index.nonzero().flatten() if index.dtype == torch.bool else index.flatten()
             index = index.tolist()
-        return ModelInputs(tuple(self.rows[int(i)] for i in index))
+        return ModelInputs(tuple(self.rows[int(i)] for i in index), self.token_types)
 
     __getitem__ = select
 
@@ -91,11 +121,15 @@ class ModelInputs:
         rows = []
         for part, size in zip(parts, sizes, strict=True):
             rows.extend(part.rows if part is not None else [{}] * size)
-        return cls(tuple(rows))
+        types = next((p.token_types for p in parts if p is not None and p.token_types is not None), None)
+        return cls(tuple(rows), types)
 
-    def batched(self, device=None) -> dict[str, torch.Tensor]:
-        """{name: every row's tensor concatenated along dim 0, in row order}, moved to `device`."""
+    def batched(self, device=None, input_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """{name: every row's tensor concatenated along dim 0, in row order}, moved to `device`; with the forward's
+        `input_ids` [B, L] (these rows, in this order), the token types too."""
         out = {}
+        if self.token_types is not None and input_ids is not None:
+            out[self.token_types.name] = self.token_types.of(input_ids)
         for name in self.names:
             values = [row[name] for row in self.rows if name in row]
             out[name] = torch.cat(values, 0) if len(values) > 1 else values[0]
@@ -104,26 +138,32 @@ class ModelInputs:
         return out
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """A flat {f"{prefix}{row}.{name}": tensor} for a safetensors file."""
-        return {f"{prefix}{r}.{name}": value.contiguous().cpu() for r, row in enumerate(self.rows)
-                for name, value in row.items()}
+        """A flat {f"{prefix}{row}.{name}": tensor} (and f"{prefix}types.{name}") for a safetensors file."""
+        out = {f"{prefix}{r}.{name}": value.contiguous().cpu() for r, row in enumerate(self.rows)
+               for name, value in row.items()}
+        if self.token_types is not None:
+            out[f"{prefix}types.{self.token_types.name}"] = self.token_types.tensor()
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], prefix: str, n: int,
                      device=None) -> "ModelInputs | None":
         """The rows `tensors(prefix)` wrote (`n` rows), on `device`; None when none was written."""
         rows = [{} for _ in range(n)]
-        found = False
+        found, types = False, None
         for key, value in tensors.items():
             if key.startswith(prefix):
                 r, name = key[len(prefix):].split(".", 1)
-                rows[int(r)][name] = value if device is None else value.to(device)
+                if r == "types":
+                    types = TokenTypes.from_tensor(name, value)
+                else:
+                    rows[int(r)][name] = value if device is None else value.to(device)
                 found = True
-        return cls(tuple(rows)) if found else None
+        return cls(tuple(rows), types) if found else None
 
     def fingerprint_bytes(self) -> bytes:
         """The rows' names, shapes, dtypes and values, for a data fingerprint."""
-        parts = []
+        parts = [repr(self.token_types).encode()] if self.token_types is not None else []
         for r, row in enumerate(self.rows):
             for name in sorted(row):
                 value = row[name].detach().cpu().contiguous()

@@ -329,8 +329,9 @@ def tiny_vision_language(family: str, tokenizer=None, seed: int = 0):
 
 
 # each family's image tokens, added to tiny_tokenizer so that tiny_vision_language's ids (the last three: image,
-# video or begin-of-image, vision start or end-of-image) are theirs; and its real chat template, as TRL ships it
-_VISION_TOKENS = {"llava": ["<image>", "<|unused_0|>", "<|unused_1|>"],
+# video or begin-of-image, vision start or end-of-image) are theirs, and LLaVA's end of turn (its EOS, "</s>", which
+# its template writes); and its real chat template, as TRL ships it
+_VISION_TOKENS = {"llava": ["</s>", "<image>", "<|unused_0|>", "<|unused_1|>"],
                   "qwen2_5_vl": ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]}
 _VISION_TEMPLATES = {"llava": "llava_next.jinja", "qwen2_5_vl": "qwen2_5_vl.jinja"}
 VISION_PROCESSORS = tuple(_VISION_TOKENS)  # tiny_vision_processor's families
@@ -347,6 +348,8 @@ def tiny_vision_processor(family: str, seed: int = 0):
 
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": _VISION_TOKENS[family]})
+    if family == "llava":
+        tokenizer.eos_token = "</s>"
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", _VISION_TEMPLATES[family])) as f:
         template = f.read()
     model = tiny_vision_language(family, tokenizer, seed)

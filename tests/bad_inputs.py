@@ -837,8 +837,9 @@ def sft_unknown_format(tmp):
     _sft(tmp, {"question": ["a", "b"], "answer": ["c", "d"]})
 
 
-@case("SFT", "a vision dataset (`messages` and `images`; TRL trains a vision-language model on it)", DataError,
-      "^The dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+@case("SFT", "a vision dataset (`messages` and `images`) with a text model (TRL: ValueError)", ConfigError,
+      r"^The SFT dataset has images \(an 'image' or 'images' column\), but the processing class is a \w+, not a "
+      r"processor with an image processor: train a vision-language checkpoint with its processor")
 def sft_images_column(tmp):
     _sft(tmp, {"messages": _CHAT, "images": [["cat.png"]] * 2})
 

@@ -234,7 +234,9 @@ class Rollouts:
 
     def forward_inputs(self) -> dict:
         """The rows' extra forward inputs batched for one forward on the rows' device ({} for text-only rows)."""
-        return {} if self.model_inputs is None else self.model_inputs.batched(self.prompt_ids.device)
+        if self.model_inputs is None:
+            return {}
+        return self.model_inputs.batched(self.prompt_ids.device, torch.cat([self.prompt_ids, self.completion_ids], 1))
 
 
 class Generator(Protocol):

@@ -436,3 +436,15 @@ def raised(err: BaseException) -> str:
     """`err` in a few words: its type and its message's first line."""
     message = str(err).strip()
     return f"{type(err).__name__}: {message.splitlines()[0] if message else 'no message'}"
+
+
+def load_processor(source: str, trust_remote_code: bool = False, revision: str | None = None):
+    """A checkpoint's processor (transformers' AutoProcessor, as TRL loads one for a vision-language model; a text
+    model's gives its tokenizer)."""
+    from transformers import AutoProcessor
+
+    hub_reachable_or_cached(source, "processor", revision)
+    try:
+        return AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
+    except OSError as err:
+        raise ModelLoadError(f"Could not load a processor from {source!r}: {err}") from err

@@ -80,8 +80,9 @@ def collate(rows: TokenRows, pad_id: int, padding_free: bool, pad_to_multiple_of
     ids[valid], labels[valid], starts[valid] = rows.tokens, rows.labels, rows.starts
     source = _source_mask(labels, starts, valid)
     targets = ids[:, 1:][source[:, :-1]]
-    inputs = None if rows.model_inputs is None else rows.model_inputs.batched()
-    return SequenceBatch(torch.from_numpy(ids), torch.from_numpy(valid.astype(np.int64)), None,
+    ids = torch.from_numpy(ids)
+    inputs = None if rows.model_inputs is None else rows.model_inputs.batched(input_ids=ids)
+    return SequenceBatch(ids, torch.from_numpy(valid.astype(np.int64)), None,
                          torch.from_numpy(source), torch.from_numpy(targets), int(lengths.sum()), torch.from_numpy(labels),
                          model_inputs=inputs)
 

@@ -56,7 +56,9 @@ class Preparation:
 
     def sequences(self, rows: list[dict], first_index: int) -> TokenRows:
         """The rows tokenized, those with nothing to train on left out (and counted) unless they are used as given."""
-        sequences = TokenRows.from_sequences(self.encoder.encode(rows, first_index))
+        sequences = self.encoder.encode_rows(rows, first_index)
+        if self.encoder.vision is not None and truncates(self.packing, self.args.packing_strategy):
+            self.encoder.vision.check_cut(sequences, self.args.max_length, self.name, first_index)
         self.losses.read += len(sequences)
         if self.skip:  # already prepared by the user: used as given
             return sequences

@@ -7,6 +7,11 @@
     conversational prompt-completion  {"prompt": [messages], "completion": [messages]}
     tokenized                         {"input_ids": [...], "labels" | "completion_mask" | "assistant_masks": [...]}
 
+With a vision-language model's processor (`vision`, sequences/images.py), a row's `image` or `images` go with it:
+into its conversation (the prompt's, for prompt-completion) as TRL places them, rendered by the processor's chat
+template, the image tokens expanded by the processor, and the pixels kept as the row's model_inputs (`encode_rows`).
+A text row's text holds its image tokens itself. Rows without images train as text.
+
 A `formatting_func(row)` is called on one row at a time (a dict of the dataset's columns), as TRL 1.16 calls it, and may
 return a string (the row becomes text) or {"prompt", "completion"} (the row becomes prompt-completion, keeping
 completion-only loss). Its signature is checked when the trainer is built; a function that raises, or returns anything
@@ -33,6 +38,8 @@ from posttrain.configs import ConfigError
 from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.errors import UserFunctionError, described, detail_of, function_name, signature_mismatch
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs, trl_training_template
+from posttrain.sequences.images import images_of, with_images
+from posttrain.sequences.rows import TokenRows
 from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
                                        has_value)
 from posttrain.sft.row_checks import parts_as_python, template_dropped_text, untrained_reason
@@ -70,11 +77,15 @@ class RowEncoder:
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages (train_dataset, eval_dataset).
         vocab_size: the model's vocabulary (its embedding rows): every token id must lie below it. None: unchecked.
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for a dataset with
+            images; None: text only.
     """
 
     def __init__(self, tokenizer, args, formatting_func, first_row: dict, *, name: str = "train_dataset",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, vision=None):
         self.tokenizer = tokenizer
+        self.vision = vision
+        self._images, self._inputs = [], []  # the rows being encoded: each one's images, its model_inputs
         self.args = args
         self.formatting_func = formatting_func
         self.name = name
@@ -84,7 +95,9 @@ class RowEncoder:
             check_formatting_func(formatting_func)
         formatted = self._formatted(first_row, 0)
         self._check_null_columns(formatted, 0, format_of(formatted, args.dataset_text_field) is None)
-        self.format = detect_format(formatted, args.dataset_text_field)
+        self.format = detect_format(formatted, args.dataset_text_field, images=vision is not None)
+        if vision is not None:
+            self._check_vision_options(name)
         self.first_columns = self._columns_of(self.format, formatted)
         self.completion_only = self._completion_only(first_row)
         self.mask_columns = [c for c in ("labels", "completion_mask", "assistant_masks") if has_value(first_row, c)
@@ -105,6 +118,15 @@ class RowEncoder:
         self._warned_prefix = False
 
     # ------------------------------------------------------------------ format and options
+
+    def _check_vision_options(self, name: str) -> None:
+        if self.format == "tokenized":
+            raise DataError(f"{name} has images and is already tokenized (input_ids): posttrain cannot know where its "
+                            "image tokens meet the images; give the rows as text, prompt-completion or messages.")
+        if self.args.assistant_only_loss:
+            raise ConfigError(f"assistant_only_loss=True with images in {name} is not in this release: set it to "
+                              "False (every token of the conversation trains), or use prompt-completion rows "
+                              "(completion-only loss).")
 
     def _formatted(self, row: dict, index: int) -> dict:
         """The row as the encoder reads it: through formatting_func, conversations converted to messages."""
@@ -181,12 +203,28 @@ class RowEncoder:
         encode = {"text": self._text, "prompt-completion": self._prompt_completion,
                   "conversational": self._conversations, "conversational prompt-completion": self._conversations,
                   "tokenized": self._tokenized}[self.format]
+        if self.vision is not None:
+            self._images, self._inputs = [images_of(r) for r in rows], [{} for _ in rows]
         out = encode(rows, first_index)
         if self.format != "tokenized":
             self._check_stop_token(out, first_index)
         check_encoded_within_vocabulary(out, range(first_index, first_index + len(out)), self.name, self.vocab_size,
                                         self.tokenizer, ("input_ids" if self.format == "tokenized" else None,))
         return [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)) for ids, mask in out]
+
+    def encode_rows(self, rows: list[dict], first_index: int) -> TokenRows:
+        """`encode`'s sequences as token rows, each with its model_inputs where the rows have images."""
+        sequences = self.encode(rows, first_index)
+        inputs = None if self.vision is None else self.vision.model_inputs(self._inputs)
+        return TokenRows.from_sequences(sequences, inputs)
+
+    def _vision_ids(self, text: str, i: int, index: int, keep: bool = True) -> list[int]:
+        """Row i's `text` through the processor with the row's images (its image tokens expanded); `keep`: the
+        processed pixels are the row's model_inputs (the whole sequence's, not a prompt's)."""
+        ids, inputs = self.vision.encode(text, self._images[i], f"Row {index} of {self.name}")
+        if keep:
+            self._inputs[i] = inputs
+        return ids
 
     def why_untrained(self, length: int) -> tuple[str, str]:
         """(why a sequence of `length` tokens that `encode` gave no target has nothing to train on, the fix)."""
@@ -239,13 +277,22 @@ class RowEncoder:
     def _text(self, rows, first_index):
         column = TEXT if TEXT in rows[0] else self.args.dataset_text_field
         texts = self._strings(rows, column, first_index)
-        return [(ids, [True] * len(ids)) for ids in map(self._with_eos, self.tokenizer(texts)["input_ids"])]
+        if self.vision is not None:
+            tokenized = [self._vision_ids(t, i, first_index + i) for i, t in enumerate(texts)]
+        else:
+            tokenized = self.tokenizer(texts)["input_ids"]
+        return [(ids, [True] * len(ids)) for ids in map(self._with_eos, tokenized)]
 
     def _prompt_completion(self, rows, first_index):
         prompts = self._strings(rows, "prompt", first_index)
         completions = self._strings(rows, "completion", first_index)
-        prompt_ids = self.tokenizer(prompts)["input_ids"]
-        full_ids = self.tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
+        if self.vision is not None:
+            prompt_ids = [self._vision_ids(p, i, first_index + i, keep=False) for i, p in enumerate(prompts)]
+            full_ids = [self._vision_ids(p + c, i, first_index + i) for i, (p, c) in enumerate(zip(prompts,
+                                                                                                   completions))]
+        else:
+            prompt_ids = self.tokenizer(prompts)["input_ids"]
+            full_ids = self.tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
         out = []
         for i, (p, full) in enumerate(zip(prompt_ids, full_ids)):
             full = self._with_eos(full)
@@ -272,6 +319,8 @@ class RowEncoder:
         an error the template raises (a role order it refuses, a value it cannot read) as one sentence naming the
         row."""
         try:
+            if self.vision is not None:
+                return self.vision.render(messages, generation_prompt=generation_prompt, **options, **kwargs)
             return self.tokenizer.apply_chat_template(messages, tokenize=options.pop("tokenize", False),
                                                       add_generation_prompt=generation_prompt,
                                                       **options, **self._with_template(kwargs))
@@ -315,21 +364,36 @@ class RowEncoder:
                 check_messages(row["completion"], f"Row {index} of {self.name}", "completion")
                 messages, prompt = row["prompt"] + row["completion"], row["prompt"]
             messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # null: absent, as in
-            rendered = self._render(messages, kwargs, index)  # transformers (a dataset gives a missing key null)
-            ids, mask = self._conversation(messages, kwargs, index, rendered)
+            # transformers (a dataset gives a missing key null)
+            shown = messages if self.vision is None else self._with_row_images(messages, prompt, i, index)
+            rendered = self._render(shown, kwargs, index)
+            ids, mask = self._conversation(shown, kwargs, index, rendered, i)
             self._check_rendering(messages, rendered, index)
             if self.assistant_only and not any(mask):
                 self._no_assistant_tokens(messages, index)
             if prompt is not None:
-                prompt_ids = self._ids(self._render(messages[:len(prompt)], kwargs, index, generation_prompt=True))
+                prompt_text = self._render(shown[:len(prompt)], kwargs, index, generation_prompt=True)
+                prompt_ids = self._ids(prompt_text) if self.vision is None else \
+                    self._vision_ids(prompt_text, i, index, keep=False)
                 completion = self._completion_mask(prompt_ids, ids, index)
                 mask = [a and b for a, b in zip(mask, completion)]
             out.append((ids, mask))
         return out
 
-    def _conversation(self, messages: list, kwargs: dict, index: int, rendered: str) -> tuple[list, list]:
-        """Token ids of a conversation (`rendered`: its text) and its label mask (all tokens, or the assistant
-        turns')."""
+    def _with_row_images(self, messages: list, prompt: list | None, i: int, index: int) -> list:
+        """Row i's messages with its images in place: in the prompt's messages for prompt-completion rows."""
+        where = f"Row {index} of {self.name}"
+        if prompt is None:
+            return with_images(messages, self._images[i], where)
+        return with_images(messages[:len(prompt)], self._images[i], where) + \
+            with_images(messages[len(prompt):], [], where)
+
+    def _conversation(self, messages: list, kwargs: dict, index: int, rendered: str, i: int) -> tuple[list, list]:
+        """Token ids of a conversation (`rendered`: its text; row i of those being encoded) and its label mask (all
+        tokens, or the assistant turns')."""
+        if self.vision is not None:
+            ids = self._vision_ids(rendered, i, index)
+            return ids, [True] * len(ids)
         if self.assistant_only and self.template_masks:
             marked = self._render(messages, kwargs, index, tokenize=True, return_dict=True,
                                   return_assistant_tokens_mask=True)

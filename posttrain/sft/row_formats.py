@@ -46,9 +46,11 @@ def format_of(row: dict, text_field: str) -> str | None:
     return None
 
 
-def detect_format(row: dict, text_field: str) -> str:
-    """The format of a (formatted) row, or DataError naming its columns and the formats accepted."""
-    refuse_images(row, "The dataset")
+def detect_format(row: dict, text_field: str, images: bool = False) -> str:
+    """The format of a (formatted) row, or DataError naming its columns and the formats accepted; `images`: whether
+    an image column is taken (a vision-language model's processor), else refused."""
+    if not images:
+        refuse_images(row, "The dataset")
     found_format = format_of(row, text_field)
     if found_format is not None:
         return found_format

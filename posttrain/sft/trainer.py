@@ -29,6 +29,7 @@ from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
+from posttrain.training.vision import dataset_has_images, named_datasets, processor_for, vision_processing
 from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
@@ -99,9 +100,12 @@ class SFTTrainer(BatchedDataTrainer):
         args = self.args
         if train_dataset is None:
             raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
+        images = dataset_has_images(train_dataset) or any(map(dataset_has_images, named_datasets(eval_dataset)))
         if self.formatting_func is None:  # the dataset's format from its first row, before the model loads
-            detect_format(first_row(train_dataset), args.dataset_text_field)
+            detect_format(first_row(train_dataset), args.dataset_text_field, images=images)
+        processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
+        self.vision = vision_processing(images, self.processing_class, model, "SFT", self._refused_with_images())
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
@@ -112,11 +116,23 @@ class SFTTrainer(BatchedDataTrainer):
         self.eval_dataset = eval_dataset
         return model
 
+    def _refused_with_images(self) -> dict[str, str]:
+        """The options a dataset with images cannot run with (TRL refuses the same), and each one's fix."""
+        args, refused = self.args, {}
+        if args.packing:
+            refused["packing=True"] = "set packing=False (a row's image tokens and its pixels stay together)"
+        if args.padding_free:
+            refused["padding_free=True"] = "set padding_free=False"
+        if args.max_length is not None and args.truncation_mode == "keep_end":
+            refused["truncation_mode='keep_end'"] = ("the images' tokens sit in the prompt, which keep_end may cut; "
+                                                     "use truncation_mode='keep_start' or max_length=None")
+        return refused
+
     def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one row.")
         encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name=name,
-                             vocab_size=self._vocab_rows)
+                             vocab_size=self._vocab_rows, vision=self.vision if dataset_has_images(dataset) else None)
         return Preparation(encoder, self.args, packing=packing, name=name,
                            main_process=self.accelerator.is_main_process, stream=is_iterable(dataset))
 
