@@ -88,15 +88,17 @@ def refuse_images(columns, name: str) -> None:
                         "language checkpoints train on text); remove the column to train on the text alone.")
 
 
-def check_eval_columns(eval_dataset, required: list[str]) -> None:
+def check_eval_columns(eval_dataset, required: list[str], images: bool = False) -> None:
     """An eval dataset (or each of a dict of them) needs the columns the training data gives the prompts and
-    reward functions; an iterable dataset of unknown features is checked as it is read."""
+    reward functions; an iterable dataset of unknown features is checked as it is read. `images`: an image column is
+    taken (a vision-language processor), else refused."""
     if eval_dataset is None:
         return
     named = eval_dataset if isinstance(eval_dataset, dict) else {"eval_dataset": eval_dataset}
     for name, dataset in named.items():
         columns = getattr(dataset, "column_names", None)
-        refuse_images(columns or (), name)
+        if not images:
+            refuse_images(columns or (), name)
         missing = [c for c in required if c not in (columns or required)]
         if missing:
             raise DataError(f"{name} lacks the column(s) {', '.join(missing)} that the training data has and the "
@@ -156,11 +158,15 @@ class PromptEncoder:
         chat_template: the template to render conversations with instead of the tokenizer's (tool calling's
             training template, agents/chat_templates.py), or None.
         vocab_size: the model's vocabulary_rows: every prompt's token ids must lie below it (None: unchecked).
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing) for prompts with images:
+            rendered by its template with the images in place, their image tokens expanded, the pixels the rows'
+            model_inputs (`encode_rows`); None: text only.
     """
 
     def __init__(self, tokenizer, *, chat_template_kwargs=None, max_prompt_length=None, max_total_length=None,
-                 max_completion_length=0, chat_template: str | None = None, vocab_size: int | None = None):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+                 max_completion_length=0, chat_template: str | None = None, vocab_size: int | None = None,
+                 vision=None):
+        self.tokenizer, self.vocab_size, self.vision = tokenizer, vocab_size, vision
         self.chat_template = chat_template
         self.chat_template_kwargs = chat_template_kwargs or {}
         _check_template_kwargs(tokenizer, self.chat_template_kwargs)
@@ -174,11 +180,12 @@ class PromptEncoder:
         self.max_completion_length = max_completion_length
 
     @classmethod
-    def for_run(cls, tokenizer, args, context: int | None, chat_template: str | None, vocab_size: int | None):
+    def for_run(cls, tokenizer, args, context: int | None, chat_template: str | None, vocab_size: int | None,
+                vision=None):
         """The encoder of a GRPO-family run: its config's chat_template_kwargs and lengths, the model's context."""
         return cls(tokenizer, chat_template_kwargs=args.chat_template_kwargs, max_prompt_length=args.max_prompt_length,
                    max_total_length=context, max_completion_length=args.max_completion_length,
-                   chat_template=chat_template, vocab_size=vocab_size)
+                   chat_template=chat_template, vocab_size=vocab_size, vision=vision)
 
     def text(self, prompt, tools: list | None = None) -> str:
         """The prompt as the model reads it: a conversation through the chat template (with `tools`, the tools'
@@ -201,9 +208,33 @@ class PromptEncoder:
         """Each prompt's token ids (`tools`: each prompt's tools, for its template; None: none)."""
         tools = tools or [None] * len(prompts)
         ids = self.tokenizer([self.text(p, t) for p, t in zip(prompts, tools)], add_special_tokens=False)["input_ids"]
+        return self._checked(ids, indices)
+
+    def encode_rows(self, rows: list[dict], indices: list) -> tuple[list[list[int]], list[dict] | None]:
+        """(each row's prompt ids, each row's model_inputs {name: tensor} or None without a vision processor): a
+        row's `image` or `images` placed in its conversation, its image tokens expanded by the processor."""
+        prompts = [r["prompt"] for r in rows]
+        if self.vision is None:
+            return self.encode(prompts, indices), None
+        ids, inputs = [], []
+        for index, row in zip(indices, rows):
+            row_ids, row_inputs = self.vision.encode_prompt(row, f"Prompt {index}", self.chat_template_kwargs)
+            ids.append(row_ids)
+            inputs.append(row_inputs)
+        return self._checked(ids, indices, images=True), inputs
+
+    def _checked(self, ids: list[list[int]], indices: list, images: bool = False) -> list[list[int]]:
+        """The prompts' ids cut to max_prompt_length (their last tokens) and checked: not empty, within the
+        vocabulary, leaving room for the completion; with `images`, a cut must keep every image token."""
         out = []
         for index, row in zip(indices, ids):
             if self.max_prompt_length is not None:
+                if images and len(row) > self.max_prompt_length and \
+                        set(row[:-self.max_prompt_length]) & set(self.vision.image_token_ids):
+                    raise DataError(f"Prompt {index} has image tokens before its last max_prompt_length="
+                                    f"{self.max_prompt_length} tokens (it is {len(row)} tokens long), so cutting it "
+                                    "would leave its images without their tokens: raise max_prompt_length, or set "
+                                    "it to None.")
                 row = row[-self.max_prompt_length:]
             if not row:
                 raise DataError(f"Prompt {index} is empty after tokenisation.")
@@ -225,11 +256,13 @@ class PromptRound:
     prompt_ids: list[list[int]]
     epoch: float
     indices: list[int]  # each row's position in the dataset (in reading order for an iterable dataset)
+    model_inputs: list[dict] | None = None  # each prompt's extra forward inputs (its images' pixels), or None
 
 
-def prompt_dataset_columns(dataset) -> list[str]:
+def prompt_dataset_columns(dataset, images: bool = False) -> list[str]:
     """The columns of a prompt dataset besides 'prompt' (the reward functions' keywords); one sentence when it has no
-    'prompt' column or no row. Needs no model: checked before one loads."""
+    'prompt' column or no row, or an image column without a vision-language processor to take it (`images`).
+    Needs no model: checked before one loads."""
     names = dataset.column_names
     if names is None:  # an iterable dataset of unknown features: peek at the first row
         first = next(iter(dataset), None)
@@ -239,7 +272,8 @@ def prompt_dataset_columns(dataset) -> list[str]:
     if "prompt" not in names:
         raise DataError(f"The dataset has no 'prompt' column (columns: {', '.join(names)}): rename the column "
                         "that holds the prompts to 'prompt'.")
-    refuse_images(names, "The dataset")
+    if not images:
+        refuse_images(names, "The dataset")
     return [c for c in names if c != "prompt"]
 
 
@@ -261,14 +295,19 @@ class PromptSource:
         self.seed = seed
         self.iterable = isinstance(dataset, datasets.IterableDataset)
         self.columns = self._columns()
-        self.prompt_ids = None if self.iterable else self._encode_all()
+        # with images, prompts are processed round by round (their pixels are not all kept)
+        self.by_round = self.iterable or encoder.vision is not None
+        self.prompt_ids = None if self.by_round else self._encode_all()
+        if self.by_round and not self.iterable:
+            for i, prompt in enumerate(dataset["prompt"]):
+                check_prompt(prompt, i)
         if full_rounds and not self.iterable and len(dataset) < per_round:
             raise DataError(f"The dataset has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}, fewer than the "
                             f"{per_round} unique prompts one generation batch needs (generation_batch_size / "
                             "num_generations): add prompts or lower the batch size.")
 
     def _columns(self) -> list[str]:
-        return prompt_dataset_columns(self.dataset)
+        return prompt_dataset_columns(self.dataset, images=self.encoder.vision is not None)
 
     def _encode_all(self) -> list[list[int]]:
         if len(self.dataset) == 0:
@@ -294,9 +333,7 @@ class PromptSource:
                 random.Random(self.seed + epoch).shuffle(order)
             for r in range(self.rounds_per_epoch):
                 idx = order[r * self.per_round:(r + 1) * self.per_round]
-                rows = [self.dataset[i] for i in idx]
-                yield PromptRound(rows, [self.prompt_ids[i] for i in idx], epoch + (r + 1) / self.rounds_per_epoch,
-                                  idx)
+                yield self._round([self.dataset[i] for i in idx], idx, epoch + (r + 1) / self.rounds_per_epoch)
             epoch += 1
 
     def one_pass(self) -> Iterator[PromptRound]:
@@ -308,18 +345,21 @@ class PromptSource:
                 batch.append(row)
                 index += 1
                 if len(batch) == self.per_round:
-                    yield self._round(batch, index)
+                    yield self._round(batch, list(range(index - len(batch), index)), 1.0)
                     batch = []
             if batch:
-                yield self._round(batch, index)
+                yield self._round(batch, list(range(index - len(batch), index)), 1.0)
             return
         for start in range(0, len(self.dataset), self.per_round):
             idx = list(range(start, min(start + self.per_round, len(self.dataset))))
-            yield PromptRound([self.dataset[i] for i in idx], [self.prompt_ids[i] for i in idx], 1.0, idx)
+            yield self._round([self.dataset[i] for i in idx], idx, 1.0)
 
-    def _round(self, batch: list[dict], end: int) -> PromptRound:
-        indices = list(range(end - len(batch), end))
-        return PromptRound(batch, self.encoder.encode([r["prompt"] for r in batch], indices), 1.0, indices)
+    def _round(self, rows: list[dict], indices: list[int], epoch: float) -> PromptRound:
+        """The round of `rows` (dataset positions `indices`): their ids encoded now, or as encoded up front."""
+        if not self.by_round:
+            return PromptRound(rows, [self.prompt_ids[i] for i in indices], epoch, indices)
+        ids, inputs = self.encoder.encode_rows(rows, indices)
+        return PromptRound(rows, ids, epoch, indices, inputs)
 
     def _iterable_rounds(self) -> Iterator[PromptRound]:
         epoch, index = 0, 0
@@ -330,9 +370,7 @@ class PromptSource:
                 batch.append(row)
                 index += 1
                 if len(batch) == self.per_round:
-                    indices = list(range(index - len(batch), index))
-                    ids = self.encoder.encode([r["prompt"] for r in batch], indices)
-                    yield PromptRound(batch, ids, float(epoch), indices)
+                    yield self._round(batch, list(range(index - len(batch), index)), float(epoch))
                     batch = []
             if index == 0:
                 raise DataError("The training dataset is empty: it needs at least one row with a 'prompt'.")

@@ -138,9 +138,17 @@ class ModelInputs:
         return out
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """A flat {f"{prefix}{row}.{name}": tensor} (and f"{prefix}types.{name}") for a safetensors file."""
-        out = {f"{prefix}{r}.{name}": value.contiguous().cpu() for r, row in enumerate(self.rows)
-               for name, value in row.items()}
+        """A flat {f"{prefix}{row}.{name}": tensor} (and f"{prefix}types.{name}") for a safetensors file. A tensor
+        several rows share (a prompt's pixels, repeated for each of its completions) is written once: the later rows
+        hold f"{prefix}{row}.{name}@", the number of the row that has it."""
+        out, first = {}, {}
+        for r, row in enumerate(self.rows):
+            for name, value in row.items():
+                owner = first.setdefault((name, id(value)), r)
+                if owner == r:
+                    out[f"{prefix}{r}.{name}"] = value.contiguous().cpu()
+                else:
+                    out[f"{prefix}{r}.{name}@"] = torch.tensor([owner])
         if self.token_types is not None:
             out[f"{prefix}types.{self.token_types.name}"] = self.token_types.tensor()
         return out
@@ -150,15 +158,19 @@ class ModelInputs:
                      device=None) -> "ModelInputs | None":
         """The rows `tensors(prefix)` wrote (`n` rows), on `device`; None when none was written."""
         rows = [{} for _ in range(n)]
-        found, types = False, None
+        found, types, shared = False, None, []
         for key, value in tensors.items():
             if key.startswith(prefix):
                 r, name = key[len(prefix):].split(".", 1)
                 if r == "types":
                     types = TokenTypes.from_tensor(name, value)
+                elif name.endswith("@"):
+                    shared.append((int(r), name[:-1], int(value[0])))
                 else:
                     rows[int(r)][name] = value if device is None else value.to(device)
                 found = True
+        for r, name, owner in shared:
+            rows[r][name] = rows[owner][name]
         return cls(tuple(rows), types) if found else None
 
     def fingerprint_bytes(self) -> bytes:

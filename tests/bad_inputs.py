@@ -239,14 +239,19 @@ _IMAGES_REFUSED = (r"has an '{}' column: training on images is not in this relea
                    r"train on text\); remove the column to train on the text alone")
 
 
-@case("Data", "a vision dataset (an `image` column; TRL trains a vision-language model on it)", DataError,
-      "^The dataset " + _IMAGES_REFUSED.format("image"), kind="silently wrong")
+_TEXT_MODEL_WITH_IMAGES = (r"^{}'s {} has images \(an 'image' or 'images' column\), but the processing class is a "
+                           r"\w+, not a processor with an image processor: train a vision-language checkpoint with its "
+                           r"processor")
+
+
+@case("Data", "a vision dataset (an `image` column) with a text model (TRL: ValueError)", ConfigError,
+      _TEXT_MODEL_WITH_IMAGES.format("GRPO", "train_dataset"))
 def grpo_image_column(tmp):
     _trainer(tmp, dataset=_dataset({"prompt": ["a", "b", "c", "d"], "image": ["cat.png"] * 4}))
 
 
-@case("Data", "a vision eval dataset (an `images` column)", DataError,
-      "^eval_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+@case("Data", "a vision eval dataset (an `images` column) with a text model", ConfigError,
+      _TEXT_MODEL_WITH_IMAGES.format("GRPO", "eval_dataset"))
 def grpo_eval_images_column(tmp):
     from posttrain.grpo.trainer import GRPOTrainer
     from posttrain.testing import tiny_model
@@ -838,8 +843,7 @@ def sft_unknown_format(tmp):
 
 
 @case("SFT", "a vision dataset (`messages` and `images`) with a text model (TRL: ValueError)", ConfigError,
-      r"^The SFT dataset has images \(an 'image' or 'images' column\), but the processing class is a \w+, not a "
-      r"processor with an image processor: train a vision-language checkpoint with its processor")
+      _TEXT_MODEL_WITH_IMAGES.format("SFT", "train_dataset"))
 def sft_images_column(tmp):
     _sft(tmp, {"messages": _CHAT, "images": [["cat.png"]] * 2})
 

@@ -123,7 +123,7 @@ def test_a_vision_dataset_with_a_text_model_is_refused(tokenizer, tmp_path):
     from posttrain.configs import ConfigError
     from posttrain.testing import tiny_model
 
-    with pytest.raises(ConfigError, match=r"^The SFT dataset has images .* but the processing class is a "):
+    with pytest.raises(ConfigError, match=r"^SFT's train_dataset has images .* but the processing class is a "):
         _trainer(tiny_model(tokenizer), tokenizer, vlm_data.language_modeling(2), tmp_path)
 
 

@@ -5,14 +5,19 @@ from posttrain.generation.protocol import Generator, SamplingParams
 
 
 def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run",
-                   num_processes: int = 1, local_process_index: int = 0) -> Generator:
+                   num_processes: int = 1, local_process_index: int = 0, suppress_tokens: tuple = ()) -> Generator:
     """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
     (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
     in this process; otherwise the in-process transformers sampler, sampling from `policy` itself (from a copy of it, loaded at each
-    sync, with async_generation)."""
+    sync, with async_generation). `suppress_tokens`: never sampled, besides the config's (a vision-language model's
+    image tokens, as TRL suppresses them)."""
+    from dataclasses import replace
+
     from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
     params = SamplingParams.from_config(config)
+    if suppress_tokens:
+        params = replace(params, suppress_tokens=tuple(sorted({*params.suppress_tokens, *suppress_tokens})))
     if getattr(config, "use_vllm", False) and config.vllm_mode == "colocate":
         from posttrain.generation.vllm_colocate import ColocateGenerator
 

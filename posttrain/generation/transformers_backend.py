@@ -13,6 +13,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.generation import lean_decoder
+from posttrain.generation.pixel_prompts import sample_with_pixels
 from posttrain.generation.protocol import Rollouts, SamplingParams, left_pad
 from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
                                            stream_uniforms)
@@ -155,39 +156,47 @@ class TransformersGenerator:
         self.model = None
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
-                 new_round: bool = True) -> Rollouts:
+                 new_round: bool = True, model_inputs=None) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned. `row_keys`: each row's
         index in the generation round (default 0..N-1), which with the round's seed fixes its random numbers;
-        `new_round`: see the Generator protocol."""
+        `new_round`, `model_inputs`: see the Generator protocol."""
         if new_round or self._round_seed is None:
             self._round_seed = draw_seed(self.rng)
-        return self.generate_seeded(prompts, self._round_seed, row_keys)
+        return self.generate_seeded(prompts, self._round_seed, row_keys, model_inputs)
 
-    def generate_seeded(self, prompts: list[list[int]], seed: int, row_keys: list[int] | None = None) -> Rollouts:
+    def generate_seeded(self, prompts: list[list[int]], seed: int, row_keys: list[int] | None = None,
+                        model_inputs=None) -> Rollouts:
         """`generate` for the round seeded by `seed`: a row with the same prompt, key and seed samples the same
         completion from the same weights in any process, batch or server request."""
         keys = torch.tensor(row_keys if row_keys is not None else range(len(prompts)), dtype=torch.long)
         if keys.numel() != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {keys.numel()} row keys.")
         self._streams = row_streams(seed, keys).to(self._device())
+        self._pixel_seed = (seed * 1_000_003 + int(keys[0])) % 2 ** 63 if keys.numel() else seed
         was_training = self.model.training
         self.model.eval()
         try:
             # inference mode skips autograd bookkeeping on every op (about 6% of a small model's decode step);
             # its tensors cannot enter autograd later, so the rollouts leave as ordinary copies
             with torch.inference_mode():
-                rollouts = self._decode(prompts)
+                rollouts = self._decode(prompts, model_inputs)
             return Rollouts(**{f.name: None if getattr(rollouts, f.name) is None else getattr(rollouts, f.name).clone()
                                for f in fields(rollouts)})
         finally:
             self.model.train(was_training)
 
-    def _decode(self, prompts: list[list[int]]) -> Rollouts:
+    def _decode(self, prompts: list[list[int]], model_inputs=None) -> Rollouts:
         """The decode loop. Rows that have produced EOS leave the batch (and the stepper's KV cache) once they are
         at least 1/COMPACT_FRACTION of it, so finished rows are not decoded on to the longest row's end; `active`
-        maps each row of the shrinking batch to its row in the round."""
+        maps each row of the shrinking batch to its row in the round. Prompts with pixels (`model_inputs`) are
+        sampled by transformers' generate instead (generation/pixel_prompts.py)."""
         p, device = self.params, self._device()
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, device)
+        if model_inputs is not None and model_inputs.names:  # prompts with pixels: through transformers' generate
+            tokens, logprobs = sample_with_pixels(self.model, prompt_ids, prompt_mask,
+                                                  model_inputs.batched(device, prompt_ids), p, self.eos_ids,
+                                                  self.pad_id, self._pixel_seed)
+            return self._rollouts(prompt_ids, prompt_mask, tokens, logprobs, torch.tensor(self.eos_ids, device=device))
         n = len(prompts)
         eos = torch.tensor(self.eos_ids, device=device)
         banned = torch.tensor(p.suppress_tokens, device=device) if p.suppress_tokens else None

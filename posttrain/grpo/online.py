@@ -41,6 +41,7 @@ from posttrain.training.distributed import guarded, run_name
 from posttrain.training.loaders import eval_prompt_batches, train_prompt_batches
 from posttrain.training.setup import run_length_unknown, take_quantization_config, trainer_config
 from posttrain.training.trainer import Trainer
+from posttrain.training.vision import processor_for, vision_processing, with_images
 
 logger = logging.getLogger("posttrain")
 
@@ -70,7 +71,8 @@ class OnlineTrainer(Trainer):
             # process: each row's key (its index in the round) tells the rows apart, whatever the number of processes
             generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
                                        run_id=run_id, num_processes=self.accelerator.num_processes,
-                                       local_process_index=self.accelerator.local_process_index)
+                                       local_process_index=self.accelerator.local_process_index,
+                                       suppress_tokens=tuple(self.vision.image_token_ids) if self.vision else ())
         self.sampling_params = SamplingParams.from_config(args)
         self._set_objective(args)
         self.pad_to_multiple_of = self._padding_multiple()
@@ -81,7 +83,8 @@ class OnlineTrainer(Trainer):
         # process, DDP (not with a static graph, recorded for one forward) or DeepSpeed ZeRO-1/2; not FSDP or ZeRO-3
         self.share_prompts = self.packing and not self.sharding.shards_parameters and not args.ddp_static_graph
         sampler = RoundSampler(accelerator=self.accelerator, sharding=self.sharding, model=self.model,
-                               generator=generator, tokenizer=self.tokenizer, agents=self.agents)
+                               generator=generator, tokenizer=self.tokenizer, agents=self.agents,
+                               token_types=self.vision.token_types if self.vision else None)
         self.rollout = self._round_stage(sampler, RowLayout(self.packing, self.share_prompts, self.pad_to_multiple_of))
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
@@ -113,15 +116,20 @@ class OnlineTrainer(Trainer):
         refuse_prefix_tuning_for_sampling(peft_config, model)
         # the data's prompts and the signal before the model loads: a dataset with no prompt, a misnamed reward, a
         # missing package or teacher stops the run at once
+        images = with_images(train_dataset, eval_dataset)  # the first dataset with images, by name
         if train_dataset is not None:
-            prompt_dataset_columns(train_dataset)
+            prompt_dataset_columns(train_dataset, images=images is not None)
         self._before_model(agents)
+        processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
+        self.vision = vision_processing(images, self.processing_class, model, self._title,
+                                        self._refused_with_images(agents))
         self.ref_model, self.reference_adapter = self._frozen_model(model, came_with_adapter)
         context = getattr(model.config, "max_position_embeddings", None)
         # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
-        self.encoder = PromptEncoder.for_run(self.tokenizer, args, context, chat_template, self._vocab_rows)
+        self.encoder = PromptEncoder.for_run(self.tokenizer, args, context, chat_template, self._vocab_rows,
+                                             self.vision)
         self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context, placeholder_prompts,
                                      trainer=self)
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation,
@@ -129,8 +137,21 @@ class OnlineTrainer(Trainer):
         self.train_dataset = train_dataset  # as given, as TRL keeps it (prompts are prepared round by round)
         self._after_agents(agents)
         self.eval_dataset = eval_dataset
-        check_eval_columns(eval_dataset, ["prompt", *self._eval_columns()])
+        check_eval_columns(eval_dataset, ["prompt", *self._eval_columns()], images=images is not None)
         return model
+
+    def _refused_with_images(self, agents: Agents) -> dict[str, str]:
+        """What a run with images cannot do in this release, and each one's fix."""
+        args, refused = self.args, {}
+        if args.use_vllm:
+            refused["use_vllm=True"] = ("images are sampled in process in this release (vLLM's multi_modal_data is "
+                                        "not passed yet): set use_vllm=False")
+        if getattr(args, "async_generation", False):
+            refused["async_generation=True"] = "set async_generation=False (its generation copy is a text model)"
+        if agents.calls_tools or agents.rollout_func is not None:
+            refused["Tools, environments or a rollout_func"] = ("their multi-turn loop takes text prompts in this "
+                                                               "release: train on the images without them")
+        return refused
 
     def _before_model(self, agents: Agents) -> None:
         raise NotImplementedError

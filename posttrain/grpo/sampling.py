@@ -6,12 +6,13 @@ distillation's (distillation/rollout.py) share.
                                              agents' loop with tools, environments or a rollout_func)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from posttrain.agents.rollouts import AgentSample
 from posttrain.data import PromptRound
+from posttrain.model_inputs import ModelInputs
 from posttrain.rewards import reward_inputs
 from posttrain.weights import export_weights
 
@@ -26,6 +27,7 @@ class RoundShare:
         indices: each row's position in the dataset.
         row_keys: each row's index in the (padded) round: what its completion's randomness depends on.
         real: False for the repeats that fill the last processes' shares when the prompts do not split evenly.
+        model_inputs: each row's extra forward inputs (its prompt's images' pixels), or None for text prompts.
     """
 
     rows: list[dict]
@@ -33,6 +35,7 @@ class RoundShare:
     indices: list[int]
     row_keys: list[int]
     real: list[bool]
+    model_inputs: ModelInputs | None = None
 
 
 class RoundSampler:
@@ -44,11 +47,14 @@ class RoundSampler:
         generator: the generation backend (posttrain/generation).
         tokenizer: decodes completions (what reward functions receive).
         agents: tools, environments or a rollout_func (posttrain/agents/rollouts.py), or None: one generate() call.
+        token_types: the vision-language model's per-token input derived from the ids (model_inputs.TokenTypes), for
+            prompts with images; None.
     """
 
-    def __init__(self, *, accelerator, sharding, model, generator, tokenizer, agents=None):
+    def __init__(self, *, accelerator, sharding, model, generator, tokenizer, agents=None, token_types=None):
         self.accelerator, self.sharding, self.model = accelerator, sharding, model
         self.generator, self.tokenizer, self.agents = generator, tokenizer, agents
+        self.token_types = token_types  # the per-token input a vision-language model derives from the ids
 
     @property
     def calls_tools(self) -> bool:
@@ -68,8 +74,10 @@ class RoundSampler:
         def spread(values: list) -> list:
             return [values[i] for i in order for _ in range(G)][mine]
 
+        inputs = None if prompt_round.model_inputs is None else \
+            ModelInputs.from_rows(spread(prompt_round.model_inputs), self.token_types)
         return RoundShare(spread(prompt_round.rows), spread(prompt_round.prompt_ids), spread(prompt_round.indices),
-                          list(range(padded * G))[mine], [k < real * G for k in range(padded * G)][mine])
+                          list(range(padded * G))[mine], [k < real * G for k in range(padded * G)][mine], inputs)
 
     def push_weights(self) -> None:
         """The policy's weights to the generator (a collective under sharding: every process calls it)."""
@@ -96,7 +104,12 @@ class RoundSampler:
             if self.agents is not None:
                 return self.agents.sample(share.rows, share.indices, share.row_keys, self.generator,
                                           self.accelerator.device)
-            rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+            if share.model_inputs is None:
+                rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
+            else:  # the prompts' pixels go to the prefill, and ride with the rows to every later forward
+                rollouts = replace(self.generator.generate(share.prompt_ids, share.row_keys,
+                                                           model_inputs=share.model_inputs),
+                                   model_inputs=share.model_inputs)
         finally:
             self.generator.round_done()  # after the last turn: an engine may free its memory for training
         prompts = [row["prompt"] for row in share.rows]

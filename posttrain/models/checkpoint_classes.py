@@ -4,7 +4,9 @@ A checkpoint whose architecture is a vision-language model (Qwen3.5 ships `Qwen3
 0.8B up; Gemma 3, LLaVA, Qwen2.5-VL, SmolVLM) loads as that class, as TRL 1.16's create_model_from_path loads it
 (`config.architectures[0]`), and trains on text through its language model, its vision tower without gradient
 (training/setup.py allow_unused_parameters). A checkpoint transformers has no class of the kind asked for (a causal
-LM, a sequence classifier) is refused in one sentence that names its architecture and what to give instead.
+LM, a sequence classifier) is refused in one sentence that names its architecture and what to give instead. A
+checkpoint's weights written under a family's legacy names (save_pretrained reverts transformers' renamings) are read
+back under the model's own (`in_model_names`).
 """
 
 import contextlib
@@ -76,3 +78,17 @@ def config_field(model: str, field: str):
         with open(os.path.join(model, "config.json")) as f:
             return json.load(f).get(field)
     return None
+
+
+def in_model_names(model, state: dict) -> dict:
+    """A checkpoint's weights under the model's own names: save_pretrained writes some families under their legacy
+    names (transformers' weight conversions reverted: a vision-language model's `model.language_model.*` as
+    `model.*`, its `model.visual.*` as `visual.*`), which a renaming maps back one to one."""
+    own = model.state_dict()
+    if set(state) <= set(own):
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    name_of = {id(tensor): name for name, tensor in own.items()}
+    saved_as = {saved: name_of.get(id(tensor)) for saved, tensor in revert_weight_conversion(model, dict(own)).items()}
+    return {saved_as.get(key) or key: value for key, value in state.items()}

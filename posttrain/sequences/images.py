@@ -144,6 +144,19 @@ class VisionProcessing:
         inputs = {name: value for name, value in out.items() if name not in _SEQUENCE_INPUTS}
         return out["input_ids"][0].tolist(), inputs
 
+    def encode_prompt(self, row: dict, where: str, template_kwargs: dict) -> tuple[list[int], dict]:
+        """`encode` for a prompt row (GRPO's): its images in its conversation, rendered with the generation prompt; a
+        string prompt with images is refused, as TRL refuses it."""
+        images, prompt = images_of(row), row["prompt"]
+        if isinstance(prompt, str):
+            if images:
+                raise DataError(f"{where} is a string with {len(images)} image(s): images go with conversational "
+                                "prompts (a list of {'role', 'content'} messages), as in TRL; write the prompt as "
+                                "messages.")
+            return self.encode(prompt, [], where)
+        text = self.render(with_images(prompt, images, where), generation_prompt=True, **template_kwargs)
+        return self.encode(text, images, where)
+
     def check_cut(self, rows, max_length: int | None, name: str, first_index: int) -> None:
         """A row longer than `max_length` whose image tokens lie beyond it would lose an image's place (its pixels
         then match no tokens): one sentence naming the first such row of `rows` (TokenRows, cut at the end; row r

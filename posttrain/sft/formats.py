@@ -42,7 +42,7 @@ from posttrain.sequences.images import images_of, with_images
 from posttrain.sequences.rows import TokenRows
 from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
                                        has_value)
-from posttrain.sft.row_checks import parts_as_python, template_dropped_text, untrained_reason
+from posttrain.sft.row_checks import parts_as_python, template_dropped_text, tokenized_rows, untrained_reason
 
 logger = logging.getLogger("posttrain")
 
@@ -202,7 +202,8 @@ class RowEncoder:
             self._check_same_format(row, first_index + i)
         encode = {"text": self._text, "prompt-completion": self._prompt_completion,
                   "conversational": self._conversations, "conversational prompt-completion": self._conversations,
-                  "tokenized": self._tokenized}[self.format]
+                  "tokenized": lambda rows, first: tokenized_rows(rows, first, self.name, self.completion_only)
+                  }[self.format]
         if self.vision is not None:
             self._images, self._inputs = [images_of(r) for r in rows], [{} for _ in rows]
         out = encode(rows, first_index)
@@ -434,39 +435,6 @@ class RowEncoder:
             for t in range(common_prefix_length(before, through), len(through)):
                 mask[t] = True
         return mask
-
-    # ------------------------------------------------------------------ tokenized rows
-
-    def _tokenized(self, rows, first_index):
-        out = []
-        for i, row in enumerate(rows):
-            index = first_index + i
-            ids = list(row["input_ids"])
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                raise DataError(f"Row {index} of {self.name} has input_ids that are not all token ids (integers).")
-            mask = [True] * len(ids)
-            columns = ["labels"] + (["completion_mask"] if self.completion_only else []) + ["assistant_masks"]
-            for column in columns:
-                if row.get(column) is None:
-                    continue
-                values = list(row[column])
-                if len(values) != len(ids):
-                    raise DataError(f"Row {index} of {self.name} has {len(values)} {column} for {len(ids)} input_ids: "
-                                    "give one per token.")
-                if column == "labels":
-                    if any(v != -100 and v != t for v, t in zip(values, ids)):
-                        raise DataError(f"Row {index} of {self.name} has labels that differ from its input_ids: labels "
-                                        "must be the input_ids, with -100 where a token is not trained on.")
-                    keep = [v != -100 for v in values]
-                else:
-                    wrong = next(((p, v) for p, v in enumerate(values) if v not in (0, 1)), None)
-                    if wrong is not None:
-                        raise DataError(f"Row {index} of {self.name} has {wrong[1]!r} at position {wrong[0]} of its "
-                                        f"{column}: give 1 where a token is trained on and 0 elsewhere.")
-                    keep = [bool(v) for v in values]
-                mask = [a and b for a, b in zip(mask, keep)]
-            out.append((ids, mask))
-        return out
 
     # ------------------------------------------------------------------ checks
 

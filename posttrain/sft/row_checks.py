@@ -5,9 +5,15 @@
                             template's fault, not the row's
     parts_as_python         a template that renders a list of content parts as Python text ("[{'type': 'text', ...")
     untrained_reason        why a sequence has nothing to train on, when its length is not the reason
+    tokenized_rows          already tokenized rows (input_ids and their masks) as (ids, label mask), each checked
 
-Each returns what it found (None when nothing); the encoder (formats.py) words the sentence with the row's name.
+The first three return what they found (None when nothing); the encoder (formats.py) words the sentence with the
+row's name.
 """
+
+import numpy as np
+
+from posttrain.data import DataError
 
 # a reasoning template keeps only the answer after the thoughts of earlier turns
 _THOUGHTS_END = "</think>"
@@ -65,3 +71,37 @@ def untrained_reason(data_format: str, length: int, from_function: bool, text_co
         return ("its completion holds no assistant message, and assistant_only_loss=True trains on assistant turns "
                 "only", "give every completion an assistant message, or set assistant_only_loss=False")
     return "none of its tokens after the first is trained on", "check what its label masks keep"
+
+
+def tokenized_rows(rows: list[dict], first_index: int, name: str, completion_only: bool) -> list[tuple[list, list]]:
+    """[(ids, label mask)] of already tokenized rows (input_ids, with labels, completion_mask (with completion-only
+    loss) or assistant_masks saying what trains), each checked in one sentence naming the row of dataset `name`."""
+    out = []
+    for i, row in enumerate(rows):
+        index = first_index + i
+        ids = list(row["input_ids"])
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise DataError(f"Row {index} of {name} has input_ids that are not all token ids (integers).")
+        mask = [True] * len(ids)
+        columns = ["labels"] + (["completion_mask"] if completion_only else []) + ["assistant_masks"]
+        for column in columns:
+            if row.get(column) is None:
+                continue
+            values = list(row[column])
+            if len(values) != len(ids):
+                raise DataError(f"Row {index} of {name} has {len(values)} {column} for {len(ids)} input_ids: "
+                                "give one per token.")
+            if column == "labels":
+                if any(v != -100 and v != t for v, t in zip(values, ids)):
+                    raise DataError(f"Row {index} of {name} has labels that differ from its input_ids: labels "
+                                    "must be the input_ids, with -100 where a token is not trained on.")
+                keep = [v != -100 for v in values]
+            else:
+                wrong = next(((p, v) for p, v in enumerate(values) if v not in (0, 1)), None)
+                if wrong is not None:
+                    raise DataError(f"Row {index} of {name} has {wrong[1]!r} at position {wrong[0]} of its "
+                                    f"{column}: give 1 where a token is trained on and 0 elsewhere.")
+                keep = [bool(v) for v in values]
+            mask = [a and b for a, b in zip(mask, keep)]
+        out.append((ids, mask))
+    return out

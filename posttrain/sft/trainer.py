@@ -29,7 +29,7 @@ from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
-from posttrain.training.vision import dataset_has_images, named_datasets, processor_for, vision_processing
+from posttrain.training.vision import dataset_has_images, processor_for, vision_processing, with_images
 from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
@@ -100,9 +100,9 @@ class SFTTrainer(BatchedDataTrainer):
         args = self.args
         if train_dataset is None:
             raise DataError("SFTTrainer needs a train_dataset (text, prompt-completion, messages or input_ids rows).")
-        images = dataset_has_images(train_dataset) or any(map(dataset_has_images, named_datasets(eval_dataset)))
+        images = with_images(train_dataset, eval_dataset)  # the first dataset with images, by name
         if self.formatting_func is None:  # the dataset's format from its first row, before the model loads
-            detect_format(first_row(train_dataset), args.dataset_text_field, images=images)
+            detect_format(first_row(train_dataset), args.dataset_text_field, images=images is not None)
         processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
         self.vision = vision_processing(images, self.processing_class, model, "SFT", self._refused_with_images())

@@ -268,6 +268,9 @@ def _model_path(policy) -> str:
 
 def _load_weights(model, state: dict) -> None:
     """load_state_dict that tolerates only the keys save_pretrained drops for tied weights."""
+    from posttrain.models.checkpoint_classes import in_model_names
+
+    state = in_model_names(model, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     loaded = {model.get_parameter(k).data_ptr() for k in state if k in dict(model.named_parameters())}
     untied = [k for k in missing if model.get_parameter(k).data_ptr() not in loaded]

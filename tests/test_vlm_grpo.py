@@ -1,0 +1,138 @@
+"""GRPO on a vision-language model with images, as TRL 1.16 takes them: conversational prompts with `image` or
+`images`, each prompt's images placed in its conversation and processed with it, sampled in process with the pixels
+in the prefill (the image tokens never sampled), the pixels riding with the rows into every log-prob forward. The
+completions' log-probs equal TRL's own `_get_per_token_logps_and_entropies` on TRL's own processing of the same
+prompts, through the same tiny model (LLaVA: pixel_values per image; Qwen2.5-VL: flattened patches, image_grid_thw
+and the mm_token_type_ids of its multimodal rotary positions)."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain.testing import tiny_vision_processor
+from tests import vlm_data
+
+FAMILIES = ("llava", "qwen2_5_vl")
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def _config(tmp_path, **overrides):
+    from posttrain import GRPOConfig
+
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=5,
+                  max_steps=1, report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-2, logging_steps=1,
+                  seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def _trainer(model, processor, rows, tmp_path, **overrides):
+    from posttrain import GRPOTrainer
+
+    return GRPOTrainer(model, _length_reward, _config(tmp_path, **overrides), train_dataset=Dataset.from_list(rows),
+                       processing_class=processor)
+
+
+def _trl_logps(model, processor, rows, rollouts, tmp_path):
+    """TRL's per-token log-probs of `rollouts`' completions: TRL's own processing of the rows' prompts (images
+    placed, the processor left-padding them) and its own log-prob function, on a copy of the model."""
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+    from trl.data_utils import apply_chat_template, prepare_multimodal_messages
+
+    trl = TRLTrainer(copy.deepcopy(model), _length_reward, processing_class=processor,
+                     train_dataset=Dataset.from_list(rows),
+                     args=TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4,
+                                    num_generations=2, max_completion_length=5, report_to="none", use_cpu=True,
+                                    bf16=False))
+    images = [r["images"] for r in rows]
+    prompts = [prepare_multimodal_messages(r["prompt"], images=r["images"]) for r in rows]
+    texts = [apply_chat_template({"prompt": p}, processor)["prompt"] for p in prompts]
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")
+    assert torch.equal(inputs["input_ids"], rollouts.prompt_ids) and torch.equal(inputs["attention_mask"].bool(),
+                                                                               rollouts.prompt_mask.bool())
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    if "mm_token_type_ids" in extra:  # as TRL extends them over the completion
+        extra["mm_token_type_ids"] = torch.cat([extra["mm_token_type_ids"],
+                                                torch.zeros_like(rollouts.completion_ids)], 1)
+    ids = torch.cat([inputs["input_ids"], rollouts.completion_ids], 1)
+    mask = torch.cat([inputs["attention_mask"], rollouts.completion_mask.long()], 1)
+    with torch.no_grad():
+        logps, _, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, rollouts.completion_ids.size(1),
+                                                             num_images=[len(i) for i in images], **extra)
+    return logps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_completion_log_probs_equal_trls_on_trls_processing_of_the_same_prompts(family, tmp_path):
+    from posttrain.models.logprobs import token_logprobs
+
+    model, processor = tiny_vision_processor(family)
+    rows = vlm_data.prompt_only(2)
+    trainer = _trainer(model, processor, rows, tmp_path, shuffle_dataset=False)
+    scored = trainer.rollout.training_round(next(trainer._stream), 1)
+    r = scored.rollouts
+    assert r.model_inputs is not None and len(r.model_inputs) == 4
+    image_ids = trainer.vision.image_token_ids
+    assert not torch.isin(r.completion_ids[r.completion_mask], torch.tensor(image_ids)).any()  # never sampled
+    with torch.no_grad():
+        ours, _ = token_logprobs(trainer.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                 model_inputs=r.forward_inputs())
+    rows_repeated = [rows[i // 2] for i in range(4)]  # each prompt num_generations times, in order
+    theirs = _trl_logps(model, processor, rows_repeated, r, tmp_path)
+    m = r.completion_mask
+    torch.testing.assert_close(ours[m], theirs[m], atol=1e-5, rtol=1e-5)
+    # the sampler (the prefill with the pixels, then the cache) samples the same distribution, the image tokens
+    # taken out (as TRL's generate suppresses them)
+    with torch.no_grad():
+        ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
+        logits = trainer.model(input_ids=ids, attention_mask=torch.cat([r.prompt_mask, r.completion_mask], 1).long(),
+                               **r.forward_inputs()).logits[:, r.prompt_ids.size(1) - 1:-1].float()
+    logits[..., image_ids] = float("-inf")
+    sampled = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[..., None])[..., 0]
+    torch.testing.assert_close(r.sampler_logprobs[m], sampled[m], atol=1e-4, rtol=1e-4)
+
+
+def test_a_run_trains_and_resumes_with_image_rows_buffered(tmp_path):
+    model, processor = tiny_vision_processor("qwen2_5_vl", seed=1)
+    rows = vlm_data.prompt_only(4)
+    rows[1]["images"] = []  # a text-only prompt among image prompts
+    trainer = _trainer(model, processor, rows, tmp_path / "a", max_steps=2, steps_per_generation=2,
+                       per_device_train_batch_size=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    losses = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in losses)
+    # resuming from step 1 restores the buffered image rows and trains step 2 as the run did
+    model2, _ = tiny_vision_processor("qwen2_5_vl", seed=1)
+    again = _trainer(model2, processor, rows, tmp_path / "a", max_steps=2, steps_per_generation=2,
+                     per_device_train_batch_size=2, save_strategy="no")
+    again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    for p, q in zip(trainer.policy.parameters(), again.policy.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("option, said", [
+    (dict(use_vllm=True), r"^use_vllm=True is not supported with images"),
+])
+def test_what_cannot_take_images_yet_is_one_sentence(tmp_path, option, said):
+    from posttrain.configs import ConfigError
+
+    model, processor = tiny_vision_processor("qwen2_5_vl")
+    with pytest.raises(ConfigError, match=said):
+        _trainer(model, processor, vlm_data.prompt_only(2), tmp_path, **option)
+
+
+def test_a_string_prompt_with_images_is_refused_as_trl_refuses_it(tmp_path):
+    from posttrain.data import DataError
+
+    model, processor = tiny_vision_processor("qwen2_5_vl")
+    rows = [{"prompt": "Describe it.", "images": [vlm_data.image(0)]}, {"prompt": "And this?", "images": []}]
+    trainer = _trainer(model, processor, rows, tmp_path, shuffle_dataset=False)
+    with pytest.raises(DataError, match=r"^Prompt 0 is a string with 1 image\(s\): images go with conversational"):
+        next(trainer._stream)
