@@ -84,6 +84,7 @@ class ORPOTrainer(PairTrainer):
     """
 
     _title = "ORPO"
+    _takes_images = False  # TRL's experimental ORPOTrainer takes text pairs only
     _statistics = ORPOStatistics
     _shown_metrics = ("loss", "rewards/accuracies", "log_odds_ratio")
     _meaning_fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "truncation_mode",

@@ -1017,8 +1017,8 @@ def _dpo(tmp: Path, data, tokenizer=None, model=None, ref_model=None, **override
 _PREFS = {"prompt": ["1+1=", "2+2="], "chosen": ["2", "4"], "rejected": ["3", "5"]}
 
 
-@case("DPO", "a vision preference dataset (an `images` column; TRL trains a vision-language model on it)",
-      DataError, "^train_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+@case("DPO", "a vision preference dataset (an `images` column) with a text model (TRL: ValueError)", ConfigError,
+      _TEXT_MODEL_WITH_IMAGES.format("DPO", "train_dataset"))
 def dpo_images_column(tmp):
     _dpo(tmp, {**_PREFS, "images": [["cat.png"]] * 2})
 

@@ -82,7 +82,8 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
 
     def _setup(self, model, ref_model, train_dataset, eval_dataset, processing_class, peft_config):
         args = self.args
-        model, came_with_adapter = self._load_pair_policy(model, train_dataset, processing_class, peft_config)
+        model, came_with_adapter = self._load_pair_policy(model, train_dataset, processing_class, peft_config,
+                                                          eval_dataset)
         self.ref_model, self.reference_adapter = make_reference(model, ref_model, args, came_with_adapter,
                                                                 self.accelerator.device, self._trust_remote_code,
                                                                 self.tokenizer)
@@ -115,7 +116,8 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
             return torch.zeros((batch.pairs, 2), device=batch.targets.device)
         model = self.ref_model if self.ref_model is not None else self._no_grad_model
         with torch.no_grad(), self._reference_context(), self.accelerator.autocast():
-            logps, _, _ = next_token_logprobs(model, *self._inputs(batch), boundaries=batch.sequences.boundaries)
+            logps, _, _ = next_token_logprobs(model, *self._inputs(batch), boundaries=batch.sequences.boundaries,
+                                              model_inputs=batch.sequences.model_inputs)
         return self._sequence_logps(logps, batch).view(-1, 2)
 
     def _precomputed_reference(self, model, pairs: PairRows, name: str, batch_size: int) -> np.ndarray:
@@ -181,7 +183,8 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
             with collect as router_term:
                 logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
                                                                   with_top1=True, with_stats=True,
-                                                                  boundaries=batch.sequences.boundaries)
+                                                                  boundaries=batch.sequences.boundaries,
+                                                                  model_inputs=batch.sequences.model_inputs)
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
         completion = batch.completion.view(-1, 2).float()

@@ -76,10 +76,13 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def whole_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None, boundaries=None) -> torch.Tensor:
+                 position_ids: torch.Tensor | None, boundaries=None, model_inputs: dict | None = None) -> torch.Tensor:
     """[B, T, V] logits of every position of right-padded (or, with `position_ids`, its `boundaries` and no mask, a
-    packed row's) rows, as the model computes them: only for a user's compute_metrics, the training and eval passes
-    never build them."""
+    packed row's) rows, as the model computes them (with the rows' `model_inputs`, its own positions): only for a
+    user's compute_metrics, the training and eval passes never build them."""
+    if model_inputs:
+        return model(input_ids=input_ids, attention_mask=attention_mask, **sequence_kwargs(model, None, 0),
+                     **model_inputs).logits
     return model(input_ids=input_ids, attention_mask=attention_mask,
                  **sequence_kwargs(model, position_ids, 0, boundaries)).logits
 

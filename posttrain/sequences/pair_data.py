@@ -12,6 +12,10 @@ ids(prompt + chosen)[L:], rejected_ids likewise, where L is where the tokenized 
 (so a merge across the boundary never misplaces it). Standard chosen and rejected texts get the EOS appended when they
 do not end with it. Per-row `tools` and `chat_template_kwargs` columns reach the chat template.
 
+With a vision-language model's processor (`vision`, sequences/images.py), a conversational pair's `image` or `images`
+go into its prompt as TRL places them, rendered by the processor's template, the image tokens expanded; both of its
+sequences carry the prompt's pixels as their model_inputs.
+
 A pair becomes two sequences, prompt + chosen and prompt + rejected, each labelled on its completion and truncated on
 its own to max_length (truncation_mode). Pairs that cannot teach are dropped and counted (DroppedPairs), the same on
 every process (the rule reads the prepared tokens alone, before the pairs are shared out):
@@ -31,10 +35,12 @@ import numpy as np
 from posttrain.configs import ConfigError
 from posttrain.data import DataError, check_encoded_within_vocabulary
 from posttrain.sequences.chat import PromptBoundary, chat_ids, check_messages, extract_prompt, template_kwargs
+from posttrain.sequences.images import images_of, with_images
 from posttrain.sequences.batches import BLOCK, block_rows
 from posttrain.sequences.preference import preference_format
 from posttrain.sequences.pairs import DroppedPairs, PairRows, nothing_left, same_answers, same_answers_warning
 from posttrain.sequences.rows import TokenRows, truncate
+from posttrain.model_inputs import ModelInputs
 
 logger = logging.getLogger("posttrain")
 
@@ -43,11 +49,12 @@ ACCEPTED = ("prompt + chosen + rejected (text or messages), chosen + rejected wi
             "start, or prompt_ids + chosen_ids + rejected_ids")
 
 
-def detect_format(row: dict, name: str, needs: str = "DPO") -> str:
+def detect_format(row: dict, name: str, needs: str = "DPO", images: bool = False) -> str:
     """standard, conversational or tokenized (prompt_ids, chosen_ids, rejected_ids); a DataError naming the columns
-    found and the formats accepted (`needs`: the trainer, as the message names it)."""
+    found and the formats accepted (`needs`: the trainer, as the message names it; `images`: an image column is
+    taken)."""
     return preference_format(row, name, tokenized=(("prompt_ids", "chosen_ids", "rejected_ids"),), needs=needs,
-                             accepted=ACCEPTED)
+                             accepted=ACCEPTED, images=images)
 
 
 class PairEncoder:
@@ -59,13 +66,19 @@ class PairEncoder:
         name: the dataset's name in messages.
         vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
         needs: the trainer, as a wrong format's message names it.
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for pairs with images;
+            None: text only.
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None,
-                 needs: str = "DPO"):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None, *,
+                 needs: str = "DPO", vision=None):
+        self.tokenizer, self.vocab_size, self.vision = tokenizer, vocab_size, vision
         self.name = name
-        self.format = detect_format(first_row, name, needs)
+        self.format = detect_format(first_row, name, needs, images=vision is not None)
+        if vision is not None and self.format != "conversational":
+            raise DataError(f"{name} has images and is {self.format} pairs: images go with conversational pairs "
+                            "(prompt, chosen and rejected as messages), as in TRL; write the rows as messages.")
+        self.inputs: list[dict] = []  # the rows last encoded: each pair's model_inputs (with a processor)
         self.implicit = self.format != "tokenized" and "prompt" not in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
@@ -87,6 +100,10 @@ class PairEncoder:
         pairs = [self._pair(row, first_index + i) for i, row in enumerate(rows)]
         if self.format == "standard":
             return self._standard(pairs)
+        if self.vision is not None:
+            self.inputs = []
+            return [self._vision_conversation(p, c, r, row, first_index + i)
+                    for i, ((p, c, r), row) in enumerate(zip(pairs, rows))]
         return [self._conversation(p, c, r, template_kwargs(row), first_index + i)
                 for i, ((p, c, r), row) in enumerate(zip(pairs, rows))]
 
@@ -150,12 +167,31 @@ class PairEncoder:
         prompt_ids = ids(prompt, add_generation_prompt=True) if prompt else []
         return self._split(prompt_ids, ids(prompt + chosen), ids(prompt + rejected))
 
+    def _vision_conversation(self, prompt, chosen, rejected, row: dict, index: int):
+        """A pair through the processor: its images in the prompt, each sequence's image tokens expanded; the
+        prompt's pixels kept as the pair's model_inputs."""
+        where, images, kwargs = f"Row {index} of {self.name}", images_of(row), template_kwargs(row)
+        prompt = with_images(prompt, images, where)
+
+        def ids(messages, generation_prompt=False, keep=False):
+            text = self.vision.render(messages, generation_prompt=generation_prompt, **kwargs)
+            out, inputs = self.vision.encode(text, images, where)
+            if keep:
+                self.inputs.append(inputs)
+            return out
+
+        prompt_ids = ids(prompt, generation_prompt=True, keep=True)
+        return self._split(prompt_ids, ids(prompt + with_images(chosen, [], where)),
+                           ids(prompt + with_images(rejected, [], where)))
+
 
 def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None,
-              truncation_mode: str) -> tuple[PairRows, DroppedPairs]:
+              truncation_mode: str, inputs=None) -> tuple[PairRows, DroppedPairs]:
     """(PairRows, the pairs dropped, by cause) of encoded pairs: each pair's two sequences truncated, then the pairs
-    that cannot teach left out (the module's docstring)."""
-    sequences, index, dropped = [], [], DroppedPairs()
+    that cannot teach left out (the module's docstring). `inputs`: each pair's model_inputs and their token types
+    ((list, TokenTypes) from a vision processor), or None. With keep_start, a kept pair's prompt fits max_length
+    whole, its image tokens with it."""
+    sequences, index, dropped, kept_inputs = [], [], DroppedPairs(), []
     for i, (prompt, chosen, rejected) in enumerate(encoded):
         if max_length is not None and truncation_mode == "keep_start" and len(prompt) >= max_length:
             dropped.prompt_fills += 1
@@ -165,8 +201,11 @@ def pair_rows(encoded: list[tuple], first_index: int, max_length: int | None,
             labels = np.zeros(len(ids), dtype=bool)
             labels[len(prompt):] = True
             sequences.append((ids, labels))
+            if inputs is not None:
+                kept_inputs.append(inputs[0][i])
         index.append(first_index + i)
-    untruncated = TokenRows.from_sequences(sequences)
+    untruncated = TokenRows.from_sequences(sequences, None if inputs is None else
+                                           ModelInputs.from_rows(kept_inputs, inputs[1]))
     pairs = PairRows(truncate(untruncated, max_length, truncation_mode), np.asarray(index, dtype=np.int64))
     same_before = same_answers(untruncated)
     same_now = same_before if pairs.rows is untruncated else same_answers(pairs.rows)
@@ -186,12 +225,14 @@ class PairPreparation:
         self.announce = announce
 
     def sequences(self, rows: list[dict], first_index: int):
-        return self.encoder.encode(rows, first_index), first_index
+        encoded = self.encoder.encode(rows, first_index)
+        vision = self.encoder.vision
+        return encoded, first_index, None if vision is None else (self.encoder.inputs, vision.token_types)
 
     def pairs(self, sequences) -> tuple[PairRows, DroppedPairs]:
         """The block's pairs and those dropped, by cause."""
-        encoded, first_index = sequences
-        return pair_rows(encoded, first_index, self.args.max_length, self.args.truncation_mode)
+        encoded, first_index, inputs = sequences
+        return pair_rows(encoded, first_index, self.args.max_length, self.args.truncation_mode, inputs)
 
     def rows(self, sequences) -> tuple[PairRows, int]:
         """A stream's block (sequences/batches.py): its pairs, and those dropped because the prompt fills max_length,

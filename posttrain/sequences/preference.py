@@ -11,11 +11,12 @@ from posttrain.sequences.chat import is_messages
 
 
 def preference_format(row: dict, name: str, *, tokenized: tuple[tuple[str, ...], ...], needs: str,
-                      accepted: str) -> str:
+                      accepted: str, images: bool = False) -> str:
     """standard, conversational or tokenized (`row` has every column of one of the `tokenized` tuples); else a
     DataError naming the columns found, what `needs` (the trainer, as the message says it) takes, and what the row
-    looks like instead."""
-    refuse_images(row, name)
+    looks like instead. `images`: an image column is taken (a vision-language processor), else refused."""
+    if not images:
+        refuse_images(row, name)
     if any(all(k in row for k in columns) for columns in tokenized):
         return "tokenized"
     if "chosen" in row and "rejected" in row:

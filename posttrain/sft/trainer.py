@@ -287,7 +287,7 @@ class SFTTrainer(BatchedDataTrainer):
         rows = slice(None) if batch.tokens else slice(0, 0)
         with self.accelerator.autocast():
             logits = whole_logits(self.model, batch.input_ids, batch.attention_mask, batch.position_ids,
-                                  batch.boundaries)
+                                  batch.boundaries, batch.model_inputs)
         labels = torch.where(batch.label_mask, batch.input_ids, -100)
         return logits[rows], labels[rows], batch.input_ids[rows]
 

@@ -21,6 +21,7 @@ from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_f
 from posttrain.sequences.pairs import PairRows
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.statistics import StepCounts
+from posttrain.training.vision import dataset_has_images, processor_for, vision_processing, with_images
 
 
 @dataclass
@@ -36,12 +37,17 @@ class PairTrainer(BatchedDataTrainer):
     _data_parts = "the pairs or their order"
     _setup_model = None  # the policy as loaded, before the accelerator wraps it
 
-    def _load_pair_policy(self, model, train_dataset, processing_class, peft_config):
+    def _load_pair_policy(self, model, train_dataset, processing_class, peft_config, eval_dataset=None):
         if train_dataset is None:
             raise DataError(f"{self._title}Trainer needs a train_dataset of preference pairs (prompt, chosen, "
                             "rejected).")
-        detect_format(first_row(train_dataset), "train_dataset", self._title)  # before the model loads
+        images = with_images(train_dataset, eval_dataset) if self._takes_images else None
+        # the format before the model loads
+        detect_format(first_row(train_dataset), "train_dataset", self._title, images=images is not None)
+        processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
+        self.vision = vision_processing(images, self.processing_class, model, self._title,
+                                        self._refused_with_images())
         self._setup_model = model
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
@@ -53,10 +59,24 @@ class PairTrainer(BatchedDataTrainer):
         self._set_batches(train_dataset, self.train_preparation, prepare_pairs)
         self.eval_dataset = eval_dataset
 
+    _takes_images = True  # a vision-language model's pairs with images (TRL's DPO takes them)
+    vision = None  # the processor's rows (sequences/images.py) when a dataset has images
+
+    def _refused_with_images(self) -> dict[str, str]:
+        """The options pairs with images cannot run with (TRL refuses the same), and each one's fix."""
+        args, refused = self.args, {}
+        if getattr(args, "padding_free", False):
+            refused["padding_free=True"] = "set padding_free=False (a pair's pixels go with its own rows)"
+        if args.max_length is not None and args.truncation_mode == "keep_end":
+            refused["truncation_mode='keep_end'"] = ("the images' tokens sit in the prompt, which keep_end may cut; "
+                                                     "use truncation_mode='keep_start' or max_length=None")
+        return refused
+
     def _preparation(self, dataset, name: str) -> PairPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one pair.")
-        encoder = PairEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows, needs=self._title)
+        encoder = PairEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows, needs=self._title,
+                              vision=self.vision if dataset_has_images(dataset) else None)
         return PairPreparation(encoder, self.args, name, announce=self.accelerator.is_main_process)
 
     def _configure_tokenizer(self, model) -> None:
@@ -95,7 +115,8 @@ class PairTrainer(BatchedDataTrainer):
         input_ids) with the chosen rows first, then the rejected (padded rows; padding-free: the one packed row)."""
         s = batch.sequences
         with self.accelerator.autocast():
-            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids, s.boundaries)
+            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids, s.boundaries,
+                                  s.model_inputs)
         if not batch.pairs:
             return logits[:0], s.input_ids[:0], s.input_ids[:0]
         order = slice(None) if s.attention_mask is None else \
