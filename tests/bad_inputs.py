@@ -2255,8 +2255,8 @@ def kto_sft_dataset(tmp):
     _kto(tmp, data={"prompt": ["a", "b"], "completion": ["c", "d"]})
 
 
-@case("KTO", "a vision unpaired dataset (an `images` column; TRL trains a vision-language model on it)", DataError,
-      "^train_dataset " + _IMAGES_REFUSED.format("images"), kind="silently wrong")
+@case("KTO", "a vision unpaired dataset (an `images` column) with a text model (TRL: ValueError)", ConfigError,
+      _TEXT_MODEL_WITH_IMAGES.format("KTO", "train_dataset"))
 def kto_images_column(tmp):
     _kto(tmp, data={**_UNPAIRED, "images": [["cat.png"]] * 2})
 

@@ -13,6 +13,11 @@ As TRL's KTOTrainer: a standard completion gets the EOS appended unless it ends 
 reach the chat template), and the completion starts where the two stop agreeing. A row whose prompt alone has
 max_length tokens or more is dropped (TRL filters them, whatever the truncation mode); posttrain says how many.
 
+With a vision-language model's processor (`vision`, sequences/images.py), a conversational example's `image` or
+`images` go into its prompt as TRL places them, rendered by the processor's template, the image tokens expanded; the
+example's row and its KL row (its prompt with another's completion) carry the prompt's pixels as model_inputs. A paired
+dataset with images is refused, as TRL refuses to unpair one.
+
     UnpairedRows  rows: TokenRows, one per example, prompt + completion, labels True on the completion's tokens;
                   desirable [N] bool, the example's label; index [N] its row in the unpaired dataset
 """
@@ -25,9 +30,11 @@ import numpy as np
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError, check_encoded_within_vocabulary, refuse_images
+from posttrain.model_inputs import ModelInputs
 from posttrain.sequences.chat import (PromptBoundary, chat_ids, check_messages, extract_prompt, is_messages,
                                       template_kwargs)
 from posttrain.sequences.batches import block_rows, predecessor_positions
+from posttrain.sequences.images import images_of, with_images
 from posttrain.sequences.rows import EpochPlan, TokenRows
 
 logger = logging.getLogger("posttrain")
@@ -39,10 +46,11 @@ ACCEPTED = ("prompt + completion + label (text or messages), or a preference dat
             "without a prompt column), which is unpaired")
 
 
-def detect_format(row: dict, name: str) -> tuple[str, bool]:
+def detect_format(row: dict, name: str, images: bool = False) -> tuple[str, bool]:
     """(standard or conversational, whether the rows are preference pairs to unpair); a DataError naming the columns
-    found and the formats accepted."""
-    refuse_images(row, name)
+    found and the formats accepted. `images`: an image column is taken (a vision-language processor), else refused."""
+    if not images:
+        refuse_images(row, name)
     if "chosen" in row and "rejected" in row:
         return ("conversational" if is_messages(row["chosen"]) or is_messages(row.get("prompt"))
                 else "standard"), True
@@ -107,11 +115,20 @@ class KTOEncoder:
         first_row: the dataset's first row, which decides the format (as in TRL).
         name: the dataset's name in messages.
         vocab_size: the model's vocabulary_rows: every token id must lie below it (None: unchecked).
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for examples with images;
+            None: text only.
     """
 
-    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None):
-        self.tokenizer, self.name, self.vocab_size = tokenizer, name, vocab_size
-        self.format, self.paired = detect_format(first_row, name)
+    def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None, *,
+                 vision=None):
+        self.tokenizer, self.name, self.vocab_size, self.vision = tokenizer, name, vocab_size, vision
+        self.format, self.paired = detect_format(first_row, name, images=vision is not None)
+        if vision is not None and (self.paired or self.format != "conversational"):
+            raise DataError(f"{name} has images and is {'paired' if self.paired else self.format} data: images go "
+                            "with conversational unpaired examples (prompt and completion as messages, and a "
+                            "label), as in TRL, which does not unpair a vision dataset; convert the rows to that "
+                            "format.")
+        self.inputs: list[dict] = []  # the examples last encoded: each one's model_inputs (with a processor)
         self.implicit = self.paired and "prompt" not in first_row
         if self.format == "conversational" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{name} is conversational, and the tokenizer has no chat template to render the "
@@ -124,6 +141,10 @@ class KTOEncoder:
         examples = self._unpaired(rows, first_index)
         if self.format == "standard":
             out = self._standard(examples)
+        elif self.vision is not None:
+            self.inputs = []
+            out = [self._vision_conversation(prompt, completion, label, index, kwargs, rows[index - first_index])
+                   for prompt, completion, label, index, kwargs in examples]
         else:
             out = [self._conversation(prompt, completion, label, index, kwargs)
                    for prompt, completion, label, index, kwargs in examples]
@@ -197,26 +218,48 @@ class KTOEncoder:
         return [(*self._split(list(p), list(f)), label, index)
                 for p, f, (_, _, label, index, _) in zip(prompt_ids, full_ids, examples)]
 
+    def encoded_inputs(self):
+        """(each example last encoded's model_inputs, their token types) with a vision processor, else None."""
+        return None if self.vision is None else (self.inputs, self.vision.token_types)
+
+    def _vision_conversation(self, prompt, completion, label: bool, index: int, kwargs: dict, row: dict) -> tuple:
+        """An example through the processor: its images in the prompt, the image tokens expanded; the prompt's pixels
+        kept as the example's model_inputs."""
+        where, images = f"Row {index} of {self.name}", images_of(row)
+        prompt = with_images(prompt, images, where)
+
+        def ids(messages, generation_prompt=False):
+            text = self.vision.render(messages, generation_prompt=generation_prompt, **kwargs)
+            return self.vision.encode(text, images, where)
+
+        prompt_ids, inputs = ids(prompt, generation_prompt=True)
+        self.inputs.append(inputs)
+        return (*self._split(prompt_ids, ids(prompt + with_images(completion, [], where))[0]), label, index)
+
     def _conversation(self, prompt, completion, label: bool, index: int, kwargs: dict) -> tuple:
         row = f"Row {index} of {self.name}"
         prompt_ids = chat_ids(self.tokenizer, prompt, kwargs, row, add_generation_prompt=True) if prompt else []
         return (*self._split(prompt_ids, chat_ids(self.tokenizer, prompt + completion, kwargs, row)), label, index)
 
 
-def unpaired_rows(encoded: list[tuple], max_length: int | None) -> tuple[UnpairedRows, int]:
+def unpaired_rows(encoded: list[tuple], max_length: int | None, inputs=None) -> tuple[UnpairedRows, int]:
     """(the examples whose prompt is shorter than max_length, how many were not and are dropped): each example one
-    token row, prompt + completion, labelled on the completion."""
-    sequences, desirable, index = [], [], []
-    for prompt_ids, completion_ids, label, row in encoded:
+    token row, prompt + completion, labelled on the completion. `inputs`: each example's model_inputs and their token
+    types ((list, TokenTypes) from a vision processor), or None; a kept prompt, its image tokens with it, is whole."""
+    sequences, desirable, index, kept_inputs = [], [], [], []
+    for k, (prompt_ids, completion_ids, label, row) in enumerate(encoded):
         if max_length is not None and len(prompt_ids) >= max_length:
             continue
+        if inputs is not None:
+            kept_inputs.append(inputs[0][k])
         tokens = np.asarray(prompt_ids + completion_ids, dtype=np.int64)
         labels = np.zeros(len(tokens), dtype=bool)
         labels[len(prompt_ids):] = True
         sequences.append((tokens, labels))
         desirable.append(label)
         index.append(row)
-    rows = UnpairedRows(TokenRows.from_sequences(sequences), np.asarray(desirable, dtype=bool),
+    model_inputs = None if inputs is None else ModelInputs.from_rows(kept_inputs, inputs[1])
+    rows = UnpairedRows(TokenRows.from_sequences(sequences, model_inputs), np.asarray(desirable, dtype=bool),
                         np.asarray(index, dtype=np.int64))
     return rows, len(encoded) - len(index)
 
@@ -233,7 +276,7 @@ def prepare_unpaired(dataset, encoder: KTOEncoder, max_length: int | None, annou
     for start in range(0, len(dataset), block):
         rows = block_rows(dataset[start:start + block])
         encoded = encoder.encode(rows, start)
-        part, lost = unpaired_rows(encoded, max_length)
+        part, lost = unpaired_rows(encoded, max_length, encoder.encoded_inputs())
         parts.append(part)
         dropped, total = dropped + lost, total + len(encoded)
     examples = UnpairedRows.concatenate(parts)
@@ -265,7 +308,7 @@ def kl_rows(examples: UnpairedRows, partners: UnpairedRows) -> TokenRows:
         labels = np.zeros(len(prompt) + len(completion), dtype=bool)
         labels[len(prompt):] = True
         sequences.append((np.concatenate([prompt, completion]), labels))
-    return TokenRows.from_sequences(sequences)
+    return TokenRows.from_sequences(sequences, rows.model_inputs)  # example i's prompt: its pixels
 
 
 def kl_completions(examples: UnpairedRows, batch_size: int) -> TokenRows:
@@ -285,12 +328,12 @@ class UnpairedPreparation:
     def __init__(self, encoder: KTOEncoder, max_length: int | None, name: str, announce: bool = True):
         self.encoder, self.max_length, self.name, self.announce = encoder, max_length, name, announce
 
-    def sequences(self, rows: list[dict], first_index: int) -> list[tuple]:
-        return self.encoder.encode(rows, first_index)
+    def sequences(self, rows: list[dict], first_index: int) -> tuple:
+        return self.encoder.encode(rows, first_index), self.encoder.encoded_inputs()
 
-    def rows(self, encoded: list[tuple]) -> tuple[UnpairedRows, int]:
+    def rows(self, encoded: tuple) -> tuple[UnpairedRows, int]:
         """A stream's block: its examples, and how many were dropped for their prompt's length."""
-        return unpaired_rows(encoded, self.max_length)
+        return unpaired_rows(encoded[0], self.max_length, encoded[1])
 
     @staticmethod
     def concatenate(parts: list[UnpairedRows]) -> UnpairedRows:

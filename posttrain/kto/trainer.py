@@ -39,6 +39,7 @@ from posttrain.training.prediction import check_metric_functions
 from posttrain.training.reference import make_reference, precompute_logps
 from posttrain.training.setup import take_quantization_config, trainer_config
 from posttrain.training.statistics import StepCounts
+from posttrain.training.vision import dataset_has_images, processor_for, vision_processing, with_images
 
 logger = logging.getLogger("posttrain")
 
@@ -94,8 +95,11 @@ class KTOTrainer(AgainstReferenceTrainer):
         if is_iterable(train_dataset) and args.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs=True needs every example up front, and train_dataset is an "
                               "IterableDataset: pass a map-style Dataset, or set precompute_ref_log_probs=False.")
-        detect_format(first_row(train_dataset), "train_dataset")  # before the model loads
+        images = with_images(train_dataset, eval_dataset)  # the first dataset with images, by name
+        detect_format(first_row(train_dataset), "train_dataset", images=images is not None)  # before the model loads
+        processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
+        self.vision = vision_processing(images, self.processing_class, model, "KTO", {})
         self._setup_model = model
         if self.tokenizer.eos_token is None:
             raise ConfigError("The tokenizer has no EOS token, which KTO appends to every standard completion so the "
@@ -123,7 +127,8 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _preparation(self, dataset, name: str) -> UnpairedPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one example.")
-        encoder = KTOEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows)
+        encoder = KTOEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows,
+                             vision=self.vision if dataset_has_images(dataset) else None)
         return UnpairedPreparation(encoder, self.args.max_length, name, announce=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the reference
@@ -131,7 +136,7 @@ class KTOTrainer(AgainstReferenceTrainer):
     def _sequence_logps(self, model, sequences, target_seq, n: int) -> torch.Tensor:
         """[n] completion log-probs of n sequences under `model`, without gradient."""
         with torch.no_grad(), self.accelerator.autocast():
-            logps, _, _ = next_token_logprobs(model, *_inputs(sequences))
+            logps, _, _ = next_token_logprobs(model, *_inputs(sequences), model_inputs=sequences.model_inputs)
         return torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, target_seq, logps)
 
     def _reference_logps(self, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -222,7 +227,8 @@ class KTOTrainer(AgainstReferenceTrainer):
                        else contextlib.nullcontext([]))
             with collect as router_term:
                 logps, entropy, _, stats = next_token_logprobs(model, *_inputs(batch.examples), with_entropy=True,
-                                                               with_stats=True)
+                                                               with_stats=True,
+                                                               model_inputs=batch.examples.model_inputs)
         policy = torch.zeros(batch.size, dtype=logps.dtype, device=logps.device).index_add(0, batch.target_seq, logps)
         losses, rewards = example_losses(policy, batch.ref[:, 0].to(policy.dtype), batch.desirable, kl, args.beta,
                                          args.loss_type, args.desirable_weight, args.undesirable_weight)
@@ -284,7 +290,8 @@ class KTOTrainer(AgainstReferenceTrainer):
         """compute_metrics' view of an eval batch, as TRL gives it: (logits [N, T, V], labels = input_ids, input_ids)."""
         s = batch.examples
         with self.accelerator.autocast():
-            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids)
+            logits = whole_logits(self._no_grad_model, s.input_ids, s.attention_mask, s.position_ids,
+                                  model_inputs=s.model_inputs)
         return logits[:batch.size], s.input_ids[:batch.size], s.input_ids[:batch.size]
 
     @property
