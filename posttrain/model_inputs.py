@@ -34,7 +34,6 @@ CANNOT_CARRY = {
     "split": "a sequence split in pieces (bfd_split) is refused: use truncation or packing_strategy='bfd'",
     "rollout packing": "GRPO's packed log-prob forward is not taken: the rows run padded",
     "prompt sharing": "GRPO's shared-prompt forward is not taken: each row runs its own prompt",
-    "teacher pass": "distillation's teacher and student passes do not take them: distil text-only rows",
 }
 
 

@@ -136,3 +136,19 @@ def test_a_string_prompt_with_images_is_refused_as_trl_refuses_it(tmp_path):
     trainer = _trainer(model, processor, rows, tmp_path, shuffle_dataset=False)
     with pytest.raises(DataError, match=r"^Prompt 0 is a string with 1 image\(s\): images go with conversational"):
         next(trainer._stream)
+
+
+def test_rloo_trains_on_image_prompts_through_grpo_s_path(tmp_path):
+    from posttrain import RLOOConfig, RLOOTrainer
+
+    model, processor = tiny_vision_processor("llava", seed=2)
+    config = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, save_strategy="no",
+                        learning_rate=1e-2, logging_steps=1, beta=0.05)
+    trainer = RLOOTrainer(model, _length_reward, args=config, train_dataset=Dataset.from_list(vlm_data.prompt_only(4)),
+                          processing_class=processor)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all("kl" in e for e in logged)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.named_parameters())

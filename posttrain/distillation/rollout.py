@@ -21,7 +21,6 @@ from posttrain.grpo.batch import TrainingBatch
 from posttrain.grpo.completions import LoggedRound
 from posttrain.grpo.metrics import completion_metrics, tool_metrics
 from posttrain.grpo.sampling import RoundSampler, RoundShare
-from posttrain.model_inputs import refuse
 from posttrain.models.teacher import completion_divergence, teacher_pass
 from posttrain.training.distributed import guarded
 from posttrain.training.statistics import Statistics
@@ -124,14 +123,13 @@ class DistillationRound:
         """([M] divergence from the teacher with `model`'s gradient, [M] the student's entropy) at the batch's loss
         tokens (or `mask`'s); `grad_scale`: the gradient the loss gives each position's divergence."""
         r, args = batch.rollouts, self.args
-        if r.model_inputs is not None:
-            refuse("teacher pass")
         mask = batch.loss_mask if mask is None else mask
+        pixels = r.forward_inputs() or None  # both models take the rows' images (vision-language teacher and student)
         with self.accelerator.autocast():
             hidden, head = teacher_pass(self.teacher, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                        r.completion_mask, mask)
+                                        r.completion_mask, mask, pixels)
             return completion_divergence(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, mask,
-                                         hidden, head, args.beta, args.temperature, grad_scale)
+                                         hidden, head, args.beta, args.temperature, grad_scale, pixels)
 
 
 def evaluation_metrics(rollout: DistillationRound, encoder, dataset, prefix: str = "eval",

@@ -16,11 +16,14 @@ against the student's vocabulary, and sharded as the policy under FSDP and ZeRO-
 import torch
 
 from posttrain.agents.rollouts import Agents
+from posttrain.configs import ConfigError
 from posttrain.configs.distillation import DistillationConfig
 from posttrain.distillation.rollout import DistillationRound, DivergenceStatistics, evaluation_metrics
 from posttrain.grpo.batch import RowLayout
 from posttrain.grpo.online import OnlineTrainer
 from posttrain.grpo.sampling import RoundSampler
+from posttrain.models.checkpoint_classes import is_vision_language
+from posttrain.models.keywords import unwrap
 from posttrain.training.reference import check_teacher_given, make_teacher
 
 
@@ -69,6 +72,10 @@ class DistillationTrainer(OnlineTrainer):
         teacher = make_teacher(self._teacher_given, model, self.args, self.accelerator.device,
                                self._trust_remote_code, self.tokenizer)
         self._teacher_given = None  # the prepared one is self.ref_model
+        if self.vision is not None and not is_vision_language(teacher):
+            raise ConfigError(f"The prompts have images, and the teacher is a {type(unwrap(teacher)).__name__}, "
+                              "which cannot read them: distil from a vision-language teacher that takes the student's "
+                              "processor's images (the same family), or remove the image column.")
         return teacher, None
 
     def _round_stage(self, sampler: RoundSampler, layout: RowLayout) -> DistillationRound:

@@ -43,12 +43,13 @@ def _plain_output_layer(model, role: str) -> torch.nn.Linear:
     return layer
 
 
-def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask
-                 ) -> tuple[torch.Tensor, Head]:
+def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
+                 model_inputs: dict | None = None) -> tuple[torch.Tensor, Head]:
     """([M, Ht] the teacher's final hidden states at the positions that predict the M tokens of `loss_mask` [N, C]
     (row-major), its output layer as the divergence reads it), without gradient. Where the layer's weight is whole
     only inside the model's forward (ZeRO-3, FSDP), it is copied there: the student's pass and backward read it
-    after the teacher's forward has put it back in shards."""
+    after the teacher's forward has put it back in shards. `model_inputs`: the rows' pixels (a vision-language
+    teacher's, as the student's), with which the model derives its own positions."""
     input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
     width, mask = completion_ids.size(1), loss_mask.bool()
     layer = _plain_output_layer(teacher, "teacher")
@@ -62,8 +63,9 @@ def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_ma
         return hidden[:, -width - 1:-1][mask]  # boolean indexing copies: nothing of the forward is kept
 
     with torch.no_grad():
-        hidden = through_output_layer(teacher, input_ids, attention_mask, mask_positions(teacher, attention_mask),
-                                      width + 1, select)
+        positions = None if model_inputs else mask_positions(teacher, attention_mask)
+        hidden = through_output_layer(teacher, input_ids, attention_mask, positions, width + 1, select,
+                                      model_inputs=model_inputs)
     weight, bias = weights[0] if sharded else (layer.weight.detach(),
                                                 None if layer.bias is None else layer.bias.detach())
     return hidden, Head(weight, bias, *logit_transform(teacher))
@@ -77,10 +79,11 @@ def _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
                           hidden_t: torch.Tensor, head_t: Head, beta: float, temperature: float,
-                          grad_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          grad_scale: float | None = None, model_inputs: dict | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """([M] divergence with the student's gradient, [M] student entropy) at the M tokens of `loss_mask` [N, C]
     against the teacher's hidden states there and its head (teacher_pass); `grad_scale`: the
-    gradient the loss gives each divergence, when known (models/divergence.py)."""
+    gradient the loss gives each divergence, when known (models/divergence.py); `model_inputs`: the rows' pixels."""
     input_ids, attention_mask = _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
     width, mask = completion_ids.size(1), loss_mask.bool()
     layer = _plain_output_layer(student, "student")
@@ -91,5 +94,6 @@ def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, comp
         return chunked_divergence(hidden[:, -width - 1:-1][mask], head, hidden_t, head_t, beta, temperature,
                                   grad_scale)
 
-    return through_output_layer(student, input_ids, attention_mask, mask_positions(student, attention_mask),
-                                width + 1, divergence)
+    positions = None if model_inputs else mask_positions(student, attention_mask)
+    return through_output_layer(student, input_ids, attention_mask, positions, width + 1, divergence,
+                                model_inputs=model_inputs)
