@@ -10,7 +10,9 @@ Accelerator reads:
   - DeepSpeed (from the launcher, or a `deepspeed` field's plugin): the Accelerator is built with cpu=False (accelerate then selects DEEPSPEED and DeepSpeed starts its
     gloo process group on its CPU accelerator), and the process count and ranks, which accelerate leaves at 1 and 0
     when it finds no GPU, are read from the process group.
-Nothing else in accelerate is changed.
+Nothing else in accelerate is changed. DeepSpeed's shared-memory allreduce for CPUs, a C++ extension it compiles on
+first use (half a minute of both cores on a fresh machine), is marked unavailable, so its collectives go through the
+gloo process group, as they do wherever the extension cannot build.
 """
 
 import os
@@ -34,6 +36,7 @@ def install() -> None:
         raise RuntimeError(f"tests/accelerate_on_cpu.py patches accelerate's private state, and accelerate "
                            f"{accelerate.__version__} lacks {missing or ['FullyShardedDataParallelPlugin.fsdp_version']}: "
                            "adapt the patch to it.")
+    _skip_deepspeed_shm_build()
     original = Accelerator.__init__
 
     def init(self, *args, **kwargs):
@@ -59,3 +62,11 @@ def install() -> None:
             self.state.fsdp_plugin = plugin
 
     Accelerator.__init__ = init
+
+
+def _skip_deepspeed_shm_build() -> None:
+    try:
+        import deepspeed.ops
+    except ImportError:  # no DeepSpeed: nothing to skip
+        return
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
