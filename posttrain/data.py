@@ -80,12 +80,13 @@ IMAGE_COLUMNS = ("image", "images")  # TRL's vision datasets: a row's image, or 
 
 
 def refuse_images(columns, name: str) -> None:
-    """One sentence for a dataset with images (an `image` or `images` column, TRL's vision datasets): posttrain
-    trains on text only in this release, and would otherwise train on the text and drop the images unsaid."""
+    """One sentence for a dataset with images (an `image` or `images` column, TRL's vision datasets) given to a trainer
+    of text (the reward model and ORPO, as TRL's), which would otherwise train on the text and drop the images
+    unsaid. The trainers that take images check them against the processor instead (training/vision.py)."""
     found = [c for c in IMAGE_COLUMNS if c in columns]
     if found:
-        raise DataError(f"{name} has an {found[0]!r} column: training on images is not in this release (vision-"
-                        "language checkpoints train on text); remove the column to train on the text alone.")
+        raise DataError(f"{name} has an {found[0]!r} column, and this trainer trains on text only (as TRL's does): "
+                        "remove the column to train on the text alone.")
 
 
 def check_eval_columns(eval_dataset, required: list[str], images: bool = False) -> None:

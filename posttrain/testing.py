@@ -301,7 +301,8 @@ def tiny_vision_language(family: str, tokenizer=None, seed: int = 0):
     if family == "qwen3_5":
         config = transformers.Qwen3_5Config(text_config=dict(text, **_LINEAR_ATTENTION),
                                             vision_config=dict(qwen_vision, in_channels=3), tie_word_embeddings=True,
-                                            **special)
+                                            vision_start_token_id=len(tokenizer) - 1,
+                                            vision_end_token_id=len(tokenizer) - 4, **special)
     elif family == "qwen2_5_vl":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
         config = transformers.Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope),
@@ -332,24 +333,32 @@ def tiny_vision_language(family: str, tokenizer=None, seed: int = 0):
 # video or begin-of-image, vision start or end-of-image) are theirs, and LLaVA's end of turn (its EOS, "</s>", which
 # its template writes); and its real chat template, as TRL ships it
 _VISION_TOKENS = {"llava": ["</s>", "<image>", "<|unused_0|>", "<|unused_1|>"],
+                  "gemma3": ["<start_of_turn>", "<end_of_turn>", "<image_soft_token>", "<start_of_image>",
+                             "<end_of_image>"],
+                  "qwen3_5": ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>"],
                   "qwen2_5_vl": ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]}
-_VISION_TEMPLATES = {"llava": "llava_next.jinja", "qwen2_5_vl": "qwen2_5_vl.jinja"}
+_VISION_TEMPLATES = {"llava": "llava_next.jinja", "qwen2_5_vl": "qwen2_5_vl.jinja", "gemma3": "gemma3.jinja",
+                     "qwen3_5": "qwen3_5_nothink.jinja"}
+# each family's end of turn, its EOS (what its template ends an assistant turn with)
+_VISION_EOS = {"llava": "</s>", "gemma3": "<end_of_turn>"}
 VISION_PROCESSORS = tuple(_VISION_TOKENS)  # tiny_vision_processor's families
 
 
 def tiny_vision_processor(family: str, seed: int = 0):
     """(a tiny vision-language model of `family`, its processor), built offline: tiny_tokenizer with the family's
     image tokens and TRL's copy of the family's chat template, and a PIL image processor (no torchvision) sized for
-    tiny images. LLaVA: 16x16 pixels in patches of 4 -> 16 image tokens; Qwen2.5-VL: up to 16x16 pixels in patches of
-    4 merged 2x2 (a 16x16 image -> 4 image tokens), `pixel_values` [patches, 96] and `image_grid_thw` [images, 3]."""
+    tiny images. LLaVA: 16x16 pixels in patches of 4 -> 16 image tokens; Qwen2.5-VL and Qwen3.5: up to 16x16 pixels in
+    patches of 4 merged 2x2 (a 16x16 image -> 4 image tokens), `pixel_values` [patches, 96] and `image_grid_thw`
+    [images, 3]; Gemma 3: 16x16 pixels pooled to 4 image tokens between its begin and end of image, `token_type_ids`
+    marking them (its bidirectional image attention)."""
     import os
 
     import trl
 
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": _VISION_TOKENS[family]})
-    if family == "llava":
-        tokenizer.eos_token = "</s>"
+    if family in _VISION_EOS:
+        tokenizer.eos_token = _VISION_EOS[family]
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", _VISION_TEMPLATES[family])) as f:
         template = f.read()
     model = tiny_vision_language(family, tokenizer, seed)
@@ -361,23 +370,51 @@ def tiny_vision_processor(family: str, seed: int = 0):
         return model, LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                      vision_feature_select_strategy="default", chat_template=template,
                                      image_token="<image>", num_additional_image_tokens=1)
+    if family == "gemma3":
+        from transformers import Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        for name, token in (("image_token", "<image_soft_token>"), ("boi_token", "<start_of_image>"),
+                            ("eoi_token", "<end_of_image>")):
+            setattr(tokenizer, name, token)
+            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(token))
+        images = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+        return model, Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template,
+                                      image_seq_length=4)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
                                       max_pixels=16 * 16)
-    return model, _image_only_qwen_vl_processor()(images, tokenizer, chat_template=template)
+    return model, _image_only_qwen_vl_processor(family)(images, tokenizer, chat_template=template)
 
 
-def _image_only_qwen_vl_processor():
-    """Qwen2.5-VL's processor without its video processor (which imports torchvision): images and text only."""
-    from transformers import Qwen2_5_VLProcessor
+def save_tiny_vision(path: str, seed: int = 0) -> str:
+    """A tiny LLaVA and its processor (tiny_vision_processor) saved to `path`, loadable offline by path with
+    AutoProcessor and a trainer, as a hub checkpoint is: the docs' vision-language examples run on it with only the
+    model name changed. Returns `path`."""
+    model, processor = tiny_vision_processor("llava", seed)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def _image_only_qwen_vl_processor(family: str):
+    """Qwen2.5-VL's (or Qwen3.5's, Qwen3-VL's) processor without its video processor (which imports torchvision):
+    images and text only."""
+    from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    base = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen3VLProcessor
+
+    class ImageOnlyProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
             self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+            self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+            self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
 
-    return ImageOnlyQwen2_5_VLProcessor
+    ImageOnlyProcessor.__name__ = f"ImageOnly{base.__name__}"
+    return ImageOnlyProcessor

@@ -235,8 +235,8 @@ def missing_prompt_column(tmp):
     _source({"question": ["a", "b"]})
 
 
-_IMAGES_REFUSED = (r"has an '{}' column: training on images is not in this release \(vision-language checkpoints "
-                   r"train on text\); remove the column to train on the text alone")
+_IMAGES_REFUSED = (r"has an '{}' column, and this trainer trains on text only \(as TRL's does\): remove the column "
+                   r"to train on the text alone")
 
 
 _TEXT_MODEL_WITH_IMAGES = (r"^{}'s {} has images \(an 'image' or 'images' column\), but the processing class is a "

@@ -55,14 +55,17 @@ HUB_ID = re.compile(r"""(["'])([A-Za-z0-9][\w.-]*/[\w.-]+)\1""")
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """hub id -> a tiny local model built by posttrain.testing.save_tiny (the docs' recipe for trying things offline),
-    a seed of its own for each id (a distillation example's teacher differs from its student)."""
-    from posttrain.testing import save_tiny
+    a seed of its own for each id (a distillation example's teacher differs from its student); a LLaVA id, a tiny
+    LLaVA with its processor (save_tiny_vision)."""
+    from posttrain.testing import save_tiny, save_tiny_vision
 
     built = {}
 
     def model_for(hub_id: str) -> str:
         if hub_id not in built:
-            built[hub_id] = save_tiny(str(tmp_path_factory.mktemp("model")), seed=len(built), hidden=32, layers=1)
+            folder = str(tmp_path_factory.mktemp("model"))
+            built[hub_id] = (save_tiny_vision(folder, seed=len(built)) if "llava" in hub_id.lower() else
+                             save_tiny(folder, seed=len(built), hidden=32, layers=1))
         return built[hub_id]
 
     return model_for

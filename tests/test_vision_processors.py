@@ -30,11 +30,13 @@ def test_rows_processed_alone_batch_as_the_processor_batches_them(family):
     texts = [processor.apply_chat_template(_conversation(t), tokenize=False, add_generation_prompt=True)
              for t in ("What is it?", "And this one, please?")]
     images = [_image(0), _image(1, (12, 16))]
-    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    # the token each image expands to (Gemma 3's processor names its begin-of-image, and expands the soft token)
+    expanded = processor.tokenizer.image_token if family == "gemma3" else processor.image_token
+    image_token = processor.tokenizer.convert_tokens_to_ids(expanded)
     config = model.config
     assert image_token == (config.image_token_index if family == "llava" else config.image_token_id)
     alone = [processor(text=[t], images=[i], return_tensors="pt") for t, i in zip(texts, images)]
-    together = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    together = processor(text=texts, images=[[i] for i in images], return_tensors="pt", padding=True)
     rows = ModelInputs.from_rows([{k: row[k] for k in IMAGE_KEYS if k in row} for row in alone])
     batched = rows.batched()
     assert sorted(batched) == sorted(k for k in IMAGE_KEYS if k in together)

@@ -2,8 +2,8 @@
 `images`, each prompt's images placed in its conversation and processed with it, sampled in process with the pixels
 in the prefill (the image tokens never sampled), the pixels riding with the rows into every log-prob forward. The
 completions' log-probs equal TRL's own `_get_per_token_logps_and_entropies` on TRL's own processing of the same
-prompts, through the same tiny model (LLaVA: pixel_values per image; Qwen2.5-VL: flattened patches, image_grid_thw
-and the mm_token_type_ids of its multimodal rotary positions)."""
+prompts, through the same tiny model (LLaVA: pixel_values per image; Gemma 3: token_type_ids; Qwen2.5-VL and Qwen3.5:
+flattened patches, image_grid_thw and the mm_token_type_ids of their multimodal rotary positions)."""
 
 import copy
 
@@ -11,10 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.testing import tiny_vision_processor
+from posttrain.testing import VISION_PROCESSORS, tiny_vision_processor
 from tests import vlm_data
-
-FAMILIES = ("llava", "qwen2_5_vl")
 
 
 def _length_reward(completions, **kwargs):
@@ -58,9 +56,9 @@ def _trl_logps(model, processor, rows, rollouts, tmp_path):
     assert torch.equal(inputs["input_ids"], rollouts.prompt_ids) and torch.equal(inputs["attention_mask"].bool(),
                                                                                rollouts.prompt_mask.bool())
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    if "mm_token_type_ids" in extra:  # as TRL extends them over the completion
-        extra["mm_token_type_ids"] = torch.cat([extra["mm_token_type_ids"],
-                                                torch.zeros_like(rollouts.completion_ids)], 1)
+    for name in ("mm_token_type_ids", "token_type_ids"):  # as TRL extends them over the completion
+        if name in extra:
+            extra[name] = torch.cat([extra[name], torch.zeros_like(rollouts.completion_ids)], 1)
     ids = torch.cat([inputs["input_ids"], rollouts.completion_ids], 1)
     mask = torch.cat([inputs["attention_mask"], rollouts.completion_mask.long()], 1)
     with torch.no_grad():
@@ -69,7 +67,7 @@ def _trl_logps(model, processor, rows, rollouts, tmp_path):
     return logps
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", VISION_PROCESSORS)
 def test_completion_log_probs_equal_trls_on_trls_processing_of_the_same_prompts(family, tmp_path):
     from posttrain.models.logprobs import token_logprobs
 
@@ -152,3 +150,29 @@ def test_rloo_trains_on_image_prompts_through_grpo_s_path(tmp_path):
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == 2 and all("kl" in e for e in logged)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.named_parameters())
+
+
+@pytest.mark.peft
+def test_lora_adapters_train_on_image_prompts_and_the_vision_tower_stays(tmp_path):
+    """TRL's test_train_vlm_peft: adapters on the language model's linear layers train from image prompts; the base
+    weights, the vision tower's included, do not move."""
+    from peft import LoraConfig
+
+    from posttrain import GRPOTrainer
+
+    model, processor = tiny_vision_processor("qwen2_5_vl", seed=4)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model, _length_reward, _config(tmp_path, max_steps=2, per_device_train_batch_size=2,
+                                                         learning_rate=0.1),
+                          train_dataset=Dataset.from_list(vlm_data.prompt_only(2)), processing_class=processor,
+                          peft_config=lora)
+    trainer.train()
+    named = dict(trainer.policy.named_parameters())
+    adapters = {n: p for n, p in named.items() if "lora_" in n}
+    assert adapters and any(float(p.abs().sum()) > 0 for n, p in adapters.items() if "lora_B" in n)
+    # every base weight, under peft's names (base_model.model.<name>, a wrapped layer's weight in base_layer)
+    after = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in named.items()
+             if "lora_" not in n}
+    assert sorted(after) == sorted(base)
+    assert all(torch.equal(after[name].detach(), value) for name, value in base.items())

@@ -1,8 +1,9 @@
 """SFT on a vision-language model with images, as TRL 1.16 takes them: each row's images go through the processor with
 its conversation, the pixels ride with the row (model_inputs) into the forward; the per-token log-probs and the loss of
 one batch equal those of TRL's own collator (DataCollatorForVisionLanguageModeling) through the same tiny model, for
-LLaVA (pixel_values per image) and Qwen2.5-VL (flattened patches, image_grid_thw, mm_token_type_ids' rotary
-positions); TRL's refusals are one sentence each."""
+LLaVA (pixel_values per image), Gemma 3 (pooled image tokens, token_type_ids' bidirectional image attention),
+Qwen2.5-VL and Qwen3.5 (flattened patches, image_grid_thw, mm_token_type_ids' rotary positions; Qwen3.5's Gated
+DeltaNet layers); TRL's refusals are one sentence each."""
 
 import copy
 
@@ -10,15 +11,20 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.testing import tiny_vision_processor
+from posttrain.testing import VISION_PROCESSORS, tiny_vision_processor
 from tests import vlm_data
 
 FAMILIES = ("llava", "qwen2_5_vl")
+# what each family's rows carry into the forward: pixels per image (LLaVA, Gemma 3) or flattened patches with their
+# grid (Qwen-VL), and the per-token types derived from the ids
+CARRIED = {"llava": {"pixel_values"}, "gemma3": {"pixel_values", "token_type_ids"},
+           "qwen2_5_vl": {"pixel_values", "image_grid_thw", "mm_token_type_ids"},
+           "qwen3_5": {"pixel_values", "image_grid_thw", "mm_token_type_ids"}}
 
 
 @pytest.fixture(scope="module")
 def vlms():
-    return {family: tiny_vision_processor(family) for family in FAMILIES}
+    return {family: tiny_vision_processor(family) for family in VISION_PROCESSORS}
 
 
 def _trainer(model, processor, rows, tmp_path, **overrides):
@@ -58,8 +64,8 @@ def _row_order(ours, theirs) -> list[int]:
     return [theirs_rows.index(row) for row in tokens(ours.input_ids, ours.attention_mask)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("data", ["language_modeling", "prompt_completion"])
+@pytest.mark.parametrize("family, data", [(family, "language_modeling") for family in VISION_PROCESSORS] +
+                         [(family, "prompt_completion") for family in FAMILIES])
 def test_a_batch_s_log_probs_and_loss_equal_trls_collator_through_the_same_model(vlms, family, data, tmp_path):
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
@@ -67,8 +73,7 @@ def test_a_batch_s_log_probs_and_loss_equal_trls_collator_through_the_same_model
     rows = getattr(vlm_data, data)(4)
     trainer = _trainer(model, processor, rows, tmp_path)
     ours = next(iter(trainer.get_train_dataloader()))
-    assert set(ours.model_inputs) == ({"pixel_values"} if family == "llava" else
-                                      {"pixel_values", "image_grid_thw", "mm_token_type_ids"})
+    assert set(ours.model_inputs) == CARRIED[family]
     collator = DataCollatorForVisionLanguageModeling(processor, completion_only_loss=data == "prompt_completion")
     theirs = collator(copy.deepcopy(rows))
     order = _row_order(ours, theirs)
