@@ -121,7 +121,26 @@ def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **
         raise RuntimeError(f"{type(unwrap(model)).__name__} gave its output layer {hidden.size(-2)} positions when "
                            f"{n_keep} were asked for with {logits_to_keep_kwarg(model)}: its forward does not honour "
                            "that keyword.")
-    return hidden, out
+    return hidden + _unread_outputs(out), out
+
+
+def _unread_outputs(out) -> torch.Tensor | float:
+    """0, with a gradient path to each tensor of the model's output that the passes do not read (a vision-language
+    model's `image_outputs`: its vision tower's last hidden state, which LLaVA's features, taken a layer earlier, leave
+    out). DDP looking for unused parameters counts whatever the forward's output reaches as used, and would wait in
+    vain for the gradients of the layers only those tensors reach; through this path each gets a gradient of 0. An
+    empty slice's sum: exactly 0 whatever the values (an inf among them too)."""
+    if not torch.is_grad_enabled() or not isinstance(out, dict):
+        return 0.0
+    total = 0.0
+    for name, value in out.items():
+        if name == "logits":  # cut to no position by the hook above; the output layer's gradient comes the loss's way
+            continue
+        tensors = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else [value]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                total = total + tensor.reshape(-1)[:0].sum()
+    return total
 
 
 def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
