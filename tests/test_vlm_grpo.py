@@ -6,6 +6,7 @@ prompts, through the same tiny model (LLaVA: pixel_values per image; Gemma 3: to
 flattened patches, image_grid_thw and the mm_token_type_ids of their multimodal rotary positions)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -176,3 +177,17 @@ def test_lora_adapters_train_on_image_prompts_and_the_vision_tower_stays(tmp_pat
              if "lora_" not in n}
     assert sorted(after) == sorted(base)
     assert all(torch.equal(after[name].detach(), value) for name, value in base.items())
+
+
+def test_a_tiny_model_learns_to_answer_from_the_image(tmp_path):
+    """examples/vlm_colours.py: the same text beside a red or a blue image, the reward 1 for the image's colour's
+    letter and 0.5 for the other's. Answering without the image earns 0.75 at most; GRPO on image prompts takes the
+    mean reward from about 0 to above 0.9 in 200 steps."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import vlm_colours
+
+    _, rewards = vlm_colours.train(str(tmp_path / "out"), 200)
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert first < 0.2 and last > 0.9, (first, last)
