@@ -335,3 +335,50 @@ def test_tensor_parallel_colocate_shares_one_engine_per_group(tmp_path, tokenize
         alone = make_generator(config, tiny_model(tokenizer), tokenizer, seed=3).generate(prompts, list(range(8)))
     assert ranks[0]["seeds"] == ranks[1]["seeds"]  # one engine call per group, the same requests on both
     assert ranks[0]["completions"] + ranks[1]["completions"] == alone.completion_ids.tolist()
+
+
+def test_colocate_gives_each_prompt_its_images_as_vllms_multi_modal_data(tokenizer):
+    """A vision-language model's prompts (ids with their image tokens expanded) go to vLLM with their images as the
+    request's multi_modal_data, as TRL's colocate mode sends them: one request per prompt and its images, so two
+    prompts whose ids agree but whose images differ are two requests."""
+    from PIL import Image
+
+    red, blue, green = (Image.new("RGB", (8, 8), c) for c in ("red", "blue", "green"))
+    policy = tiny_model(tokenizer, seed=1)
+    images = [[red]] * 3 + [[blue, green]] * 3  # the same ids for both prompts, other images
+    prompts = [PROMPTS[0]] * 6
+    with fake_vllm(model=tiny_model(tokenizer, seed=2)) as double:
+        generator = make_generator(_colocate_config(), policy, tokenizer, seed=4)
+        generator.sync_weights(export_weights(policy))
+        rollouts = generator.generate(prompts, list(range(6)), images=images)
+        generated = [args for name, args in double.log if name == "LLM.generate"][-1]
+        sent = generated["prompts"]
+        assert [p["prompt_token_ids"] for p in sent] == [PROMPTS[0]] * 2
+        assert sent[0]["multi_modal_data"] == {"image": red}
+        assert sent[1]["multi_modal_data"]["image"] == [blue, green]
+        assert [r.n for r in generated["sampling_params"]] == [3, 3]
+    assert rollouts.completion_ids.shape[0] == 6
+
+
+def test_grpo_colocate_trains_on_image_prompts(tmp_path):
+    """GRPO in colocate mode on a vision-language model's image prompts (on the double): each round's requests carry
+    their images, the engine loads the policy's weights, and the rows' pixels ride into training's forwards."""
+    from datasets import Dataset
+    from vlm_data import prompt_only
+
+    from posttrain.configs import GRPOConfig as Config
+    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.testing import tiny_vision_processor
+
+    model, processor = tiny_vision_processor("qwen2_5_vl")
+    engine_model, _ = tiny_vision_processor("qwen2_5_vl", seed=5)
+    with fake_vllm(model=engine_model) as double:  # its tokens lie below 100: never an image token
+        config = Config(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=4, use_vllm=True, vllm_mode="colocate", use_cpu=True,
+                        report_to="none", save_strategy="no", logging_steps=1)
+        trainer = GRPOTrainer(model, lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+                              args=config, train_dataset=Dataset.from_list(prompt_only(4)), processing_class=processor)
+        trainer.train()
+        sent = [args["prompts"] for name, args in double.log if name == "LLM.generate"]
+    assert len(sent) == 2 and all("multi_modal_data" in p for requests in sent for p in requests)
+    assert all(e["loss"] == e["loss"] for e in trainer.state.log_history if "loss" in e)  # finite, not NaN

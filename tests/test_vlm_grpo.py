@@ -117,7 +117,7 @@ def test_a_run_trains_and_resumes_with_image_rows_buffered(tmp_path):
 
 
 @pytest.mark.parametrize("option, said", [
-    (dict(use_vllm=True), r"^use_vllm=True is not supported with images"),
+    (dict(use_vllm=True, vllm_mode="server"), r"^vllm_mode='server' is not supported with images"),
 ])
 def test_what_cannot_take_images_yet_is_one_sentence(tmp_path, option, said):
     from posttrain.configs import ConfigError

@@ -251,10 +251,13 @@ class Generator(Protocol):
     pushes_in_background: bool
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
-                 new_round: bool = True, model_inputs: ModelInputs | None = None) -> Rollouts:
-        """Sample one completion per prompt (prompts arrive already repeated G times). `model_inputs`: each prompt's
-        extra forward inputs (a vision-language model's pixels; only engines that take them are given them: the
-        in-process one); the rollouts do not carry them back (the caller attaches them). `row_keys`: each row's index
+                 new_round: bool = True, model_inputs: ModelInputs | None = None,
+                 images: list[list] | None = None) -> Rollouts:
+        """Sample one completion per prompt (prompts arrive already repeated G times). For a vision-language model's
+        prompts (their ids hold the expanded image tokens): `model_inputs`, each row's pixels as the trainer's
+        processor made them (what the in-process engine's model takes), and `images`, each row's images as given
+        (what vLLM processes itself); the rollouts do not carry them back (the caller attaches them). Engines that
+        take neither are refused images when the trainer is built. `row_keys`: each row's index
         in the generation round across processes (default 0..N-1); a row's completion depends on its prompt, its
         key, the round and the weights only, not on which process or request samples it. A round's seed is drawn
         (the same on every process) when `new_round`; False samples within the last round (a multi-turn rollout's

@@ -156,10 +156,11 @@ class TransformersGenerator:
         self.model = None
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
-                 new_round: bool = True, model_inputs=None) -> Rollouts:
+                 new_round: bool = True, model_inputs=None, images=None) -> Rollouts:
         """Sample a completion for each prompt; see `Rollouts` for the shapes returned. `row_keys`: each row's
         index in the generation round (default 0..N-1), which with the round's seed fixes its random numbers;
-        `new_round`, `model_inputs`: see the Generator protocol."""
+        `new_round`, `model_inputs`: see the Generator protocol (`images`, the raw ones, are vLLM's: the pixels in
+        model_inputs are what this engine's model takes)."""
         if new_round or self._round_seed is None:
             self._round_seed = draw_seed(self.rng)
         return self.generate_seeded(prompts, self._round_seed, row_keys, model_inputs)

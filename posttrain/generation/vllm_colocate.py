@@ -119,18 +119,24 @@ class ColocateGenerator:
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
-                 new_round: bool = True) -> Rollouts:
+                 new_round: bool = True, model_inputs=None, images: list[list] | None = None) -> Rollouts:
+        """`images`: each row's images (a vision-language model's prompts: their ids hold the expanded image tokens),
+        given to vLLM as the request's multi_modal_data, which it processes itself; `model_inputs` (the pixels the
+        trainer's processor made) are not needed here."""
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
         mine = len(prompts)
         if self.group is not None:  # the group's engine samples the union of its processes' rows
             gathered = [None] * self.tp
-            torch.distributed.all_gather_object(gathered, (prompts, keys), group=self.group)
-            prompts = [p for part, _ in gathered for p in part]
-            keys = [k for _, part in gathered for k in part]
+            torch.distributed.all_gather_object(gathered, (prompts, keys, images), group=self.group)
+            prompts = [p for part, _, _ in gathered for p in part]
+            keys = [k for _, part, _ in gathered for k in part]
+            images = None if images is None else [i for _, _, part in gathered for i in part]
         if new_round or self._round_seed is None:  # a multi-turn rollout's later turns sample within the round
             self._round_seed = draw_seed(self.rng)
         seed = self._round_seed
-        runs = _runs(prompts, keys)
+        runs, media = _runs(prompts, keys), None
+        if images is not None:
+            runs, media = _runs_with_images(prompts, keys, images)
         sampling = vllm_compat.symbol("SamplingParams")
         requests = [sampling(**vllm_sampling_params(self.params, n, stream_seed(seed, key), self.eos_ids))
                     for _, key, n in runs]
@@ -138,7 +144,11 @@ class ColocateGenerator:
             raise GenerationError("vLLM colocate was asked to generate with its weights released by sleep mode: sync "
                                   "the policy's weights first (a posttrain bug if the trainer did this).")
         self._wake("kv_cache")
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p, _, _ in runs], requests, use_tqdm=False)
+        prompts_in = [{"prompt_token_ids": p} for p, _, _ in runs]
+        for prompt, run_images in zip(prompts_in, media or ()):
+            if run_images:
+                prompt["multi_modal_data"] = {"image": run_images if len(run_images) > 1 else run_images[0]}
+        outputs = self.llm.generate(prompts_in, requests, use_tqdm=False)
         # logprobs=0: one {token_id: Logprob} per position, holding the sampled token's
         rows = [(list(out.prompt_token_ids), list(c.token_ids),
                  [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
@@ -163,3 +173,19 @@ class ColocateGenerator:
     def close(self) -> None:
         self.llm = None
         self._workdir.cleanup()
+
+
+def _runs_with_images(prompts: list[list[int]], keys: list[int], images: list[list]) -> tuple[list, list]:
+    """`_runs` where a run's rows also share their images (the same objects: a prompt's G rows), and each run's
+    images: rows with the same ids but other images (two prompts whose texts and image sizes agree) are runs of their
+    own."""
+    runs, media = [], []
+    for prompt, key, row_images in zip(prompts, keys, images):
+        same = runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key and \
+            len(media[-1]) == len(row_images) and all(a is b for a, b in zip(media[-1], row_images))
+        if same:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((list(prompt), key, 1))
+            media.append(list(row_images))
+    return runs, media

@@ -143,9 +143,10 @@ class OnlineTrainer(Trainer):
     def _refused_with_images(self, agents: Agents) -> dict[str, str]:
         """What a run with images cannot do in this release, and each one's fix."""
         args, refused = self.args, {}
-        if args.use_vllm:
-            refused["use_vllm=True"] = ("images are sampled in process in this release (vLLM's multi_modal_data is "
-                                        "not passed yet): set use_vllm=False")
+        if args.use_vllm and args.vllm_mode != "colocate":
+            refused[f"vllm_mode={args.vllm_mode!r}"] = ("images are sampled in process or by a colocated vLLM in this "
+                                                        "release (a server would need the images sent to it): set "
+                                                        "vllm_mode='colocate', or use_vllm=False")
         if getattr(args, "async_generation", False):
             refused["async_generation=True"] = "set async_generation=False (its generation copy is a text model)"
         if agents.calls_tools or agents.rollout_func is not None:

@@ -14,6 +14,7 @@ from posttrain.agents.rollouts import AgentSample
 from posttrain.data import PromptRound
 from posttrain.model_inputs import ModelInputs
 from posttrain.rewards import reward_inputs
+from posttrain.sequences.images import images_of
 from posttrain.weights import export_weights
 
 
@@ -106,9 +107,11 @@ class RoundSampler:
                                           self.accelerator.device)
             if share.model_inputs is None:
                 rollouts = self.generator.generate(share.prompt_ids, share.row_keys)
-            else:  # the prompts' pixels go to the prefill, and ride with the rows to every later forward
+            else:  # the prompts' pixels (vLLM: their images) go to the prefill, and ride with the rows to every
+                # later forward
                 rollouts = replace(self.generator.generate(share.prompt_ids, share.row_keys,
-                                                           model_inputs=share.model_inputs),
+                                                           model_inputs=share.model_inputs,
+                                                           images=[images_of(row) for row in share.rows]),
                                    model_inputs=share.model_inputs)
         finally:
             self.generator.round_done()  # after the last turn: an engine may free its memory for training
