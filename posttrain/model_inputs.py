@@ -15,7 +15,9 @@ Rollouts (generation/protocol.py) and training buffer (grpo/batch.py), the token
                                      processor's modality of each token), so it follows any padding or truncation
     inputs.tensors(prefix) / ModelInputs.from_tensors(tensors, prefix, n)    a checkpoint's flat name -> tensor form
 
-A row is an immutable {name: tensor}; nothing here reads a model. Where the rows are laid out in ways these inputs
+A row is an immutable {name: tensor}, or a deferred row (anything with `names`, `resolve()` -> {name: tensor} and
+`fingerprint()` -> bytes: sequences/images.py RowPixels, a prepared dataset's row whose pixels are processed when a
+batch takes it, so that preparing a large image dataset keeps ids, not pixels); nothing here reads a model. Where the rows are laid out in ways these inputs
 cannot follow (several rows packed into one, a row split in pieces, a prompt shared by several rows) the layout is
 refused or not taken, and `CANNOT_CARRY` names it; the chunked output layer carries them (it sees only the hidden
 states of the model's own forward with its inputs).
@@ -84,6 +86,9 @@ class ModelInputs:
                   token_types: TokenTypes | None = None) -> "ModelInputs":
         checked = []
         for i, row in enumerate(rows):
+            if _deferred(row):
+                checked.append(row)
+                continue
             row = dict(row or {})
             for name, value in row.items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -100,7 +105,15 @@ class ModelInputs:
     @property
     def names(self) -> list[str]:
         """Every input name any row has, sorted."""
-        return sorted({name for row in self.rows for name in row})
+        return sorted({name for row in self.rows for name in (row.names if _deferred(row) else row)})
+
+    def resolved(self) -> "ModelInputs":
+        """These rows with every deferred one's tensors made (each distinct row once)."""
+        made = {}
+        for row in self.rows:
+            if _deferred(row) and id(row) not in made:
+                made[id(row)] = row.resolve()
+        return ModelInputs(tuple(made[id(row)] if _deferred(row) else row for row in self.rows), self.token_types)
 
     def select(self, index) -> "ModelInputs":
         """Rows `index` (a sequence or 1-d tensor of row numbers, or a bool mask), in that order."""
@@ -129,8 +142,9 @@ class ModelInputs:
         out = {}
         if self.token_types is not None and input_ids is not None:
             out[self.token_types.name] = self.token_types.of(input_ids)
+        rows = self.resolved().rows
         for name in self.names:
-            values = [row[name] for row in self.rows if name in row]
+            values = [row[name] for row in rows if name in row]
             out[name] = torch.cat(values, 0) if len(values) > 1 else values[0]
             if device is not None:
                 out[name] = out[name].to(device)
@@ -141,7 +155,7 @@ class ModelInputs:
         several rows share (a prompt's pixels, repeated for each of its completions) is written once: the later rows
         hold f"{prefix}{row}.{name}@", the number of the row that has it."""
         out, first = {}, {}
-        for r, row in enumerate(self.rows):
+        for r, row in enumerate(self.resolved().rows):
             for name, value in row.items():
                 owner = first.setdefault((name, id(value)), r)
                 if owner == r:
@@ -176,8 +190,16 @@ class ModelInputs:
         """The rows' names, shapes, dtypes and values, for a data fingerprint."""
         parts = [repr(self.token_types).encode()] if self.token_types is not None else []
         for r, row in enumerate(self.rows):
+            if _deferred(row):
+                parts.append(f"{r}:".encode() + row.fingerprint())
+                continue
             for name in sorted(row):
                 value = row[name].detach().cpu().contiguous()
                 parts.append(f"{r}.{name}:{tuple(value.shape)}:{value.dtype}".encode())
                 parts.append(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
         return b"".join(parts)
+
+
+def _deferred(row) -> bool:
+    """A row whose tensors are made when a batch takes it."""
+    return callable(getattr(row, "resolve", None))

@@ -187,3 +187,17 @@ def test_two_ddp_processes_train_image_rows_as_one_process_does(tmp_path):
     w1, w2 = (load_file(tmp_path / run / "model.safetensors") for run in runs)
     for name in w1:
         assert torch.allclose(w1[name], w2[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_prepared_dataset_holds_no_pixels_until_a_batch_takes_its_rows(vlms, tmp_path):
+    """As TRL's collators process each batch's images, a prepared map-style dataset keeps each row's ids and where
+    its images are (RowPixels), never a whole dataset's pixels; a batch makes its rows' pixels from the dataset."""
+    from posttrain.sequences.images import RowPixels
+
+    model, processor = vlms["qwen2_5_vl"]
+    trainer = _trainer(model, processor, vlm_data.language_modeling(4), tmp_path)
+    held = trainer.batches.rows.model_inputs.rows
+    assert len(held) == 4 and all(isinstance(row, RowPixels) for row in held)
+    assert not any(isinstance(value, torch.Tensor) for row in held for value in vars(row).values())
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch.model_inputs["pixel_values"].shape[0] == 16 * 5  # 5 images of 16x16 in patches of 4: 16 each

@@ -120,8 +120,9 @@ class KTOEncoder:
     """
 
     def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None, *,
-                 vision=None):
+                 vision=None, source=None):
         self.tokenizer, self.name, self.vocab_size, self.vision = tokenizer, name, vocab_size, vision
+        self.source = source  # the map-style dataset (its rows' images read again when a batch takes them), or None
         self.format, self.paired = detect_format(first_row, name, images=vision is not None)
         if vision is not None and (self.paired or self.format != "conversational"):
             raise DataError(f"{name} has images and is {'paired' if self.paired else self.format} data: images go "
@@ -228,13 +229,13 @@ class KTOEncoder:
         where, images = f"Row {index} of {self.name}", images_of(row)
         prompt = with_images(prompt, images, where)
 
-        def ids(messages, generation_prompt=False):
-            text = self.vision.render(messages, generation_prompt=generation_prompt, **kwargs)
-            return self.vision.encode(text, images, where)
+        def text(messages, generation_prompt=False):
+            return self.vision.render(messages, generation_prompt=generation_prompt, **kwargs)
 
-        prompt_ids, inputs = ids(prompt, generation_prompt=True)
+        prompt_ids, inputs = self.vision.row_inputs(text(prompt, True), images, where, self.source, index)
         self.inputs.append(inputs)
-        return (*self._split(prompt_ids, ids(prompt + with_images(completion, [], where))[0]), label, index)
+        full_ids = self.vision.encode(text(prompt + with_images(completion, [], where)), images, where)[0]
+        return (*self._split(prompt_ids, full_ids), label, index)
 
     def _conversation(self, prompt, completion, label: bool, index: int, kwargs: dict) -> tuple:
         row = f"Row {index} of {self.name}"

@@ -128,7 +128,8 @@ class KTOTrainer(AgainstReferenceTrainer):
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one example.")
         encoder = KTOEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows,
-                             vision=self.vision if dataset_has_images(dataset) else None)
+                             vision=self.vision if dataset_has_images(dataset) else None,
+                             source=None if is_iterable(dataset) else dataset)
         return UnpairedPreparation(encoder, self.args.max_length, name, announce=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the reference

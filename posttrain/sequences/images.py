@@ -15,11 +15,16 @@ processed, per row.
     vision.token_types                    the per-token input the model derives from the ids (model_inputs.py)
 
 A row is processed alone (`processor(text=[text], images=images)`), so a row's inputs do not depend on the rows
-batched with it; the per-token inputs a processor returns (`mm_token_type_ids`, Gemma 3's `token_type_ids`) are not
+batched with it. A prepared dataset (SFT's, DPO's, KTO's) keeps each row's ids and a RowPixels, not its pixels: the
+row's text and where its images are (the dataset and the row), processed again when a batch takes the row, as TRL's
+collators process each batch; a whole image dataset's pixels are never held at once; the per-token inputs a processor returns (`mm_token_type_ids`, Gemma 3's `token_type_ids`) are not
 stored but derived from the ids of each forward (model_inputs.TokenTypes), and so follow its padding. Processors whose
 pixel inputs are laid out per batch rather than per image (Idefics2/3 and SmolVLM's `pixel_attention_mask`) are
 refused in one sentence.
 """
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -170,6 +175,35 @@ class VisionProcessing:
                                 f"(it is {len(span)} tokens long), so cutting it there would leave its images without their "
                                 "tokens: raise max_length, or shorten the text before the images.")
 
+    def row_inputs(self, text: str, images: list, where: str, source: Any = None, index: int = 0):
+        """(ids, the row's model_inputs) of `text` with `images`: the pixels themselves, or, when the row is row
+        `index` of the map-style dataset `source`, a RowPixels that makes them again when a batch takes the row."""
+        ids, inputs = self.encode(text, images, where)
+        if source is None or not inputs:
+            return ids, inputs
+        return ids, RowPixels(self, text, source, index, where, tuple(sorted(inputs)))
+
     def model_inputs(self, rows: list[dict]) -> ModelInputs:
         """ModelInputs of per-row {name: tensor} (from `encode`), with this processor's token types."""
         return ModelInputs.from_rows(rows, self.token_types)
+
+
+@dataclass(frozen=True, eq=False)
+class RowPixels:
+    """A prepared row's pixels, made when a batch takes the row (model_inputs.py's deferred row): the processor run
+    again on the row's text and its images, read from its dataset row (row `index` of `source`)."""
+
+    vision: VisionProcessing
+    text: str
+    source: Any
+    index: int
+    where: str
+    names: tuple
+
+    def resolve(self) -> dict:
+        return self.vision.encode(self.text, images_of(self.source[self.index]), self.where)[1]
+
+    def fingerprint(self) -> bytes:
+        """What the row's pixels are made from: its dataset's fingerprint (datasets' own, of its contents) and row,
+        and its text."""
+        return f"{getattr(self.source, '_fingerprint', id(self.source))}:{self.index}:{self.text}".encode()

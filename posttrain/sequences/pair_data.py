@@ -68,11 +68,13 @@ class PairEncoder:
         needs: the trainer, as a wrong format's message names it.
         vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for pairs with images;
             None: text only.
+        source: the map-style dataset the pairs come from (their images read again when a batch takes them), or
+            None (a stream: the pixels kept with the pairs).
     """
 
     def __init__(self, tokenizer, first_row: dict, name: str = "train_dataset", vocab_size: int | None = None, *,
-                 needs: str = "DPO", vision=None):
-        self.tokenizer, self.vocab_size, self.vision = tokenizer, vocab_size, vision
+                 needs: str = "DPO", vision=None, source=None):
+        self.tokenizer, self.vocab_size, self.vision, self.source = tokenizer, vocab_size, vision, source
         self.name = name
         self.format = detect_format(first_row, name, needs, images=vision is not None)
         if vision is not None and self.format != "conversational":
@@ -175,9 +177,10 @@ class PairEncoder:
 
         def ids(messages, generation_prompt=False, keep=False):
             text = self.vision.render(messages, generation_prompt=generation_prompt, **kwargs)
-            out, inputs = self.vision.encode(text, images, where)
-            if keep:
-                self.inputs.append(inputs)
+            if not keep:
+                return self.vision.encode(text, images, where)[0]
+            out, inputs = self.vision.row_inputs(text, images, where, self.source, index)
+            self.inputs.append(inputs)
             return out
 
         prompt_ids = ids(prompt, generation_prompt=True, keep=True)

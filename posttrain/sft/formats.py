@@ -40,8 +40,8 @@ from posttrain.errors import UserFunctionError, described, detail_of, function_n
 from posttrain.sequences.chat import check_messages, common_prefix_length, template_kwargs, trl_training_template
 from posttrain.sequences.images import images_of, with_images
 from posttrain.sequences.rows import TokenRows
-from posttrain.sft.row_formats import (ACCEPTED, TEXT, detect_format, format_columns, format_of, from_sharegpt,
-                                       has_value)
+from posttrain.sft.row_formats import (ACCEPTED, TEXT, check_vision_options, detect_format, format_columns,
+                                       format_of, from_sharegpt, has_value)
 from posttrain.sft.row_checks import parts_as_python, template_dropped_text, tokenized_rows, untrained_reason
 
 logger = logging.getLogger("posttrain")
@@ -79,12 +79,14 @@ class RowEncoder:
         vocab_size: the model's vocabulary (its embedding rows): every token id must lie below it. None: unchecked.
         vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for a dataset with
             images; None: text only.
+        source: the map-style dataset the rows come from, whose rows' images are read again when a batch takes
+            them (sequences/images.py RowPixels); None (a stream): the pixels are kept with the rows.
     """
 
     def __init__(self, tokenizer, args, formatting_func, first_row: dict, *, name: str = "train_dataset",
-                 vocab_size: int | None = None, vision=None):
+                 vocab_size: int | None = None, vision=None, source=None):
         self.tokenizer = tokenizer
-        self.vision = vision
+        self.vision, self.source = vision, source
         self._images, self._inputs = [], []  # the rows being encoded: each one's images, its model_inputs
         self.args = args
         self.formatting_func = formatting_func
@@ -97,7 +99,7 @@ class RowEncoder:
         self._check_null_columns(formatted, 0, format_of(formatted, args.dataset_text_field) is None)
         self.format = detect_format(formatted, args.dataset_text_field, images=vision is not None)
         if vision is not None:
-            self._check_vision_options(name)
+            check_vision_options(self.format, args, name)
         self.first_columns = self._columns_of(self.format, formatted)
         self.completion_only = self._completion_only(first_row)
         self.mask_columns = [c for c in ("labels", "completion_mask", "assistant_masks") if has_value(first_row, c)
@@ -118,15 +120,6 @@ class RowEncoder:
         self._warned_prefix = False
 
     # ------------------------------------------------------------------ format and options
-
-    def _check_vision_options(self, name: str) -> None:
-        if self.format == "tokenized":
-            raise DataError(f"{name} has images and is already tokenized (input_ids): posttrain cannot know where its "
-                            "image tokens meet the images; give the rows as text, prompt-completion or messages.")
-        if self.args.assistant_only_loss:
-            raise ConfigError(f"assistant_only_loss=True with images in {name} is not in this release: set it to "
-                              "False (every token of the conversation trains), or use prompt-completion rows "
-                              "(completion-only loss).")
 
     def _formatted(self, row: dict, index: int) -> dict:
         """The row as the encoder reads it: through formatting_func, conversations converted to messages."""
@@ -221,10 +214,12 @@ class RowEncoder:
 
     def _vision_ids(self, text: str, i: int, index: int, keep: bool = True) -> list[int]:
         """Row i's `text` through the processor with the row's images (its image tokens expanded); `keep`: the
-        processed pixels are the row's model_inputs (the whole sequence's, not a prompt's)."""
-        ids, inputs = self.vision.encode(text, self._images[i], f"Row {index} of {self.name}")
-        if keep:
-            self._inputs[i] = inputs
+        processed pixels are the row's model_inputs (the whole sequence's, not a prompt's; from a map-style dataset,
+        made again when a batch takes the row)."""
+        where = f"Row {index} of {self.name}"
+        if not keep:
+            return self.vision.encode(text, self._images[i], where)[0]
+        ids, self._inputs[i] = self.vision.row_inputs(text, self._images[i], where, self.source, index)
         return ids
 
     def why_untrained(self, length: int) -> tuple[str, str]:

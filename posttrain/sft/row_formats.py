@@ -2,6 +2,7 @@
 dataset gives None (null) to a column a row lacks, so a row of a file that mixes formats has every format's columns,
 most of them null, and a null is a missing value, never a format."""
 
+from posttrain.configs import ConfigError
 from posttrain.data import DataError, refuse_images
 from posttrain.sequences.chat import is_messages
 
@@ -69,3 +70,14 @@ def format_columns(data_format: str, row: dict, text_field: str) -> list[str]:
                "prompt-completion": ["prompt", "completion"],
                "conversational prompt-completion": ["prompt", "completion"]}[data_format]
     return [c for c in columns if c in row]
+
+
+def check_vision_options(data_format: str, args, name: str) -> None:
+    """What a dataset with images cannot be (already tokenized) or train with (assistant_only_loss), in one sentence."""
+    if data_format == "tokenized":
+        raise DataError(f"{name} has images and is already tokenized (input_ids): posttrain cannot know where its "
+                        "image tokens meet the images; give the rows as text, prompt-completion or messages.")
+    if args.assistant_only_loss:
+        raise ConfigError(f"assistant_only_loss=True with images in {name} is not in this release: set it to "
+                          "False (every token of the conversation trains), or use prompt-completion rows "
+                          "(completion-only loss).")

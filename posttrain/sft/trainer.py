@@ -132,7 +132,8 @@ class SFTTrainer(BatchedDataTrainer):
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one row.")
         encoder = RowEncoder(self.tokenizer, self.args, self.formatting_func, first_row(dataset), name=name,
-                             vocab_size=self._vocab_rows, vision=self.vision if dataset_has_images(dataset) else None)
+                             vocab_size=self._vocab_rows, vision=self.vision if dataset_has_images(dataset) else None,
+                             source=None if is_iterable(dataset) else dataset)
         return Preparation(encoder, self.args, packing=packing, name=name,
                            main_process=self.accelerator.is_main_process, stream=is_iterable(dataset))
 

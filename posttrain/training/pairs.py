@@ -76,7 +76,8 @@ class PairTrainer(BatchedDataTrainer):
         if not is_iterable(dataset) and len(dataset) == 0:
             raise DataError(f"{name} is empty: it needs at least one pair.")
         encoder = PairEncoder(self.tokenizer, first_row(dataset), name, self._vocab_rows, needs=self._title,
-                              vision=self.vision if dataset_has_images(dataset) else None)
+                              vision=self.vision if dataset_has_images(dataset) else None,
+                              source=None if is_iterable(dataset) else dataset)
         return PairPreparation(encoder, self.args, name, announce=self.accelerator.is_main_process)
 
     def _configure_tokenizer(self, model) -> None:
