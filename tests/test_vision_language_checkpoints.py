@@ -183,3 +183,8 @@ def test_ddps_error_for_parameters_without_gradient_is_one_sentence():
         "ddp_find_unused_parameters=True, or freeze those parameters.")
     with pytest.raises(RuntimeError, match="^something else$"), _unused_parameters_said(2):
         raise RuntimeError("something else")
+    with pytest.raises(TrainingError) as err, _unused_parameters_said(3, looking=True):  # find_unused_parameters on
+        raise ddp_error
+    said = str(err.value)
+    assert said.startswith("Step 3: some trainable parameters got no gradient in the step before although DDP looks "
+                           "for unused ones") and "set ddp_find_unused_parameters" not in said

@@ -28,13 +28,19 @@ class TrainingError(UserError, RuntimeError):
 
 
 @contextlib.contextmanager
-def _unused_parameters_said(step: int):
-    """DDP's error for trainable parameters that got no gradient in the step before, as one sentence."""
+def _unused_parameters_said(step: int, looking: bool = False):
+    """DDP's error for trainable parameters that got no gradient in the step before, as one sentence; `looking`:
+    DDP was already looking for unused parameters (find_unused_parameters), so the sentence does not suggest it."""
     try:
         yield
     except RuntimeError as err:
         if "Expected to have finished reduction in the prior iteration" not in str(err):
             raise
+        if looking:
+            raise TrainingError(
+                f"Step {step}: some trainable parameters got no gradient in the step before although DDP looks for "
+                "unused ones: a tensor of the model's output that the loss never reads reaches them (a vision "
+                "tower's last layer, say), so DDP counts them as used; freeze those parameters.") from err
         raise TrainingError(
             f"Step {step}: some trainable parameters got no gradient in the step before (a vision tower a text batch "
             "never reaches, experts no token was routed to, a layer the loss does not use), and DDP waits for every "
@@ -56,7 +62,9 @@ class StepMixin:
         self._run_micro_loss = micro_loss
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
-            with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1):
+            looking = bool(self.args.ddp_find_unused_parameters)
+            with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1,
+                                                                                         looking):
                 self._micro_result = self._backpropagated = None
                 self.training_step(self.model, mb, num_items_in_batch)
                 self._returned_losses.append(self._backpropagated)
