@@ -17,10 +17,10 @@ Rollouts (generation/protocol.py) and training buffer (grpo/batch.py), the token
 
 A row is an immutable {name: tensor}, or a deferred row (anything with `names`, `resolve()` -> {name: tensor} and
 `fingerprint()` -> bytes: sequences/images.py RowPixels, a prepared dataset's row whose pixels are processed when a
-batch takes it, so that preparing a large image dataset keeps ids, not pixels); nothing here reads a model. Where the rows are laid out in ways these inputs
-cannot follow (several rows packed into one, a row split in pieces, a prompt shared by several rows) the layout is
-refused or not taken, and `CANNOT_CARRY` names it; the chunked output layer carries them (it sees only the hidden
-states of the model's own forward with its inputs).
+batch takes it, so that preparing a large image dataset keeps ids, not pixels); nothing here reads a model. Where the
+rows are laid out in ways these inputs cannot follow (several rows packed into one, a row split in pieces, a prompt
+shared by several rows) the layout is refused or not taken, and `CANNOT_CARRY` names it; the chunked output layer
+carries them (it sees only the hidden states of the model's own forward with its inputs).
 """
 
 from dataclasses import dataclass

@@ -102,9 +102,9 @@ def output_layer_input(model, layer: torch.nn.Module, n_keep: int, **inputs) -> 
 def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **inputs) -> tuple:
     """([B, n, H] what the model's output `layer` receives in its own forward on `inputs` (its keywords, with
     `sequence_kwargs` for n_keep positions: the last n_keep, or every one for 0, or every one where the model has no
-    logits_to_keep), and the model's output (its cache, with use_cache). The layer itself multiplies nothing (its input is cut to no position), and no layer's hidden
-    states are kept but the last: `output_hidden_states=True` would hold every layer's, gigabytes at long rows in a
-    pass without gradient."""
+    logits_to_keep), and the model's output (its cache, with use_cache). The layer itself multiplies nothing (its
+    input is cut to no position), and no layer's hidden states are kept but the last: `output_hidden_states=True`
+    would hold every layer's, gigabytes at long rows in a pass without gradient."""
     captured = []
 
     def take(module, args):
@@ -121,25 +121,28 @@ def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **
         raise RuntimeError(f"{type(unwrap(model)).__name__} gave its output layer {hidden.size(-2)} positions when "
                            f"{n_keep} were asked for with {logits_to_keep_kwarg(model)}: its forward does not honour "
                            "that keyword.")
-    return hidden + _unread_outputs(out), out
+    unread = _unread_outputs(out)
+    return (hidden if unread is None else hidden + unread), out
 
 
-def _unread_outputs(out) -> torch.Tensor | float:
+def _unread_outputs(out) -> torch.Tensor | None:
     """0, with a gradient path to each tensor of the model's output that the passes do not read (a vision-language
     model's `image_outputs`: its vision tower's last hidden state, which LLaVA's features, taken a layer earlier, leave
     out). DDP looking for unused parameters counts whatever the forward's output reaches as used, and would wait in
     vain for the gradients of the layers only those tensors reach; through this path each gets a gradient of 0. An
-    empty slice's sum: exactly 0 whatever the values (an inf among them too)."""
+    empty slice's sum: exactly 0 whatever the values (an inf among them too). None where there is none (a text
+    model's output), so that the hidden states are not copied for nothing."""
     if not torch.is_grad_enabled() or not isinstance(out, dict):
-        return 0.0
-    total = 0.0
+        return None
+    total = None
     for name, value in out.items():
         if name == "logits":  # cut to no position by the hook above; the output layer's gradient comes the loss's way
             continue
         tensors = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else [value]
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                total = total + tensor.reshape(-1)[:0].sum()
+                zero = tensor.reshape(-1)[:0].sum()
+                total = zero if total is None else total + zero
     return total
 
 
