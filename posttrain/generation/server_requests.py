@@ -5,17 +5,25 @@ run's stream (generation/server.py's ServerGenerator, and vllm_colocate.py's eng
 from posttrain.generation.sampling import mix64_int
 
 
-def _runs(prompts: list[list[int]], keys: list[int]) -> list[tuple[list[int], int, int]]:
-    """Consecutive rows with one prompt and consecutive keys as (prompt, first key, copies)."""
+def _runs(prompts: list[list[int]], keys: list[int], images: list[list] | None = None
+          ) -> list[tuple[list[int], int, int]]:
+    """Consecutive rows with one prompt and consecutive keys as (prompt, first key, copies); with each row's
+    `images`, a run's rows also share their images (the same objects: a prompt's G rows), so that two prompts whose
+    ids agree but whose images differ are runs of their own."""
     if len(keys) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(keys)} row keys.")
     runs: list[tuple[list[int], int, int]] = []
-    for prompt, key in zip(prompts, keys):
-        if runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key:
+    for row, (prompt, key) in enumerate(zip(prompts, keys)):
+        if runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key and \
+                (images is None or _same_objects(images[row - 1], images[row])):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((list(prompt), key, 1))
     return runs
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _fitting_runs(runs: list[tuple[list[int], int, int]], max_seqs: int | None, max_tokens: int | None,

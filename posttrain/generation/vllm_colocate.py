@@ -16,6 +16,7 @@ With tensor parallelism each group of `tp` processes runs one engine on the unio
 group) and every process keeps its own rows. vLLM symbols come through generation/vllm_compat.py only.
 """
 
+import itertools
 import os
 import tempfile
 from typing import Iterable
@@ -134,9 +135,7 @@ class ColocateGenerator:
         if new_round or self._round_seed is None:  # a multi-turn rollout's later turns sample within the round
             self._round_seed = draw_seed(self.rng)
         seed = self._round_seed
-        runs, media = _runs(prompts, keys), None
-        if images is not None:
-            runs, media = _runs_with_images(prompts, keys, images)
+        runs = _runs(prompts, keys, images)
         sampling = vllm_compat.symbol("SamplingParams")
         requests = [sampling(**vllm_sampling_params(self.params, n, stream_seed(seed, key), self.eos_ids))
                     for _, key, n in runs]
@@ -145,9 +144,10 @@ class ColocateGenerator:
                                   "the policy's weights first (a posttrain bug if the trainer did this).")
         self._wake("kv_cache")
         prompts_in = [{"prompt_token_ids": p} for p, _, _ in runs]
-        for prompt, run_images in zip(prompts_in, media or ()):
-            if run_images:
-                prompt["multi_modal_data"] = {"image": run_images if len(run_images) > 1 else run_images[0]}
+        first_rows = itertools.accumulate([n for _, _, n in runs], initial=0)
+        for prompt, row in zip(prompts_in, first_rows):  # a run's images: its first row's
+            if images is not None and images[row]:
+                prompt["multi_modal_data"] = {"image": images[row] if len(images[row]) > 1 else images[row][0]}
         outputs = self.llm.generate(prompts_in, requests, use_tqdm=False)
         # logprobs=0: one {token_id: Logprob} per position, holding the sampled token's
         rows = [(list(out.prompt_token_ids), list(c.token_ids),
@@ -174,18 +174,3 @@ class ColocateGenerator:
         self.llm = None
         self._workdir.cleanup()
 
-
-def _runs_with_images(prompts: list[list[int]], keys: list[int], images: list[list]) -> tuple[list, list]:
-    """`_runs` where a run's rows also share their images (the same objects: a prompt's G rows), and each run's
-    images: rows with the same ids but other images (two prompts whose texts and image sizes agree) are runs of their
-    own."""
-    runs, media = [], []
-    for prompt, key, row_images in zip(prompts, keys, images):
-        same = runs and runs[-1][0] == prompt and runs[-1][1] + runs[-1][2] == key and \
-            len(media[-1]) == len(row_images) and all(a is b for a, b in zip(media[-1], row_images))
-        if same:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((list(prompt), key, 1))
-            media.append(list(row_images))
-    return runs, media

@@ -29,7 +29,8 @@ from posttrain.training.checkpoint import model_fingerprint
 from posttrain.training.distributed import guarded
 from posttrain.training.prediction import check_metric_functions
 from posttrain.training.setup import take_quantization_config, trainer_config
-from posttrain.training.vision import dataset_has_images, processor_for, vision_processing, with_images
+from posttrain.training.vision import (dataset_has_images, layout_refusals, processor_for, vision_processing,
+                                       with_images)
 from posttrain.training.statistics import StepCounts
 
 logger = logging.getLogger("posttrain")
@@ -105,7 +106,7 @@ class SFTTrainer(BatchedDataTrainer):
             detect_format(first_row(train_dataset), args.dataset_text_field, images=images is not None)
         processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, _ = self._load_policy(model, processing_class, peft_config, adapt=self._apply_chat_template_path)
-        self.vision = vision_processing(images, self.processing_class, model, "SFT", self._refused_with_images())
+        self.vision = vision_processing(images, self.processing_class, model, "SFT", layout_refusals(args))
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
         self.padding_free = args.padding_free or args.packing
@@ -115,18 +116,6 @@ class SFTTrainer(BatchedDataTrainer):
                           lambda dataset, preparation: prepare_map_dataset(dataset, preparation, self._data_seed))
         self.eval_dataset = eval_dataset
         return model
-
-    def _refused_with_images(self) -> dict[str, str]:
-        """The options a dataset with images cannot run with (TRL refuses the same), and each one's fix."""
-        args, refused = self.args, {}
-        if args.packing:
-            refused["packing=True"] = "set packing=False (a row's image tokens and its pixels stay together)"
-        if args.padding_free:
-            refused["padding_free=True"] = "set padding_free=False"
-        if args.max_length is not None and args.truncation_mode == "keep_end":
-            refused["truncation_mode='keep_end'"] = ("the images' tokens sit in the prompt, which keep_end may cut; "
-                                                     "use truncation_mode='keep_start' or max_length=None")
-        return refused
 
     def _preparation(self, dataset, packing: bool, name: str) -> Preparation:
         if not is_iterable(dataset) and len(dataset) == 0:

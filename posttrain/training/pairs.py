@@ -21,7 +21,8 @@ from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_f
 from posttrain.sequences.pairs import PairRows
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.statistics import StepCounts
-from posttrain.training.vision import dataset_has_images, processor_for, vision_processing, with_images
+from posttrain.training.vision import (dataset_has_images, layout_refusals, processor_for, vision_processing,
+                                       with_images)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class PairTrainer(BatchedDataTrainer):
         processing_class = processor_for(processing_class, model, images, self._trust_remote_code)
         model, came_with_adapter = self._load_policy(model, processing_class, peft_config)
         self.vision = vision_processing(images, self.processing_class, model, self._title,
-                                        self._refused_with_images())
+                                        layout_refusals(self.args))
         self._setup_model = model
         self._configure_tokenizer(model)
         self.pad_to_multiple_of = self._padding_multiple()
@@ -61,16 +62,6 @@ class PairTrainer(BatchedDataTrainer):
 
     _takes_images = True  # a vision-language model's pairs with images (TRL's DPO takes them)
     vision = None  # the processor's rows (sequences/images.py) when a dataset has images
-
-    def _refused_with_images(self) -> dict[str, str]:
-        """The options pairs with images cannot run with (TRL refuses the same), and each one's fix."""
-        args, refused = self.args, {}
-        if getattr(args, "padding_free", False):
-            refused["padding_free=True"] = "set padding_free=False (a pair's pixels go with its own rows)"
-        if args.max_length is not None and args.truncation_mode == "keep_end":
-            refused["truncation_mode='keep_end'"] = ("the images' tokens sit in the prompt, which keep_end may cut; "
-                                                     "use truncation_mode='keep_start' or max_length=None")
-        return refused
 
     def _preparation(self, dataset, name: str) -> PairPreparation:
         if not is_iterable(dataset) and len(dataset) == 0:

@@ -43,6 +43,20 @@ def processor_for(processing_class, model, images: str | None, trust_remote_code
     return load_processor(model, trust_remote_code)
 
 
+def layout_refusals(args) -> dict[str, str]:
+    """The batch layouts a dataset with images cannot run with, as TRL refuses them (packing and padding-free rows,
+    keep_end's cut through the prompt), each with its fix; for vision_processing's `refused`."""
+    refused = {}
+    if getattr(args, "packing", False):
+        refused["packing=True"] = "set packing=False (a row's image tokens and its pixels stay together)"
+    if getattr(args, "padding_free", False):
+        refused["padding_free=True"] = "set padding_free=False (each row's pixels go with its own row)"
+    if getattr(args, "max_length", None) is not None and getattr(args, "truncation_mode", None) == "keep_end":
+        refused["truncation_mode='keep_end'"] = ("the images' tokens sit in the prompt, which keep_end may cut; use "
+                                                 "truncation_mode='keep_start' or max_length=None")
+    return refused
+
+
 def vision_processing(images: str | None, processing_class, model, title: str, refused: dict[str, str]) -> \
         VisionProcessing | None:
     """The rows' processing for a dataset with images (`images`: its name, from `with_images`; None: no dataset has
