@@ -49,30 +49,27 @@ def _records(trainer):
 
 
 def _trl_loss(trainer, batch, beta, temperature):
-    """TRL 1.16's DistillationTrainer._compute_loss on the batch, called with a stand-in for the trainer (the
-    attributes the method reads; its own _get_last_hidden_state)."""
+    """TRL 1.16's DistillationTrainer._compute_loss on the batch (with its rows' multimodal inputs, for a
+    vision-language student), called with a stand-in for the trainer (the attributes the method reads; its own
+    _get_last_hidden_state)."""
     trl = pytest.importorskip("trl")
     student, teacher = trainer.policy, trainer.teacher_model
-    stand_in = types.SimpleNamespace(_is_vlm=False, teacher_model=teacher, beta=beta, temperature=temperature,
+    r = batch.rollouts
+    stand_in = types.SimpleNamespace(_is_vlm=r.model_inputs is not None, teacher_model=teacher, beta=beta,
+                                     temperature=temperature,
                                      model_kwarg_keys=inspect.signature(student.forward).parameters.keys(),
                                      accelerator=types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True),
                                      _forward_redirection=lambda wrapper, plain, fn, *a, **k: fn(*a, **k))
     stand_in._get_last_hidden_state = functools.partial(trl.DistillationTrainer._get_last_hidden_state, stand_in)
-    r = batch.rollouts
     inputs = {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask, "completion_ids": r.completion_ids,
-              "completion_mask": r.completion_mask}
+              "completion_mask": r.completion_mask, **r.forward_inputs()}
     return trl.DistillationTrainer._compute_loss(stand_in, student, inputs, r.completion_mask.sum())
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer, tmp_path, beta, temperature):
-    trainer = _trainer(tokenizer, tmp_path, beta=beta, temperature=temperature)
-    batch = trainer.rollout.scored_batch(trainer.rounds, 1).batch
-    assert 0 < int(batch.loss_mask.sum()) < batch.loss_mask.numel()  # completions of different lengths
-
+def assert_loss_entropy_and_gradient_equal_trls(trainer, batch):
+    """The divergence's loss, entropy and gradient on `batch` equal TRL's _compute_loss on the same completions."""
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
-    loss, entropy_sum, valid = _trl_loss(trainer, batch, beta, temperature)
+    loss, entropy_sum, valid = _trl_loss(trainer, batch, trainer.args.beta, trainer.args.temperature)
     theirs = torch.autograd.grad(loss, params, allow_unused=True)
     divergence, entropy = trainer.rollout.divergence(trainer.model, batch)
     ours_loss = divergence.sum() / batch.loss_mask.sum()
@@ -84,6 +81,15 @@ def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer,
         assert (a is None) == (b is None)
         if a is not None:
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_loss_entropy_and_gradient_equal_trls_on_the_same_completions(tokenizer, tmp_path, beta, temperature):
+    trainer = _trainer(tokenizer, tmp_path, beta=beta, temperature=temperature)
+    batch = trainer.rollout.scored_batch(trainer.rounds, 1).batch
+    assert 0 < int(batch.loss_mask.sum()) < batch.loss_mask.numel()  # completions of different lengths
+    assert_loss_entropy_and_gradient_equal_trls(trainer, batch)
 
 
 def test_a_run_trains_logs_and_saves(tokenizer, tmp_path):

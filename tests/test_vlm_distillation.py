@@ -3,13 +3,9 @@ DistillationTrainer takes them: the student samples with the prompts' pixels, an
 divergence. The loss, entropy and gradient equal TRL's _compute_loss on the same completions and the same multimodal
 inputs (Qwen2.5-VL: flattened patches, image_grid_thw and mm_token_type_ids)."""
 
-import functools
-import inspect
-import types
-
 import pytest
-import torch
 from datasets import Dataset
+from test_distillation import assert_loss_entropy_and_gradient_equal_trls
 
 from posttrain.testing import tiny_vision_processor
 from tests import vlm_data
@@ -26,43 +22,13 @@ def _trainer(student, teacher, processor, tmp_path, **overrides):
                                train_dataset=Dataset.from_list(vlm_data.prompt_only(4)), processing_class=processor)
 
 
-def _trl_loss(trainer, batch):
-    """TRL 1.16's DistillationTrainer._compute_loss on the batch and its multimodal inputs, with a stand-in for the
-    trainer (the attributes the method reads)."""
-    import trl
-
-    student, teacher = trainer.policy, trainer.teacher_model
-    stand_in = types.SimpleNamespace(_is_vlm=True, teacher_model=teacher, beta=trainer.args.beta,
-                                     temperature=trainer.args.temperature,
-                                     model_kwarg_keys=inspect.signature(student.forward).parameters.keys(),
-                                     accelerator=types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True),
-                                     _forward_redirection=lambda wrapper, plain, fn, *a, **k: fn(*a, **k))
-    stand_in._get_last_hidden_state = functools.partial(trl.DistillationTrainer._get_last_hidden_state, stand_in)
-    r = batch.rollouts
-    inputs = {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask, "completion_ids": r.completion_ids,
-              "completion_mask": r.completion_mask, **r.forward_inputs()}
-    return trl.DistillationTrainer._compute_loss(stand_in, student, inputs, r.completion_mask.sum())
-
-
 def test_loss_entropy_and_gradient_equal_trls_with_the_images(tmp_path):
     student, processor = tiny_vision_processor("qwen2_5_vl")
     teacher, _ = tiny_vision_processor("qwen2_5_vl", seed=3)
     trainer = _trainer(student, teacher, processor, tmp_path)
     batch = trainer.rollout.scored_batch(trainer.rounds, 1).batch
     assert batch.rollouts.model_inputs is not None
-    params = [p for p in trainer.policy.parameters() if p.requires_grad]
-    loss, entropy_sum, valid = _trl_loss(trainer, batch)
-    theirs = torch.autograd.grad(loss, params, allow_unused=True)
-    divergence, entropy = trainer.rollout.divergence(trainer.model, batch)
-    ours_loss = divergence.sum() / batch.loss_mask.sum()
-    ours = torch.autograd.grad(ours_loss, params, allow_unused=True)
-    assert int(valid) == divergence.numel() == int(batch.loss_mask.sum())
-    assert float(ours_loss) == pytest.approx(float(loss), rel=1e-5)
-    assert float(entropy.sum()) == pytest.approx(float(entropy_sum), rel=1e-5)
-    for a, b in zip(ours, theirs):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert_loss_entropy_and_gradient_equal_trls(trainer, batch)  # TRL's _compute_loss given the rows' pixels
     trainer.train()
     assert trainer.state.global_step == 1
 

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from datasets import Dataset
 
 from posttrain.testing import tiny_vision_processor
 from tests import vlm_data
@@ -16,26 +15,7 @@ FAMILIES = ("llava", "qwen2_5_vl")
 
 
 def _trainer(model, ref_model, processor, rows, tmp_path, **overrides):
-    from posttrain import DPOConfig, DPOTrainer
-
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1, report_to="none",
-                  use_cpu=True, save_strategy="no", learning_rate=1e-2, logging_steps=1, beta=0.1)
-    values.update(overrides)
-    return DPOTrainer(model, ref_model=ref_model, args=DPOConfig(**values), train_dataset=Dataset.from_list(rows),
-                      processing_class=processor)
-
-
-def _trl_loss(model, ref_model, processor, rows, batch, tmp_path) -> torch.Tensor:
-    """TRL's DPOTrainer._compute_loss on its own vision batch, through copies of the same policy and reference."""
-    from trl import DPOConfig as TRLConfig
-    from trl import DPOTrainer as TRLTrainer
-
-    trl = TRLTrainer(copy.deepcopy(model), ref_model=copy.deepcopy(ref_model), processing_class=processor,
-                     train_dataset=Dataset.from_list(rows),
-                     args=TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows),
-                                    report_to="none", use_cpu=True, bf16=False, beta=0.1))
-    with torch.no_grad():
-        return trl._compute_loss(trl.model, batch, False)
+    return vlm_data.reference_trainer("DPO", model, ref_model, processor, rows, tmp_path, **overrides)
 
 
 def _sequence_logps(model, batch, pixels: dict) -> torch.Tensor:
@@ -70,8 +50,8 @@ def test_pair_log_probs_and_loss_equal_trls_vision_preference_batch(family, tmp_
     # the same pairs (our batch is shuffled): each pair's (chosen, rejected) log-probs
     torch.testing.assert_close(torch.tensor(sorted(mine.tolist())), torch.tensor(sorted(trl_logps.T.tolist())),
                                atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss / 4, _trl_loss(model, ref_model, processor, rows, theirs, tmp_path), atol=1e-5,
-                               rtol=1e-5)
+    trl_loss = vlm_data.trl_loss("DPO", model, ref_model, processor, rows, theirs, tmp_path / "trl")
+    torch.testing.assert_close(loss / 4, trl_loss, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["reference-each-step", "precompute_ref_log_probs"])

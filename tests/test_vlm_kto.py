@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from datasets import Dataset
 
 from posttrain.testing import tiny_vision_processor
 from tests import vlm_data
@@ -16,26 +15,7 @@ FAMILIES = ("llava", "qwen2_5_vl")
 
 
 def _trainer(model, ref_model, processor, rows, tmp_path, **overrides):
-    from posttrain import KTOConfig, KTOTrainer
-
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1, report_to="none",
-                  use_cpu=True, save_strategy="no", learning_rate=1e-2, logging_steps=1, beta=0.1)
-    values.update(overrides)
-    return KTOTrainer(model, ref_model=ref_model, args=KTOConfig(**values), train_dataset=Dataset.from_list(rows),
-                      processing_class=processor)
-
-
-def _trl_loss(model, ref_model, processor, rows, batch, tmp_path, loss_type) -> torch.Tensor:
-    """TRL's KTOTrainer._compute_loss on its own vision batch, through copies of the same policy and reference."""
-    from trl import KTOConfig as TRLConfig
-    from trl import KTOTrainer as TRLTrainer
-
-    trl = TRLTrainer(copy.deepcopy(model), ref_model=copy.deepcopy(ref_model), processing_class=processor,
-                     train_dataset=Dataset.from_list(rows),
-                     args=TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows),
-                                    report_to="none", use_cpu=True, bf16=False, beta=0.1, loss_type=loss_type))
-    with torch.no_grad():
-        return trl._compute_loss(trl.model, batch, False)
+    return vlm_data.reference_trainer("KTO", model, ref_model, processor, rows, tmp_path, **overrides)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,7 +46,8 @@ def test_example_log_probs_and_loss_equal_trls_vision_batch(family, tmp_path):
         loss, _, _ = trainer._micro_loss(ours, torch.zeros(()), grad=False)
     # the same examples (our batch is shuffled)
     torch.testing.assert_close(mine.sort().values, trl_logps.sort().values, atol=1e-5, rtol=1e-5)
-    trl_loss = _trl_loss(model, ref_model, processor, rows, theirs, tmp_path, "apo_zero_unpaired")
+    trl_loss = vlm_data.trl_loss("KTO", model, ref_model, processor, rows, theirs, tmp_path / "trl",
+                                 loss_type="apo_zero_unpaired")
     torch.testing.assert_close(loss / ours.size, trl_loss, atol=1e-5, rtol=1e-5)
 
 
