@@ -12,7 +12,7 @@ Both are collated as SFT collates rows (sequences/collate.py), right-padded with
 completion token after the sequence's first (TRL's shifted completion mask).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ def collate_examples(examples: UnpairedRows, pad_id: int, max_length: int | None
                      partners: UnpairedRows | None = None) -> KTOBatch:
     """The forward-pass tensors of a micro-batch of examples (none: one padding token, no target), with the KL rows
     of each example's prompt and its partner's completion when `partners` are given."""
+    if examples.rows.model_inputs is not None:  # an example's pixels made once, for its row and its KL row
+        examples = replace(examples, rows=replace(examples.rows, model_inputs=examples.rows.model_inputs.resolved()))
     rows = truncate(examples.rows, max_length)
     sequences = collate(rows, pad_id, False, pad_to_multiple_of)
     kl, kl_seq = None, None
