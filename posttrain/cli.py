@@ -115,6 +115,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max_bucket_bytes", type=int, default=None,
                        help="Tensor bytes one weight bucket may carry (default: 256 MiB, or the model's largest "
                        "tensor in float32 when larger).")
+    serve.add_argument("--max_pixel_bytes", type=int, default=64 << 20,
+                       help="Bytes of pixels (a vision-language model's processed images) one completions request "
+                       "may carry (default 64 MiB).")
     serve.add_argument("--weight_update_timeout", type=float, default=120.0,
                        help="Seconds an open weight update may go without a call from its sender before it is "
                        "abandoned (default 120).")
@@ -318,7 +321,7 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args.model, args.host, args.port, args.api_key, args.max_model_len, args.dtype, args.device,
           args.trust_remote_code, args.log_level, api_key_file=args.api_key_file, max_num_seqs=args.max_num_seqs,
           max_batch_tokens=args.max_batch_tokens, max_bucket_bytes=args.max_bucket_bytes,
-          weight_update_timeout=args.weight_update_timeout)
+          weight_update_timeout=args.weight_update_timeout, max_pixel_bytes=args.max_pixel_bytes)
 
 
 def _demo(args: argparse.Namespace) -> None:

@@ -22,6 +22,9 @@ protocol and its transformers backend, one way only).
                                 a bucket carries the digest of its tensors and the whole push the digest of all
     bucket_digest(tensors)      a received bucket's digest (the server checks it against X-Bucket-Digest)
     PushDigests                 the sender's side: each Body's digest, then the whole push's
+    to_text(named) / from_text(text)
+                                {name: tensor} as the base64 text of one bucket, for a JSON field (a prompt's pixels
+                                in a completions request), and back; ValueError for text that is not one
 """
 
 import hashlib
@@ -178,6 +181,28 @@ def _tensors(buffer: bytearray, header: dict, data_start: int) -> dict[str, torc
         position = end
     if data_start + position != len(buffer):
         raise ValueError(f"the tensors cover {position} bytes of {len(buffer) - data_start}")
+    return tensors
+
+
+def to_text(named: dict[str, torch.Tensor]) -> str:
+    """`named` as the base64 text of one safetensors bucket (no aliases)."""
+    import base64
+
+    return base64.b64encode(Body(list(named.items()), {}).to_bytes()).decode("ascii")
+
+
+def from_text(text: str) -> dict[str, torch.Tensor]:
+    """The tensors `to_text` wrote; ValueError for text that is not base64 of a well-formed bucket."""
+    import base64
+    import binascii
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("not base64 text") from None
+    tensors, aliases = decode(raw)
+    if aliases:
+        raise ValueError("a bucket of tensors with aliases, where none are taken")
     return tensors
 
 

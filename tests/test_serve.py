@@ -147,6 +147,20 @@ def test_generation_equals_the_in_process_generator_and_sync_is_verified(tokeniz
         _same(generator.generate(PROMPTS), _in_process(other, tokenizer, _first_request_seed(4)))
 
 
+def test_the_server_honours_token_bans_as_the_process_does(tokenizer):
+    """suppress_tokens and begin_suppress_tokens (generation_kwargs', a vision-language model's image tokens) reach
+    posttrain serve, which samples what the in-process generator samples with them."""
+    banned = SamplingParams(max_new_tokens=6, suppress_tokens=(7, 9), begin_suppress_tokens=(11,))
+    model = tiny_model(tokenizer)
+    with running(_engine(tokenizer)) as url:
+        generator = ServerGenerator(_client(url), banned, pad_id=tokenizer.pad_token_id,
+                                    eos_ids=[tokenizer.eos_token_id], seed=3)
+        served = generator.generate(PROMPTS)
+    _same(served, TransformersGenerator(model, tokenizer, banned).generate_seeded(PROMPTS, _first_request_seed(3)))
+    assert not torch.isin(served.completion_ids, torch.tensor([7, 9])).any()
+    assert not (served.completion_ids[:, 0] == 11).any()
+
+
 @pytest.mark.peft
 def test_a_lora_policy_reaches_the_server_merged(tokenizer):
     from peft import LoraConfig, get_peft_model
@@ -381,7 +395,7 @@ def test_one_request_cannot_take_the_server_memory(tokenizer):
 
     from posttrain.serving.routes import Limits
 
-    limits = Limits(max_num_seqs=8, max_batch_tokens=100, max_bucket_bytes=4096)
+    limits = Limits(max_num_seqs=8, max_batch_tokens=100, max_bucket_bytes=4096, max_pixel_bytes=3000)
     app, engine, _ = _app(tokenizer, limits)
     status, answer = post(app, "/v1/completions", {"prompt": [[5, 6]], "n": 10 ** 9})
     assert status == 413 and answer["error"] == (
@@ -394,6 +408,15 @@ def test_one_request_cannot_take_the_server_memory(tokenizer):
                                                         "prompt + max_tokens=10))")
     assert "--max_batch_tokens" in answer["error"]
     assert post(app, "/v1/completions", {"prompt": [[5, 6, 7, 8]] * 4, "max_tokens": 10})[0] == 200  # 56 tokens
+    # a prompt's pixels (model_inputs): bounded, well-formed, one row per prompt, for a vision-language model
+    pixels = {"0.pixel_values": torch.zeros(4, 8)}
+    for model_inputs, code, said in [
+            (wire.to_text({"0.pixel_values": torch.zeros(1000)}), 413, "more than this server's max_pixel_bytes=3000"),
+            ("not base64!", 422, "model_inputs is not ModelInputs.tensors('') of one row per prompt"),
+            (wire.to_text({"3.pixel_values": torch.zeros(2)}), 422, "model_inputs is not ModelInputs.tensors"),
+            (wire.to_text(pixels), 400, "this server's model (Qwen2ForCausalLM) is a text model")]:
+        status, answer = post(app, "/v1/completions", {"prompt": [[5, 6]], "model_inputs": model_inputs})
+        assert status == code and said in answer["error"], answer
     # JSON bodies: a declared length over the limit is refused unread, a chunked one once it passes it
     status, answer = asgi(app, "POST", "/v1/completions", b"{}", {**JSON, "Content-Length": 1 << 40})
     assert status == 413 and "--max_batch_tokens" in answer["error"]

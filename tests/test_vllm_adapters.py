@@ -162,6 +162,7 @@ class FakeVLLMServer:
     def __init__(self, backend="nccl", logprobs_mode="processed_logprobs", max_model_len=64):
         self.calls, self.hang, self.fail = [], None, None
         self.version = "default"
+        self.scale_out = True  # False: as `vllm serve` without --enable-scale-out (its render route answers 403)
         self.config = {"model_config": {"max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
                                         "dtype": "torch.float32"},
                        "weight_transfer_config": {"backend": backend} if backend else None}
@@ -209,6 +210,31 @@ class FakeVLLMServer:
                         "weight_versions": [{"version": self.version, "start": 0, "end": 2}]}
                        for i in range(len(body["prompt"])) for c in range(body["n"])]
             return {"choices": choices}
+
+        @app.post("/v1/chat/completions/render")
+        async def render(request: Request):
+            """The features of a message holding only images (each image 3 tokens, placed after a 2-token header)."""
+            body = await request.json()
+            self.calls.append(("/v1/chat/completions/render", body))
+            if not self.scale_out:
+                return JSONResponse({"error": {"message": "Scale-out endpoints are disabled."}}, 403)
+            parts = body["messages"][0]["content"]
+            assert all(p["image_url"]["url"].startswith("data:image/png;base64,") for p in parts)
+            places = [{"offset": 2 + 5 * i, "length": 3} for i in range(len(parts))]
+            return {"token_ids": [1] * (2 + 5 * len(parts)), "sampling_params": {},
+                    "features": {"mm_hashes": {"image": [p["image_url"]["url"][-12:] for p in parts]},
+                                 "mm_placeholders": {"image": places}, "kwargs_data": {"image": ["x"] * len(parts)}}}
+
+        @app.post("/inference/v1/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            self.calls.append(("/inference/v1/generate", body))
+            n = body["sampling_params"]["n"]
+            choices = [{"index": c, "token_ids": [7 + c, 2], "finish_reason": "stop",
+                        "logprobs": {"content": [{"token_id": 7 + c, "logprob": -0.5}, {"token_id": 2,
+                                                                                        "logprob": -0.25}]},
+                        "weight_versions": [{"version": self.version, "start": 0, "end": 2}]} for c in range(n)]
+            return {"request_id": body["request_id"], "output_mode": "tokens", "choices": choices}
 
         for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                      "/finish_weight_update"):
@@ -283,6 +309,52 @@ def test_completions_from_a_vllm_server_go_one_request_per_group_with_its_own_se
     assert rollouts.completion_ids.tolist() == [[7, 2], [8, 2], [9, 2]] * 2 and rollouts.is_eos.all()
 
 
+def test_prompts_with_images_reach_a_vllm_server_as_trls_server_mode_sends_them(tokenizer):
+    """A prompt with images: its images rendered alone into vLLM's features (/v1/chat/completions/render), the
+    features' placeholders pointed at the runs of image tokens in the prompt's own ids, then its ids generated with
+    them (/inference/v1/generate, every one of its n sequences asked for), as TRL's VLLMClient sends them; a text
+    prompt in the same round goes to /v1/completions. Bodies hold only the fields of vLLM's request models."""
+    from PIL import Image
+
+    red, blue, green = (Image.new("RGB", (8, 8), c) for c in ("red", "blue", "green"))
+    image_token = 99
+    with_images = [5, 6, image_token, image_token, image_token, 8, image_token, image_token, image_token, 9]
+    prompts = [with_images] * 3 + [PROMPTS[3]] * 3
+    images = [[red, blue]] * 3 + [[]] * 3
+    fake = FakeVLLMServer()
+    with fake_vllm(), serving(fake) as url:
+        generator = _vllm_generator(url, image_token_ids=(image_token,))
+        generator.sync_weights(export_weights(tiny_model(tokenizer)))
+        rollouts = generator.generate(prompts, list(range(6)), images=images)
+        first_round = list(fake.calls)
+        fake.scale_out = False
+        with pytest.raises(GenerationError, match=r"does not render images .*restart it with `posttrain vllm-serve`"):
+            generator.generate(prompts, list(range(6)), images=images)
+    rendered = [b for p, b in first_round if p == "/v1/chat/completions/render"][0]
+    assert set(rendered) <= set(MANIFEST["fields"]["ChatCompletionRequest"])
+    assert len(rendered["messages"][0]["content"]) == 2  # the prompt's two images, alone
+    generated = [b for p, b in first_round if p == "/inference/v1/generate"]
+    assert len(generated) == 1 and set(generated[0]) <= set(MANIFEST["fields"]["GenerateRequest"])
+    body = generated[0]
+    assert body["token_ids"] == with_images and set(body["sampling_params"]) <= set(MANIFEST["fields"]["SamplingParams"])
+    assert body["sampling_params"]["n"] == 3 and body["sampling_params"]["output_kind"] == 2  # FINAL_ONLY
+    assert body["features"]["mm_placeholders"]["image"] == [{"offset": 2, "length": 3}, {"offset": 6, "length": 3}]
+    assert body["features"]["kwargs_data"] == {"image": ["x", "x"]}  # what vLLM processed, sent back as it came
+    assert set(body["features"]) <= set(MANIFEST["fields"]["MultiModalFeatures"])
+    assert [len(b["prompt"]) for p, b in first_round if p == "/v1/completions"] == [1]  # the text prompt
+    assert rollouts.completion_ids.tolist() == [[7, 2], [8, 2], [9, 2]] * 2
+    assert rollouts.sampler_logprobs[:3].tolist() == [[-0.5, -0.25]] * 3
+
+
+def test_a_prompt_whose_image_runs_and_images_differ_is_one_sentence():
+    from posttrain.generation.server import place_features
+
+    features = {"mm_hashes": {"image": ["a", "b"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}] * 2}}
+    with pytest.raises(GenerationError, match=r"^A prompt holds 1 runs of image tokens but the vLLM server processed "
+                                              r"2 images"):
+        place_features(features, [5, 99, 99, 6], [99])
+
+
 @pytest.mark.parametrize("fault,message", [
     ("hang", r"did not finish a weight round within 2 s \(weight_sync_timeout\)"),
     ("fail", r"The generation server at .* answered POST /update_weights with 500: boom"),
@@ -309,6 +381,23 @@ def test_the_handshake_refuses_a_server_that_does_not_fit(server, kw, message):
     with fake_vllm(), serving(FakeVLLMServer(**server)) as url:
         with pytest.raises(GenerationError, match=message):
             _vllm_generator(url, **kw)
+
+
+def test_token_bans_vllm_cannot_honour_are_refused_not_dropped(tokenizer):
+    """generation_kwargs' suppress_tokens / bad_words_ids / begin_suppress_tokens have no vLLM sampling parameter:
+    colocate and a vLLM server refuse them in one sentence, where they would be dropped and sampled anyway."""
+    from posttrain.configs import ConfigError
+
+    said = r"^generation_kwargs ban tokens .*which a (colocated vLLM|vLLM server)'s sampler has no parameter for"
+    with fake_vllm():
+        with pytest.raises(ConfigError, match=said):
+            make_generator(_colocate_config(generation_kwargs={"suppress_tokens": [3]}), tiny_model(tokenizer),
+                           tokenizer)
+    with fake_vllm(), serving(FakeVLLMServer()) as url:
+        client = ServerClient(url, connect_timeout=5, request_timeout=5, sync_timeout=5)
+        with pytest.raises(ConfigError, match=said):
+            ServerGenerator(client, SamplingParams(max_new_tokens=4, begin_suppress_tokens=(3,)), pad_id=0,
+                            eos_ids=[2])
 
 
 @pytest.mark.multiproc

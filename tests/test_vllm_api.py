@@ -23,7 +23,8 @@ CHECKER = os.path.join(ROOT, "tools", "check_vllm_api.py")
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST", "/server_info": "GET",
           "/init_weight_transfer_engine": "POST", "/start_weight_update": "POST", "/update_weights": "POST",
           "/finish_weight_update": "POST", "/update_weight_version": "POST", "/pause": "POST", "/resume": "POST",
-          "/reset_prefix_cache": "POST", "/weight_checker": "POST", "/get_world_size": "GET", "/weight_info": "GET"}
+          "/reset_prefix_cache": "POST", "/weight_checker": "POST", "/get_world_size": "GET", "/weight_info": "GET",
+          "/v1/chat/completions/render": "POST", "/inference/v1/generate": "POST"}
 # what posttrain's client puts in a /v1/completions body (research note, section 5)
 COMPLETION_KEYS = ["model", "prompt", "n", "seed", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "return_token_ids",
@@ -55,6 +56,12 @@ def test_manifest_names_every_symbol_posttrain_uses():
     assert {path: r["method"] for path, r in spec["routes"].items()} == ROUTES
     assert spec["routes"]["/finish_weight_update"]["body"] == ["weight_version"]
     assert spec["routes"]["/v1/completions"]["body"] == "CompletionRequest"
+    # prompts with images: their images rendered into features, then their ids generated with them (as TRL's)
+    assert spec["routes"]["/v1/chat/completions/render"]["body"] == "ChatCompletionRequest"
+    assert spec["routes"]["/inference/v1/generate"]["body"] == "GenerateRequest"
+    assert {"messages", "max_tokens"} <= set(spec["fields"]["ChatCompletionRequest"])
+    assert {"request_id", "token_ids", "features", "sampling_params"} <= set(spec["fields"]["GenerateRequest"])
+    assert {"seed", "n", "output_kind", "logprobs"} <= set(spec["fields"]["SamplingParams"])
     assert spec["cli"]["env"] == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
@@ -194,7 +201,9 @@ def test_vllm_serve_prints_trls_command_with_loopback_default():
     words = shlex.split(out.stdout)
     assert words[0] == "VLLM_SERVER_DEV_MODE=1"
     assert words[2:6] == ["-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-0.6B"]
-    options = dict(zip(words[6::2], words[7::2]))
+    assert "--enable-scale-out" in words  # the routes prompts with images are sampled through, as TRL's command
+    valued = [w for w in words if w != "--enable-scale-out"]
+    options = dict(zip(valued[6::2], valued[7::2]))
     assert options["--host"] == "127.0.0.1" and options["--port"] == "8000"
     assert options["--weight-transfer-config"] == '{"backend": "nccl"}'
     assert options["--logprobs-mode"] == "processed_logprobs" and options["--max-logprobs"] == "-1"

@@ -116,8 +116,33 @@ def test_a_run_trains_and_resumes_with_image_rows_buffered(tmp_path):
         torch.testing.assert_close(p, q)
 
 
+def test_posttrain_serve_samples_image_prompts_as_the_process_itself_would(tmp_path):
+    """GRPO with vllm_mode='server' at `posttrain serve`: each request carries its prompts' pixels (as the trainer's
+    processor made them), the server samples them through the same sampler with the image tokens suppressed, and a
+    round's completions and sampler log-probs are those sampled in process; a step then trains on them."""
+    from posttrain.serving.engine import TransformersEngine
+    from tests.test_serve import running
+
+    model, processor = tiny_vision_processor("qwen2_5_vl", seed=3)
+    rows = vlm_data.prompt_only(2)
+    rows[1]["images"] = []  # a text prompt beside an image prompt
+    alone = _trainer(copy.deepcopy(model), processor, rows, tmp_path / "a", shuffle_dataset=False)
+    expected = alone.rollout.training_round(next(alone._stream), 1).rollouts
+    engine = TransformersEngine(copy.deepcopy(model), processor.tokenizer, max_model_len=512, name="tiny-vl")
+    with running(engine) as url:
+        served = _trainer(model, processor, rows, tmp_path / "b", shuffle_dataset=False, use_vllm=True,
+                          vllm_mode="server", vllm_server_base_url=url, max_steps=1)
+        got = served.rollout.training_round(next(served._stream), 1).rollouts
+        for name in ("prompt_ids", "completion_ids", "completion_mask", "is_eos"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        torch.testing.assert_close(got.sampler_logprobs, expected.sampler_logprobs)
+        assert not torch.isin(got.completion_ids, torch.tensor(served.vision.image_token_ids)).any()
+        served.train()
+    assert [e for e in served.state.log_history if "loss" in e]
+
+
 @pytest.mark.parametrize("option, said", [
-    (dict(use_vllm=True, vllm_mode="server"), r"^vllm_mode='server' is not supported with images"),
+    (dict(async_generation=True), r"^async_generation=True is not supported with images"),
 ])
 def test_what_cannot_take_images_yet_is_one_sentence(tmp_path, option, said):
     from posttrain.configs import ConfigError

@@ -146,7 +146,9 @@ class VLLMDouble:
         classes = {name: constructor_class(name, tokens) for name, tokens in spec["signatures"].items()
                    if "." not in name}
         for name in ("RequestOutput", "CompletionOutput", "Logprob", "WeightVersionSpan", "EngineArgs",
-                     "CompletionRequest", "FrontendArgs"):
+                     "CompletionRequest", "FrontendArgs", "ChatCompletionRequest", "GenerateRequest",
+                     "MultiModalFeatures", "PlaceholderRangeInfo", "GenerateTokensResponse", "GenerateTokensChoice",
+                     "GenerateLogProbs", "GenerateLogProbsContent"):  # the server's request and response bodies
             classes[name] = fields_class(name, spec["fields"].get(name, []))
         classes["SamplingParams"] = fields_class("SamplingParams", spec["fields"]["SamplingParams"],
                                                  SAMPLING_DEFAULTS)

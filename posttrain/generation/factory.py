@@ -5,20 +5,18 @@ from posttrain.generation.protocol import Generator, SamplingParams
 
 
 def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run",
-                   num_processes: int = 1, local_process_index: int = 0, suppress_tokens: tuple = ()) -> Generator:
+                   num_processes: int = 1, local_process_index: int = 0, image_token_ids: tuple = ()) -> Generator:
     """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
     (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
-    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself (from a copy of it, loaded at each
-    sync, with async_generation). `suppress_tokens`: never sampled, besides the config's (a vision-language model's
-    image tokens, as TRL suppresses them)."""
-    from dataclasses import replace
-
+    in this process; otherwise the in-process transformers sampler, sampling from `policy` itself (from a copy of it,
+    loaded at each sync, with async_generation). `image_token_ids`: a vision-language model's image tokens, never
+    sampled in process or by posttrain serve (as TRL suppresses them in transformers' generate; TRL's vLLM paths
+    leave them to vLLM, and so do ours), and where a vLLM server places a prompt's image features."""
     from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
     params = SamplingParams.from_config(config)
-    if suppress_tokens:
-        params = replace(params, suppress_tokens=tuple(sorted({*params.suppress_tokens, *suppress_tokens})))
     if getattr(config, "use_vllm", False) and config.vllm_mode == "colocate":
+        params.check_no_bans("a colocated vLLM")
         from posttrain.generation.vllm_colocate import ColocateGenerator
 
         max_num_seqs = (config.per_device_train_batch_size * config.vllm_tensor_parallel_size
@@ -41,9 +39,12 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                                pushes=process_index == 0, run_id=run_id, device=next(policy.parameters()).device,
                                max_length=max_length, needs_processed_logprobs=config.corrects_sampling,
                                group_port=config.vllm_group_port,
-                               versions_advance=getattr(config, "async_generation", False))
+                               versions_advance=getattr(config, "async_generation", False),
+                               image_token_ids=image_token_ids)
+    params = params.banning(image_token_ids)
     if getattr(config, "async_generation", False):  # sampling while the policy trains: a copy of its own
         from posttrain.generation.transformers_backend import generation_copy
 
         return TransformersGenerator(generation_copy(policy), tokenizer, params, seed=seed, shares_policy=False)
     return TransformersGenerator(policy, tokenizer, params, seed=seed)
+

@@ -92,6 +92,19 @@ class SamplingParams:
             f"{'num_beams' if key == 'num_beams' else 'num_beams and ' + key} and raise num_generations for more "
             "completions per prompt.")
 
+    def banning(self, tokens) -> "SamplingParams":
+        """These params with `tokens` suppressed too (a vision-language model's image tokens)."""
+        return replace(self, suppress_tokens=tuple(sorted({*self.suppress_tokens, *tokens}))) if tokens else self
+
+    def check_no_bans(self, engine: str) -> None:
+        """A ConfigError where generation_kwargs ban tokens (suppress_tokens, bad_words_ids, begin_suppress_tokens),
+        which `engine`'s sampler has no parameter for: they would be dropped, and the samples would hold them."""
+        if self.suppress_tokens or self.begin_suppress_tokens:
+            raise ConfigError(f"generation_kwargs ban tokens (suppress_tokens, bad_words_ids or "
+                              f"begin_suppress_tokens), which {engine}'s sampler has no parameter for: sample in "
+                              "process or with posttrain serve (use_vllm=False, or vllm_mode='server' at posttrain "
+                              "serve's URL), or remove them.")
+
     @classmethod
     def from_config(cls, config) -> "SamplingParams":
         """Build from a GRPOConfig; `generation_kwargs` override the named fields, other keys raise."""

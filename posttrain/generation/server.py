@@ -29,6 +29,7 @@ from posttrain import wire
 from posttrain.generation.protocol import GenerationError, Rollouts, SamplingParams
 from posttrain.generation.server_requests import _fitting_runs, _runs, _shared_requests, stream_seed
 from posttrain.generation.transformers_backend import draw_seed
+from posttrain.model_inputs import ModelInputs
 
 
 def api_key_from_env(environ=os.environ) -> str | None:
@@ -189,7 +190,8 @@ class ServerClient:
             time.sleep(0.05)
 
     def completions(self, prompts: list[list[int]], n: int, seed: int, params: SamplingParams,
-                    sample_keys: list[int] | None = None) -> list[dict]:
+                    sample_keys: list[int] | None = None, model_inputs: str | None = None) -> list[dict]:
+        """/v1/completions' choices; `model_inputs`: each prompt's pixels (wire.to_text, posttrain serve's)."""
         body = {"prompt": prompts, "n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                 "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
@@ -199,9 +201,51 @@ class ServerClient:
             body["stop_token_ids"] = list(params.eos_token_ids)
         if sample_keys is not None:
             body["sample_keys"] = list(sample_keys)
+        for name in ("suppress_tokens", "begin_suppress_tokens"):  # posttrain serve's (vLLM's are refused before)
+            if getattr(params, name):
+                body[name] = list(getattr(params, name))
+        if model_inputs is not None:
+            body["model_inputs"] = model_inputs
         # a push in progress (async_generation samples while the trainer pushes) answers 409: wait it out
         return self._call("POST", "/v1/completions", self.request_timeout, retry=True,
                           busy_until=time.monotonic() + self.request_timeout, json=body)["choices"]
+
+    def image_features(self, images: list) -> dict:
+        """vLLM's features of one prompt's images (its `/v1/chat/completions/render` of a message holding only
+        them, as TRL's VLLMClient.image_features asks): the processed images and their hashes, with placeholders
+        that point into that throwaway message (`place_features` points them at a prompt)."""
+        content = [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        try:
+            return self._call("POST", "/v1/chat/completions/render", self.request_timeout, retry=True,
+                              json=body)["features"]
+        except GenerationError as err:
+            if " 403" in str(err) or " 404" in str(err):
+                raise GenerationError(f"The vLLM server at {self.base_url} does not render images "
+                                      "(/v1/chat/completions/render), which prompts with images need: restart it "
+                                      "with `posttrain vllm-serve` (or `vllm serve --enable-scale-out`).") from None
+            raise
+
+    def generate_tokens(self, prompt: list[int], features: dict | None, n: int, seed: int,
+                        params: SamplingParams) -> list[dict]:
+        """vLLM's `/inference/v1/generate` of one prompt's token ids with its images' `features`: n choices in
+        `completions`' form ({index, token_ids, logprobs: {token_logprobs}, weight_versions})."""
+        import uuid
+
+        sampling = {"n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or 0,
+                    "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
+                    "logprobs": 0,
+                    "output_kind": 2}  # FINAL_ONLY: every one of the n sequences, not only the last to finish
+        if params.eos_token_ids:
+            sampling["stop_token_ids"] = list(params.eos_token_ids)
+        body = {"request_id": f"posttrain-{uuid.uuid4().hex}", "token_ids": list(prompt), "features": features,
+                "sampling_params": sampling}
+        choices = self._call("POST", "/inference/v1/generate", self.request_timeout, retry=True,
+                             busy_until=time.monotonic() + self.request_timeout, json=body)["choices"]
+        return [{"index": c["index"], "token_ids": c["token_ids"], "weight_versions": c.get("weight_versions"),
+                 "logprobs": {"token_logprobs": [e["logprob"] for e in (c.get("logprobs") or {}).get("content")
+                                                 or ()]}} for c in choices]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> str:
         """Send every weight under `version` in an update this client owns (its id on every call), in buckets
@@ -259,6 +303,7 @@ class ServerGenerator:
         pad_id, eos_ids: for padding the rollouts and telling EOS from a cut at max length.
         seed: seed of the RNG the request seeds are drawn from.
         model_fingerprint: wire.fingerprint of the trainer's export; must equal the server's model.
+        image_token_ids: a vision-language model's image tokens (a prompt's runs of them are its images).
     """
 
     # the server orders a push against the requests in flight (posttrain serve answers 409 while it loads, which the
@@ -268,9 +313,10 @@ class ServerGenerator:
     def __init__(self, client: ServerClient, params: SamplingParams, *, pad_id: int, eos_ids: list[int], seed: int = 0,
                  model_fingerprint: str | None = None, pushes: bool = True, run_id: str = "run", device="cpu",
                  max_length: int | None = None, needs_processed_logprobs: bool = False, group_port: int = 51216,
-                 versions_advance: bool = False):
+                 versions_advance: bool = False, image_token_ids: tuple = ()):
         self.client = client
         self.params = params
+        self.image_token_ids = tuple(image_token_ids)  # where a prompt's images sit (vLLM's features point there)
         self.pad_id = pad_id
         self.eos_ids = list(params.eos_token_ids) or list(eos_ids)
         self.rng = torch.Generator().manual_seed(seed)
@@ -285,6 +331,10 @@ class ServerGenerator:
         self.version = None
         self.server_info = client.wait_until_up()
         self.is_vllm = "vllm_config" in self.server_info
+        if self.is_vllm:  # vLLM samples the image tokens too (as under TRL); posttrain serve suppresses them
+            params.check_no_bans("a vLLM server")
+        else:
+            self.params = params.banning(self.image_token_ids)
         self._handshake(model_fingerprint, max_length, needs_processed_logprobs)
         self._nccl = None
         if self.is_vllm and pushes:
@@ -350,25 +400,34 @@ class ServerGenerator:
         self.version = version
 
     def generate(self, prompts: list[list[int]], row_keys: list[int] | None = None,
-                 new_round: bool = True) -> Rollouts:
+                 new_round: bool = True, model_inputs: ModelInputs | None = None,
+                 images: list[list] | None = None) -> Rollouts:
         """One round: a seed drawn from this generator's RNG (the same on every process), and each row sampled with
         the stream of its key, so rows get the completions the in-process generator would give them whichever
-        process asks. Runs of one prompt with consecutive keys fold into one prompt with n copies; runs with the
-        same n share a request (posttrain's `sample_keys` carry their first keys). A server that does not take
-        `sample_keys` (vLLM) gets one request per run, seeded by its stream, sent concurrently."""
+        process asks. Runs of one prompt with consecutive keys (and the same images) fold into one prompt with n
+        copies; runs with the same n share a request (posttrain's `sample_keys` carry their first keys, and
+        `model_inputs` their rows' pixels). A server that does not take `sample_keys` (vLLM) gets one request per
+        run, seeded by its stream, sent concurrently; a run with images goes as its ids with the features vLLM
+        made of its images (`image_features`, pointed at the ids' image tokens), as TRL's server mode sends them."""
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
-        runs = _runs(prompts, keys)
+        runs = _runs(prompts, keys, images)
+        row_of = {key: row for row, key in enumerate(keys)}  # a run's first key -> its first row
         if new_round or self._round_seed is None:  # a multi-turn rollout's later turns sample within the round
             self._round_seed = draw_seed(self.rng)
         seed = self._round_seed
+        pixels = model_inputs is not None and bool(model_inputs.names)
         if self.server_info.get("engine") == "transformers":  # posttrain serve: it takes sample_keys
             max_seqs, max_tokens = self.server_info.get("max_num_seqs"), self.server_info.get("max_batch_tokens")
             runs = _fitting_runs(runs, max_seqs, max_tokens, self.params.max_new_tokens)
             requests = _shared_requests(runs, max_seqs, max_tokens, self.params.max_new_tokens)
-            bodies = [([runs[i][0] for i in idx], runs[idx[0]][2], seed, [runs[i][1] for i in idx]) for idx in requests]
+            bodies = [([runs[i][0] for i in idx], runs[idx[0]][2], seed, [runs[i][1] for i in idx],
+                       wire.to_text(model_inputs.select([row_of[runs[i][1]] for i in idx]).tensors("")) if pixels else None)
+                      for idx in requests]
         else:
             requests = [[i] for i in range(len(runs))]
-            bodies = [([p], n, stream_seed(seed, key), None) for p, key, n in runs]
+            run_images = [images[row_of[key]] if images is not None else [] for _, key, _ in runs]
+            bodies = [([p], n, stream_seed(seed, key), None, shown or None)
+                      for (p, key, n), shown in zip(runs, run_images)]
         answers = self._complete_all(bodies)
         rows: list[tuple[list[int], dict]] = []
         for idx, body, choices in zip(requests, bodies, answers):
@@ -382,14 +441,22 @@ class ServerGenerator:
         return self._rollouts(rows)
 
     def _complete_all(self, bodies: list[tuple]) -> list[list[dict]]:
-        """Each body's completions, in order; several requests are in flight together (a vLLM server batches them)."""
+        """Each body's completions, in order; several requests are in flight together (a vLLM server batches them).
+        A body is (prompts, n, seed, sample keys, extra): extra is posttrain serve's model_inputs text, or a vLLM
+        run's images."""
         if len(bodies) == 1:
-            return [self.client.completions(*bodies[0][:3], self.params, bodies[0][3])]
+            return [self._complete(*bodies[0])]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(16, len(bodies))) as pool:
-            futures = [pool.submit(self.client.completions, p, n, s, self.params, k) for p, n, s, k in bodies]
+            futures = [pool.submit(self._complete, *body) for body in bodies]
             return [f.result() for f in futures]
+
+    def _complete(self, prompts: list[list[int]], n: int, seed: int, keys: list[int] | None, extra) -> list[dict]:
+        if not self.is_vllm or extra is None:
+            return self.client.completions(prompts, n, seed, self.params, keys, extra)
+        features = place_features(self.client.image_features(extra), prompts[0], self.image_token_ids)
+        return self.client.generate_tokens(prompts[0], features, n, seed, self.params)
 
     def _check_version(self, choice: dict) -> None:
         if self.version is None or self.versions_advance:
@@ -412,6 +479,37 @@ class ServerGenerator:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _data_url(image) -> str:
+    """A PIL image as a PNG data URL (lossless), the form vLLM's chat routes take."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def place_features(features: dict, prompt: list[int], image_token_ids) -> dict:
+    """`features` with its image placeholders pointed at the runs of image tokens in `prompt` (the server's point
+    into the message it rendered the images in); GenerationError when the runs and the images differ in number."""
+    runs, offset = [], 0
+    image_tokens = set(image_token_ids)
+    while offset < len(prompt):
+        if prompt[offset] in image_tokens:
+            start = offset
+            while offset < len(prompt) and prompt[offset] in image_tokens:
+                offset += 1
+            runs.append({"offset": start, "length": offset - start})
+        else:
+            offset += 1
+    processed = len(features["mm_placeholders"].get("image", []))
+    if len(runs) != processed:
+        raise GenerationError(f"A prompt holds {len(runs)} runs of image tokens but the vLLM server processed "
+                              f"{processed} images for it: each image must be one run of image tokens in the prompt "
+                              "(its processor's expansion).")
+    return {**features, "mm_placeholders": {**features["mm_placeholders"], "image": runs}}
 
 
 def _torch_dtype(name) -> torch.dtype | None:

@@ -186,7 +186,8 @@ def vllm_serve_command(args, extra=()) -> tuple[list[str], dict]:
               ("--max-model-len", args.max_model_len)]
     switches = [{True: "--enable-prefix-caching", False: "--no-enable-prefix-caching"}.get(args.enable_prefix_caching),
                 "--enforce-eager" if args.enforce_eager else None,
-                "--trust-remote-code" if args.trust_remote_code else None]
+                "--trust-remote-code" if args.trust_remote_code else None,
+                "--enable-scale-out"]  # the render and token-generate routes that prompts with images use (as TRL)
     trailing = [("--distributed-executor-backend", args.distributed_executor_backend),
                 ("--speculative-config", args.speculative_config), ("--api-key", args.api_key),
                 ("--weight-transfer-config", json.dumps({"backend": "nccl"})),

@@ -72,7 +72,7 @@ class OnlineTrainer(Trainer):
             generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
                                        run_id=run_id, num_processes=self.accelerator.num_processes,
                                        local_process_index=self.accelerator.local_process_index,
-                                       suppress_tokens=tuple(self.vision.image_token_ids) if self.vision else ())
+                                       image_token_ids=tuple(self.vision.image_token_ids) if self.vision else ())
         self.sampling_params = SamplingParams.from_config(args)
         self._set_objective(args)
         self.pad_to_multiple_of = self._padding_multiple()
@@ -143,10 +143,6 @@ class OnlineTrainer(Trainer):
     def _refused_with_images(self, agents: Agents) -> dict[str, str]:
         """What a run with images cannot do in this release, and each one's fix."""
         args, refused = self.args, {}
-        if args.use_vllm and args.vllm_mode != "colocate":
-            refused[f"vllm_mode={args.vllm_mode!r}"] = ("images are sampled in process or by a colocated vLLM in this "
-                                                        "release (a server would need the images sent to it): set "
-                                                        "vllm_mode='colocate', or use_vllm=False")
         if getattr(args, "async_generation", False):
             refused["async_generation=True"] = "set async_generation=False (its generation copy is a text model)"
         if agents.calls_tools or agents.rollout_func is not None:

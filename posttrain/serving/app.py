@@ -12,7 +12,10 @@ trainer's one client talks to it and to `vllm serve` alike.
                                   return_weight_versions: choices prompt-major (prompt i's copies at i*n .. i*n+n-1);
                                   posttrain's `sample_keys` (one per prompt) makes copy c of prompt i sample with the
                                   stream of row key sample_keys[i] + c (default i*n + c) under `seed`, so a row gets
-                                  the same completion whichever request carries it
+                                  the same completion whichever request carries it; posttrain's `suppress_tokens`
+                                  and `begin_suppress_tokens` (transformers' names), and `model_inputs`: each
+                                  prompt's pixels as the trainer's processor made them (wire.to_text of
+                                  ModelInputs.tensors("")), for a vision-language model
     POST /start_weight_update     {"weight_version"} -> {"update_id"}: opens an update (generation answers 409 until
                                   it finishes); its later calls carry the id; silent for weight_update_timeout, it is
                                   abandoned and a new one may start
@@ -121,8 +124,9 @@ class _Guard:
         """The whole body, or (status, message) when it is longer than max_json_bytes or the client left."""
         declared = headers.get(b"content-length")
         too_long = (413, f"the body is longer than this server takes in a JSON request ({self.max_json_bytes} "
-                         "bytes: 32 per token of --max_batch_tokens, plus 1 MiB): send fewer prompts per request, "
-                         "or restart it with a larger --max_batch_tokens.")
+                         "bytes: 32 per token of --max_batch_tokens, plus --max_pixel_bytes in base64, plus 1 MiB): "
+                         "send fewer prompts per request, or restart it with a larger --max_batch_tokens (or "
+                         "--max_pixel_bytes for images).")
         if declared is not None and declared.isdigit() and int(declared) > self.max_json_bytes:
             return too_long
         chunks, size, more = [], 0, True
@@ -199,7 +203,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
           max_model_len: int | None = None, dtype: str = "auto", device: str = "cpu",
           trust_remote_code: bool = False, log_level: str = "warning", api_key_file: str | None = None,
           max_num_seqs: int = 256, max_batch_tokens: int = 1 << 18, max_bucket_bytes: int | None = None,
-          weight_update_timeout: float = 120.0) -> None:
+          weight_update_timeout: float = 120.0, max_pixel_bytes: int = 64 << 20) -> None:
     """Load `model` and serve it until interrupted; prints `ready at http://HOST:PORT` once it accepts requests,
     and `posttrain serve: stopped.` on Ctrl-C or SIGTERM (while loading too)."""
     import signal
@@ -212,13 +216,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         raise ConfigError(f"posttrain serve binds {host!r}, which other machines can reach, and has no --api_key "
                           f"(nor --api_key_file or {API_KEY_ENV}): its weight routes would take any sender's weights; "
                           "pass --api_key_file PATH (or set the variable) or bind 127.0.0.1.")
-    _check_limits(max_num_seqs, max_batch_tokens, max_bucket_bytes, weight_update_timeout)
+    _check_limits(max_num_seqs, max_batch_tokens, max_bucket_bytes, weight_update_timeout, max_pixel_bytes)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port: give one from 1 to 65535, or 0 for a free one.")
     if max_model_len is not None and max_model_len < 1:
         raise ConfigError(f"--max_model_len {max_model_len} must be at least 1 (leave it out for the model's own "
                           "position limit).")
-    limits = Limits(max_num_seqs, max_batch_tokens, max_bucket_bytes)
+    limits = Limits(max_num_seqs, max_batch_tokens, max_bucket_bytes, max_pixel_bytes)
     # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: here it ends the server, not the process
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -281,11 +285,11 @@ def _raise_interrupt(signum, frame):
 
 
 def _check_limits(max_num_seqs: int, max_batch_tokens: int, max_bucket_bytes: int | None,
-                  weight_update_timeout: float) -> None:
+                  weight_update_timeout: float, max_pixel_bytes: int) -> None:
     from posttrain.configs import ConfigError
 
     for name, value in (("--max_num_seqs", max_num_seqs), ("--max_batch_tokens", max_batch_tokens),
-                        ("--max_bucket_bytes", max_bucket_bytes)):
+                        ("--max_bucket_bytes", max_bucket_bytes), ("--max_pixel_bytes", max_pixel_bytes)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} must be at least 1.")
     if not 0 < weight_update_timeout < float("inf"):

@@ -2,11 +2,12 @@
 and lean decoder as in-process generation), and weight updates that have an owner and a deadline and end with a
 digest of what it holds.
 
-    generate(prompts, n, params, seed, keys)
+    generate(prompts, n, params, seed, keys, model_inputs)
                                         each prompt repeated n times (prompt-major, as GRPO's groups), one batch;
                                         copy c of prompt i samples with row key keys[i] + c under the round `seed`
                                         (as TransformersGenerator.generate_seeded: the in-process generator gives
-                                        those rows the same completions); refused (409) while an update is open and
+                                        those rows the same completions); a prompt's `model_inputs` row (its pixels)
+                                        goes with each of its copies; refused (409) while an update is open and
                                         (503) while the weights are partial
     begin_update(version) -> update_id  opens an update owned by whoever holds the id; an open update with no call
                                         for `update_timeout` seconds is abandoned, and a new one may then start
@@ -33,6 +34,7 @@ import torch
 
 from posttrain import wire
 from posttrain.generation.protocol import Rollouts, SamplingParams
+from posttrain.model_inputs import ModelInputs
 
 logger = logging.getLogger("posttrain.serve")
 
@@ -76,9 +78,10 @@ class TransformersEngine:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
-        limit = getattr(model.config, "max_position_embeddings", None)
+        text = model.config.get_text_config()  # a vision-language model's language model holds them
+        limit = getattr(text, "max_position_embeddings", None)
         self.max_model_len = max_model_len or limit or 1 << 30
-        self.vocab_size = int(model.config.vocab_size)
+        self.vocab_size = int(text.vocab_size)
         self.version: str | None = "initial"  # None: no complete version is held (an abandoned update's leftovers)
         self.update: OpenUpdate | None = None
         self.stale: set[str] = set()  # tensors last written by an abandoned update
@@ -124,15 +127,31 @@ class TransformersEngine:
                 raise EngineError(f"prompt {i} holds a token id outside the vocabulary [0, {self.vocab_size}).", 400)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int,
-                 keys: list[int] | None = None) -> Rollouts:
+                 keys: list[int] | None = None, model_inputs: ModelInputs | None = None) -> Rollouts:
+        """`model_inputs`: one row per prompt (a vision-language model's pixels, as the trainer's processor made
+        them), or None."""
         from posttrain.generation.transformers_backend import TransformersGenerator
 
         self.check_prompts(prompts, params.max_new_tokens)
+        if model_inputs is not None:
+            self.check_model_inputs(model_inputs, len(prompts))
         self._check_servable()
         generator = TransformersGenerator(self.model, self.tokenizer, params, shares_policy=True)
         keys = keys if keys is not None else [i * n for i in range(len(prompts))]
-        return generator.generate_seeded([p for p in prompts for _ in range(n)], seed,
-                                         [key + c for key in keys for c in range(n)])
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        return generator.generate_seeded([prompts[i] for i in rows], seed,
+                                         [key + c for key in keys for c in range(n)],
+                                         model_inputs.select(rows) if model_inputs is not None else None)
+
+    def check_model_inputs(self, model_inputs: ModelInputs, prompts: int) -> None:
+        """One row per prompt, for a model that takes pixels (400 otherwise)."""
+        if len(model_inputs) != prompts:
+            raise EngineError(f"model_inputs holds {len(model_inputs)} rows for {prompts} prompts: send one per "
+                              "prompt ({} for a prompt without any).", 400)
+        if model_inputs.names and getattr(self.model.config, "vision_config", None) is None:
+            raise EngineError(f"model_inputs carries {', '.join(model_inputs.names)}, but this server's model "
+                              f"({type(self.model).__name__}) is a text model: serve the vision-language "
+                              "checkpoint being trained.", 400)
 
     def _check_servable(self) -> None:
         """409 while an update is open, 503 while an abandoned one's leftovers are in the model."""

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from posttrain import wire
 from posttrain.generation.protocol import SamplingParams
+from posttrain.model_inputs import ModelInputs
 from posttrain.serving.engine import MAX_INT64, EngineError
 
 # below it, float32 logits divided by the temperature (or the penalty) can overflow into NaN: vLLM raises smaller
@@ -46,16 +47,19 @@ class Limits:
         KV cache grows to.
     max_bucket_bytes: tensor bytes in one weight bucket (its body may add MAX_HEADER_BYTES of header); None: the
         larger of wire.MAX_BUCKET_BYTES (what the trainer packs) and the served model's largest tensor in float32.
+    max_pixel_bytes: bytes of a completions request's `model_inputs` (a vision-language model's pixels).
     """
 
     max_num_seqs: int = 256
     max_batch_tokens: int = 1 << 18
     max_bucket_bytes: Optional[int] = None
+    max_pixel_bytes: int = 64 << 20
 
     @property
     def max_json_bytes(self) -> int:
-        """The largest JSON body taken: 1 MiB plus 32 bytes for each token max_batch_tokens allows."""
-        return (1 << 20) + 32 * self.max_batch_tokens
+        """The largest JSON body taken: 1 MiB, plus 32 bytes for each token max_batch_tokens allows, plus
+        max_pixel_bytes in base64."""
+        return (1 << 20) + 32 * self.max_batch_tokens + 4 * -(-self.max_pixel_bytes // 3)
 
     def bucket_bytes(self, engine) -> int:
         if self.max_bucket_bytes is not None:
@@ -84,6 +88,11 @@ class Completion(_Body):
     seed: Optional[Int64] = None
     sample_keys: Optional[list[Int64]] = None
     stop_token_ids: Optional[list[Int64]] = None
+    suppress_tokens: Optional[list[Int64]] = None  # posttrain's: never sampled (transformers' generate's name)
+    begin_suppress_tokens: Optional[list[Int64]] = None  # posttrain's: never a completion's first token
+    # posttrain's: base64 of a safetensors bucket, ModelInputs.tensors("") of one row per prompt (a vision-language
+    # model's pixels, as the trainer's processor made them)
+    model_inputs: Optional[str] = None
     logprobs: Optional[int] = Field(None, ge=0)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -192,10 +201,11 @@ class Routes:
             raise EngineError(f"sample_keys holds {max(keys)}, and with n={body.n} its copies' keys pass "
                               f"{MAX_INT64} (the largest 64-bit key): send smaller keys.", 422)
         seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 31)
+        model_inputs = self._model_inputs(body.model_inputs, len(prompts))
 
         def generate():
             version = engine.version
-            rollouts = engine.generate(prompts, body.n, params, seed, keys)
+            rollouts = engine.generate(prompts, body.n, params, seed, keys, model_inputs)
             return _choices(rollouts, prompts, body.n, version, body.return_weight_versions)
 
         return {"object": "text_completion", "model": engine.name, "choices": await self.on_engine(generate)}
@@ -215,6 +225,23 @@ class Routes:
                               f"{limits.max_batch_tokens}: send fewer sequences per request, or restart it with a "
                               "larger --max_batch_tokens.", 413)
 
+    def _model_inputs(self, text: str | None, prompts: int) -> ModelInputs | None:
+        """The body's `model_inputs` (one row per prompt), checked (413 beyond max_pixel_bytes, 422 malformed)."""
+        if text is None:
+            return None
+        limit = self.limits.max_pixel_bytes
+        if len(text) > 4 * -(-limit // 3):
+            raise EngineError(f"model_inputs holds more than this server's max_pixel_bytes={limit}: send fewer "
+                              "images per request, or restart it with a larger --max_pixel_bytes.", 413)
+        try:
+            inputs = ModelInputs.from_tensors(wire.from_text(text), "", prompts)
+        except (ValueError, IndexError, KeyError, TypeError) as err:
+            raise EngineError(f"model_inputs is not ModelInputs.tensors('') of one row per prompt as base64 "
+                              f"safetensors ({err}).", 422) from None
+        if inputs is not None:
+            self.engine.check_model_inputs(inputs, prompts)
+        return inputs
+
     def _sampling_params(self, body: Completion) -> SamplingParams:
         """The body's sampling fields, each checked against the served model (422 naming the field)."""
         vocab = self.engine.vocab_size
@@ -224,9 +251,10 @@ class Routes:
         if body.top_k > vocab:
             raise EngineError(f"top_k={body.top_k} exceeds the vocabulary ({vocab} tokens): send at most {vocab}, or "
                               "-1 (or 0) to keep every token.", 422)
-        bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab), None)
-        if bad_stop is not None:
-            raise EngineError(f"stop_token_ids holds {bad_stop}, outside the vocabulary [0, {vocab}).", 422)
+        for field in ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens"):
+            bad = next((t for t in getattr(body, field) or () if t >= vocab), None)
+            if bad is not None:
+                raise EngineError(f"{field} holds {bad}, outside the vocabulary [0, {vocab}).", 422)
         if body.logprobs:
             raise EngineError(f"logprobs={body.logprobs} asks for the most likely tokens' log-probs, which this "
                               "server does not return (each choice carries its sampled tokens' log-probs): send 0.",
@@ -234,7 +262,9 @@ class Routes:
         return SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), min_p=body.min_p or None,
                               repetition_penalty=body.repetition_penalty, min_new_tokens=body.min_tokens,
-                              eos_token_ids=tuple(body.stop_token_ids or ()))
+                              eos_token_ids=tuple(body.stop_token_ids or ()),
+                              suppress_tokens=tuple(body.suppress_tokens or ()),
+                              begin_suppress_tokens=tuple(body.begin_suppress_tokens or ()))
 
     # ------------------------------------------------------------------ weight updates
 

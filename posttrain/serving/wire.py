@@ -3,8 +3,8 @@
 
 from posttrain.wire import (ALIASES_KEY, MAX_BUCKET_BYTES, MAX_HEADER_BYTES, SLICE_BYTES, Body, PushDigests,
                             bucket_digest, buckets, combine, data_digest, decode, fingerprint, storage_key,
-                            tensor_digest)
+                            tensor_digest, to_text, from_text)
 
 __all__ = ["ALIASES_KEY", "MAX_BUCKET_BYTES", "MAX_HEADER_BYTES", "SLICE_BYTES", "Body", "PushDigests",
            "bucket_digest", "buckets", "combine", "data_digest", "decode", "fingerprint", "storage_key",
-           "tensor_digest"]
+           "tensor_digest", "to_text", "from_text"]
