@@ -79,8 +79,8 @@ def assert_loss_entropy_and_gradient_equal_trls(trainer, batch):
     assert float(entropy.sum()) == pytest.approx(float(entropy_sum), rel=1e-5)
     for a, b in zip(ours, theirs):
         assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+        if a is not None:  # float32's rounding of sums scales with the largest term: 1e-5 of the tensor's largest
+            assert torch.allclose(a, b, rtol=1e-4, atol=max(1e-7, 1e-5 * float(b.abs().max())))
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

@@ -1,13 +1,14 @@
 """Distillation of a vision-language student from a vision-language teacher on prompts with images, as TRL 1.16's
 DistillationTrainer takes them: the student samples with the prompts' pixels, and both models read them again for the
 divergence. The loss, entropy and gradient equal TRL's _compute_loss on the same completions and the same multimodal
-inputs (Qwen2.5-VL: flattened patches, image_grid_thw and mm_token_type_ids)."""
+inputs, on the four tiny families (LLaVA, whose vision tower's last layer gets no gradient, as in TRL; Gemma 3;
+Qwen2.5-VL and Qwen3.5: flattened patches, image_grid_thw and mm_token_type_ids)."""
 
 import pytest
 from datasets import Dataset
 from test_distillation import assert_loss_entropy_and_gradient_equal_trls
 
-from posttrain.testing import tiny_vision_processor
+from posttrain.testing import VISION_PROCESSORS, tiny_vision_processor
 from tests import vlm_data
 
 
@@ -22,9 +23,10 @@ def _trainer(student, teacher, processor, tmp_path, **overrides):
                                train_dataset=Dataset.from_list(vlm_data.prompt_only(4)), processing_class=processor)
 
 
-def test_loss_entropy_and_gradient_equal_trls_with_the_images(tmp_path):
-    student, processor = tiny_vision_processor("qwen2_5_vl")
-    teacher, _ = tiny_vision_processor("qwen2_5_vl", seed=3)
+@pytest.mark.parametrize("family", VISION_PROCESSORS)
+def test_loss_entropy_and_gradient_equal_trls_with_the_images(family, tmp_path):
+    student, processor = tiny_vision_processor(family)
+    teacher, _ = tiny_vision_processor(family, seed=3)
     trainer = _trainer(student, teacher, processor, tmp_path)
     batch = trainer.rollout.scored_batch(trainer.rounds, 1).batch
     assert batch.rollouts.model_inputs is not None

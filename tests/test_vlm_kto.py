@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from posttrain.testing import tiny_vision_processor
+from posttrain.testing import VISION_PROCESSORS, tiny_vision_processor
 from tests import vlm_data
 
-FAMILIES = ("llava", "qwen2_5_vl")
+FAMILIES = VISION_PROCESSORS
 
 
 def _trainer(model, ref_model, processor, rows, tmp_path, **overrides):

@@ -121,7 +121,7 @@ def output_layer_input_and_output(model, layer: torch.nn.Module, n_keep: int, **
         raise RuntimeError(f"{type(unwrap(model)).__name__} gave its output layer {hidden.size(-2)} positions when "
                            f"{n_keep} were asked for with {logits_to_keep_kwarg(model)}: its forward does not honour "
                            "that keyword.")
-    unread = _unread_outputs(out)
+    unread = _unread_outputs(out) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
     return (hidden if unread is None else hidden + unread), out
 
 
@@ -129,7 +129,8 @@ def _unread_outputs(out) -> torch.Tensor | None:
     """0, with a gradient path to each tensor of the model's output that the passes do not read (a vision-language
     model's `image_outputs`: its vision tower's last hidden state, which LLaVA's features, taken a layer earlier, leave
     out). DDP looking for unused parameters counts whatever the forward's output reaches as used, and would wait in
-    vain for the gradients of the layers only those tensors reach; through this path each gets a gradient of 0. An
+    vain for the gradients of the layers only those tensors reach; through this path each gets a gradient of 0 (taken
+    under DDP only: elsewhere those layers keep no gradient, as in TRL, and an optimizer leaves them alone). An
     empty slice's sum: exactly 0 whatever the values (an inf among them too). None where there is none (a text
     model's output), so that the hidden states are not copied for nothing."""
     if not torch.is_grad_enabled() or not isinstance(out, dict):
