@@ -211,15 +211,19 @@ class PromptEncoder:
         ids = self.tokenizer([self.text(p, t) for p, t in zip(prompts, tools)], add_special_tokens=False)["input_ids"]
         return self._checked(ids, indices)
 
-    def encode_rows(self, rows: list[dict], indices: list) -> tuple[list[list[int]], list[dict] | None]:
+    def encode_rows(self, rows: list[dict], indices: list, tools: list[list] | None = None
+                    ) -> tuple[list[list[int]], list[dict] | None]:
         """(each row's prompt ids, each row's model_inputs {name: tensor} or None without a vision processor): a
-        row's `image` or `images` placed in its conversation, its image tokens expanded by the processor."""
+        row's `image` or `images` placed in its conversation, its image tokens expanded by the processor (`tools`:
+        each row's tools, for its template; None: none)."""
         prompts = [r["prompt"] for r in rows]
         if self.vision is None:
-            return self.encode(prompts, indices), None
+            return self.encode(prompts, indices, tools), None
         ids, inputs = [], []
-        for index, row in zip(indices, rows):
-            row_ids, row_inputs = self.vision.encode_prompt(row, f"Prompt {index}", self.chat_template_kwargs)
+        options = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        for index, row, row_tools in zip(indices, rows, tools or [None] * len(rows)):
+            row_ids, row_inputs = self.vision.encode_prompt(row, f"Prompt {index}", {
+                **self.chat_template_kwargs, **options, **({"tools": row_tools} if row_tools else {})})
             ids.append(row_ids)
             inputs.append(row_inputs)
         return self._checked(ids, indices, images=True), inputs

@@ -361,6 +361,7 @@ def tiny_vision_processor(family: str, seed: int = 0):
         tokenizer.eos_token = _VISION_EOS[family]
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", _VISION_TEMPLATES[family])) as f:
         template = f.read()
+    tokenizer.chat_template = template  # as a checkpoint ships it: its tokenizer's template is its processor's
     model = tiny_vision_language(family, tokenizer, seed)
     if family == "llava":
         from transformers import LlavaProcessor

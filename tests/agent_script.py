@@ -52,6 +52,17 @@ def big() -> str:
     return "x" * 3000
 
 
+def picture(colour: str) -> list:
+    """A multimodal result: an image of the colour and a caption.
+
+    Args:
+        colour: The colour.
+    """
+    from PIL import Image
+
+    return [{"type": "image", "image": Image.new("RGB", (16, 16), colour)}, {"type": "text", "text": f"a {colour} one"}]
+
+
 TOOLS = [add, mul, fail, big]
 
 # case -> the turns: a list of calls (name, arguments) for a calling turn, or a string for an answer
@@ -63,6 +74,7 @@ CASES = {
     "iterate": [[("add", {"a": k, "b": 1})] for k in range(10)] + ["never"],
     "overflow": [[("big", {})], "unreachable"],
     "malformed": ["MALFORMED"],
+    "picture": [[("picture", {"colour": "red"})], [("picture", {"colour": "blue"})], "Red, then blue."],
 }
 
 
@@ -105,7 +117,8 @@ class Script:
 
 class ScriptedEngine:
     """posttrain's Generator protocol over a Script: each prompt's next turn (cut to max_tokens), LOGPROB per token;
-    the calls it got are recorded (prompts, keys, new_round)."""
+    the calls it got are recorded (prompts, keys, new_round), and the pixels and images of those that had any
+    (`pixel_calls`: (prompts, model_inputs, images))."""
 
     samples_during_push = pushes_in_background = False  # an engine in the trainer's process (the protocol's)
 
@@ -116,9 +129,12 @@ class ScriptedEngine:
         self.script, self.pad_id, self.eos_ids, self.max_tokens = script, pad_id, list(eos_ids), max_tokens
         self.rng = torch.Generator().manual_seed(0)
         self.calls: list[tuple[list, list, bool]] = []
+        self.pixel_calls: list[tuple[list, object, list]] = []
 
-    def generate(self, prompts, row_keys=None, new_round: bool = True) -> Rollouts:
+    def generate(self, prompts, row_keys=None, new_round: bool = True, model_inputs=None, images=None) -> Rollouts:
         self.calls.append((prompts, row_keys, new_round))
+        if model_inputs is not None:
+            self.pixel_calls.append((prompts, model_inputs, images))
         rows = []
         for p, key in zip(prompts, row_keys or range(len(prompts))):
             ids = self.script.next_turn(p, key % (1 << 32) % 3 if self.vary else 0)[:self.max_tokens]
@@ -139,9 +155,12 @@ class ScriptedEngine:
 def trl_generate_single_turn(script: Script, max_tokens: int):
     """TRL's `_generate_single_turn` replaced by the script: (completion ids, log-probs) per prompt."""
     def generate(prompt_ids, images=None, multimodal_fields=None, num_generations=1, **kwargs):
+        if multimodal_fields:
+            generate.pixel_calls.append((prompt_ids, multimodal_fields, images))
         ids = [script.next_turn(list(p))[:max_tokens] for p in prompt_ids]
         return ids, [[LOGPROB] * len(x) for x in ids]
 
+    generate.pixel_calls = []  # (prompt ids, multimodal fields, images) of each turn sampled with pixels
     return generate
 
 

@@ -1992,6 +1992,23 @@ def tool_returning_a_list_of_values(tmp):
         runner.close()
 
 
+@case("User functions", "a tool that returns an image while the policy is a text model (TRL: the image's repr as "
+      "text)", ConfigError,
+      r"^Tool 'snapshot' returned an image, but this run has no image processor to show it to the model \(a text "
+      r"model, or a tokenizer as processing_class\): train a vision-language checkpoint with its processor, or "
+      r"return the image as text\.$",
+      kind="silently wrong")
+def tool_returning_an_image_to_a_text_model(tmp):
+    from PIL import Image
+
+    from posttrain.agents.chat_templates import ToolSuffix
+
+    tokenizer = _tool_tokenizer(_trl_template("qwen2_5"))
+    image = Image.new("RGB", (8, 8), "red")
+    ToolSuffix(tokenizer).with_images([{"role": "tool", "name": "snapshot",
+                                        "content": [{"type": "image", "image": image}]}])
+
+
 @case("User functions", "an environment class without public methods (its actions named `_act`)", ToolError,
       r"^The environment Quiet \(from environment_factory\) has no public method, so the model has no tool to act "
       r"on it with: define its actions as methods .*\.$", kind="silently wrong")

@@ -38,21 +38,22 @@ def _zero(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def _trainer(package, out, tokenizer, rows, max_iterations, **kwargs):
-    """`package`'s GRPOTrainer (TRL's or posttrain's) on `rows`, with the same arguments."""
+def _trainer(package, out, tokenizer, rows, max_iterations, model=None, processor=None, **kwargs):
+    """`package`'s GRPOTrainer (TRL's or posttrain's) on `rows`, with the same arguments (`model` and `processor`: a
+    vision-language model's, else a tiny text model and `tokenizer`)."""
     from datasets import Dataset
 
     args = package.GRPOConfig(output_dir=str(out), per_device_train_batch_size=len(rows), num_generations=2,
                               max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
                               max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=max_iterations)
-    return package.GRPOTrainer(model=tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096), args=args,
-                               processing_class=tokenizer, reward_funcs=[_zero],
-                               train_dataset=Dataset.from_dict({"prompt": [r["prompt"] for r in rows]}), **kwargs)
+    model = model if model is not None else tiny_model(tokenizer, hidden=32, layers=1, max_positions=4096)
+    return package.GRPOTrainer(model=model, args=args, processing_class=processor or tokenizer, reward_funcs=[_zero],
+                               train_dataset=Dataset.from_list(rows), **kwargs)
 
 
 def _trl(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
     """TRL's _generate on `rows` with the scripted model: (prompt ids, completion ids, tool masks, completions,
-    log-probs, its metrics)."""
+    log-probs, its metrics); with a vision-language model, also its images and the turns it sampled with pixels."""
     import trl
 
     trainer = _trainer(trl, tmp_path / "trl", tokenizer, rows, max_iterations, **kwargs)
@@ -65,11 +66,13 @@ def _trl(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
     with pytest.raises(_GenerationReached) as got:
         trainer._generate_and_score_completions(copy.deepcopy(rows))
     trainer._generate = generate
-    trainer._generate_single_turn = trl_generate_single_turn(Script(tokenizer, trainer.chat_template), MAX_COMPLETION)
+    single_turn = trl_generate_single_turn(Script(tokenizer, trainer.chat_template), MAX_COMPLETION)
+    trainer._generate_single_turn = single_turn
     trainer.model.train()
-    prompt_ids, completion_ids, tool_mask, completions, logprobs = trainer._generate(got.value.args[0])[:5]
+    out = trainer._generate(got.value.args[0])
+    prompt_ids, completion_ids, tool_mask, completions, logprobs = out[:5]
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("tools/")}
-    return prompt_ids, completion_ids, tool_mask, completions, logprobs, metrics
+    return prompt_ids, completion_ids, tool_mask, completions, logprobs, metrics, out[6], single_turn.pixel_calls
 
 
 def _posttrain(tmp_path, tokenizer, rows, max_iterations=None, **kwargs):
@@ -115,7 +118,7 @@ def test_the_tool_loop_equals_trls(tmp_path, template):
     rows = _rows(CASES)
     theirs = _trl(tmp_path, tokenizer, rows, max_iterations=3, tools=[t for t in TOOLS if t.__name__ != "mul"])
     ours = _posttrain(tmp_path, tokenizer, rows, max_iterations=3, tools=[t for t in TOOLS if t.__name__ != "mul"])
-    _same(theirs, ours[:6])
+    _same(theirs[:6], ours[:6])
     prompt_ids, completion_ids, tool_mask = ours[:3]
     assert sum(tool_mask[CASES.index("one")]) < len(completion_ids[CASES.index("one")])  # a result was masked out
     assert all(m == 1 for m in tool_mask[CASES.index("overflow")])  # rolled back: the calling turn alone
@@ -207,7 +210,7 @@ def test_an_environment_loop_equals_trls_and_its_reward_is_a_reward_source(tmp_p
     rows = _env_rows(["one", "none", "iterate", "one"])
     theirs = _trl(tmp_path, tokenizer, rows, max_iterations=2, environment_factory=Adder)
     ours = _posttrain(tmp_path, tokenizer, rows, max_iterations=2, environment_factory=Adder)
-    _same(theirs, ours[:6])
+    _same(theirs[:6], ours[:6])
     trainer = ours[6]
     assert [f.name for f in trainer.reward_funcs] == ["_zero", "Adder"] and trainer.reward_weights.tolist() == [1, 1]
     sampled = trainer.agents.sample(copy.deepcopy(rows), [0, 1, 2, 3], [0, 1, 2, 3], ours[7], "cpu")
@@ -311,3 +314,84 @@ def test_resume_in_the_middle_of_a_buffer_of_multi_turn_rollouts_is_exact(tmp_pa
     a = dict(straight.policy.named_parameters())
     assert all(torch.equal(a[n], p) for n, p in resumed.policy.named_parameters())
     assert [r.get("loss") for r in resumed.state.log_history] == [r.get("loss") for r in straight.state.log_history]
+
+
+def _images_shown(completions: list) -> str:
+    """The completions as JSON, each image as its mode, size and colour (the tools' images are new objects on each
+    side)."""
+    def plain(value):
+        if hasattr(value, "getpixel"):
+            return f"image {value.mode} {value.size} {value.getpixel((0, 0))}"
+        raise TypeError(type(value))
+
+    return json.dumps(completions, sort_keys=True, default=plain)
+
+
+@pytest.mark.parametrize("prompt_images", [False, True], ids=["text-prompts", "image-prompts"])
+def test_a_tool_that_returns_an_image_joins_it_to_the_next_turn_as_trl_does(tmp_path, prompt_images):
+    """TRL's test_train_with_tools_multimodal_response, on a tiny Qwen3.5 built offline: a tool returns an image and
+    a caption; its image tokens are expanded in the tool suffix (masked out of the loss), its pixels join the row's
+    for the next turn's sampling and every later forward, and a second image round adds its pixels after the first.
+    Prompt ids, completion ids, tool mask, completions and log-probs equal TRL's `_generate` on the same scripted
+    model, each turn sampled with TRL's pixels, and the rows' pixels are TRL's image processor's on the same images;
+    the completion log-probs training reads equal the model's own forward with those pixels."""
+    from agent_script import picture
+    from posttrain.models.logprobs import token_logprobs
+    from posttrain.testing import tiny_vision_processor
+
+    model, processor = tiny_vision_processor("qwen3_5")
+    model.config.get_text_config().max_position_embeddings = 4096  # the prompt shows the tool: room for two images
+    rows = _rows(["picture", "none"])
+    if prompt_images:  # a vision dataset: the prompt's image comes before the tools'
+        from PIL import Image
+
+        rows = [dict(row, images=[Image.new("RGB", (16, 16), "green")]) for row in rows]
+    theirs = _trl(tmp_path, processor.tokenizer, rows, max_iterations=3, tools=[picture], model=copy.deepcopy(model),
+                  processor=processor)
+    ours = _posttrain(tmp_path, processor.tokenizer, rows, max_iterations=3, tools=[picture], model=model,
+                      processor=processor)
+    _same([theirs[i] for i in (0, 1, 2, 4, 5)], [ours[i] for i in (0, 1, 2, 4, 5)])
+    assert _images_shown(ours[3]) == _images_shown(theirs[3])
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    completion, mask = ours[1][0], ours[2][0]
+    assert completion.count(image_token) == 2 * 4 and all(not m for t, m in zip(completion, mask) if t == image_token)
+    # the turns sampled with pixels: after the first image (1 image), after the second (2), as TRL's were
+    trainer, engine = ours[6], ours[7]
+    trl_turns = [call for call in theirs[7] if "pixel_values" in call[1]]  # its first turn's: token types alone
+    shown = 1 if prompt_images else 0
+    assert [len(images[0]) for _, _, images in engine.pixel_calls][-2:] == [shown + 1, shown + 2]
+    assert len(trl_turns) == len(engine.pixel_calls) == 2 + shown
+    for (_, inputs, _), (_, fields, _) in zip(engine.pixel_calls, trl_turns):
+        batched = inputs.batched()
+        torch.testing.assert_close(batched["pixel_values"], torch.as_tensor(fields["pixel_values"]))
+        assert torch.equal(batched["image_grid_thw"], torch.as_tensor(fields["image_grid_thw"]))
+    # the finished rows: the picture row carries its images' pixels (the prompt's first), the other its prompt's
+    r = trainer.agents.sample(copy.deepcopy(rows), [0, 1], [0, 1], engine, "cpu").rollouts
+    images = theirs[6]
+    expected = processor.image_processor(images=images[0], return_tensors="pt")
+    got = r.model_inputs.select([0]).batched()
+    torch.testing.assert_close(got["pixel_values"], expected["pixel_values"])
+    assert r.model_inputs.rows[1] == {} if not prompt_images else len(r.model_inputs.rows[1]["image_grid_thw"]) == 1
+    # the log-probs training reads: the model's own forward over the row's ids with TRL's pixels and token types
+    first = r.select([0])
+    ids = torch.cat([first.prompt_ids, first.completion_ids], 1)
+    attention = torch.cat([first.prompt_mask, first.completion_mask], 1).long()
+    with torch.no_grad():
+        ours_logps, _ = token_logprobs(trainer.model, first.prompt_ids, first.prompt_mask, first.completion_ids,
+                                       first.completion_mask, model_inputs=first.forward_inputs())
+        logits = trainer.model(input_ids=ids, attention_mask=attention, pixel_values=expected["pixel_values"],
+                               image_grid_thw=expected["image_grid_thw"],
+                               mm_token_type_ids=(ids == image_token).long()).logits
+    width = first.completion_ids.size(1)
+    reference = torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(-1, first.completion_ids[..., None])
+    m = first.completion_mask.bool()
+    torch.testing.assert_close(ours_logps[m], reference[..., 0][m], atol=1e-5, rtol=1e-5)
+    # and a step trains on such rows: the loss's forward reads both images' pixels
+    import posttrain
+
+    step = _trainer(posttrain, tmp_path / "step", processor.tokenizer, rows[:1] * 2, 3, model=trainer.model,
+                    processor=processor, tools=[picture])
+    step.generator = engine
+    step.train()
+    logged = [e for e in step.state.log_history if "loss" in e]
+    assert logged and math.isfinite(logged[0]["loss"]) and logged[0]["tools/call_frequency"] == 2.0

@@ -11,7 +11,7 @@ SUFFIX = [60, 61, 62]  # what the "template" renders for a round of tool results
 
 def _turns(script: dict, seen: list):
     """Turns whose model answers the row's n-th continuation with script[row][n], and whose tools echo."""
-    def generate(prompts, keys):
+    def generate(prompts, keys, rows=None):
         seen.extend(keys)
         out = []
         for prompt, key in zip(prompts, keys):

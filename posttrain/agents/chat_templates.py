@@ -175,13 +175,15 @@ class ToolSuffix:
             a fetched page) is tokenized as its characters, the template's own markers around it as the template
             writes them, so that a result cannot forge a turn boundary (TRL's, and False: the special tokens); a
             result without such text gives TRL's ids either way.
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing), for results that hold
+            images (`with_images`); None: a result with an image is refused.
     """
 
     _said_unsplit = False  # a template that rewrites results: said once a process
 
     def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                 stop_token_ids: list[int] | None = None, results_as_text: bool = True):
-        self.tokenizer = tokenizer
+                 stop_token_ids: list[int] | None = None, results_as_text: bool = True, vision=None):
+        self.tokenizer, self.vision = tokenizer, vision
         self.results_as_text = results_as_text
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -198,6 +200,30 @@ class ToolSuffix:
         forged = self.results_as_text and any(_holds_special_text(self.tokenizer, m["content"]) for m in tool_messages)
         full = self._render_as_text(messages, len(tool_messages)) if forged else self._render(
             messages, add_generation_prompt=True)
+        return self._after(calling, full, tool_messages)
+
+    def with_images(self, tool_messages: list[dict]) -> tuple[list[int], dict, list]:
+        """(`__call__`'s ids, the results' images' model_inputs, those images) for results that may hold image
+        blocks ({"type": "image", "image": ...}): the template renders each image's placeholder, the processor
+        expands it to the image's tokens and makes its pixels, as TRL renders a multimodal tool response through the
+        processor. Results without images give `__call__`'s ids, {} and []."""
+        images = [part["image"] for m in tool_messages if isinstance(m["content"], list) for part in m["content"]
+                  if isinstance(part, dict) and part.get("type") == "image"]
+        if not images:
+            return self(tool_messages), {}, []
+        name = tool_messages[0]["name"]
+        if self.vision is None:
+            raise ConfigError(f"Tool {name!r} returned an image, but this run has no image processor to show it to "
+                              "the model (a text model, or a tokenizer as processing_class): train a vision-language "
+                              "checkpoint with its processor, or return the image as text.")
+        calling = self._calling(name)
+        text = render(self.vision.processor, self._conversation(name) + list(tool_messages), self.chat_template,
+                      add_generation_prompt=True, **self.chat_template_kwargs)
+        full, pixels = self.vision.encode(text, images, f"The result of tool {name!r}")
+        return self._after(calling, full, tool_messages), pixels, images
+
+    def _after(self, calling: list[int], full: list[int], tool_messages: list[dict]) -> list[int]:
+        """`full`'s ids after the `calling` turn's, which must start it."""
         if full[:len(calling)] != calling:
             name = capitalised(template_name(self.tokenizer))
             raise ConfigError(f"{name} renders the turn before the tool messages "

@@ -28,7 +28,7 @@ import torch
 
 from posttrain.agents.chat_templates import ToolSuffix
 from posttrain.agents.environments import EnvironmentPool
-from posttrain.agents.loop import Budget, Turns, tool_loop
+from posttrain.agents.loop import Budget, Suffix, Turns, tool_loop
 from posttrain.agents.rollout_func import check_rollout_output
 from posttrain.agents.sampling import first_turns, later_turns, multi_turn_rollouts
 from posttrain.agents.tool_parsing import ToolCallParser
@@ -36,6 +36,8 @@ from posttrain.agents.tools import ToolRunner, ToolSet
 from posttrain.data import DataError, check_within_vocabulary, is_conversational
 from posttrain.errors import UserFunctionError, detail_of, function_name, program_stop_message, stops_the_program
 from posttrain.generation import Rollouts
+from posttrain.model_inputs import ModelInputs
+from posttrain.sequences.images import images_of
 
 logger = logging.getLogger("posttrain")
 
@@ -103,12 +105,15 @@ class AgentRollouts:
         placeholder_prompts: the rows' prompts are TRL's placeholder, not the dataset's (an environment writes the
             prompt): reset is not given them.
         results_as_text: tool results' special-token texts are tokenized as text (ToolSuffix).
+        vision: a vision-language processor's rows (sequences/images.py VisionProcessing): the prompts' images (the
+            encoder's, for a dataset with images) and the tools' images go with the rows; None: text only.
     """
 
     def __init__(self, tokenizer, encoder, agents: Agents, *, chat_template: str | None, chat_template_kwargs: dict,
                  budget: Budget, tool_timeout: float | None = None, trainer: Any = None, vocab_size: int | None = None,
-                 reserved=(), placeholder_prompts: bool = False, results_as_text: bool = True):
+                 reserved=(), placeholder_prompts: bool = False, results_as_text: bool = True, vision=None):
         self.tokenizer, self.encoder, self.agents, self.budget = tokenizer, encoder, agents, budget
+        self.token_types = vision.token_types if vision is not None else None
         self.trainer, self.vocab_size, self.reserved = trainer, vocab_size, set(reserved)
         self.placeholder_prompts = placeholder_prompts
         self._noted: set[str] = set()  # rollout_func's rows already said (_note_untrainable)
@@ -117,8 +122,8 @@ class AgentRollouts:
         self.pool = (EnvironmentPool(agents.environment_factory, self.tools, self.runner)
                      if agents.environment_factory is not None else None)
         self.parser = ToolCallParser(tokenizer, agents.response_template, chat_template) if agents.calls_tools else None
-        self.suffix = (ToolSuffix(tokenizer, chat_template, chat_template_kwargs, results_as_text=results_as_text)
-                       if agents.calls_tools else None)
+        self.suffix = (ToolSuffix(tokenizer, chat_template, chat_template_kwargs, results_as_text=results_as_text,
+                                  vision=vision) if agents.calls_tools else None)
 
     def reward_sources(self) -> list[tuple[str, Callable]]:
         """(class name, function) for each environment class with get_reward: reward sources of weight 1."""
@@ -145,8 +150,11 @@ class AgentRollouts:
             columns.update(extra.pop("columns"))
         else:
             schemas = [t.schemas for t in tool_sets] if self.agents.calls_tools else None
-            prompt_ids = self.encoder.encode(prompts, indices, schemas)
-            first, extra = first_turns(generator.generate(prompt_ids, row_keys)), {}
+            prompt_ids, pixels, images = self._encode(rows, prompts, indices, schemas)
+            inputs = None if pixels is None else ModelInputs.from_rows(pixels, self.token_types)
+            first = first_turns(generator.generate(prompt_ids, row_keys) if inputs is None else
+                                generator.generate(prompt_ids, row_keys, model_inputs=inputs, images=images))
+            extra = {}
         pad_id = self.tokenizer.pad_token_id
         if not self.agents.calls_tools:  # rollout_func alone: its rows as it returned them
             rollouts = Rollouts.from_lists([(p, ids, logps) for p, (ids, logps) in zip(prompt_ids, first)], pad_id,
@@ -156,24 +164,34 @@ class AgentRollouts:
             conversational = is_conversational(prompts[0])
             completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
             return AgentSample(rollouts, prompts, completions, texts, columns, torch.tensor([len(rows), 0, 0]))
-        turns = Turns(generate=later_turns(generator),
+        turns = Turns(generate=later_turns(generator, self.token_types),
                       parse=lambda r, ids, before: self.parser.parse(ids, before, tool_sets[r].schemas).message,
                       run_calls=lambda r, calls: _ran(self.runner.run(calls, tool_sets[r])),
                       suffix_ids=lambda r, messages: self._suffix_ids(messages))
-        finished = tool_loop(prompt_ids, first, row_keys, turns, self.budget)
-        rollouts = multi_turn_rollouts(finished, pad_id, generator.eos_ids, device)
+        finished = tool_loop(prompt_ids, first, row_keys, turns, self.budget, pixels, images)
+        rollouts = multi_turn_rollouts(finished, pad_id, generator.eos_ids, device, self.token_types)
         texts = self.tokenizer.batch_decode([row.completion_ids for row in finished], skip_special_tokens=True)
         completions = [[m for m in row.messages if m] for row in finished]
         counts = torch.tensor([len(rows), sum(row.tool_calls for row in finished), sum(row.tool_failures for row in finished)])
         return AgentSample(rollouts, prompts, completions, texts, columns, counts)
 
-    def _suffix_ids(self, messages: list[dict]) -> list[int]:
-        """The tool messages' ids (ToolSuffix), within the model's vocabulary: a result's text may hold a token the
-        tokenizer has and the model's embedding lacks."""
-        ids = self.suffix(messages)
+    def _encode(self, rows: list[dict], prompts: list, indices: list[int], schemas: list | None) -> tuple:
+        """(each prompt's ids, each prompt's pixels or None, each prompt's images or None): with a dataset with
+        images (the encoder has the processor), each row's images placed in its prompt (reset's text appended),
+        rendered with its tools."""
+        if self.encoder.vision is None:
+            return self.encoder.encode(prompts, indices, schemas), None, None
+        shown = [{"prompt": prompt, "images": images_of(row)} for prompt, row in zip(prompts, rows)]
+        ids, pixels = self.encoder.encode_rows(shown, indices, schemas)
+        return ids, pixels, [row["images"] for row in shown]
+
+    def _suffix_ids(self, messages: list[dict]) -> Suffix:
+        """The tool messages' ids (ToolSuffix; with the images they return, their pixels), within the model's
+        vocabulary: a result's text may hold a token the tokenizer has and the model's embedding lacks."""
+        ids, pixels, images = self.suffix.with_images(messages)
         where = f"The result of tool {messages[0]['name']!r}" if len(messages) == 1 else "A turn's tool results"
         check_within_vocabulary(where, ids, self.vocab_size, self.tokenizer)
-        return ids
+        return Suffix(ids, pixels, images)
 
     def _note_untrainable(self, fn, completion_ids: list, env_mask: list | None) -> None:
         """Say once a run what of rollout_func's rows cannot train as it may expect: rows whose env_mask is all 0

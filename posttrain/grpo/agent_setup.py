@@ -41,10 +41,23 @@ def agent_dataset(train_dataset, agents: Agents, args):
     return train_dataset, False
 
 
+def tool_vision(agents: Agents, processing_class, model):
+    """What shows the model the images its tools return: a vision-language model's processor rows
+    (sequences/images.py VisionProcessing), when the trainer calls tools with one; None otherwise (a tool's image
+    is then refused in one sentence)."""
+    from posttrain.models.checkpoint_classes import is_vision_language
+    from posttrain.sequences.images import VisionProcessing, is_vision_processor
+
+    if agents.calls_tools and is_vision_processor(processing_class) and is_vision_language(model):
+        return VisionProcessing(processing_class)
+    return None
+
+
 def agent_rollouts(agents: Agents, args, encoder, chat_template: str | None, context: int | None,
-                   placeholder_prompts: bool, trainer) -> AgentRollouts | None:
+                   placeholder_prompts: bool, trainer, vision=None) -> AgentRollouts | None:
     """The agents' stage, or None without tools, environments or rollout_func. `context`: the model's
-    max_position_embeddings (vLLM colocate's vllm_max_model_length wins); `trainer`: what rollout_func receives."""
+    max_position_embeddings (vLLM colocate's vllm_max_model_length wins); `trainer`: what rollout_func receives;
+    `vision`: the prompts' and the tools' images' processing (None: text only)."""
     if not agents:
         return None
     if agents.calls_tools and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
@@ -60,4 +73,4 @@ def agent_rollouts(agents: Agents, args, encoder, chat_template: str | None, con
                          chat_template_kwargs=args.chat_template_kwargs or {}, budget=budget,
                          tool_timeout=args.tool_timeout, trainer=trainer, vocab_size=encoder.vocab_size,
                          reserved=CONVENTION_ARGS | {"environments"}, placeholder_prompts=placeholder_prompts,
-                         results_as_text=args.tool_results_as_text)
+                         results_as_text=args.tool_results_as_text, vision=vision)

@@ -28,7 +28,7 @@ from posttrain.agents.chat_templates import tool_chat_template
 from posttrain.agents.rollouts import Agents
 from posttrain.data import PromptEncoder, PromptSource, check_eval_columns, prompt_dataset_columns
 from posttrain.generation import SamplingParams, make_generator
-from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts
+from posttrain.grpo.agent_setup import agent_dataset, agent_rollouts, tool_vision
 from posttrain.grpo.batch import RowLayout, TrainingBatch, buffer_from_tensors, buffer_tensors
 from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.losses import StepNormalizer
@@ -125,13 +125,14 @@ class OnlineTrainer(Trainer):
         self.vision = vision_processing(images, self.processing_class, model, self._title,
                                         self._refused_with_images(agents))
         self.ref_model, self.reference_adapter = self._frozen_model(model, came_with_adapter)
-        context = getattr(model.config, "max_position_embeddings", None)
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)  # a VLM: its text model's
         # tool results are rendered with a prefix-preserving template: the tokenizer's, or TRL's training version
         chat_template = tool_chat_template(self.tokenizer, args.chat_template_kwargs) if agents.calls_tools else None
         self.encoder = PromptEncoder.for_run(self.tokenizer, args, context, chat_template, self._vocab_rows,
                                              self.vision)
         self.agents = agent_rollouts(agents, args, self.encoder, chat_template, context, placeholder_prompts,
-                                     trainer=self)
+                                     trainer=self, vision=self.vision or tool_vision(agents, self.processing_class,
+                                                                                     model))
         self.prompts = PromptSource(train_dataset, self.encoder, args.prompts_per_generation,
                                     shuffle=args.shuffle_dataset, seed=self._data_seed)
         self.train_dataset = train_dataset  # as given, as TRL keeps it (prompts are prepared round by round)
@@ -145,9 +146,9 @@ class OnlineTrainer(Trainer):
         args, refused = self.args, {}
         if getattr(args, "async_generation", False):
             refused["async_generation=True"] = "set async_generation=False (its generation copy is a text model)"
-        if agents.calls_tools or agents.rollout_func is not None:
-            refused["Tools, environments or a rollout_func"] = ("their multi-turn loop takes text prompts in this "
-                                                               "release: train on the images without them")
+        if agents.rollout_func is not None:
+            refused["A rollout_func"] = ("it returns token ids without the images' pixels: train on the images "
+                                         "without it, or give the images to tools or an environment")
         return refused
 
     def _before_model(self, agents: Agents) -> None:
