@@ -4,7 +4,8 @@ nothing of posttrain, so the report (which the training loop writes at the end o
 
 import json
 
-FIXED_KEYS = ("step", "prompt", "completion", "rewards", "advantage")  # every row's own keys; the rest: log_extra
+# every row's own keys (`images`: the files of its images, with log_multimodal); the rest: log_extra columns
+FIXED_KEYS = ("step", "prompt", "completion", "rewards", "advantage", "images")
 
 
 def extra_columns(row: dict) -> list[str]:

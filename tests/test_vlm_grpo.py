@@ -216,3 +216,47 @@ def test_a_tiny_model_learns_to_answer_from_the_image(tmp_path):
     _, rewards = vlm_colours.train(str(tmp_path / "out"), 200)
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert first < 0.2 and last > 0.9, (first, last)
+
+
+def test_log_multimodal_logs_each_rows_images_with_its_completion(tmp_path, monkeypatch):
+    """TRL's log_multimodal (default True): with log_completions, a row's images are saved beside completions.jsonl
+    (its "images" their paths, the pixels as given) and the trackers' completions table gets TRL's "image" column of
+    wandb Images; log_multimodal=False logs none (TRL's test_train_vlm_log_multimodal_false)."""
+    import json
+    import sys
+    import types
+
+    from PIL import Image
+
+    logged = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    import importlib.machinery
+
+    wandb = types.SimpleNamespace(init=lambda **kw: None, finish=lambda: None, Table=Table, Image=lambda path: path,
+                                  log=lambda record, step: logged.append(record),
+                                  __spec__=importlib.machinery.ModuleSpec("wandb", None))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    model, processor = tiny_vision_processor("qwen2_5_vl")
+    rows = vlm_data.prompt_only(2)
+    for multimodal in (True, False):
+        out = tmp_path / str(multimodal)
+        trainer = _trainer(copy.deepcopy(model), processor, rows, out, log_completions=True, report_to=["wandb"],
+                           log_multimodal=multimodal, shuffle_dataset=False)
+        trainer.train()
+        written = [json.loads(line) for line in open(out / "completions.jsonl")]
+        if not multimodal:
+            assert all("images" not in row for row in written)
+            continue
+        assert len(written) == 4
+        for row in written:
+            source = next(r for r in rows if r["prompt"] == row["prompt"])
+            assert len(row["images"]) == len(source["images"])
+            for path, image in zip(row["images"], source["images"]):
+                assert list(Image.open(out / path).convert("RGB").getdata()) == list(image.convert("RGB").getdata())
+        table = [record["completions"] for record in logged if "completions" in record][-1]
+        assert table.columns[-1] == "image"
+        assert [cell for *_, cell in table.data] == [[str(out / p) for p in row["images"]] for row in written]

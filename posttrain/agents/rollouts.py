@@ -78,6 +78,8 @@ class AgentSample:
         texts: [N] each completion decoded without special tokens (the completion log's).
         columns: {name: [N] values}: `environments`, and rollout_func's extra columns.
         counts: [3] this process's rows, tool calls and failed calls.
+        images: [N] each row's images, the prompt's then its tools' (the completions log's, with log_multimodal);
+            None where no row has any.
     """
 
     rollouts: Rollouts
@@ -86,6 +88,7 @@ class AgentSample:
     texts: list[str]
     columns: dict[str, list]
     counts: torch.Tensor
+    images: list | None = None
 
 
 class AgentRollouts:
@@ -173,7 +176,8 @@ class AgentRollouts:
         texts = self.tokenizer.batch_decode([row.completion_ids for row in finished], skip_special_tokens=True)
         completions = [[m for m in row.messages if m] for row in finished]
         counts = torch.tensor([len(rows), sum(row.tool_calls for row in finished), sum(row.tool_failures for row in finished)])
-        return AgentSample(rollouts, prompts, completions, texts, columns, counts)
+        images = [row.images for row in finished] if any(row.images for row in finished) else None
+        return AgentSample(rollouts, prompts, completions, texts, columns, counts, images)
 
     def _encode(self, rows: list[dict], prompts: list, indices: list[int], schemas: list | None) -> tuple:
         """(each prompt's ids, each prompt's pixels or None, each prompt's images or None): with a dataset with

@@ -192,7 +192,9 @@ GRPO_ONLY: list[Compat] = [
          "never the samples"),
     unsupported("vllm_structured_outputs_regex", Optional[str], None,
                 "regex-constrained decoding is not in posttrain's sampler or posttrain serve; remove it"),
-    same("log_multimodal", bool, True, "posttrain trains text-only models, so there is nothing multimodal to log"),
+    same("log_multimodal", bool, True, "with log_completions, each row's images (its prompt's, then its tools') are "
+         "saved as PNG files in output_dir/completions/ (their paths in completions.jsonl) and reach wandb and trackio "
+         "in the completions table's \"image\" column, as TRL logs them"),
     unsupported("log_completions_hub_repo", Optional[str], None,
                 "completions are written to output_dir/completions.jsonl, not uploaded; push output_dir instead"),
     same("use_transformers_continuous_batching", bool, False,

@@ -10,6 +10,9 @@ output_dir/completions.jsonl, one line each: {"step", "prompt", "completion", "r
 completion, above the progress line, model text escaped; completions.jsonl keeps it as generated) and the latest
 round goes to the trackers in `report_to` as a table named "completions" (TRL's columns: step, prompt, completion,
 each reward function, advantage, then the extra columns; with `log_unique_prompts`, each prompt's first row only).
+With `log_multimodal` (TRL's, default True) a row's images (its prompt's, then those its tools returned) are saved
+as PNG files in output_dir/completions/, the row's "images" holding their paths, and the trackers' table gets TRL's
+"image" column (wandb's or trackio's Images; the paths for TensorBoard).
 """
 
 import json
@@ -74,6 +77,17 @@ class LoggedRound:
     rewards: Any = None
     advantages: Any = None
     extra: dict = field(default_factory=dict)
+    images: list | None = None  # this process's rows' images (the prompt's, then the tools'), or None
+
+
+@dataclass(frozen=True)
+class ImageFiles:
+    """A table cell of image files: a tracker that shows images shows them (ModuleTracker), others their paths."""
+
+    paths: tuple
+
+    def __str__(self) -> str:
+        return ", ".join(self.paths)
 
 
 class CompletionLog:
@@ -86,31 +100,41 @@ class CompletionLog:
         self.to_print = args.num_completions_to_print
         self.enabled = args.log_completions
         self.unique_prompts = args.log_unique_prompts
+        self.multimodal = getattr(args, "log_multimodal", True)
         self.quiet = args.log_level in QUIET_LEVELS
         self.last: list[dict] = []
 
     def add_round(self, step: int, logged: "LoggedRound") -> None:
         """A generation batch's completions (its `logged()`), with log_completions."""
         if self.enabled:
-            self.add(step, logged.prompts, logged.texts, logged.rewards, logged.advantages, logged.extra)
+            self.add(step, logged.prompts, logged.texts, logged.rewards, logged.advantages, logged.extra,
+                     logged.images if self.multimodal else None)
 
-    def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
+    def add(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict,
+            images: list | None = None) -> None:
         """Append a generation round: this process's prompts and texts, the gathered [N, F] rewards and [N]
-        advantages (None for a round with neither: distillation's), and extra columns."""
+        advantages (None for a round with neither: distillation's), extra columns, and this process's rows' images
+        (None: none logged)."""
         from accelerate.utils import gather_object
 
         prompts, texts = gather_object(prompts), gather_object(texts)
+        # every process joins the gather (a collective) when any has images
+        has_images = gather_object([images is not None and any(images)])
+        images = gather_object(images if images is not None else [[]] * len(texts)) if any(has_images) else None
         with guarded(self.accelerator, writing=self.path):  # the main process writes; every process learns
             if self.accelerator.is_main_process:
-                self._write(step, prompts, texts, rewards, advantages, extra)
+                self._write(step, prompts, texts, rewards, advantages, extra, images)
 
-    def _write(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict) -> None:
+    def _write(self, step: int, prompts: list, texts: list[str], rewards, advantages, extra: dict,
+               images: list | None = None) -> None:
         rows = []
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             row = {"step": step, "prompt": prompt, "completion": text, "rewards": {} if rewards is None else
                    {n: None if math.isnan(v) else v for n, v in zip(self.names, rewards[i].tolist())}}
             if advantages is not None:
                 row["advantage"] = float(advantages[i])
+            if images is not None:
+                row["images"] = self._saved(step, i, images[i])
             row.update({column: values[i] if i < len(values) else None for column, values in extra.items()})
             rows.append(row)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -118,20 +142,34 @@ class CompletionLog:
             f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
         self.last = rows
 
+    def _saved(self, step: int, row: int, images: list) -> list[str]:
+        """Row `row`'s images written as PNG files in output_dir/completions/; their paths, relative to output_dir."""
+        folder = os.path.join(os.path.dirname(self.path) or ".", "completions")
+        os.makedirs(folder, exist_ok=True)
+        paths = []
+        for k, image in enumerate(images or []):
+            name = os.path.join("completions", f"step{step:06d}-row{row:04d}-{k}.png")
+            image.save(os.path.join(os.path.dirname(self.path) or ".", name))
+            paths.append(name)
+        return paths
+
     def table(self) -> tuple[list[str], list[list]]:
         """The latest round as a table: its columns and one list per row (conversational prompts as role: content
-        lines); with log_unique_prompts each prompt's first row only."""
+        lines); with log_unique_prompts each prompt's first row only; rows with images get TRL's "image" column."""
         extra = extra_columns(self.last[0]) if self.last else []
         advantage = ["advantage"] if self.last and "advantage" in self.last[0] else []
-        columns = ["step", "prompt", "completion", *self.names, *advantage, *extra]
+        image = ["image"] if self.last and "images" in self.last[0] else []
+        columns = ["step", "prompt", "completion", *self.names, *advantage, *extra, *image]
         rows, seen = [], set()
+        base = os.path.dirname(self.path) or "."
         for row in self.last:
             prompt = as_text(row["prompt"])
             if self.unique_prompts and prompt in seen:
                 continue
             seen.add(prompt)
             rows.append([row["step"], prompt, as_text(row["completion"]), *row["rewards"].values(),
-                         *(row[c] for c in advantage), *(row[c] for c in extra)])
+                         *(row[c] for c in advantage), *(row[c] for c in extra),
+                         *([ImageFiles(tuple(os.path.join(base, p) for p in row["images"]))] if image else [])])
         return columns, rows
 
     def to_trackers(self, metrics_logger, step: int) -> None:

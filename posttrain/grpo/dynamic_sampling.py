@@ -32,6 +32,7 @@ from posttrain.errors import UserFunctionError, described, detail_of, function_n
 from posttrain.grpo.advantages import nanstd, weighted_sum
 from posttrain.grpo.completions import RewardLogs
 from posttrain.model_inputs import ModelInputs
+from posttrain.sequences.images import images_of
 from posttrain.timeouts import waiting_on
 
 DEFAULT_MAX_ROUNDS = 10
@@ -50,6 +51,8 @@ class ScoredRound:
         extra: the log_extra columns over every process's completions (with log_completions only).
         skipped: groups skipped for a non-finite reward (on_bad_reward=skip), else None.
         tool_counts: [3] the rows this process generated, their tool calls and failed calls (with tools), else None.
+        images: this process's rows' images with tools (the prompt's, then the tools'); None: each row's prompt's
+            (the completions log's, with log_multimodal).
     """
 
     rows: list[dict]
@@ -60,6 +63,11 @@ class ScoredRound:
     extra: dict = field(default_factory=dict)
     skipped: int | None = None
     tool_counts: torch.Tensor | None = None
+    images: list | None = None
+
+    def row_images(self) -> list[list]:
+        """Each row's images: `images`, else its prompt's."""
+        return self.images if self.images is not None else [images_of(row) for row in self.rows]
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class KeptRow:
     extra: dict
     tool_mask: list[bool] | None = None  # a multi-turn rollout's: False on its tool results' tokens
     model_inputs: dict | None = None  # the row's extra forward inputs (posttrain/model_inputs.py), on the CPU
+    images: list | None = None  # with tools: its images, the prompt's then the tools' (ScoredRound.images)
 
 
 def resolve_filter(spec) -> Callable | None:
@@ -163,7 +172,8 @@ def kept_rows(scored: ScoredRound, keep: torch.Tensor, first_row: int, G: int, g
                             {c: values[index] for c, values in scored.extra.items()},
                             None if r.tool_mask is None else r.tool_mask[j][completion].tolist(),
                             None if r.model_inputs is None else
-                            {name: value.cpu() for name, value in r.model_inputs.rows[j].items()}))
+                            {name: value.cpu() for name, value in r.model_inputs.rows[j].items()},
+                            None if scored.images is None else scored.images[j]))
     return gather_object(mine)
 
 
@@ -182,10 +192,12 @@ def assemble(rows: list[KeptRow], needed: int, process: int, processes: int, log
     rollouts = Rollouts.from_lists([(r.prompt_ids, r.completion_ids, r.sampler_logprobs) for r in mine], pad_id,
                                    eos_ids, device, tool_masks, inputs)
     columns = sorted({c for r in batch for c in r.extra})
+    images = [r.images if r.images is not None else images_of(r.row) for r in mine] \
+        if any(r.images is not None for r in batch) else None
     return ScoredRound(rows=[r.row for r in mine], texts=[r.text for r in mine], rollouts=rollouts,
                        rewards=torch.tensor([r.reward for r in batch], dtype=torch.float32), logs=logs,
                        extra={c: [r.extra.get(c) for r in batch] for c in columns}, skipped=skipped,
-                       tool_counts=tool_counts)
+                       tool_counts=tool_counts, images=images)
 
 
 def merge_logs(into: RewardLogs, logs: RewardLogs) -> None:

@@ -89,7 +89,8 @@ class ScoredBatch:
     def logged(self) -> LoggedRound:
         """What the completions log takes of it."""
         rows = self.scored
-        return LoggedRound([row["prompt"] for row in rows.rows], rows.texts, rows.rewards, self.advantages, rows.extra)
+        return LoggedRound([row["prompt"] for row in rows.rows], rows.texts, rows.rewards, self.advantages, rows.extra,
+                           rows.row_images())
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class Rollout:
         extra = local.logs.gathered_extra(acc, len(local.share.rows)) if gather_extra else {}
         tool_counts = sampled.counts if self.sampler.calls_tools else None
         return ScoredRound(local.share.rows, sampled.texts, sampled.rollouts, rewards, local.logs, extra, skipped,
-                           tool_counts)
+                           tool_counts, sampled.images)
 
     def _skip_bad_groups(self, rewards: torch.Tensor, bad_rows: list, G: int) -> int:
         """Blank (NaN) every reward of a group holding a NaN/inf one, so the group gets advantage 0. In place.

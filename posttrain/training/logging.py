@@ -69,7 +69,13 @@ class ModuleTracker:
         self.module.log(record, step=step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
-        self.module.log({name: self.module.Table(columns=columns, data=rows)}, step=step)
+        """A table; a cell of image files (anything with `paths`) as a list of the tracker's Images."""
+        def shown(value):
+            paths = getattr(value, "paths", None)
+            return value if paths is None else [self.module.Image(path) for path in paths]
+
+        data = [[shown(value) for value in row] for row in rows]
+        self.module.log({name: self.module.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.module.finish()
