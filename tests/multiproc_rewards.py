@@ -16,3 +16,9 @@ def recording_length_reward(prompts, completions, trainer_state, **kwargs):
 def digit_share(completions, **kwargs):
     """The share of each completion's characters that are digits."""
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def vowel_share(completions, **kwargs):
+    """The share of the answer's characters that are vowels (conversational completions: the answer's content)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch in "aeiou" for ch in t) / max(1, len(t)) for t in texts]

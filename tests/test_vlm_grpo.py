@@ -20,6 +20,12 @@ def _length_reward(completions, **kwargs):
     return [float(len(c[0]["content"])) for c in completions]
 
 
+def _content_reward(completions, **kwargs):
+    """Varies with what was sampled, also when every completion reaches max_completion_length (the tiny tokenizer's
+    tokens are bytes: one character each)."""
+    return [float(sum(map(ord, c[0]["content"])) % 10) for c in completions]
+
+
 def _config(tmp_path, **overrides):
     from posttrain import GRPOConfig
 
@@ -169,7 +175,7 @@ def test_rloo_trains_on_image_prompts_through_grpo_s_path(tmp_path):
     config = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                         max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, save_strategy="no",
                         learning_rate=1e-2, logging_steps=1, beta=0.05)
-    trainer = RLOOTrainer(model, _length_reward, args=config, train_dataset=Dataset.from_list(vlm_data.prompt_only(4)),
+    trainer = RLOOTrainer(model, _content_reward, args=config, train_dataset=Dataset.from_list(vlm_data.prompt_only(4)),
                           processing_class=processor)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     trainer.train()
@@ -189,7 +195,7 @@ def test_lora_adapters_train_on_image_prompts_and_the_vision_tower_stays(tmp_pat
     model, processor = tiny_vision_processor("qwen2_5_vl", seed=4)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model, _length_reward, _config(tmp_path, max_steps=2, per_device_train_batch_size=2,
+    trainer = GRPOTrainer(model, _content_reward, _config(tmp_path, max_steps=2, per_device_train_batch_size=2,
                                                          learning_rate=0.1),
                           train_dataset=Dataset.from_list(vlm_data.prompt_only(2)), processing_class=processor,
                           peft_config=lora)

@@ -2,20 +2,20 @@
 `generate`: each family's own contract drives its prefill and steps (Qwen-VL's multimodal rotary offsets, Gemma 3's
 bidirectional image attention, LLaVA's image features), as TRL samples such prompts without vLLM.
 
-    tokens, logprobs = sample_with_pixels(model, prompt_ids, prompt_mask, pixels, params, eos_ids, pad_id, seed)
+    tokens, logprobs = sample_with_pixels(model, prompt_ids, prompt_mask, pixels, params, eos_ids, pad_id, streams)
 
 The sampled distribution is the in-process decoder's: transformers' processors for the repetition penalty, the
 minimum length and the suppressed tokens, then this module's for temperature, top-k, top-p and min-p (the same
-`filter_logits`); the last processor keeps the log-probability of each sampled token under it, one step's
-[N, V] at a time, never the [steps, N, V] scores. The random numbers are torch's, seeded from the round's seed and
-the rows' keys within a forked RNG: a round samples the same completions again, though a row's completion depends on
-the rows sampled beside it (the in-process decoder's per-row streams do not reach inside `generate`).
+`filter_logits`); the draw is the in-process decoder's too (`sampling.sample` with each row's counter-based stream),
+made by the last processor, which leaves only the drawn token to `generate`'s greedy choice and keeps its
+log-probability. So a row samples the same completion whichever rows are sampled beside it (another process's
+share, a server request), as text prompts do.
 """
 
 import torch
 
 from posttrain.generation.protocol import SamplingParams
-from posttrain.generation.sampling import filter_logits
+from posttrain.generation.sampling import filter_logits, sample, stream_uniforms
 
 
 class _Shaped:
@@ -28,43 +28,42 @@ class _Shaped:
         return filter_logits(scores, self.params)
 
 
-class _SampledLogprobs:
-    """The last processor: at each step, the log-probability of the token sampled at the step before (the newest of
-    `input_ids`) under that step's final scores; `finish` adds the last token's."""
+class _Drawn:
+    """The last processor: each row's token drawn from the final scores with the uniform number of its stream for
+    this step (as the in-process decoder draws it), its log-probability kept, and the scores left -inf everywhere but
+    at the drawn token, which `generate`'s greedy choice then takes."""
 
-    def __init__(self):
-        self.last = None  # [N, V] the previous step's log-softmax
-        self.logprobs = []  # [N] per sampled token
+    def __init__(self, streams: torch.Tensor, prompt_width: int):
+        self.streams, self.prompt_width = streams, prompt_width
+        self.logprobs = []  # [N] per step
 
     def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.last = torch.log_softmax(scores.float(), -1)
-        return scores
+        step = input_ids.size(1) - self.prompt_width
+        token, logp = sample(scores, stream_uniforms(self.streams.to(scores.device), step))
+        self.logprobs.append(logp)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token.unsqueeze(1), 0.0)
 
     def finish(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[N, T] log-probs of the [N, T] sampled tokens."""
-        if self.last is not None and len(self.logprobs) < tokens.size(1):
-            self.logprobs.append(self.last.gather(1, tokens[:, -1:]).squeeze(1))
-        return torch.stack(self.logprobs, 1) if self.logprobs else tokens.new_zeros(tokens.shape, dtype=torch.float)
+        """[N, T] float32 log-probs of the [N, T] sampled tokens."""
+        if not self.logprobs:
+            return tokens.new_zeros(tokens.shape, dtype=torch.float)
+        return torch.stack(self.logprobs[:tokens.size(1)], 1).float()
 
 
 def sample_with_pixels(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pixels: dict,
-                       params: SamplingParams, eos_ids: list[int], pad_id: int, seed: int) -> tuple:
+                       params: SamplingParams, eos_ids: list[int], pad_id: int, streams: torch.Tensor) -> tuple:
     """([N, T] sampled tokens, [N, T] float32 their log-probs) for [N, P] left-padded prompts and their batched
-    `pixels` (model_inputs.py), T <= params.max_new_tokens."""
+    `pixels` (model_inputs.py), each row drawing from its stream ([N] int64, sampling.row_streams),
+    T <= params.max_new_tokens."""
     from transformers import LogitsProcessorList
 
-    recorder = _SampledLogprobs()
-    options = dict(do_sample=True, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
-                   temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=params.repetition_penalty,
+    drawn = _Drawn(streams, prompt_ids.size(1))
+    options = dict(do_sample=False, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
+                   repetition_penalty=params.repetition_penalty,
                    suppress_tokens=list(params.suppress_tokens) or None,
                    begin_suppress_tokens=list(params.begin_suppress_tokens) or None, eos_token_id=list(eos_ids),
-                   pad_token_id=pad_id, logits_processor=LogitsProcessorList([_Shaped(params), recorder]),
-                   return_dict_in_generate=True)
-    devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), **pixels, **options)
+                   pad_token_id=pad_id, logits_processor=LogitsProcessorList([_Shaped(params), drawn]),
+                   return_dict_in_generate=True, temperature=None, top_k=None, top_p=None)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), **pixels, **options)
     tokens = out.sequences[:, prompt_ids.size(1):]
-    return tokens, recorder.finish(tokens)
+    return tokens, drawn.finish(tokens)

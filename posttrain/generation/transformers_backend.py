@@ -173,7 +173,6 @@ class TransformersGenerator:
         if keys.numel() != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {keys.numel()} row keys.")
         self._streams = row_streams(seed, keys).to(self._device())
-        self._pixel_seed = (seed * 1_000_003 + int(keys[0])) % 2 ** 63 if keys.numel() else seed
         was_training = self.model.training
         self.model.eval()
         try:
@@ -196,7 +195,7 @@ class TransformersGenerator:
         if model_inputs is not None and model_inputs.names:  # prompts with pixels: through transformers' generate
             tokens, logprobs = sample_with_pixels(self.model, prompt_ids, prompt_mask,
                                                   model_inputs.batched(device, prompt_ids), p, self.eos_ids,
-                                                  self.pad_id, self._pixel_seed)
+                                                  self.pad_id, self._streams)
             return self._rollouts(prompt_ids, prompt_mask, tokens, logprobs, torch.tensor(self.eos_ids, device=device))
         n = len(prompts)
         eos = torch.tensor(self.eos_ids, device=device)

@@ -21,6 +21,11 @@ class FsdpSharding(Sharding):
 
     shards_parameters = True
 
+    def prepare(self, model, optimizer, scheduler, args) -> tuple:
+        """accelerate's prepare, its units the model's layers that are present (`wrap_present_layers`)."""
+        wrap_present_layers(self.accelerator, model)
+        return super().prepare(model, optimizer, scheduler, args)
+
     def _whole_optimizer_state(self, model: torch.nn.Module, optimizer) -> dict:
         """The optimizer's whole state, gathered from every process's shards (a collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -48,6 +53,7 @@ class Fsdp2Sharding(FsdpSharding):
         """`model` sharded by accelerate as the policy is (fully_shard with the run's plugin)."""
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+        wrap_present_layers(self.accelerator, model)
         return fsdp2_prepare_model(self.accelerator, model)
 
 
@@ -81,6 +87,7 @@ class Fsdp1Sharding(FsdpSharding):
 
     def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` wrapped by accelerate as the policy is, its output layer marked (mark_output_layer)."""
+        wrap_present_layers(self.accelerator, model)
         prepared = self.accelerator.prepare_model(model)
         mark_output_layer(prepared)
         return prepared
@@ -91,6 +98,21 @@ class Fsdp1Sharding(FsdpSharding):
         for model in models:
             _fsdp1_reshard(model)
         super().at_rest(*models)
+
+
+def wrap_present_layers(accelerator, model: torch.nn.Module) -> None:
+    """With the transformer-based wrap policy and no layer classes named in the accelerate config, the units are the
+    classes of the model's `_no_split_modules` that it holds. accelerate takes them all and stops at one it lacks:
+    a vision-language model lists its vision tower's family's classes (LLaVA's CLIP lists CLIPTextEmbeddings, which
+    a CLIPVisionModel does not hold). Classes named in the config are left to accelerate."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap is not None:
+        return
+    held = {type(module).__name__ for module in model.modules()}
+    plugin.transformer_cls_names_to_wrap = [name for name in getattr(model, "_no_split_modules", None) or []
+                                            if name in held]
 
 
 def mark_output_layer(model: torch.nn.Module) -> None:
