@@ -159,13 +159,24 @@ def _load(auto_class: str, model, kwargs: dict, init_kwargs: dict | None):
         auto_class = vision_language
     try:
         with without_progress_bars(), _quiet_transformers(auto_class == "AutoModelForSequenceClassification"):
-            return getattr(transformers, auto_class).from_pretrained(model, **kwargs)
+            loaded = getattr(transformers, auto_class).from_pretrained(model, **kwargs)
     except TypeError as err:
         raise _unknown_init_kwarg(model, kwargs, err) from err
     except (ValueError, ImportError, AttributeError) as err:
         raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err, auto_class) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
+    _keep_used_conversions(loaded[0] if isinstance(loaded, tuple) else loaded)
+    return loaded
+
+
+def _keep_used_conversions(model) -> None:
+    """The weight renamings `save_pretrained` reverts: those that renamed the checkpoint's weights at loading, as
+    transformers keeps them, also where DeepSpeed ZeRO-3 loads the model (its loader keeps every renaming of the
+    family's mapping, and a LLaVA saved from it got `language_model.model.model.` names that load as nothing)."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if c.was_used()]
 
 
 @contextlib.contextmanager
