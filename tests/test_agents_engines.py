@@ -91,7 +91,8 @@ def test_in_process_lean_and_plain_forward_and_posttrain_serve_sample_the_same_m
     pytest.importorskip("uvicorn")
     from test_serve import running
 
-    from posttrain.generation.server import ServerClient, ServerGenerator
+    from posttrain.generation.server import ServerClient
+    from posttrain.generation.server_generator import ServerGenerator
     from posttrain.serving.engine import TransformersEngine
 
     tokenizer = _tokenizer()
@@ -129,7 +130,8 @@ def test_vllm_colocate_and_server_run_the_tool_loop(tmp_path, _restore_environme
     from vllm_double import fake_vllm
 
     from posttrain.generation import make_generator
-    from posttrain.generation.server import ServerClient, ServerGenerator
+    from posttrain.generation.server import ServerClient
+    from posttrain.generation.server_generator import ServerGenerator
     from posttrain.weights import export_weights
 
     tokenizer = _tokenizer()

@@ -22,7 +22,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("requests")
 
 from posttrain.generation import SamplingParams  # noqa: E402
-from posttrain.generation.server import GenerationError, ServerClient, ServerGenerator  # noqa: E402
+from posttrain.generation.server import GenerationError, ServerClient  # noqa: E402
+from posttrain.generation.server_generator import ServerGenerator  # noqa: E402
 from posttrain.generation.transformers_backend import TransformersGenerator, draw_seed  # noqa: E402
 from posttrain.serving import wire  # noqa: E402
 from posttrain.serving.app import make_app  # noqa: E402

@@ -17,7 +17,8 @@ from vllm_double import fake_vllm  # noqa: E402
 
 from posttrain.configs import GRPOConfig  # noqa: E402
 from posttrain.generation import SamplingParams, make_generator  # noqa: E402
-from posttrain.generation.server import GenerationError, ServerClient, ServerGenerator  # noqa: E402
+from posttrain.generation.server import GenerationError, ServerClient  # noqa: E402
+from posttrain.generation.server_generator import ServerGenerator  # noqa: E402
 from posttrain.testing import tiny_model  # noqa: E402
 from posttrain.weights import export_weights  # noqa: E402
 
@@ -347,7 +348,7 @@ def test_prompts_with_images_reach_a_vllm_server_as_trls_server_mode_sends_them(
 
 
 def test_a_prompt_whose_image_runs_and_images_differ_is_one_sentence():
-    from posttrain.generation.server import place_features
+    from posttrain.generation.server_generator import place_features
 
     features = {"mm_hashes": {"image": ["a", "b"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}] * 2}}
     with pytest.raises(GenerationError, match=r"^A prompt holds 1 runs of image tokens but the vLLM server processed "

@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from tests import vlm_data
-from tests.test_sharded import _config_file, _env, _launch, _runs_file, _weights
+from tests.test_sharded import _env, _launch, _runs_file, _weights
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.sharded]
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -182,7 +182,7 @@ class ToolSuffix:
     _said_unsplit = False  # a template that rewrites results: said once a process
 
     def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                 stop_token_ids: list[int] | None = None, results_as_text: bool = True, vision=None):
+                 *, stop_token_ids: list[int] | None = None, results_as_text: bool = True, vision=None):
         self.tokenizer, self.vision = tokenizer, vision
         self.results_as_text = results_as_text
         self.chat_template = chat_template

@@ -25,7 +25,8 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                                  process_index=process_index, local_process_index=local_process_index,
                                  num_processes=num_processes, max_num_seqs=max_num_seqs)
     if getattr(config, "use_vllm", False) and config.vllm_mode == "server":
-        from posttrain.generation.server import ServerClient, ServerGenerator, api_key_from_env
+        from posttrain.generation.server import ServerClient, api_key_from_env
+        from posttrain.generation.server_generator import ServerGenerator
         from posttrain.weights import export_weights
         from posttrain.wire import fingerprint
 

@@ -1,6 +1,6 @@
 """How a round's rows become requests to a generation server: runs of one prompt with consecutive row keys folded
 into one prompt with n copies, split to fit the server's limits, grouped into shared requests, and the seed of a
-run's stream (generation/server.py's ServerGenerator, and vllm_colocate.py's engine)."""
+run's stream (generation/server_generator.py's ServerGenerator, and vllm_colocate.py's engine)."""
 
 from posttrain.generation.sampling import mix64_int
 

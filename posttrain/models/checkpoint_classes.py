@@ -80,6 +80,15 @@ def config_field(model: str, field: str):
     return None
 
 
+def keep_used_conversions(model) -> None:
+    """The weight renamings `save_pretrained` reverts: those that renamed the checkpoint's weights at loading, as
+    transformers keeps them, also where DeepSpeed ZeRO-3 loads the model (its loader keeps every renaming of the
+    family's mapping, and a LLaVA saved from it got `language_model.model.model.` names that load as nothing)."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if c.was_used()]
+
+
 def in_model_names(model, state: dict) -> dict:
     """A checkpoint's weights under the model's own names: save_pretrained writes some families under their legacy
     names (transformers' weight conversions reverted: a vision-language model's `model.language_model.*` as

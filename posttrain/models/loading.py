@@ -6,7 +6,8 @@ import logging
 import os
 
 from posttrain.errors import UserError
-from posttrain.models.checkpoint_classes import config_field, no_class_for, vision_language_architecture
+from posttrain.models.checkpoint_classes import (config_field, keep_used_conversions, no_class_for,
+                                                vision_language_architecture)
 
 logger = logging.getLogger("posttrain")
 
@@ -166,17 +167,8 @@ def _load(auto_class: str, model, kwargs: dict, init_kwargs: dict | None):
         raise _init_kwarg_refused(model, init_kwargs or {}, err) or _explained(model, err, auto_class) from err
     except OSError as err:
         raise ModelLoadError(f"Could not load model {model!r}: {err}") from err
-    _keep_used_conversions(loaded[0] if isinstance(loaded, tuple) else loaded)
+    keep_used_conversions(loaded[0] if isinstance(loaded, tuple) else loaded)
     return loaded
-
-
-def _keep_used_conversions(model) -> None:
-    """The weight renamings `save_pretrained` reverts: those that renamed the checkpoint's weights at loading, as
-    transformers keeps them, also where DeepSpeed ZeRO-3 loads the model (its loader keeps every renaming of the
-    family's mapping, and a LLaVA saved from it got `language_model.model.model.` names that load as nothing)."""
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions:
-        model._weight_conversions = [c for c in conversions if c.was_used()]
 
 
 @contextlib.contextmanager
@@ -447,15 +439,3 @@ def raised(err: BaseException) -> str:
     """`err` in a few words: its type and its message's first line."""
     message = str(err).strip()
     return f"{type(err).__name__}: {message.splitlines()[0] if message else 'no message'}"
-
-
-def load_processor(source: str, trust_remote_code: bool = False, revision: str | None = None):
-    """A checkpoint's processor (transformers' AutoProcessor, as TRL loads one for a vision-language model; a text
-    model's gives its tokenizer)."""
-    from transformers import AutoProcessor
-
-    hub_reachable_or_cached(source, "processor", revision)
-    try:
-        return AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
-    except OSError as err:
-        raise ModelLoadError(f"Could not load a processor from {source!r}: {err}") from err

@@ -38,9 +38,15 @@ def processor_for(processing_class, model, images: str | None, trust_remote_code
     checkpoint's processor (AutoProcessor, as TRL loads it)."""
     if not images or processing_class is not None or not isinstance(model, str):
         return processing_class
-    from posttrain.models.loading import load_processor
+    from transformers import AutoProcessor
 
-    return load_processor(model, trust_remote_code)
+    from posttrain.models.loading import ModelLoadError, hub_reachable_or_cached
+
+    hub_reachable_or_cached(model, "processor")
+    try:
+        return AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ModelLoadError(f"Could not load a processor from {model!r}: {err}") from err
 
 
 def layout_refusals(args) -> dict[str, str]:
