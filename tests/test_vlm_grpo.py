@@ -266,3 +266,23 @@ def test_log_multimodal_logs_each_rows_images_with_its_completion(tmp_path, monk
         table = [record["completions"] for record in logged if "completions" in record][-1]
         assert table.columns[-1] == "image"
         assert [cell for *_, cell in table.data] == [[str(out / p) for p in row["images"]] for row in written]
+
+
+def test_pad_to_multiple_of_pads_gemma3s_token_types_with_its_ids(tmp_path):
+    """TRL's test_train_vlm_with_pad_to_multiple_of (Gemma 3, whose token_type_ids mark its images' bidirectional
+    attention): the rows padded to a multiple of 32 give the log-probs the unpadded rows give, the token types being
+    derived from each forward's ids; a step trains."""
+    model, processor = tiny_vision_processor("gemma3", seed=1)
+    rows = vlm_data.prompt_only(2)
+    padded = _trainer(model, processor, rows, tmp_path, shuffle_dataset=False, pad_to_multiple_of=32)
+    r = padded.rollout.training_round(next(padded._stream), 1).rollouts
+    wide = r.padded(32)
+    assert wide.prompt_ids.size(1) % 32 == 0 and wide.completion_ids.size(1) % 32 == 0
+    assert wide.prompt_ids.size(1) > r.prompt_ids.size(1)  # the image rows really are padded
+    with torch.no_grad():
+        wide_logps, _ = padded.rollout.policy_logps(padded.model, wide)
+        logps, _ = padded.rollout.policy_logps(padded.model, r)
+    m, width = r.completion_mask, r.completion_ids.size(1)
+    torch.testing.assert_close(wide_logps[:, :width][m], logps[m], atol=1e-5, rtol=1e-5)
+    padded.train()
+    assert [e for e in padded.state.log_history if "loss" in e]

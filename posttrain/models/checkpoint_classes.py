@@ -56,7 +56,24 @@ def vision_language_architecture(path: str, kwargs: dict) -> str | None:
     finally:
         hf_logging.set_verbosity(level)
     name = (getattr(config, "architectures", None) or [None])[0]
-    return name if name in vision_language_classes() and hasattr(transformers, name) else None
+    if name not in vision_language_classes() or not hasattr(transformers, name):
+        return None
+    _import_parts(config)
+    return name
+
+
+def _import_parts(config) -> None:
+    """Import the classes of a composite model's parts (its text model's, its vision tower's) before it loads. Its
+    `__init__` builds them through AutoModel, which would import their modules inside DeepSpeed ZeRO-3's zero.Init:
+    a class created there has the `__init__` it had before its decorators restored when the context ends (kernels'
+    `use_kernelized_func`, from transformers 5.25), and every later instance of it (a ZeRO-3 reference copy) lacks
+    what they set up (`'LlamaAttention' object has no attribute '_kernel_funcs'`)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    for name in getattr(config, "sub_configs", None) or {}:
+        part = getattr(config, name, None)
+        if part is not None and type(part) in MODEL_MAPPING:
+            MODEL_MAPPING[type(part)]  # imports the part's modeling module
 
 
 def no_class_for(model: str, auto_class: str, error: str) -> str | None:
