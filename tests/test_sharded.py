@@ -11,7 +11,9 @@ processes sample completions of different lengths (the model's EOS is likely at 
 decode ends long before the other's); GRPO and RLOO (beta > 0) DPO and KTO have a reference model, sharded as the policy (mixed
 toward the policy every step, sync_ref_model, and restored from the checkpoint). `grpo-lora` trains a LoRA adapter
 (no dropout, so that the runs compare), its weights sharded with the rest: the saved adapter holds all 8 LoRA
-weights whole, and resuming loads it back into the shards.
+weights whole, and resuming loads it back into the shards. `grpo-vlm` and `sft-vlm` train a tiny LLaVA (loaded by path,
+its processor with AutoProcessor) on image rows under DDP, FSDP2 and ZeRO-3: GRPO samples each process's image prompts
+with their pixels (a row samples the same beside any rows), and resuming restores its buffered image rows.
 Every run a strategy's tests need runs in one launch of two processes (and the resumes in a second, fresh one): on the
 tiny model a launch's time is mostly imports. Against one process with the same global batch (SGD with momentum, so the
 comparison is not amplified by Adam's normalisation):
@@ -71,6 +73,15 @@ def workload(tmp_path_factory, tokenizer):
         with open(root / f"{command}.jsonl", "w") as f:
             for i in range(16):
                 f.write(json.dumps(row(*divmod(i, 4), i)) + "\n")
+    # the vision-language runs: a tiny LLaVA loaded by path (its processor with AutoProcessor), saved image datasets
+    from datasets import Dataset
+
+    from posttrain.testing import save_tiny_vision
+    from tests import vlm_data
+
+    save_tiny_vision(str(root / "vlm"), seed=1)
+    Dataset.from_list(vlm_data.prompt_only(16)).save_to_disk(str(root / "grpo-vlm"))
+    Dataset.from_list(vlm_data.language_modeling(16)).save_to_disk(str(root / "sft-vlm"))
     return root
 
 
@@ -106,6 +117,11 @@ COMMANDS = {
     # layers in chunks
     "distillation": (["--teacher_model_name_or_path", "{workload}/teacher", "--max_completion_length", "16",
                       "--beta", "0.5"], ["loss", "entropy", "completions/mean_length", "completions/max_length"]),
+    # a vision-language model on image rows (workload/vlm, workload/<command>): GRPO samples each process's image
+    # prompts with their pixels inside the run's whole weights, SFT trains image rows
+    "grpo-vlm": (["--reward_funcs", "multiproc_rewards.vowel_share", "--num_generations", "4",
+                  "--max_completion_length", "6", "--beta", "0.04"], ["loss", "reward", "kl", "completions/mean_length"]),
+    "sft-vlm": (["--train_sampling_strategy", "sequential"], ["loss", "num_tokens"]),
 }
 
 
@@ -115,9 +131,10 @@ LEARNING_RATE = {"grpo-shared": 0.01}
 
 
 def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
-    cli = command.split("-")[0]
-    return [cli, "--model_name_or_path", str(workload / "model"), "--dataset_name",
-            str(workload / f"{cli}.jsonl"), *(a.replace("{workload}", str(workload)) for a in COMMANDS[command][0]),
+    cli, vision = command.split("-")[0], command.endswith("-vlm")
+    return [cli, "--model_name_or_path", str(workload / ("vlm" if vision else "model")), "--dataset_name",
+            str(workload / (command if vision else f"{cli}.jsonl")),
+            *(a.replace("{workload}", str(workload)) for a in COMMANDS[command][0]),
             "--per_device_train_batch_size",
             str(per_device), "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "steps",
             "--save_steps", "1", "--gradient_checkpointing", "false", "--optim", "sgd", "--optim_args",
@@ -161,6 +178,12 @@ def _launch(config: str, args: list[str], patched: bool = True, directory=None, 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file",
            _config_file(config, directory), "--num_processes", "2", "--mixed_precision", "no", *target, *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(_env(), **env), timeout=900)
+
+
+def _failure(run: subprocess.CompletedProcess) -> str:
+    """A failed launch's `posttrain: error` lines (one per process), then the end of its stderr."""
+    said = [line for line in run.stderr.splitlines() if "posttrain: error" in line]
+    return "\n".join(said[:2] + [run.stderr[-2000:]])
 
 
 def _runs_file(path, runs: list[dict]) -> str:
@@ -281,7 +304,8 @@ def _weights(path, lora: bool = False) -> dict:
 
 CASES = [(config, command) for config in ("fsdp1-cpu", "fsdp2.yaml", "zero2.yaml", "zero3-all")
          for command in ("grpo", "sft", "dpo", "rloo", "reward", "kto", "distillation")] + [pytest.param(config, "grpo-lora", marks=pytest.mark.peft)
-                                                     for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")]
+                                                     for config in ("fsdp1-cpu", "fsdp2.yaml", "zero3-all")] + [
+    (config, command) for config in ("multi_gpu.yaml", "fsdp2.yaml", "zero3-all") for command in ("grpo-vlm", "sft-vlm")]
 
 
 @pytest.mark.parametrize("config,command", CASES + [("zero1.yaml", "grpo"), ("zero3.yaml", "grpo"),
@@ -300,7 +324,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
         pytest.importorskip("deepspeed")  # in the dev extra; absent only where someone installed without it
     one_process = one_process(command)
     run = launches.train(config)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _failure(run)
     out = launches.out(config, command)
     for rank in (0, 1):
         log = launches.out(config, command, "-paths") / f"rank{rank}.txt"  # written at a logged pass's first line
@@ -310,6 +334,9 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
             continue
         if command == "distillation":  # both output layers in chunks; never either model's whole logits
             assert "divergence" in paths and "logits" not in paths and "lean-decoder" in paths, (rank, sorted(set(paths)))
+            continue
+        if command.endswith("-vlm"):  # rows with pixels: never packed, prompts sampled through generate
+            assert "chunked" in paths and not {"logits", "packed", "lean-decoder"} & set(paths), (rank, sorted(set(paths)))
             continue
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
         if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows
@@ -330,13 +357,17 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
         assert len(reference) == 8
         moved = max(float(reference[k].abs().max()) for k in reference if "lora_B" in k)
     else:
-        initial = _weights(workload / "model")
+        initial = _weights(workload / ("vlm" if command.endswith("-vlm") else "model"))
         moved = max(float((reference[k] - initial[k]).abs().max()) for k in reference if k in initial)
     assert moved > 1e-3  # the two steps changed the weights
     for name in reference:
         assert torch.allclose(sharded[name], reference[name], rtol=1e-5, atol=1e-7), name
 
     def load(path):
+        if command.endswith("-vlm"):
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(path)
         if command == "reward":
             from transformers import AutoModelForSequenceClassification
 
@@ -353,7 +384,7 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
     run, engine_files = launches.resume(config)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _failure(run)
     if config.startswith("zero") or config == "deepspeed-field":  # the engine's own state, a partition per process
         assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= \
             engine_files[command], engine_files[command]
@@ -375,7 +406,7 @@ def test_processes_with_whole_weights_share_their_prompts_and_train_like_one_pro
         pytest.importorskip("deepspeed")
     reference = one_process("grpo-shared")
     run = launches.train(config)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _failure(run)
     shared, unshared = launches.out(config, "grpo-shared"), launches.out(config, "grpo-unshared")
     for rank in (0, 1):
         paths = set((launches.out(config, "grpo-shared", "-paths") / f"rank{rank}.txt").read_text().split())

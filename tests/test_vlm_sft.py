@@ -154,41 +154,6 @@ def test_images_and_their_placeholders_must_agree(vlms, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_two_ddp_processes_train_image_rows_as_one_process_does(tmp_path):
-    """`posttrain sft` on a saved vision dataset and a LLaVA checkpoint loaded by path (its processor with
-    AutoProcessor): 2 DDP processes x 2 rows train like 1 x 4 (same losses and final weights), each process's rows
-    carrying their own pixels, the vision tower's unused parameters looked for as TRL sets it."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
-
-    from posttrain.testing import save_tiny_vision
-
-    model = save_tiny_vision(str(tmp_path / "model"))
-    Dataset.from_list(vlm_data.language_modeling(8)).save_to_disk(str(tmp_path / "data"))
-    args = ["sft", "--model_name_or_path", model, "--dataset_name", str(tmp_path / "data"), "--max_steps", "2",
-            "--logging_steps", "1", "--train_sampling_strategy", "sequential", "--learning_rate", "1e-2", "--optim",
-            "sgd", "--use_cpu", "true", "--gradient_checkpointing", "false", "--save_strategy", "no", "--report_to",
-            "none", "--plot_on_end", "false"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    runs = {"one": ["--per_device_train_batch_size", "4"],
-            "two": ["--per_device_train_batch_size", "2", "--accelerate_config", "multi_gpu", "--num_processes", "2"]}
-    for name, extra in runs.items():
-        done = subprocess.run([sys.executable, "-m", "posttrain.cli", *args, *extra, "--output_dir", str(tmp_path / name)],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-    logs = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in runs]
-    assert len(logs[0]) == len(logs[1]) == 2
-    for a, b in zip(*logs):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    w1, w2 = (load_file(tmp_path / run / "model.safetensors") for run in runs)
-    for name in w1:
-        assert torch.allclose(w1[name], w2[name], rtol=1e-5, atol=1e-7), name
-
-
 def test_a_prepared_dataset_holds_no_pixels_until_a_batch_takes_its_rows(vlms, tmp_path):
     """As TRL's collators process each batch's images, a prepared map-style dataset keeps each row's ids and where
     its images are (RowPixels), never a whole dataset's pixels; a batch makes its rows' pixels from the dataset."""

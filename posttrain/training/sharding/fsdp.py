@@ -35,11 +35,14 @@ class FsdpSharding(Sharding):
 
     def _load_whole_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
         """Every process keeps its shard of the whole `state`; an optimizer without per-parameter tensors (plain SGD),
-        which torch's loader cannot place, gets its hyperparameters only."""
+        which torch's loader cannot place, gets its hyperparameters only. A parameter that never had a gradient (a
+        vision tower's layer the features leave out, an expert no token reached) has no state to restore, as on one
+        process, where the optimizer's own loader leaves it without one too (torch's strict loader would refuse)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if any(isinstance(v, torch.Tensor) and v.dim() for per in state["state"].values() for v in per.values()):
-            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, state,
+                                     options=StateDictOptions(full_state_dict=True, strict=False))
             return
         for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
