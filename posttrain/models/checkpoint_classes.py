@@ -106,15 +106,18 @@ def keep_used_conversions(model) -> None:
         model._weight_conversions = [c for c in conversions if c.was_used()]
 
 
-def in_model_names(model, state: dict) -> dict:
+def in_model_names(model, state: dict, own: dict | None = None) -> dict:
     """A checkpoint's weights under the model's own names: save_pretrained writes some families under their legacy
     names (transformers' weight conversions reverted: a vision-language model's `model.language_model.*` as
-    `model.*`, its `model.visual.*` as `visual.*`), which a renaming maps back one to one."""
-    own = model.state_dict()
+    `model.*`, its `model.visual.*` as `visual.*`), which a renaming maps back one to one. `own`: the model's
+    {name: tensor} (default its state_dict(); a sharded model's plain names, whose state_dict hooks must not run)."""
+    own = own if own is not None else model.state_dict()
     if set(state) <= set(own):
         return state
     from transformers.core_model_loading import revert_weight_conversion
 
-    name_of = {id(tensor): name for name, tensor in own.items()}
-    saved_as = {saved: name_of.get(id(tensor)) for saved, tensor in revert_weight_conversion(model, dict(own)).items()}
+    saved_as = {}  # each own name reverted alone: tied names share a tensor, so a tensor does not tell them apart
+    for name, tensor in own.items():
+        for saved in revert_weight_conversion(model, {name: tensor}):
+            saved_as[saved] = name
     return {saved_as.get(key) or key: value for key, value in state.items()}

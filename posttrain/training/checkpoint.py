@@ -394,10 +394,13 @@ def _load_policy(run: RunState, sharding, path: str) -> None:
 
         with sharding.writable_whole(run.model):  # sharded: every process, the adapter whole
             set_peft_model_state_dict(run.policy, load_file(os.path.join(path, "adapter_model.safetensors")))
-    elif sharding.shards_parameters:  # under the model's own names, as _load_weights reads them
+    elif sharding.shards_parameters:  # under the model's own plain names, as _load_weights reads them
         from posttrain.models.checkpoint_classes import in_model_names
+        from posttrain.weights import plain_name
 
-        state = in_model_names(run.policy, load_file(os.path.join(path, "model.safetensors")))
+        own = {plain_name(name): tensor for named in (run.policy.named_parameters(remove_duplicate=False),
+                                                      run.policy.named_buffers()) for name, tensor in named}
+        state = in_model_names(run.policy, load_file(os.path.join(path, "model.safetensors")), own)
         sharding.load_full_state_dict(run.model, state)
     else:
         _load_weights(run.policy, load_file(os.path.join(path, "model.safetensors")))
