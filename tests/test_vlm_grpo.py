@@ -286,3 +286,21 @@ def test_pad_to_multiple_of_pads_gemma3s_token_types_with_its_ids(tmp_path):
     torch.testing.assert_close(wide_logps[:, :width][m], logps[m], atol=1e-5, rtol=1e-5)
     padded.train()
     assert [e for e in padded.state.log_history if "loss" in e]
+
+
+def test_evaluation_samples_image_prompts_with_their_pixels(tmp_path):
+    """GRPO's evaluate() on an eval_dataset with images: every eval round samples its prompts with their pixels, and
+    the rewards are logged under TRL's eval_ names."""
+    from posttrain import GRPOTrainer
+
+    model, processor = tiny_vision_processor("qwen2_5_vl", seed=2)
+    rows = vlm_data.prompt_only(2)
+    trainer = GRPOTrainer(model, _content_reward, _config(tmp_path, num_generations_eval=2),
+                          train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
+                          processing_class=processor)
+    seen = []
+    generate = trainer.generator.generate
+    trainer.generator.generate = lambda *a, **k: seen.append(k.get("model_inputs")) or generate(*a, **k)
+    metrics = trainer.evaluate()
+    assert seen and all(inputs is not None and "pixel_values" in inputs.names for inputs in seen)
+    assert "eval_reward" in metrics and metrics["eval_reward"] == metrics["eval_reward"]  # finite, not NaN

@@ -166,3 +166,27 @@ def test_a_prepared_dataset_holds_no_pixels_until_a_batch_takes_its_rows(vlms, t
     assert not any(isinstance(value, torch.Tensor) for row in held for value in vars(row).values())
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch.model_inputs["pixel_values"].shape[0] == 16 * 5  # 5 images of 16x16 in patches of 4: 16 each
+
+
+def test_evaluation_on_image_rows_gives_trls_eval_loss(vlms, tmp_path):
+    """An eval_dataset with images: evaluate() reads each row's pixels as training does, and its eval_loss equals
+    TRL's SFTTrainer.evaluate() on the same model and rows (its collator processing the images; one batch, so both are
+    the batch's mean over its completion tokens)."""
+    import copy
+
+    from trl import SFTConfig as TRLConfig
+    from trl import SFTTrainer as TRLTrainer
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    model, processor = vlms["qwen2_5_vl"]
+    rows = vlm_data.language_modeling(4)
+    ours = SFTTrainer(copy.deepcopy(model), processing_class=processor, train_dataset=Dataset.from_list(rows),
+                      eval_dataset=Dataset.from_list(rows),
+                      args=SFTConfig(output_dir=str(tmp_path / "ours"), per_device_eval_batch_size=4,
+                                     report_to="none", use_cpu=True))
+    theirs = TRLTrainer(copy.deepcopy(model), processing_class=processor, train_dataset=Dataset.from_list(rows),
+                        eval_dataset=Dataset.from_list(rows),
+                        args=TRLConfig(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=4,
+                                       report_to="none", use_cpu=True, bf16=False))
+    assert ours.evaluate()["eval_loss"] == pytest.approx(theirs.evaluate()["eval_loss"], rel=1e-5)
