@@ -133,7 +133,6 @@ LEARNING_RATE = {"grpo-shared": 0.01}
 
 def _args(workload, command: str, out, per_device: int, *extra) -> list[str]:
     cli, vision = command.split("-")[0], command.endswith("-vlm")
-    per_device = per_device // 2 if vision else per_device  # image rows: half the batch (generate is the slow part)
     return [cli, "--model_name_or_path", str(workload / ("vlm" if vision else "model")), "--dataset_name",
             str(workload / (command if vision else f"{cli}.jsonl")),
             *(a.replace("{workload}", str(workload)) for a in COMMANDS[command][0]),
