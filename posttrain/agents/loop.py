@@ -107,11 +107,9 @@ class MultiTurnRow:
 
     def model_inputs(self) -> dict:
         """The row's pixels for one forward: each input's pieces joined along dim 0 in order ({} without any)."""
-        import torch
+        from posttrain.model_inputs import ModelInputs
 
-        pieces = [p for p in self.pixels if p]
-        names = sorted({name for p in pieces for name in p})
-        return {name: torch.cat([p[name] for p in pieces if name in p], 0) for name in names}
+        return ModelInputs.from_rows(self.pixels).batched()
 
     def extend(self, ids: list[int], logprobs: list[float], by_model: bool) -> None:
         self.completion_ids += ids

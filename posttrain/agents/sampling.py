@@ -11,7 +11,6 @@ turn is sampled with them (and their images, for vLLM), and the finished rows' R
 with `token_types` (the processor's: model_inputs.TokenTypes).
 """
 
-from dataclasses import replace
 from typing import Callable
 
 from posttrain.agents.loop import MultiTurnRow
@@ -67,7 +66,5 @@ def multi_turn_rollouts(rows: list[MultiTurnRow], pad_id: int, eos_ids: list[int
                         token_types: TokenTypes | None = None) -> Rollouts:
     """Rollouts of finished multi-turn rows: each completion every turn and tool suffix, its sampler log-probs (0 on
     a suffix), its tool mask (False on a suffix), and the rows' pixels (model_inputs) where any has some."""
-    rollouts = Rollouts.from_lists([(row.prompt_ids, row.completion_ids, row.logprobs) for row in rows], pad_id,
-                                   eos_ids, device, [row.tool_mask for row in rows])
-    inputs = row_inputs(rows, token_types)
-    return rollouts if inputs is None else replace(rollouts, model_inputs=inputs)
+    return Rollouts.from_lists([(row.prompt_ids, row.completion_ids, row.logprobs) for row in rows], pad_id, eos_ids,
+                               device, [row.tool_mask for row in rows], row_inputs(rows, token_types))

@@ -48,4 +48,3 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
 
         return TransformersGenerator(generation_copy(policy), tokenizer, params, seed=seed, shares_policy=False)
     return TransformersGenerator(policy, tokenizer, params, seed=seed)
-

@@ -39,7 +39,7 @@ class _Drawn:
 
     def __call__(self, input_ids, scores):
         step = input_ids.size(1) - self.prompt_width
-        token, logp = sample(scores, stream_uniforms(self.streams.to(scores.device), step))
+        token, logp = sample(scores, stream_uniforms(self.streams, step))
         self.logprobs.append(logp)
         return torch.full_like(scores, float("-inf")).scatter_(1, token.unsqueeze(1), 0.0)
 
@@ -57,7 +57,7 @@ def sample_with_pixels(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     T <= params.max_new_tokens."""
     from transformers import LogitsProcessorList
 
-    drawn = _Drawn(streams, prompt_ids.size(1))
+    drawn = _Drawn(streams.to(prompt_ids.device), prompt_ids.size(1))
     options = dict(do_sample=False, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
                    repetition_penalty=params.repetition_penalty,
                    suppress_tokens=list(params.suppress_tokens) or None,

@@ -71,8 +71,10 @@ class ServerClient:
 
     # ------------------------------------------------------------------ calls
 
-    def _call(self, method: str, path: str, timeout: float, retry: bool, busy_until: float | None = None, **kwargs):
-        """One call; `retry`: again after a connection error or a 5xx; `busy_until`: see `_request`."""
+    def _call(self, method: str, path: str, timeout: float, retry: bool, busy_until: float | None = None,
+              refusals: dict[int, str] | None = None, **kwargs):
+        """One call; `retry`: again after a connection error or a 5xx; `busy_until`: see `_request`; `refusals`:
+        {status: the sentence for it} where a status means more than the server's own words."""
         import requests
 
         url = f"{self.base_url}{path}"
@@ -93,6 +95,8 @@ class ServerClient:
             if response.status_code >= 500 and attempt + 1 < attempts:
                 time.sleep(0.2 * 2 ** attempt)
                 continue
+            if response.status_code in (refusals or {}):
+                raise GenerationError(refusals[response.status_code])
             if response.status_code >= 400:
                 raise GenerationError(f"The generation server at {self.base_url} answered {method} {path} with "
                                       f"{response.status_code}: {_error_text(response)}")
@@ -184,16 +188,15 @@ class ServerClient:
                                       "them stalled or failed.")
             time.sleep(0.05)
 
+    def world_size(self) -> int:
+        """The vLLM server's workers (its /get_world_size)."""
+        return int(self._call("GET", "/get_world_size", 60.0, retry=True)["world_size"])
+
     def completions(self, prompts: list[list[int]], n: int, seed: int, params: SamplingParams,
                     sample_keys: list[int] | None = None, model_inputs: str | None = None) -> list[dict]:
         """/v1/completions' choices; `model_inputs`: each prompt's pixels (wire.to_text, posttrain serve's)."""
-        body = {"prompt": prompts, "n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
-                "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
-                "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "return_weight_versions": True}
-        if params.eos_token_ids:
-            body["stop_token_ids"] = list(params.eos_token_ids)
+        body = {"prompt": prompts, **_sampling_fields(params, n, seed), "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "return_weight_versions": True}
         if sample_keys is not None:
             body["sample_keys"] = list(sample_keys)
         for name in ("suppress_tokens", "begin_suppress_tokens"):  # posttrain serve's (vLLM's are refused before)
@@ -211,15 +214,11 @@ class ServerClient:
         that point into that throwaway message (`place_features` points them at a prompt)."""
         content = [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images]
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
-        try:
-            return self._call("POST", "/v1/chat/completions/render", self.request_timeout, retry=True,
-                              json=body)["features"]
-        except GenerationError as err:
-            if " 403" in str(err) or " 404" in str(err):
-                raise GenerationError(f"The vLLM server at {self.base_url} does not render images "
-                                      "(/v1/chat/completions/render), which prompts with images need: restart it "
-                                      "with `posttrain vllm-serve` (or `vllm serve --enable-scale-out`).") from None
-            raise
+        disabled = (f"The vLLM server at {self.base_url} does not render images (/v1/chat/completions/render), which "
+                    "prompts with images need: restart it with `posttrain vllm-serve` (or `vllm serve "
+                    "--enable-scale-out`).")  # 403: the scale-out routes are off; 404: a vLLM without them
+        return self._call("POST", "/v1/chat/completions/render", self.request_timeout, retry=True,
+                          refusals={403: disabled, 404: disabled}, json=body)["features"]
 
     def generate_tokens(self, prompt: list[int], features: dict | None, n: int, seed: int,
                         params: SamplingParams) -> list[dict]:
@@ -227,13 +226,8 @@ class ServerClient:
         `completions`' form ({index, token_ids, logprobs: {token_logprobs}, weight_versions})."""
         import uuid
 
-        sampling = {"n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
-                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or 0,
-                    "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
-                    "logprobs": 0,
-                    "output_kind": 2}  # FINAL_ONLY: every one of the n sequences, not only the last to finish
-        if params.eos_token_ids:
-            sampling["stop_token_ids"] = list(params.eos_token_ids)
+        # output_kind FINAL_ONLY: every one of the n sequences, not only the last to finish
+        sampling = {**_sampling_fields(params, n, seed), "output_kind": 2}
         body = {"request_id": f"posttrain-{uuid.uuid4().hex}", "token_ids": list(prompt), "features": features,
                 "sampling_params": sampling}
         choices = self._call("POST", "/inference/v1/generate", self.request_timeout, retry=True,
@@ -287,6 +281,17 @@ def _error_text(response) -> str:
             return f"{'.'.join(str(p) for p in detail[0].get('loc', []))}: {detail[0].get('msg', '')}"
         return str(detail)
     return str(body)[:300]
+
+
+def _sampling_fields(params: SamplingParams, n: int, seed: int) -> dict:
+    """How to sample, in the names vLLM's SamplingParams and /v1/completions share (posttrain serve's too)."""
+    fields = {"n": n, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
+              "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+              "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "seed": seed,
+              "logprobs": 0}
+    if params.eos_token_ids:
+        fields["stop_token_ids"] = list(params.eos_token_ids)
+    return fields
 
 
 def _data_url(image) -> str:

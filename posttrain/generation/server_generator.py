@@ -68,9 +68,8 @@ class ServerGenerator:
         if self.is_vllm and pushes:
             from posttrain.generation.vllm_transfer import NcclWeightPush
 
-            world = client._call("GET", "/get_world_size", 60.0, retry=True)["world_size"]
             dtype = self.server_info["vllm_config"].get("model_config", {}).get("dtype")
-            self._nccl = NcclWeightPush(client, int(world), group_port, _torch_dtype(dtype))
+            self._nccl = NcclWeightPush(client, client.world_size(), group_port, _torch_dtype(dtype))
 
     def _handshake(self, fingerprint: str | None, max_length: int | None, needs_processed_logprobs: bool) -> None:
         """Stop with one sentence when the server cannot serve this run: another model, too short a max_model_len,

@@ -95,6 +95,7 @@ class CompletionLog:
 
     def __init__(self, args, accelerator, reward_names: list[str]):
         self.path = os.path.join(args.output_dir, "completions.jsonl")
+        self.folder = os.path.dirname(self.path) or "."  # output_dir: the images' paths are relative to it
         self.accelerator = accelerator
         self.names = reward_names
         self.to_print = args.num_completions_to_print
@@ -144,12 +145,11 @@ class CompletionLog:
 
     def _saved(self, step: int, row: int, images: list) -> list[str]:
         """Row `row`'s images written as PNG files in output_dir/completions/; their paths, relative to output_dir."""
-        folder = os.path.join(os.path.dirname(self.path) or ".", "completions")
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(os.path.join(self.folder, "completions"), exist_ok=True)
         paths = []
         for k, image in enumerate(images or []):
             name = os.path.join("completions", f"step{step:06d}-row{row:04d}-{k}.png")
-            image.save(os.path.join(os.path.dirname(self.path) or ".", name))
+            image.save(os.path.join(self.folder, name))
             paths.append(name)
         return paths
 
@@ -161,7 +161,6 @@ class CompletionLog:
         image = ["image"] if self.last and "images" in self.last[0] else []
         columns = ["step", "prompt", "completion", *self.names, *advantage, *extra, *image]
         rows, seen = [], set()
-        base = os.path.dirname(self.path) or "."
         for row in self.last:
             prompt = as_text(row["prompt"])
             if self.unique_prompts and prompt in seen:
@@ -169,7 +168,7 @@ class CompletionLog:
             seen.add(prompt)
             rows.append([row["step"], prompt, as_text(row["completion"]), *row["rewards"].values(),
                          *(row[c] for c in advantage), *(row[c] for c in extra),
-                         *([ImageFiles(tuple(os.path.join(base, p) for p in row["images"]))] if image else [])])
+                         *([ImageFiles(tuple(os.path.join(self.folder, p) for p in row["images"]))] if image else [])])
         return columns, rows
 
     def to_trackers(self, metrics_logger, step: int) -> None:

@@ -17,10 +17,10 @@ processed, per row.
 A row is processed alone (`processor(text=[text], images=images)`), so a row's inputs do not depend on the rows
 batched with it. A prepared dataset (SFT's, DPO's, KTO's) keeps each row's ids and a RowPixels, not its pixels: the
 row's text and where its images are (the dataset and the row), processed again when a batch takes the row, as TRL's
-collators process each batch; a whole image dataset's pixels are never held at once; the per-token inputs a processor returns (`mm_token_type_ids`, Gemma 3's `token_type_ids`) are not
-stored but derived from the ids of each forward (model_inputs.TokenTypes), and so follow its padding. Processors whose
-pixel inputs are laid out per batch rather than per image (Idefics2/3 and SmolVLM's `pixel_attention_mask`) are
-refused in one sentence.
+collators process each batch; a whole image dataset's pixels are never held at once. The per-token inputs a processor
+returns (`mm_token_type_ids`, Gemma 3's `token_type_ids`) are not stored but derived from the ids of each forward
+(model_inputs.TokenTypes), and so follow its padding. Processors whose pixel inputs are laid out per batch rather than
+per image (Idefics2/3 and SmolVLM's `pixel_attention_mask`) are refused in one sentence.
 """
 
 from dataclasses import dataclass

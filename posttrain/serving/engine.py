@@ -35,6 +35,7 @@ import torch
 from posttrain import wire
 from posttrain.generation.protocol import Rollouts, SamplingParams
 from posttrain.model_inputs import ModelInputs
+from posttrain.models.checkpoint_classes import is_vision_language
 
 logger = logging.getLogger("posttrain.serve")
 
@@ -148,7 +149,7 @@ class TransformersEngine:
         if len(model_inputs) != prompts:
             raise EngineError(f"model_inputs holds {len(model_inputs)} rows for {prompts} prompts: send one per "
                               "prompt ({} for a prompt without any).", 400)
-        if model_inputs.names and getattr(self.model.config, "vision_config", None) is None:
+        if model_inputs.names and not is_vision_language(self.model):
             raise EngineError(f"model_inputs carries {', '.join(model_inputs.names)}, but this server's model "
                               f"({type(self.model).__name__}) is a text model: serve the vision-language "
                               "checkpoint being trained.", 400)

@@ -59,7 +59,12 @@ class Limits:
     def max_json_bytes(self) -> int:
         """The largest JSON body taken: 1 MiB, plus 32 bytes for each token max_batch_tokens allows, plus
         max_pixel_bytes in base64."""
-        return (1 << 20) + 32 * self.max_batch_tokens + 4 * -(-self.max_pixel_bytes // 3)
+        return (1 << 20) + 32 * self.max_batch_tokens + self.max_pixel_text
+
+    @property
+    def max_pixel_text(self) -> int:
+        """The characters of max_pixel_bytes in base64 (4 for each 3 bytes, the last 3 padded)."""
+        return 4 * -(-self.max_pixel_bytes // 3)
 
     def bucket_bytes(self, engine) -> int:
         if self.max_bucket_bytes is not None:
@@ -229,10 +234,10 @@ class Routes:
         """The body's `model_inputs` (one row per prompt), checked (413 beyond max_pixel_bytes, 422 malformed)."""
         if text is None:
             return None
-        limit = self.limits.max_pixel_bytes
-        if len(text) > 4 * -(-limit // 3):
-            raise EngineError(f"model_inputs holds more than this server's max_pixel_bytes={limit}: send fewer "
-                              "images per request, or restart it with a larger --max_pixel_bytes.", 413)
+        if len(text) > self.limits.max_pixel_text:
+            raise EngineError(f"model_inputs holds more than this server's max_pixel_bytes="
+                              f"{self.limits.max_pixel_bytes}: send fewer images per request, or restart it with a "
+                              "larger --max_pixel_bytes.", 413)
         try:
             inputs = ModelInputs.from_tensors(wire.from_text(text), "", prompts)
         except (ValueError, IndexError, KeyError, TypeError) as err:
