@@ -41,7 +41,8 @@ def is_vision_language(model) -> bool:
 
 def vision_language_architecture(path: str, kwargs: dict) -> str | None:
     """The checkpoint's architecture (`config.architectures[0]`) when it is a vision-language model class of the
-    installed transformers, else None (a text model, a remote-code model, or no readable config: loading says)."""
+    installed transformers, its parts' classes imported for the loading that follows (`_import_parts`); else None (a
+    text model, a remote-code model, or no readable config: loading says)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
