@@ -133,12 +133,38 @@ def test_no_more_than_a_chunk_of_logits_at_once(monkeypatch):
     widths = []
     original = Head.logits
 
-    def recorded(self, h, weight, bias):
+    def recorded(self, h, products):
         widths.append(h.size(0))
-        return original(self, h, weight, bias)
+        return original(self, h, products)
 
     monkeypatch.setattr(Head, "logits", recorded)
     h_s, w_s, b_s, h_t, w_t, b_t, weights = _inputs(5, bias=False)
     div, _ = chunked_divergence(h_s, Head(w_s), h_t, Head(w_t), 0.5)
     (div * weights).sum().backward()
     assert max(widths) == 3 and len(widths) > 2 * (N // 3)  # both models, forward and backward, in chunks of 3
+
+
+@pytest.mark.parametrize("grad_scale", [None, 0.25])
+def test_under_autocast_on_a_gpu_like_device_both_layers_products_take_the_compute_dtype(monkeypatch, grad_scale):
+    """On CUDA under a bf16 autocast both output layers' products take bf16 inputs with float32 results (not IEEE
+    float32, models/output_products.py); the softmaxes and the divergence stay float32. The CPU stands in for the
+    GPU here: the value and the student's gradients equal the formula on bf16-product logits, not on float32 ones."""
+    from posttrain.models import output_products
+
+    monkeypatch.setattr(output_products, "LOW_PRECISION_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(divergence, "CHUNK_ELEMENTS", 4 * V)
+    h_s, w_s, b_s, h_t, w_t, b_t, weights = _inputs(3, bias=True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        div, _ = chunked_divergence(h_s, Head(w_s, b_s), h_t, Head(w_t, b_t), 0.5, grad_scale=grad_scale)
+        ours = torch.autograd.grad((div * (weights if grad_scale is None else 0.25)).sum(), (h_s, w_s, b_s))
+
+    def bf16_logits(h, w, b):
+        return (h.bfloat16() @ w.bfloat16().t()).float() + b
+
+    expected, _ = _reference(bf16_logits(h_s, w_s, b_s), bf16_logits(h_t, w_t, b_t), 0.5, 1.0)
+    theirs = torch.autograd.grad((expected * (weights if grad_scale is None else 0.25)).sum(), (h_s, w_s, b_s))
+    in_float32, _ = _reference(_whole(h_s, w_s, b_s, 1.0, None), _whole(h_t, w_t, b_t, 1.0, None), 0.5, 1.0)
+    assert div.dtype == torch.float32 and torch.allclose(div, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(div, in_float32.detach(), rtol=1e-4, atol=1e-5)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == torch.float32 and torch.allclose(a, b, rtol=2e-2, atol=2e-3)

@@ -279,7 +279,7 @@ def test_output_layer_gradient_from_the_forward_equals_the_backward(tokenizer, a
 
     recomputed = []
     original = chunked._recompute_into
-    monkeypatch.setattr(chunked, "_recompute_into", lambda *a: recomputed.append(a[7].numel()) or original(*a))
+    monkeypatch.setattr(chunked, "_recompute_into", lambda *a: recomputed.append(a[6].numel()) or original(*a))
     runs = []
     for predict in (True, False):
         model = variable_length_fast_model(tokenizer)

@@ -14,15 +14,16 @@ chunk instead of four. The backward compares the gradient it receives with the p
 where they differ get the difference through the recomputing path, so the result is exact whatever
 the prediction (gradients are linear in g).
 
-The arithmetic is float32 whatever the autocast context: under bf16 autocast the matmul would otherwise
-run in bf16 and the log-sum-exp over V entries would lose the precision log-probs need.
+The products over V take the run's compute dtype on CUDA (bf16 or fp16 inputs, float32 results) and float32
+elsewhere (models/output_products.py); everything after them is float32 arithmetic whatever the autocast: the
+log-sum-exp over V entries needs that precision.
 """
 
 from typing import Callable
 
 import torch
 
-from posttrain.models import onednn
+from posttrain.models.output_products import OutputProducts, compute_dtype
 
 CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 logits per chunk: big enough for the matmul to run near peak
 
@@ -34,11 +35,6 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
-def float32_layer(weight, bias):
-    """The output layer in float32, cast once per call (not once per chunk) when stored in another dtype."""
-    return weight.float(), (bias.float() if bias is not None else None)
-
-
 def _workspace(rows: int, vocab: int, device, count: int) -> list[torch.Tensor]:
     """`count` [rows, V] float32 buffers that every chunk of a call reuses (a view of the first k rows for a
     shorter last chunk). A fresh 128 MiB tensor per chunk costs page faults on CPU (the allocator hands large
@@ -46,26 +42,10 @@ def _workspace(rows: int, vocab: int, device, count: int) -> list[torch.Tensor]:
     return [torch.empty((rows, vocab), dtype=torch.float32, device=device) for _ in range(count)]
 
 
-# oneDNN computes a chunk's logits into a new tensor of its own (it has no `out=`): the page faults of a fresh 128 MiB
-# cost less than its speed-up over MKL's GEMM into a buffer only when each logit takes enough work, i.e. from this
-# hidden size (768: 1.3x faster; 128: 1.4x slower, docs/performance.md)
-ONEDNN_LOGITS_MIN_HIDDEN = 512
-
-
-def _logits_buffers(h, weight, bias) -> int:
-    """Workspace buffers a chunk's logits need: none where oneDNN computes them, else one for `torch.mm(..., out=)`."""
-    return 0 if weight.size(1) >= ONEDNN_LOGITS_MIN_HIDDEN and onednn.applies(h, weight, bias) else 1
-
-
-def _chunk_logits(h, weight, bias, temperature, out: torch.Tensor | None):
+def _chunk_logits(h, products: OutputProducts, temperature, out: torch.Tensor | None):
     """[k, V] float32 logits of k rows, written into `out` ([>= k, V]), or by oneDNN into a new tensor when `out` is
-    None; `weight` and `bias` are already float32."""
-    if out is None:
-        logits = onednn.linear(h.float(), weight, bias)
-    else:
-        logits = torch.mm(h.float(), weight.T, out=out[:h.size(0)])
-        if bias is not None:
-            logits += bias
+    None (`products.own_buffer` says which)."""
+    logits = products.logits(h, out)
     if temperature != 1.0:
         logits /= temperature
     return logits
@@ -112,12 +92,12 @@ class _Grads:
         self.w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         self.b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
 
-    def add(self, rows, d_logits, h_rows, w32):
+    def add(self, rows, d_logits, h_rows, products: OutputProducts):
         """Accumulate one chunk: `rows` indexes h (a slice or an index tensor), d_logits is [k, V] float32."""
         if self.h is not None:
-            self.h[rows] += (d_logits @ w32).to(self.h.dtype)
+            self.h[rows] += products.hidden_grad(d_logits).to(self.h.dtype)
         if self.w is not None:
-            self.w.addmm_(d_logits.T, h_rows.float())
+            products.add_weight_grad(self.w, d_logits, h_rows)
         if self.b is not None:
             self.b += d_logits.sum(0)
 
@@ -142,14 +122,16 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad=False,
-                with_stats=False):
+                with_stats=False, float32_products=False):
+        # read while the caller's autocast is on
+        ctx.product_dtype = compute_dtype(h.device, weight.dtype, float32_products)
         with torch.autocast(device_type=h.device.type, enabled=False):
             return ChunkedTokenLogprobs._forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad,
                                                  entropy_grad, with_stats)
 
     @staticmethod
     def _forward(ctx, h, weight, bias, ids, temperature, with_entropy, predict_grad, entropy_grad, with_stats):
-        w32, b32 = float32_layer(weight, bias)
+        products = OutputProducts(weight, bias, ctx.product_dtype)
         logps = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
         entropy = torch.zeros_like(logps)
         lse_all = torch.empty_like(logps)
@@ -158,11 +140,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         predicted = torch.zeros_like(logps) if predict_grad is not None else None
         grads = _Grads(h, weight, bias, ctx.needs_input_grad) if predict_grad is not None else None
         step = max(1, min(_rows_per_chunk(weight.size(0)), h.size(0)))
-        own = _logits_buffers(h, w32, b32)
+        own = products.own_buffer(h)
         buffers = _workspace(step, weight.size(0), h.device, own + int(with_entropy))
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
-            logits = _chunk_logits(h[rows], w32, b32, temperature, buffers[0] if own else None)  # [k, V]
+            logits = _chunk_logits(h[rows], products, temperature, buffers[0] if own else None)  # [k, V]
             lse, chosen, ent, weights, z, is_top = _chunk_stats(logits, ids[rows], buffers[-1] if with_entropy else None,
                                                                 stats[rows] if with_stats else None)
             lse_all[rows], logps[rows], top1[rows] = lse, chosen, is_top
@@ -171,7 +153,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if grads is not None:
                 g = predict_grad(rows, chosen).float()
                 predicted[rows] = g
-                grads.add(rows, _d_logits(weights.div_(z[:, None]), ids[rows], g, temperature), h[rows], w32)
+                grads.add(rows, _d_logits(weights.div_(z[:, None]), ids[rows], g, temperature), h[rows], products)
             del logits, weights  # a chunk's logits tensor of its own (oneDNN's) is freed before the next one is made
         ctx.save_for_backward(h, weight, bias, ids, lse_all, predicted, entropy if entropy_grad else None)
         ctx.temperature = temperature
@@ -200,13 +182,13 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logps = grad_logps - predicted
             missed = grad_logps != 0 if grad_entropy is None else (grad_logps != 0) | (grad_entropy != 0)
             rows = missed.nonzero().squeeze(1)
-        _recompute_into(grads, h, weight, bias, ids, lse_all, grad_logps, rows, ctx.temperature,
-                        grad_entropy, entropy)
-        return (*grads.result(weight, bias), None, None, None, None, None, None)
+        _recompute_into(grads, OutputProducts(weight, bias, ctx.product_dtype), h, ids, lse_all, grad_logps, rows,
+                        ctx.temperature, grad_entropy, entropy)
+        return (*grads.result(weight, bias), None, None, None, None, None, None, None)
 
 
-def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, rows: torch.Tensor, temperature,
-                    grad_entropy=None, entropy=None):
+def _recompute_into(grads: _Grads, products: OutputProducts, h, ids, lse_all, grad_logps, rows: torch.Tensor,
+                    temperature, grad_entropy=None, entropy=None):
     """Add the gradient of sum(grad_logps * logps) (+ sum(grad_entropy * entropy)) over `rows` (indices into h) to
     `grads`, recomputing logits.
 
@@ -214,14 +196,14 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
     """
     if rows.numel() == 0:
         return
-    w32, b32 = float32_layer(weight, bias)
-    step = max(1, min(_rows_per_chunk(weight.size(0)), rows.numel()))
-    own = _logits_buffers(h, w32, b32)
-    buffers = _workspace(step, weight.size(0), h.device, own + int(grad_entropy is not None))
+    vocab = products.weight.size(0)
+    step = max(1, min(_rows_per_chunk(vocab), rows.numel()))
+    own = products.own_buffer(h)
+    buffers = _workspace(step, vocab, h.device, own + int(grad_entropy is not None))
     for start in range(0, rows.numel(), step):
         idx = rows[start:start + step]
         h_rows = h[idx]
-        log_p = _chunk_logits(h_rows, w32, b32, temperature, buffers[0] if own else None).sub_(lse_all[idx, None])
+        log_p = _chunk_logits(h_rows, products, temperature, buffers[0] if own else None).sub_(lse_all[idx, None])
         if grad_entropy is None:
             d = _d_logits(log_p.exp_(), ids[idx], grad_logps[idx], temperature)
         else:
@@ -232,14 +214,15 @@ def _recompute_into(grads: _Grads, h, weight, bias, ids, lse_all, grad_logps, ro
             d.scatter_add_(-1, ids[idx, None], grad_logps[idx, None])
             if temperature != 1.0:
                 d /= temperature
-        grads.add(idx, d, h_rows, w32)
+        grads.add(idx, d, h_rows, products)
         log_p = d = coeff = None  # as in the forward (all three name one tensor)
 
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                            temperature: float = 1.0, with_entropy: bool = True,
                            predict_grad: GradPredictor | None = None, entropy_grad: bool = False,
-                           with_top1: bool = False, with_stats: bool = False) -> tuple[torch.Tensor, ...]:
+                           with_top1: bool = False, with_stats: bool = False,
+                           float32_products: bool = False) -> tuple[torch.Tensor, ...]:
     """log softmax(h W^T / T)[ids] and the entropy of that distribution, row by row.
 
     Args:
@@ -255,11 +238,13 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         with_top1: also return whether each chosen token has the largest logit (token accuracy; a tie counts).
         with_stats: also return [M, 2] statistics of each row (no gradient): its mean logit over the vocabulary
             (TRL's logits/* metrics) and log sum_v p(v)^2 (WPO's weights).
+        float32_products: the products over V in float32 even where they would take the compute dtype
+            (cast_lm_head_to_fp32's layer, loading.keeps_float32).
     Returns:
         (logps [M] float32 with gradient to h, weight and bias; entropy [M] float32, with gradient only when
         entropy_grad), then with `with_top1` is_top1 [M] bool, then with `with_stats` the statistics.
     """
     logps, entropy, top1, stats = ChunkedTokenLogprobs.apply(h, weight, bias, ids, temperature,
                                                              with_entropy or entropy_grad, predict_grad, entropy_grad,
-                                                             with_stats)
+                                                             with_stats, float32_products)
     return (logps, entropy) + ((top1,) if with_top1 else ()) + ((stats,) if with_stats else ())

@@ -32,24 +32,25 @@ import math
 
 import torch
 
-from posttrain.models.chunked import float32_layer
+from posttrain.models.output_products import OutputProducts, compute_dtype
 
 CHUNK_ELEMENTS = 1 << 23  # 32 MiB of float32 logits per buffer: at 16 MiB the benchmark's step took 17% longer
 
 
 class Head:
     """An output layer as the divergence reads it: weight [V, H], bias [V] or None, the logit scale and the final
-    soft-capping (None: none) the model applies to its logits."""
+    soft-capping (None: none) the model applies to its logits; `float32`: its products stay float32 on a GPU too
+    (cast_lm_head_to_fp32's layer)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: float = 1.0,
-                 softcap: float | None = None):
+                 softcap: float | None = None, float32: bool = False):
         self.weight, self.bias, self.scale, self.softcap = weight, bias, float(scale), softcap
+        self.float32 = float32
 
-    def logits(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[r, V] the transformed logits z of hidden states [r, H] (weight and bias given in float32)."""
-        z = h @ weight.t()
-        if bias is not None:
-            z = z + bias
+    def logits(self, h: torch.Tensor, products: OutputProducts) -> torch.Tensor:
+        """[r, V] float32, the transformed logits z of hidden states [r, H] (`products`: this layer's)."""
+        # into a tensor of its own, the product the forward's buffers get (oneDNN's would round otherwise)
+        z = products.logits(h, h.new_empty((h.size(0), products.weight.size(0)), dtype=torch.float32))
         z = z * self.scale if self.scale != 1.0 else z
         return self.softcap * torch.tanh(z / self.softcap) if self.softcap else z
 
@@ -60,8 +61,9 @@ class Head:
         return self.scale * (1 - (z / self.softcap) ** 2)
 
 
-def _log_probs(head: Head, h: torch.Tensor, weight, bias, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    z = head.logits(h, weight, bias)
+def _log_probs(head: Head, h: torch.Tensor, products: OutputProducts,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z = head.logits(h, products)
     return z, torch.log_softmax(z / temperature, dim=-1)
 
 
@@ -82,13 +84,11 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([x @ y for x, y in zip(a, b)]) if a.size(0) else a.new_zeros(0)
 
 
-def _log_softmax_into(head: Head, h: torch.Tensor, weight, bias, temperature: float, out: torch.Tensor,
+def _log_softmax_into(head: Head, h: torch.Tensor, products: OutputProducts, temperature: float, out: torch.Tensor,
                       probs: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
     """[r, V] log softmax(transform(h W^T + b) / T) written into `out` and the softmax itself into `probs` (workspace
     buffers); with `slope` (another one, for a soft-capped head) the transform's derivative d z / d (h W^T + b)."""
-    z = torch.mm(h, weight.t(), out=out[:h.size(0)])
-    if bias is not None:
-        z += bias
+    z = products.logits(h, out)
     if head.scale != 1.0:
         z *= head.scale
     if head.softcap:
@@ -127,6 +127,10 @@ def _chunk_terms(log_ps, ps, log_pt, beta: float, with_grad: bool):
     return div, entropy, kl_student, grad
 
 
+def _zeros32(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+
+
 class _ChunkedDivergence(torch.autograd.Function):
     """Forward: each chunk's two log-softmaxes in workspace buffers, the divergence and entropy by a dot per row.
     With `grad_scale` (the caller's d loss / d div, the same at every position), the student's gradients are computed
@@ -136,8 +140,18 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float,
                 grad_scale):
+        # the products' dtypes are read while the caller's autocast is on; the arithmetic after them is float32
+        ctx.dtypes = (compute_dtype(h_s.device, w_s.dtype, student.float32),
+                      compute_dtype(h_t.device, w_t.dtype, teacher.float32))
+        with torch.autocast(device_type=h_s.device.type, enabled=False):
+            return _ChunkedDivergence._forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student, teacher, beta, temperature,
+                                               grad_scale)
+
+    @staticmethod
+    def _forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, student: Head, teacher: Head, beta: float, temperature: float,
+                 grad_scale):
         rows = max(1, CHUNK_ELEMENTS // max(w_s.size(0), 1))
-        (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
+        ps, pt = OutputProducts(w_s, b_s, ctx.dtypes[0]), OutputProducts(w_t, b_t, ctx.dtypes[1])
         n, vocab = h_s.size(0), w_s.size(0)
         width = min(rows, max(n, 1))
         with_slope = bool(student.softcap) and grad_scale is not None  # the soft-cap's derivative, for the gradient
@@ -147,27 +161,27 @@ class _ChunkedDivergence(torch.autograd.Function):
         aux, entropy = torch.zeros_like(div), torch.zeros_like(div)
         grads = None
         if grad_scale is not None:
-            grads = (torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if ctx.needs_input_grad[0]
-                     else None, torch.zeros_like(ws) if ctx.needs_input_grad[1] else None,
-                     torch.zeros_like(bs) if bs is not None and ctx.needs_input_grad[2] else None)
+            grads = (_zeros32(h_s) if ctx.needs_input_grad[0] else None,
+                     _zeros32(w_s) if ctx.needs_input_grad[1] else None,
+                     _zeros32(b_s) if b_s is not None and ctx.needs_input_grad[2] else None)
         for start in range(0, n, rows):
             chunk = slice(start, min(start + rows, n))
             h = h_s[chunk].float()
             slope = buffers[3] if with_slope else None
             # the teacher's first, its exp in the probabilities' buffer (no [rows, V] temporary), then the student's
-            log_pt = _log_softmax_into(teacher, h_t[chunk].float(), wt, bt, temperature, buffers[1], buffers[2])
-            log_ps = _log_softmax_into(student, h, ws, bs, temperature, buffers[0], buffers[2], slope)
-            ps = buffers[2][:h.size(0)]
-            div[chunk], entropy[chunk], aux[chunk], du = _chunk_terms(log_ps, ps, log_pt, beta, grads is not None)
+            log_pt = _log_softmax_into(teacher, h_t[chunk].float(), pt, temperature, buffers[1], buffers[2])
+            log_ps = _log_softmax_into(student, h, ps, temperature, buffers[0], buffers[2], slope)
+            probs = buffers[2][:h.size(0)]
+            div[chunk], entropy[chunk], aux[chunk], du = _chunk_terms(log_ps, probs, log_pt, beta, grads is not None)
             if grads is not None:
                 # d div / d u -> d loss / d (h W^T + b): the incoming gradient, 1 / T and the transform's slope
                 dz = du.mul_(grad_scale / temperature * (1.0 if slope is not None else student.scale))
                 if slope is not None:
                     dz.mul_(slope[:dz.size(0)])
                 if grads[0] is not None:
-                    torch.mm(dz, ws, out=grads[0][chunk])
+                    ps.hidden_grad(dz, out=grads[0][chunk])
                 if grads[1] is not None:
-                    grads[1].addmm_(dz.t(), h)
+                    ps.add_weight_grad(grads[1], dz, h)
                 if grads[2] is not None:
                     grads[2].add_(dz.sum(0))
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, aux)
@@ -179,6 +193,11 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_div, _):
+        with torch.autocast(device_type=grad_div.device.type, enabled=False):
+            return _ChunkedDivergence._backward(ctx, grad_div)
+
+    @staticmethod
+    def _backward(ctx, grad_div):
         h_s, w_s, b_s, h_t, w_t, b_t, aux = ctx.saved_tensors
         if ctx.grads is not None and grad_div.numel() and bool((grad_div == grad_div[0]).all()):
             factor = float(grad_div[0]) / ctx.grad_scale  # the gradient is linear in the incoming one
@@ -187,10 +206,10 @@ class _ChunkedDivergence(torch.autograd.Function):
                    for g, like in zip(grads, (h_s, w_s, b_s))]
             return (*out, None, None, None, None, None, None, None, None)
         student, teacher, beta, temperature = ctx.student, ctx.teacher, ctx.beta, ctx.temperature
-        (ws, bs), (wt, bt) = float32_layer(w_s, b_s), float32_layer(w_t, b_t)
-        grad_h = torch.zeros_like(h_s, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(ws) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros_like(bs) if bs is not None and ctx.needs_input_grad[2] else None
+        ps, pt = OutputProducts(w_s, b_s, ctx.dtypes[0]), OutputProducts(w_t, b_t, ctx.dtypes[1])
+        grad_h = _zeros32(h_s) if ctx.needs_input_grad[0] else None
+        grad_w = _zeros32(w_s) if ctx.needs_input_grad[1] else None
+        grad_b = _zeros32(b_s) if b_s is not None and ctx.needs_input_grad[2] else None
         n = h_s.size(0)
         for start in range(0, n, ctx.rows):
             chunk = slice(start, min(start + ctx.rows, n))
@@ -198,13 +217,13 @@ class _ChunkedDivergence(torch.autograd.Function):
             if not bool((g != 0).any()):
                 continue  # masked positions: no gradient to recompute
             h = h_s[chunk].float()
-            z, log_ps = _log_probs(student, h, ws, bs, temperature)
-            _, log_pt = _log_probs(teacher, h_t[chunk].float(), wt, bt, temperature)
+            z, log_ps = _log_probs(student, h, ps, temperature)
+            _, log_pt = _log_probs(teacher, h_t[chunk].float(), pt, temperature)
             dz = _grad_u(log_ps, log_pt, beta, aux[chunk]) * (g[:, None] / temperature) * student.slope(z)
             if grad_h is not None:
-                grad_h[chunk] = dz @ ws
+                grad_h[chunk] = ps.hidden_grad(dz)
             if grad_w is not None:
-                grad_w += dz.t() @ h
+                ps.add_weight_grad(grad_w, dz, h)
             if grad_b is not None:
                 grad_b += dz.sum(0)
         cast = (lambda grad, like: grad.to(like.dtype) if grad is not None else None)

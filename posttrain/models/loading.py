@@ -341,6 +341,12 @@ def _float32_linear():
     return _FLOAT32_LINEAR
 
 
+def keeps_float32(layer) -> bool:
+    """Whether this output layer computes in float32 whatever the autocast (cast_lm_head_to_fp32's layer): the
+    chunked products over it then stay float32 on a GPU too (models/output_products.py)."""
+    return _float32_linear() in (type(layer), class_before_fully_shard(type(layer)))
+
+
 def is_plain_linear(layer) -> bool:
     """An nn.Linear computing exactly x W^T + b: the plain class or the float32 one above, also as FSDP2's
     `fully_shard` retypes it (accelerate makes the output layer a unit of its own)."""

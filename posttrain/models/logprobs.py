@@ -32,7 +32,7 @@ from posttrain.models.forwards import (agree_within_rounding, completion_logits,
                                        output_layer_input_and_output, positions_from_mask, sequence_kwargs,
                                        whole_only_in_forward)
 from posttrain.models.keywords import cache_kwarg, logits_to_keep_kwarg, missing_from_forward, returned_cache, unwrap
-from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
+from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said, keeps_float32
 from posttrain.models.logits_path import completion_logprobs_from_logits, target_logprobs_from_logits
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
@@ -191,7 +191,7 @@ def _at_completions(model, run: Callable, completion_ids, completion_mask, tempe
 
     def rows(hidden):
         return chunked_token_logprobs(hidden[mask], layer.weight, layer.bias, completion_ids[mask], temperature,
-                                      with_entropy, predictor, entropy_grad)
+                                      with_entropy, predictor, entropy_grad, float32_products=keeps_float32(layer))
 
     logps, entropy = run(rows)
     full = _at_positions(logps, positions, completion_ids.shape)
@@ -206,7 +206,8 @@ def _packed_logprobs(model, packed: PackedRows, shape: torch.Size, temperature, 
 
     def rows(hidden):  # [B', W, H]
         return chunked_token_logprobs(hidden[packed.source_mask], layer.weight, layer.bias, packed.targets,
-                                      temperature, with_entropy, predictor, entropy_grad)
+                                      temperature, with_entropy, predictor, entropy_grad,
+                                      float32_products=keeps_float32(layer))
 
     logps, entropy = through_output_layer(model, packed.input_ids, None, packed.position_ids, 0, rows,
                                           packed.boundaries)
@@ -328,7 +329,8 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
         def rows(hidden):  # [B, T, H] the final hidden states
             return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
-                                          predict_grad, with_top1=True, with_stats=with_stats)
+                                          predict_grad, with_top1=True, with_stats=with_stats,
+                                          float32_products=keeps_float32(layer))
 
         out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows, boundaries, model_inputs)
         logps, entropy, top1 = out[:3]

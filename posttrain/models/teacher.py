@@ -17,6 +17,7 @@ import torch
 from posttrain.models.divergence import Head, chunked_divergence
 from posttrain.models.forwards import mask_positions, output_layer, whole_only_in_forward
 from posttrain.models.keywords import unwrap
+from posttrain.models.loading import keeps_float32
 from posttrain.models.logprobs import through_output_layer
 
 
@@ -68,7 +69,7 @@ def teacher_pass(teacher, prompt_ids, prompt_mask, completion_ids, completion_ma
                                       model_inputs=model_inputs)
     weight, bias = weights[0] if sharded else (layer.weight.detach(),
                                                 None if layer.bias is None else layer.bias.detach())
-    return hidden, Head(weight, bias, *logit_transform(teacher))
+    return hidden, Head(weight, bias, *logit_transform(teacher), float32=keeps_float32(layer))
 
 
 def _inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -90,7 +91,7 @@ def completion_divergence(student, prompt_ids, prompt_mask, completion_ids, comp
     scale, softcap = logit_transform(student)
 
     def divergence(hidden):
-        head = Head(layer.weight, layer.bias, scale, softcap)
+        head = Head(layer.weight, layer.bias, scale, softcap, float32=keeps_float32(layer))
         return chunked_divergence(hidden[:, -width - 1:-1][mask], head, hidden_t, head_t, beta, temperature,
                                   grad_scale)
 
