@@ -188,8 +188,10 @@ GRPO_ONLY: list[Compat] = [
          "under DeepSpeed ZeRO-3 (and FSDP2) generation gathers the whole weights once for the whole decode, as "
          "True does; generating through the partitioned model (False) is not supported", accepts=(True,)),
     same("cache_implementation", Optional[str], None,
-         "generation runs posttrain's own decoder with a preallocated cache; a cache implementation changes speed, "
-         "never the samples"),
+         "in-process generation runs posttrain's own decoder with a preallocated cache; \"static\" decodes at fixed "
+         "shapes (attention over the whole cache under a mask, the rows' ends read every 8 tokens, no row removal), "
+         "its step replayed from a CUDA graph on CUDA (docs/generation.md); other values change nothing. Never the "
+         "samples"),
     unsupported("vllm_structured_outputs_regex", Optional[str], None,
                 "regex-constrained decoding is not in posttrain's sampler or posttrain serve; remove it"),
     same("log_multimodal", bool, True, "with log_completions, each row's images (its prompt's, then its tools') are "

@@ -5,13 +5,16 @@ from posttrain.generation.protocol import Generator, SamplingParams
 
 
 def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int = 0, run_id: str = "run",
-                   num_processes: int = 1, local_process_index: int = 0, image_token_ids: tuple = ()) -> Generator:
+                   num_processes: int = 1, local_process_index: int = 0, image_token_ids: tuple = (),
+                   mixed_precision: str = "no") -> Generator:
     """The generation backend for `config`: with use_vllm and vllm_mode="server", the server at the configured URL
     (process 0 pushes the weights, every process generates its own share); with vllm_mode="colocate", a vLLM engine
     in this process; otherwise the in-process transformers sampler, sampling from `policy` itself (from a copy of it,
     loaded at each sync, with async_generation). `image_token_ids`: a vision-language model's image tokens, never
     sampled in process or by posttrain serve (as TRL suppresses them in transformers' generate; TRL's vLLM paths
-    leave them to vLLM, and so do ours), and where a vLLM server places a prompt's image features."""
+    leave them to vLLM, and so do ours), and where a vLLM server places a prompt's image features. `mixed_precision`:
+    accelerate's ("bf16", "fp16" or "no"): a bf16 or fp16 run's autocast dtype is the in-process decode's on CUDA (its
+    KV cache's too); with cache_implementation="static" it decodes at fixed shapes (TransformersGenerator)."""
     from posttrain.generation.transformers_backend import TransformersGenerator, eos_token_ids
 
     params = SamplingParams.from_config(config)
@@ -43,8 +46,13 @@ def make_generator(config, policy, tokenizer, seed: int = 0, process_index: int 
                                versions_advance=getattr(config, "async_generation", False),
                                image_token_ids=image_token_ids)
     params = params.banning(image_token_ids)
+    import torch
+
+    decode = dict(fixed_shape=getattr(config, "cache_implementation", None) == "static",
+                  compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision))
     if getattr(config, "async_generation", False):  # sampling while the policy trains: a copy of its own
         from posttrain.generation.transformers_backend import generation_copy
 
-        return TransformersGenerator(generation_copy(policy), tokenizer, params, seed=seed, shares_policy=False)
-    return TransformersGenerator(policy, tokenizer, params, seed=seed)
+        return TransformersGenerator(generation_copy(policy), tokenizer, params, seed=seed, shares_policy=False,
+                                     **decode)
+    return TransformersGenerator(policy, tokenizer, params, seed=seed, **decode)

@@ -129,10 +129,11 @@ def _concatenated(modules, fuse: bool, packer=None):
     return lambda x: torch.cat([call(x) for call in calls], dim=-1)
 
 
-def _plus(module, packer=None):
+def _plus(module, packer=None, fuse_add: bool = True):
     """`(x, y) -> x + module(y)`; for a bias-free float32 Linear one product that adds into its output (oneDNN's
-    fused add with `packer`, else `addmm`)."""
-    if _plain_linear(module) and module.bias is None:
+    fused add with `packer`, else `addmm`) when `fuse_add` (not under an autocast, where the sum must stay in the
+    residual stream's float32, as the model's own `x + module(y)` keeps it)."""
+    if _plain_linear(module) and module.bias is None and fuse_add:
         if packer is not None:
             op, weight = linear_op(), packer(module.weight)
             return lambda x, y: op.binary(y.flatten(0, -2), x.flatten(0, -2), weight, None, "add").view(x.shape)
@@ -158,16 +159,16 @@ class _Layer:
     """One decoder layer's parts as direct calls (see `_direct`); q/k/v and gate/up each as one product when
     `fuse` (small models, where a decode step is mostly per-kernel overhead) or when their weights are packed."""
 
-    def __init__(self, layer, fuse: bool, packer=None):
+    def __init__(self, layer, fuse: bool, packer=None, fuse_add: bool = True):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm_in, self.norm_mid = _direct(layer.input_layernorm), _direct(layer.post_attention_layernorm)
         self.qkv = _concatenated((attn.q_proj, attn.k_proj, attn.v_proj), fuse, packer)  # [.., (h + 2k) * D]
-        self.o_plus = _plus(attn.o_proj, packer)
+        self.o_plus = _plus(attn.o_proj, packer, fuse_add)
         q_norm = getattr(attn, "q_norm", None)  # Qwen3-style per-head norms
         self.q_norm = _direct(q_norm) if q_norm is not None else None
         self.k_norm = _direct(attn.k_norm) if q_norm is not None else None
         self.gate_up = _concatenated((mlp.gate_proj, mlp.up_proj), fuse, packer)  # [.., 2 I]
-        self.down_plus = _plus(mlp.down_proj, packer)
+        self.down_plus = _plus(mlp.down_proj, packer, fuse_add)
         self.act = _direct(mlp.act_fn)
 
 
@@ -195,13 +196,23 @@ class LeanDecoder:
     Rows with identical prompts (GRPO's num_generations copies) are prefilled once and their keys and values
     copied to every copy.
 
+    Fixed shapes (`fixed_shape`, cache_implementation="static"): every step reads and writes tensors of the same
+    shapes at the same addresses and makes no host sync, so that it can be captured in a CUDA graph
+    (generation/graphed_step.py): attention runs over the whole preallocated cache (zeroed, so that the positions
+    not yet written are finite) under the key mask, the new keys and values go in at a cursor held on the device, the
+    logits into one buffer, and rows never leave the batch (`keep_rows` declines).
+
     Args:
         model: the causal LM (possibly DDP- or PEFT-wrapped); must pass `supports`.
         prompt_mask: [N, P] bool, True on real prompt tokens.
         max_new_tokens: completion positions to reserve in the cache.
+        fixed_shape: decode at fixed shapes, as above.
+        compute_dtype: the dtype the decode computes and caches in (None: the weights'); another one (a bf16 run's
+            bf16 over float32 weights) runs the products under that autocast and keeps the KV cache in it.
     """
 
-    def __init__(self, model, prompt_mask: torch.Tensor, max_new_tokens: int):
+    def __init__(self, model, prompt_mask: torch.Tensor, max_new_tokens: int, *, fixed_shape: bool = False,
+                 compute_dtype: torch.dtype | None = None):
         plain = unwrap(model)
         self.body, self.head = plain.model, plain.lm_head
         attn = self.body.layers[0].self_attn
@@ -210,28 +221,34 @@ class LeanDecoder:
         config, device = plain.config, prompt_mask.device
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.q_heads = config.num_attention_heads
-        dtype = self.body.embed_tokens.weight.dtype
+        weight_dtype = self.body.embed_tokens.weight.dtype
+        dtype = compute_dtype or weight_dtype
+        self.autocast = dtype != weight_dtype  # the products under an autocast to `dtype`
+        self.fixed_shape = fixed_shape
         shape = (len(self.body.layers), n, self.kv_heads, p + max_new_tokens, self.head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+        allocate = torch.zeros if fixed_shape else torch.empty  # fixed: attention reads every position
+        self.keys = allocate(shape, dtype=dtype, device=device)
+        self.values = allocate(shape, dtype=dtype, device=device)
         self.key_mask = torch.zeros((n, 1, 1, p + max_new_tokens), dtype=torch.bool, device=device)
         self.key_mask[:, 0, 0, :p] = prompt_mask
+        self.cursor = torch.full((1,), p, dtype=torch.long, device=device)  # fixed shapes: the next position written
         fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
         packer = None
-        if device.type == "cpu" and linear_op() is not None:
+        if device.type == "cpu" and linear_op() is not None and not self.autocast:
             packer = _Packer(n, PACKED_COPY_BUDGET if max_new_tokens >= PACK_MIN_NEW_TOKENS else 0)
-        self.layers = [_Layer(layer, fuse, packer) for layer in self.body.layers]
+        self.layers = [_Layer(layer, fuse, packer, fuse_add=not self.autocast) for layer in self.body.layers]
         self.final_norm = _direct(self.body.norm)
-        self.rotate_half = _rotate_half_matrix(self.head_dim, dtype, device)
+        self.rotate_half = _rotate_half_matrix(self.head_dim, weight_dtype, device)
         self.rope_table = None
         if getattr(self.body.rotary_emb, "rope_type", None) in _STATIC_ROPE:
             # positions never exceed p - 1 + max_new_tokens; cos/sin [S, D] each, looked up per call
             at = torch.arange(p + max_new_tokens, device=device).unsqueeze(0)
-            self.rope_table = tuple(t[0] for t in self.body.rotary_emb(self.keys[0, :1, 0], at))
+            like = torch.zeros((1, 1), dtype=weight_dtype, device=device)
+            self.rope_table = tuple(t[0] for t in self.body.rotary_emb(like, at))
         self.length = 0  # cache positions filled
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
-        plain_head = _linear_class(self.head) and self.head.bias is None
+        plain_head = _linear_class(self.head) and self.head.bias is None and not self.autocast
         self.logits = (torch.empty((n, self.head.weight.size(0)), dtype=torch.float32, device=device)
                        if plain_head and self.head.weight.dtype == torch.float32 and packer is None else None)
         # with oneDNN the output layer's product is its own (2-3x faster for a decode step's rows than `torch.mm`)
@@ -262,6 +279,11 @@ class LeanDecoder:
 
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row ([N] ids, [N, 1] positions); return the next-token logits [N, V] float32."""
+        if self.fixed_shape:  # the cursor's position, on the device: the same shapes and no host value every step
+            self.key_mask.index_fill_(3, self.cursor, True)
+            logits = self._forward(token_ids.unsqueeze(1), positions, self.key_mask, at=self.cursor)
+            self.cursor.add_(1)
+            return logits
         self.key_mask[:, 0, 0, self.length] = True
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
 
@@ -269,7 +291,10 @@ class LeanDecoder:
         """Keep only these rows ([n'] ascending indices) of the batch: their keys and values move to the front of the
         same cache, in place (the filled positions only, one row at a time), and the cache becomes a view of its first
         n' rows; the key mask and the logits buffer shrink to n' rows. No second cache is made: at compaction the
-        memory stays that of the one cache (a copy would hold both, up to 3x the cache with the gather's temporary)."""
+        memory stays that of the one cache (a copy would hold both, up to 3x the cache with the gather's temporary).
+        At fixed shapes it declines (False): the rows stay."""
+        if self.fixed_shape:
+            return False
         for i, r in enumerate(rows.tolist()):  # ascending: row r >= i, so no row is overwritten before it moves
             if r != i:
                 self.keys[:, i, :, :self.length].copy_(self.keys[:, r, :, :self.length])
@@ -280,7 +305,14 @@ class LeanDecoder:
             self.logits = self.logits[:n]
         return True
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, copies=None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, copies=None,
+                 at=None) -> torch.Tensor:
+        """Run L new tokens per row; `at` ([1] long, fixed shapes): the cache position they go to, else
+        self.length's."""
+        with torch.autocast(ids.device.type, dtype=self.keys.dtype, enabled=self.autocast):
+            return self._layers(ids, positions, mask, copies, at)
+
+    def _layers(self, ids, positions, mask, copies, at) -> torch.Tensor:
         x = self.body.embed_tokens(ids)  # [N, L, H]
         if self.rope_table is not None:
             cos, sin = (F.embedding(positions, table) for table in self.rope_table)  # [N, L, D]
@@ -289,10 +321,11 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, L, 1, D]
         start, end = self.length, self.length + ids.size(1)
         for i, layer in enumerate(self.layers):
-            x = layer.o_plus(x, self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end, copies))
+            x = layer.o_plus(x, self._attention(i, layer, layer.norm_in(x), cos, sin, mask, start, end, copies, at))
             gate, up = layer.gate_up(layer.norm_mid(x)).chunk(2, dim=-1)
             x = layer.down_plus(x, layer.act(gate) * up)
-        self.length = end
+        if at is None:
+            self.length = end
         last = self.final_norm(x[:, -1])  # [N, H]
         if self.project is not None:
             return self.project(last)
@@ -304,9 +337,10 @@ class LeanDecoder:
         """Rotary embedding (rotate-half convention): x [N, L, heads, D], cos/sin [N, L, 1, D]."""
         return torch.addcmul(x * cos, torch.matmul(x, self.rotate_half), sin)
 
-    def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end, copies=None) -> torch.Tensor:
+    def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end, copies=None, at=None) -> torch.Tensor:
         """Attention of x [N, L, H] over the cache; returns [N, L, h * D] before the output projection. With
-        `copies` (a prefill of M distinct prompts), x is [M, L, H] and the keys and values go to every copy."""
+        `copies` (a prefill of M distinct prompts), x is [M, L, H] and the keys and values go to every copy; with
+        `at` (one step at fixed shapes) they go to that position and attention reads the whole cache."""
         n, length, _ = x.shape
         h, k = self.q_heads, self.kv_heads
         qkv = layer.qkv(x).view(n, length, h + 2 * k, self.head_dim)
@@ -317,6 +351,11 @@ class LeanDecoder:
             q = self._rotate(layer.q_norm(qkv[:, :, :h]), cos, sin)
             key = self._rotate(layer.k_norm(qkv[:, :, h:h + k]), cos, sin)
         value = qkv[:, :, h + k:]
+        if at is not None:
+            self.keys[i].index_copy_(2, at, key.transpose(1, 2).to(self.keys.dtype))
+            self.values[i].index_copy_(2, at, value.transpose(1, 2).to(self.values.dtype))
+            out = self._grouped_attention(q.transpose(1, 2), self.keys[i], self.values[i], mask)
+            return out.transpose(1, 2).reshape(n, length, -1)
         rows = slice(None) if copies is None else copies
         self.keys[i, :, :, start:end] = key.transpose(1, 2)[rows]
         self.values[i, :, :, start:end] = value.transpose(1, 2)[rows]

@@ -13,12 +13,15 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.generation import lean_decoder
+from posttrain.generation.graphed_step import GraphedSteps
 from posttrain.generation.pixel_prompts import sample_with_pixels
 from posttrain.generation.protocol import Rollouts, SamplingParams, left_pad
 from posttrain.generation.sampling import (apply_repetition_penalty, filter_logits, row_streams, sample,
                                            stream_uniforms)
 from posttrain.models.keywords import cache_kwarg, forward_accepts, logits_to_keep_kwarg, returned_cache, unwrap
 from posttrain.models.forwards import positions_from_mask
+from posttrain.models.loading import fallback_said
+from posttrain.models import output_products
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -30,6 +33,13 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
+def ended_at(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """[N] each row's width up to and including its first EOS ([N, C] tokens; C for a row without one)."""
+    is_eos = torch.isin(tokens, eos)
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), tokens.size(1) - 1)
+    return first + 1
+
+
 def draw_seed(rng: torch.Generator) -> int:
     """The seed of one generation round, drawn from a generator's own (checkpointed) RNG."""
     return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=rng))
@@ -38,6 +48,9 @@ def draw_seed(rng: torch.Generator) -> int:
 # rows that have finished leave the decode batch once they are at least 1/COMPACT_FRACTION of it: with 16 rows at
 # once, with 256 rows in groups of 8 (each removal copies the KV cache)
 COMPACT_FRACTION = 32
+# at fixed shapes (cache_implementation="static") whether every row has ended is read every this many tokens, not
+# every token: the host never waits on the device in between (a finished row decodes on, its tokens discarded)
+STOP_CHECK_EVERY = 8
 
 
 def generation_copy(policy):
@@ -66,8 +79,9 @@ def can_select_rows(cache) -> bool:
 class ModelStepper:
     """Prefill and one-token steps through the model's own forward and a transformers KV cache."""
 
-    def __init__(self, model, prompt_mask: torch.Tensor):
+    def __init__(self, model, prompt_mask: torch.Tensor, compute_dtype: torch.dtype | None = None):
         self.model = model
+        self.compute_dtype = compute_dtype
         self.attention = prompt_mask.long()
         self.cache = None
         self.kwargs = {"use_cache": True}
@@ -99,7 +113,8 @@ class ModelStepper:
         kwargs = dict(self.kwargs, **{self.cache_name: self.cache})
         if self.pass_positions:
             kwargs["position_ids"] = positions
-        out = self.model(input_ids=ids, attention_mask=self.attention, **kwargs)
+        with torch.autocast(ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
+            out = self.model(input_ids=ids, attention_mask=self.attention, **kwargs)
         self.cache = returned_cache(out)
         if self.cache is None:  # the next step would see its one new token only, and sample noise
             raise UserError(f"{type(unwrap(self.model)).__name__} returned no KV cache from a forward with "
@@ -121,14 +136,21 @@ class TransformersGenerator:
             process, so that row keys alone tell the processes' rows apart).
         shares_policy: whether `model` is the policy being trained (then there are no weights to copy).
         lean: decode with `LeanDecoder` where it reproduces the model; False always uses the model's forward.
+        fixed_shape: decode at fixed shapes (TRL's cache_implementation="static"): the lean decoder's fixed-shape
+            step, replayed from a CUDA graph on CUDA (generation/graphed_step.py), whether every row has ended read
+            every STOP_CHECK_EVERY tokens, no row removal. The same tokens as the default decode.
+        compute_dtype: a bf16 or fp16 run's dtype, for a device where the products take it (CUDA: the decode runs
+            under that autocast and its KV cache is in that dtype, as TRL's generate runs under the run's autocast);
+            None, or another device: the weights' dtype.
     """
 
     samples_during_push = pushes_in_background = False  # the policy's own weights: neither (protocol.py)
 
     def __init__(self, model, tokenizer, params: SamplingParams, *, seed: int = 0, shares_policy: bool = True,
-                 lean: bool = True):
+                 lean: bool = True, fixed_shape: bool = False, compute_dtype: torch.dtype | None = None):
         self.model = model
-        self.lean = lean
+        self.lean, self.fixed_shape = lean, fixed_shape
+        self.compute_dtype = compute_dtype if self._device().type in output_products.LOW_PRECISION_DEVICES else None
         self.params = params
         self.shares_policy = shares_policy
         self.pad_id = tokenizer.pad_token_id
@@ -207,6 +229,7 @@ class TransformersGenerator:
         done = torch.zeros(n, dtype=torch.bool, device=device)  # of the active rows
         positions = positions_from_mask(prompt_mask)
         stepper = self._stepper(prompt_mask, p.max_new_tokens)
+        fixed = getattr(stepper, "fixed_shape", False)
         logits, seen = stepper.prefill(prompt_ids, positions), None  # [n_active, V]
         self.decoded_row_steps = 0  # rows run through the model per token, summed (what compaction saves)
         for t in range(p.max_new_tokens):
@@ -217,12 +240,7 @@ class TransformersGenerator:
                 if seen is None:
                     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, prompt_ids, prompt_mask)
                 logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
-            if t < p.min_new_tokens:
-                logits.index_fill_(1, eos, float("-inf"))
-            if banned is not None:
-                logits.index_fill_(1, banned, float("-inf"))
-            if t == 0 and p.begin_suppress_tokens:
-                logits.index_fill_(1, torch.tensor(p.begin_suppress_tokens, device=device), float("-inf"))
+            self._ban(logits, t, eos, banned)
             token, logp = sample(filter_logits(logits, p), stream_uniforms(streams, t),
                                  overwrite=True)  # logits are ours to overwrite
             token = token.masked_fill(done, self.pad_id)
@@ -231,22 +249,42 @@ class TransformersGenerator:
             if seen is not None:
                 seen.scatter_(1, token.unsqueeze(1), True)
             done = done | torch.isin(token, eos)
+            positions = positions[:, -1:] + 1
+            if fixed and (t + 1) % STOP_CHECK_EVERY:
+                continue  # no host sync at fixed shapes but every STOP_CHECK_EVERY tokens
             finished = int(done.sum())
             if finished == done.numel():
                 break
-            positions = positions[:, -1:] + 1
             if finished >= max(1, done.numel() // COMPACT_FRACTION):
                 keep = (~done).nonzero().squeeze(1)
                 if stepper.keep_rows(keep):
                     active, streams, positions, done = active[keep], streams[keep], positions[keep], done[keep]
                     seen = seen[keep] if seen is not None else None
+        if fixed:  # decoded up to STOP_CHECK_EVERY - 1 tokens past the last row's end: the width it ended at
+            t = int(torch.where(done, ended_at(tokens, eos), p.max_new_tokens).max()) - 1
         return self._rollouts(prompt_ids, prompt_mask, tokens[:, :t + 1], logprobs[:, :t + 1], eos)
 
+    def _ban(self, logits: torch.Tensor, t: int, eos: torch.Tensor, banned: torch.Tensor | None) -> None:
+        """-inf, in place in [n, V] logits of completion token t: EOS before min_new_tokens, the banned tokens
+        (suppress_tokens, bad_words_ids), begin_suppress_tokens at the first token."""
+        if t < self.params.min_new_tokens:
+            logits.index_fill_(1, eos, float("-inf"))
+        if banned is not None:
+            logits.index_fill_(1, banned, float("-inf"))
+        if t == 0 and self.params.begin_suppress_tokens:
+            logits.index_fill_(1, torch.tensor(self.params.begin_suppress_tokens, device=logits.device), float("-inf"))
+
     def _stepper(self, prompt_mask: torch.Tensor, max_new_tokens: int):
-        """The lean decoder when it reproduces this model (generation/lean_decoder.py), else the model's forward."""
+        """The lean decoder when it reproduces this model (generation/lean_decoder.py), at fixed shapes and replayed
+        from a CUDA graph on CUDA with `fixed_shape`; else the model's forward."""
         if self.lean and lean_decoder.supports(self.model):
-            return lean_decoder.LeanDecoder(self.model, prompt_mask, max_new_tokens)
-        return ModelStepper(self.model, prompt_mask)
+            decoder = lean_decoder.LeanDecoder(self.model, prompt_mask, max_new_tokens, fixed_shape=self.fixed_shape,
+                                               compute_dtype=self.compute_dtype)
+            return GraphedSteps(decoder) if self.fixed_shape and prompt_mask.device.type == "cuda" else decoder
+        if self.fixed_shape:
+            fallback_said(unwrap(self.model), "cache_implementation='static' decodes through the model's own forward "
+                          "at growing shapes, not at fixed ones", "posttrain's lean decoder does not run this model")
+        return ModelStepper(self.model, prompt_mask, self.compute_dtype)
 
     def _rollouts(self, prompt_ids, prompt_mask, tokens, logprobs, eos) -> Rollouts:
         is_eos_token = torch.isin(tokens, eos)

@@ -72,7 +72,8 @@ class OnlineTrainer(Trainer):
             generator = make_generator(args, self.policy, self.tokenizer, seed=args.seed, process_index=rank,
                                        run_id=run_id, num_processes=self.accelerator.num_processes,
                                        local_process_index=self.accelerator.local_process_index,
-                                       image_token_ids=tuple(self.vision.image_token_ids) if self.vision else ())
+                                       image_token_ids=tuple(self.vision.image_token_ids) if self.vision else (),
+                                       mixed_precision=self.accelerator.mixed_precision)
         self.sampling_params = SamplingParams.from_config(args)
         self._set_objective(args)
         self.pad_to_multiple_of = self._padding_multiple()
