@@ -67,8 +67,8 @@ def main():
     rounds = []  # per generation round: prompt and completion lengths, rows decoded per token (summed)
     generate_seeded = TransformersGenerator.generate_seeded
 
-    def recorded(self, prompts, seed, row_keys=None):
-        out = generate_seeded(self, prompts, seed, row_keys)
+    def recorded(self, prompts, seed, row_keys=None, model_inputs=None):
+        out = generate_seeded(self, prompts, seed, row_keys, model_inputs)
         lengths = {"prompt": [len(p) for p in prompts], "completion": out.completion_mask.sum(1).tolist()}
         rounds.append(dict(lengths, decoded_row_steps=getattr(self, "decoded_row_steps", None),
                            trained_positions=trained_positions(**lengths)))

@@ -1,22 +1,33 @@
-"""The GPU kit: posttrain beside TRL 1.16 on one NVIDIA GPU, in one command, within 10 minutes.
+"""The GPU kit: posttrain beside TRL 1.16 on one NVIDIA GPU, in two calls of under 5 minutes each.
 
-Usage: bash bench/gpu/run.sh [--dry-run] [--work DIR] [--deadline SECONDS]   (run.sh calls this file)
+Usage: bash bench/gpu/run.sh --call 1|2 [--dry-run] [--work DIR] [--deadline SECONDS]   (run.sh calls this file)
        python bench/gpu/kit.py --check-wheels     (the wheel list against bench/gpu/offline/wheels, and their size)
 
-Parts, each a subprocess with its own time budget (cut to what the deadline leaves; a part that fails or runs out
-of time shows its one-line reason in the table, and the others still run):
-  versions  what is installed, and one sentence per package outside posttrain's declared bounds (pyproject.toml);
-  wheels    installs bench/gpu/offline/wheels offline into bench/gpu/site-packages (--dry-run: checks the list, the
-            files, their size and that pip would install them on CPython 3.12 manylinux; installs nothing);
-  model     bench/make_qwen_shape.py: Qwen2.5-0.5B's shape with random weights (--dry-run: 2 layers, hidden 64);
-  steps     GRPO, SFT and DPO: TRL's anchors and posttrain's bench/*_step.py, the same flags, through
-            bench/gpu/on_device.py (CUDA, bf16; --dry-run: CPU, float32);
-  logprobs  bench/gpu/logprob_paths.py: the output layer's log-probs four ways (whole logits, TRL's two, posttrain's);
-  fsdp2     posttrain's GRPO step under accelerate's FSDP2 (posttrain/accelerate_configs/fsdp2.yaml), one process;
-  tests     pytest -m gpu tests/test_gpu.py (--dry-run: with POSTTRAIN_GPU_TESTS_ON_CPU=1, on the CPU);
-  longest   the longest GRPO completion each side trains (8 completions, one step), bisecting the lengths and
-            stopping at the first CUDA out-of-memory below a length that trained; it gets what time is left.
-Then it prints the table. Every part's output is kept in WORK/logs/PART.log.
+Each call is a list of parts, each a subprocess with its own time budget (cut to what the call's deadline leaves; a
+part that fails or runs out of time shows its one-line reason in the table, and the others still run). Both calls
+start with versions, wheels and model (each skipped when the machine, still warm, has it from the first call):
+  versions    what is installed, and one sentence per package outside posttrain's declared bounds (pyproject.toml);
+  wheels      installs bench/gpu/offline/wheels (only what the machine lacks: requirements.txt) offline into
+              bench/gpu/site-packages (--dry-run: checks the list, the files and that pip would install them on
+              CPython 3.12 manylinux; installs nothing);
+  model       bench/make_qwen_shape.py: Qwen2.5-1.5B's shape with random weights, saved in bf16 (--dry-run: 2 layers,
+              hidden 64, float32);
+call 1:
+  generation  bench/gpu/decode.py, timed on its own: posttrain's decode (growing, and fixed shapes replayed from a CUDA
+              graph) beside transformers' generate, 64 rows x 1,024 tokens: tokens/s, ms/token, peak allocated and
+              reserved memory, and a profiler summary of one decode step;
+  grpo, sft, dpo  TRL's anchors and posttrain's bench/*_step.py, the same flags, through bench/gpu/on_device.py: bf16
+              weights through TRL's model_init_kwargs, bf16 autocast, gradient checkpointing on; GRPO 64 rollouts x
+              1,024 tokens (--dry-run: CPU, float32, small);
+call 2:
+  tests       pytest -m gpu tests/test_gpu.py tests/test_fixed_shape_decode.py (--dry-run: the first with
+              POSTTRAIN_GPU_TESTS_ON_CPU=1, on the CPU);
+  fsdp2       posttrain's GRPO step under accelerate's FSDP2 (posttrain/accelerate_configs/fsdp2.yaml), one process;
+  packed      bench/gpu/packed_rows.py: packed rows against each rollout alone, under every attention kernel present;
+  logprobs    bench/gpu/logprob_paths.py: the output layer's log-probs four ways (whole logits, TRL's two, posttrain's);
+  longest     the longest GRPO completion each side trains (8 completions, one step), lengths tried from the small end
+              up to the first CUDA out-of-memory; it gets what time is left.
+Then it prints the call's table. Every part's output is kept in WORK/logs/PART.log.
 """
 
 import argparse
@@ -48,7 +59,7 @@ ANCHORS = ("trl_grpo.py", "trl_sft.py", "trl_dpo.py")
 PIP_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi",
               "none", "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform",
               "manylinux_2_24_x86_64", "--platform", "manylinux_2_28_x86_64"]
-IMPORTS_NEEDED = ("trl", "datasets", "pyarrow", "pandas", "rich", "pytest")
+IMPORTS_NEEDED = ("trl", "datasets", "transformers", "pyarrow", "pandas", "rich", "pytest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,39 +69,50 @@ class Mode:
     name: str
     device: str
     precision: str
-    deadline_s: float
+    deadline_s: float  # each call's
+    weights: str = "fp32"  # the dtype the weights load in (on_device.py --weights: TRL's model_init_kwargs)
     model_flags: tuple = ()
     grpo: tuple = ()
     sft: tuple = ()
     dpo: tuple = ()
+    decode: tuple = ()  # bench/gpu/decode.py's --rows and --tokens
+    packed_rows: str = "4,16"
     logprob_positions: int = 8192
     longest_lengths: tuple = ()
     longest_flags: tuple = ()
     budgets: dict = dataclasses.field(default_factory=dict)  # part -> (nominal seconds, minimum seconds)
 
 
+CHECKPOINTING = ("--gradient-checkpointing",)
 GPU = Mode(
-    name="gpu", device="cuda", precision="bf16", deadline_s=570,
-    grpo=("--completion", "128", "--steps", "4", "--batch", "16", "--gens", "8"),
-    sft=("--steps", "6", "--batch", "8", "--seq", "1024"),
-    dpo=("--steps", "6", "--pairs", "8", "--prompt", "512", "--chosen", "256", "--rejected", "256"),
-    logprob_positions=8192, longest_lengths=(1024, 2048, 4096, 8192),
-    longest_flags=("--steps", "1", "--batch", "8", "--gens", "8"),
-    budgets={"versions": (60, 10), "wheels": (120, 10), "model": (150, 30), "grpo": (90, 30), "sft": (60, 20),
-             "dpo": (60, 20), "logprobs": (90, 15), "fsdp2": (90, 30), "tests": (120, 30), "longest": (10**6, 60)})
+    name="gpu", device="cuda", precision="bf16", deadline_s=285, weights="bf16",
+    model_flags=("--layers", "28", "--hidden", "1536", "--intermediate", "8960", "--heads", "12", "--kv-heads", "2",
+                 "--dtype", "bfloat16"),  # Qwen2.5-1.5B
+    grpo=("--completion", "1024", "--steps", "2", "--batch", "64", "--gens", "8", *CHECKPOINTING),
+    sft=("--steps", "3", "--batch", "8", "--seq", "1024", *CHECKPOINTING),
+    dpo=("--steps", "3", "--pairs", "8", "--prompt", "512", "--chosen", "256", "--rejected", "256", *CHECKPOINTING),
+    decode=("--rows", "64", "--tokens", "1024"), packed_rows="4,16",
+    logprob_positions=8192, longest_lengths=(1024, 2048, 4096, 8192, 16384),
+    longest_flags=("--steps", "1", "--batch", "8", "--gens", "8", *CHECKPOINTING),
+    budgets={"versions": (30, 5), "wheels": (60, 10), "model": (90, 30), "generation": (70, 30), "grpo": (90, 40),
+             "sft": (30, 15), "dpo": (30, 15), "tests": (90, 30), "fsdp2": (60, 25), "packed": (30, 10),
+             "logprobs": (25, 10), "longest": (10**6, 40)})
 
 DRY_RUN = Mode(
-    name="dry-run", device="cpu", precision="fp32", deadline_s=900,
+    name="dry-run", device="cpu", precision="fp32", deadline_s=290,
     model_flags=("--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
                  "--vocab", "8192"),
-    grpo=("--completion", "16", "--steps", "3", "--batch", "8", "--gens", "4"),
-    sft=("--steps", "3", "--batch", "4", "--seq", "64"),
-    dpo=("--steps", "3", "--pairs", "2", "--prompt", "32", "--chosen", "16", "--rejected", "16"),
-    logprob_positions=256, longest_lengths=(16, 32, 64), longest_flags=("--steps", "1", "--batch", "8", "--gens", "8"),
-    budgets={"versions": (60, 10), "wheels": (120, 10), "model": (120, 20), "grpo": (120, 30), "sft": (90, 20),
-             "dpo": (90, 20), "logprobs": (60, 15), "fsdp2": (150, 30), "tests": (240, 30), "longest": (10**6, 60)})
+    grpo=("--completion", "16", "--steps", "2", "--batch", "8", "--gens", "4", *CHECKPOINTING),
+    sft=("--steps", "2", "--batch", "4", "--seq", "64", *CHECKPOINTING),
+    dpo=("--steps", "2", "--pairs", "2", "--prompt", "32", "--chosen", "16", "--rejected", "16", *CHECKPOINTING),
+    decode=("--rows", "4", "--tokens", "16"), packed_rows="4",
+    logprob_positions=256, longest_lengths=(16, 32), longest_flags=("--steps", "1", "--batch", "8", "--gens", "8"),
+    budgets={"versions": (30, 5), "wheels": (60, 10), "model": (60, 15), "generation": (60, 15), "grpo": (60, 20),
+             "sft": (60, 15), "dpo": (60, 15), "tests": (150, 30), "fsdp2": (90, 30), "packed": (40, 10),
+             "logprobs": (40, 10), "longest": (10**6, 30)})
 
-PART_ORDER = ("versions", "wheels", "model", "grpo", "sft", "dpo", "logprobs", "fsdp2", "tests", "longest")
+SETUP = ("versions", "wheels", "model")
+CALLS = {1: SETUP + ("generation", "grpo", "sft", "dpo"), 2: SETUP + ("tests", "fsdp2", "packed", "logprobs", "longest")}
 SIDES = ("trl", "posttrain")
 LONGEST_MIN_TRY_S = 15  # a try with less time than this left is not started
 
@@ -115,8 +137,8 @@ class Finished:
 class Clock:
     """The kit's deadline, and each part's share of what it leaves."""
 
-    def __init__(self, mode: Mode, deadline_s: float):
-        self.mode, self.start, self.deadline_s = mode, time.monotonic(), deadline_s
+    def __init__(self, mode: Mode, deadline_s: float, parts: tuple = CALLS[1]):
+        self.mode, self.start, self.deadline_s, self.parts = mode, time.monotonic(), deadline_s, parts
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -130,7 +152,7 @@ class Clock:
         even that is left. `runs`: the part's runs still to come, this one included (its minimum is kept for each of
         the others)."""
         nominal, minimum = self.mode.budgets[part]
-        later = PART_ORDER[PART_ORDER.index(part) + 1:]
+        later = self.parts[self.parts.index(part) + 1:]
         reserve = sum(self.mode.budgets[p][1] for p in later) + (runs - 1) * minimum
         allowed = min(nominal, self.left() - reserve)
         if allowed >= minimum:
@@ -359,9 +381,9 @@ def print_versions() -> None:
 
 
 class Kit:
-    def __init__(self, mode: Mode, work: str, deadline_s: float):
-        self.mode, self.work = mode, work
-        self.clock = Clock(mode, deadline_s)
+    def __init__(self, mode: Mode, work: str, deadline_s: float, call: int = 1):
+        self.mode, self.work, self.call = mode, work, call
+        self.clock = Clock(mode, deadline_s, CALLS[call])
         self.logs = os.path.join(work, "logs")
         shutil.rmtree(self.logs, ignore_errors=True)
         os.makedirs(self.logs)
@@ -491,7 +513,34 @@ class Kit:
 
     def on_device(self, side: str, kind: str, flags: list[str]) -> list[str]:
         return [os.path.join(HERE, "on_device.py"), "--device", self.mode.device, "--precision", self.mode.precision,
-                self.script(side, kind), self.model_dir, *flags, "--threads", self.threads]
+                "--weights", self.mode.weights, self.script(side, kind), self.model_dir, *flags, "--threads",
+                self.threads]
+
+    def device_flags(self) -> list[str]:
+        return ["--device", self.mode.device, "--precision", self.mode.precision, "--weights", self.mode.weights,
+                "--threads", self.threads]
+
+    def json_part(self, part: str, script: str, args: list[str], key: str) -> None:
+        """A part that runs one of bench/gpu's scripts on the model and records the `key` object of its JSON line."""
+        budget = self.clock.budget(part)
+        if not budget:
+            self.skipped(part)
+            return
+        if not self.results["model"].ok:
+            self.record(part, Result(reason="no model (see the model part)"))
+            return
+        finished = self.python([os.path.join(HERE, script), self.model_dir, *args], part, budget)
+        lines = [line[key] for line in json_lines(finished.stdout) if key in line]
+        self.record(part, Result(lines[-1], seconds=finished.seconds) if finished.returncode == 0 and lines
+                    else Result(reason=one_line_reason(finished, budget), seconds=finished.seconds))
+
+    def generation(self) -> None:
+        self.json_part("generation", "decode.py", [*self.mode.decode, *self.device_flags()], "decode")
+
+    def packed(self) -> None:
+        args = ["--device", self.mode.device, "--weights", self.mode.weights, "--rows", self.mode.packed_rows,
+                "--threads", self.threads]
+        self.json_part("packed", "packed_rows.py", args, "packed_rows")
 
     def bench_run(self, key: str, finished: Finished, budget: float) -> Result:
         """A bench script's JSON line merged with on_device.py's, or why there is none."""
@@ -561,8 +610,9 @@ class Kit:
             self.skipped("tests")
             return
         extra = {"POSTTRAIN_GPU_TESTS_ON_CPU": "1"} if self.mode.name == "dry-run" else {}
-        finished = self.python(["-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rfEs", "-p",
-                                "no:cacheprovider"], "tests", budget, **extra)
+        files = ["tests/test_gpu.py", "tests/test_fixed_shape_decode.py"]
+        finished = self.python(["-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider"], "tests", budget,
+                               **extra)
         summary = [line.strip("= ") for line in finished.stdout.splitlines() if re.search(r"\d+ (passed|failed|"
                                                                                           r"skipped|error)", line)]
         failed = [line.split(" - ")[0].replace("FAILED ", "").replace("ERROR ", "")
@@ -587,34 +637,29 @@ class Kit:
             if side == "trl" and not anchors_dir():
                 self.record(key, Result(reason="TRL's anchor scripts were not found (see the GRPO row)."))
                 continue
-            self.record(key, self.bisect_lengths(side, time.monotonic() + share))
+            self.record(key, self.ascending_lengths(side, time.monotonic() + share))
 
-    def bisect_lengths(self, side: str, until: float) -> Result:
-        """Try completion lengths in a bisection of the mode's list: up after one that trained, down after one that
-        ran out of memory, until the boundary is found or the time is spent. Returns the tries in order."""
-        lengths, tries = list(self.mode.longest_lengths), []
-        low, high = -1, len(lengths)  # lengths[low] trained, lengths[high] ran out of memory
-        start = time.monotonic()
-        while high - low > 1:
-            index = (low + high + 1) // 2
+    def ascending_lengths(self, side: str, until: float) -> Result:
+        """Try the mode's completion lengths from the small end, up to the first that runs out of memory (or fails,
+        or finds the time spent). Returns the tries in order."""
+        tries, start = [], time.monotonic()
+        for length in self.mode.longest_lengths:
             budget = until - time.monotonic()
             if budget < LONGEST_MIN_TRY_S:
-                tries.append({"completion": lengths[index], "outcome": "not tried: the time budget was spent"})
+                tries.append({"completion": length, "outcome": "not tried: the time budget was spent"})
                 break
-            flags = [*self.mode.longest_flags, "--completion", str(lengths[index])]
+            flags = [*self.mode.longest_flags, "--completion", str(length)]
             finished = self.python(self.on_device(side, "grpo", flags), "longest", budget, log=f"longest-{side}")
             run = self.bench_run("longest", finished, budget)
             if run.ok:
-                tries.append({"completion": lengths[index], "outcome": "trained", "s_per_step": run.data["s_per_step"],
+                tries.append({"completion": length, "outcome": "trained", "s_per_step": run.data["s_per_step"],
                               "peak_gpu_mib": run.data.get("peak_gpu_mib"),
+                              "peak_reserved_mib": run.data.get("peak_reserved_mib"),
                               "peak_rss_mib": run.data.get("peak_rss_mib")})
-                low = index
-            elif ran_out_of_memory(finished):
-                tries.append({"completion": lengths[index], "outcome": "out of memory"})
-                high = index
-            else:
-                tries.append({"completion": lengths[index], "outcome": run.reason})
-                break
+                continue
+            tries.append({"completion": length,
+                          "outcome": "out of memory" if ran_out_of_memory(finished) else run.reason})
+            break
         trained = [t["completion"] for t in tries if t["outcome"] == "trained"]
         return Result({"longest": max(trained) if trained else None, "tries": tries},
                       seconds=time.monotonic() - start)
@@ -622,8 +667,9 @@ class Kit:
     # -- the whole run
 
     def run(self) -> int:
-        self.say(f"posttrain GPU kit, {self.mode.name}: {self.mode.device}, {self.mode.precision}; work folder "
-                 f"{self.work}; deadline {self.clock.deadline_s:.0f} s")
+        self.say(f"posttrain GPU kit, call {self.call} ({', '.join(CALLS[self.call])}), {self.mode.name}: "
+                 f"{self.mode.device}, {self.mode.precision}; work folder {self.work}; deadline "
+                 f"{self.clock.deadline_s:.0f} s")
         self.versions()
         stop = self.wrong_machine()
         if stop:
@@ -633,12 +679,11 @@ class Kit:
         if self.site_ready:  # what the parts import now
             self.versions()
         self.model()
-        for kind in ("grpo", "sft", "dpo"):
-            self.steps(kind)
-        self.logprobs()
-        self.fsdp2()
-        self.tests()
-        self.longest()
+        for part in CALLS[self.call][len(SETUP):]:
+            if part in ("grpo", "sft", "dpo"):
+                self.steps(part)
+            else:
+                getattr(self, part)()
         print()
         print(Table(self).render(), flush=True)
         return 0
@@ -686,16 +731,21 @@ class Table:
         self.trl = f"TRL {versions.get('trl') or '?'}"
 
     def render(self) -> str:
-        sections = [self.header(), self.steps(), self.logprobs(), self.longest(), self.tests(), self.footer()]
-        return "\n\n".join(s for s in sections if s)
+        if self.kit.call == 1:
+            sections = [self.header(), self.generation(), self.steps(("grpo", "sft", "dpo"))]
+        else:
+            sections = [self.header(), self.tests(), self.steps(("fsdp2",)), self.packed(), self.logprobs(),
+                        self.longest()]
+        return "\n\n".join(s for s in sections + [self.footer()] if s)
 
     def header(self) -> str:
         v, dry = self.versions, self.mode.name == "dry-run"
-        title = ("posttrain GPU kit, DRY RUN on the CPU (float32, a small model of the same kind): every part ran, "
-                 "its figures are not GPU measurements" if dry else
-                 f"posttrain GPU kit on {v.get('device', '?')}, bf16 (mixed precision: float32 weights, bf16 autocast)")
+        title = (f"posttrain GPU kit, call {self.kit.call}, DRY RUN on the CPU (float32, a small model of the same kind):"
+                 " every part ran, its figures are not GPU measurements" if dry else
+                 f"posttrain GPU kit, call {self.kit.call}, on {v.get('device', '?')}: bf16 weights (TRL's "
+                 "model_init_kwargs dtype), bf16 autocast, gradient checkpointing on")
         built = self.results["model"].data
-        model = (f"model: {'a small variant of ' if dry else ''}Qwen2.5-0.5B's shape, {built['params_m']}M parameters, "
+        model = (f"model: {'a small variant of ' if dry else ''}Qwen2.5-1.5B's shape, {built['params_m']}M parameters, "
                  f"{built['layers']} layers, hidden {built['hidden']}, vocabulary {built['embedding']:,} "
                  "(random weights)" if built else f"model: none ({self.results['model'].reason})")
         names = ("python", "torch", "transformers", "accelerate", "peft", "trl", "datasets", "pyarrow", "pytest",
@@ -712,18 +762,21 @@ class Table:
                          f"{wheels.data['installed']}" if wheels.ok else f"wheels: {wheels.reason}")
         return "\n".join(lines)
 
-    def steps(self) -> str:
-        peak = "peak GPU MiB" if self.mode.device == "cuda" else "peak RSS MiB (CPU)"
+    def steps(self, kinds: tuple) -> str:
+        peak = "peak GPU MiB allocated / reserved" if self.mode.device == "cuda" else "peak RSS MiB (CPU)"
         lines = ["Training steps: each side's own bench script, the same rows and flags (s/step = train()'s wall / "
                  "steps, as the anchors report it; steady = median of steps 2..N; tok/s as the anchors count them: "
                  "GRPO completion tokens, SFT and DPO every token of the rows)",
                  f"| workload | side | s/step | steady s/step | {peak} | tok/s | posttrain / TRL |",
                  "|---|---|---|---|---|---|---|"]
-        for kind, title in (("grpo", "GRPO"), ("sft", "SFT"), ("dpo", "DPO")):
-            workload = f"{title} {' '.join(getattr(self.mode, kind))}"
+        for kind in kinds:
+            if kind == "fsdp2":
+                lines.append(self.step_row(f"GRPO under FSDP2, one process, {' '.join(self.mode.grpo)}", "fsdp2",
+                                           "posttrain"))
+                continue
+            workload = f"{kind.upper()} {' '.join(getattr(self.mode, kind))}"
             for side in SIDES:
                 lines.append(self.step_row(workload if side == "trl" else "", kind, side))
-        lines.append(self.step_row(f"GRPO under FSDP2, one process, {' '.join(self.mode.grpo)}", "fsdp2", "posttrain"))
         return "\n".join(lines)
 
     def step_row(self, workload: str, kind: str, side: str) -> str:
@@ -733,10 +786,11 @@ class Table:
         if result is None or not result.ok:
             return f"| {workload} | {label} | {result.reason if result else 'not run'} | | | | |"
         d = result.data
-        peak = d.get("peak_gpu_mib") if self.mode.device == "cuda" else d.get("peak_rss_mib")
+        peak = (f"{number(d.get('peak_gpu_mib'))} / {number(d.get('peak_reserved_mib'))}" if self.mode.device == "cuda"
+                else number(d.get("peak_rss_mib")))
         tokens = d.get("completion_tok_per_s", d.get("tok_per_s"))
         return (f"| {workload} | {label} | {d['s_per_step']:.3f} | {number(d.get('step_s_median'), 3)} | "
-                f"{number(peak)} | {number(tokens)} | {self.ratio(kind, side)} |")
+                f"{peak} | {number(tokens)} | {self.ratio(kind, side)} |")
 
     def ratio(self, kind: str, side: str) -> str:
         """posttrain / TRL (the FSDP2 row: / posttrain unsharded) of s/step and peak memory."""
@@ -751,6 +805,55 @@ class Table:
         if mine.data.get(key) and other.data.get(key):
             parts.append(f"peak {mine.data[key] / other.data[key]:.2f}")
         return ", ".join(parts) + (" (of unsharded posttrain)" if kind == "fsdp2" else "")
+
+    def generation(self) -> str:
+        result = self.results.get("generation")
+        if result is None or not result.ok:
+            return f"Generation: {result.reason if result else 'not run'}"
+        d = result.data
+        lines = [f"Generation timed on its own: {d['rows']} rows x {d['tokens']} tokens each (min_new_tokens), "
+                 f"{d['precision']} run, {d['weights']} weights, on {d['device']}",
+                 "| decoder | s | ms/token | tokens/s | peak MiB allocated / reserved |", "|---|---|---|---|---|"]
+        names = {"posttrain": "posttrain (lean decoder, growing shapes)",
+                 "posttrain_static": "posttrain, cache_implementation=static (fixed shapes, a CUDA graph on CUDA)",
+                 "transformers_generate": "transformers generate (TRL's in-process path)"}
+        for key, name in names.items():
+            p = d.get(key, {})
+            if "error" in p:
+                lines.append(f"| {name} | {p['error']} | | | |")
+                continue
+            lines.append(f"| {name} | {p['s']:.2f} | {p['ms_per_token']:.2f} | {number(p['tokens_per_s'])} | "
+                         f"{number(p['peak_allocated_mib'])} / {number(p['peak_reserved_mib'])} |")
+        prof = d.get("step_profile", {})
+        if "error" in prof:
+            lines.append(f"One decode step under the profiler: {prof['error']}")
+        else:
+            top = "; ".join(f"{t['name']} x{t['count_per_step']} {t['ms_per_step']} ms" for t in prof["top"])
+            lines.append(f"One decode step under the profiler (the growing lean decoder): {prof['kernels_per_step']} "
+                         f"{'kernels' if self.mode.device == 'cuda' else 'operators'} per step, host "
+                         f"{prof['cpu_ms_per_step']} ms, device {number(prof['device_ms_per_step'], 3)} ms; "
+                         f"costliest: {top}")
+        return "\n".join(lines)
+
+    def packed(self) -> str:
+        result = self.results.get("packed")
+        if result is None or not result.ok:
+            return f"Packed rows against alone: {result.reason if result else 'not run'}"
+        d = result.data
+        lines = [f"Packed rows against each rollout alone (GRPO's log-prob pass), {d['weights']} weights on "
+                 f"{d['device']}: max |log-prob difference| over completion tokens",
+                 "| attention kernel | layouts kept apart | rows: packed taken, max abs diff |", "|---|---|---|"]
+        for kernel, p in d.items():
+            if kernel in ("device", "weights"):
+                continue
+            if "error" in p:
+                lines.append(f"| {kernel} | {p['error']} | |")
+                continue
+            kept = ", ".join(k for k, v in p["layouts"].items() if v) or "none (padded rows)"
+            runs = "; ".join(f"{n}: {'packed' if r['packed_taken'] else 'padded'}, {r['max_abs_diff']:.2e}"
+                             for n, r in p.items() if n != "layouts")
+            lines.append(f"| {kernel} | {kept} | {runs} |")
+        return "\n".join(lines)
 
     def logprobs(self) -> str:
         result = self.results.get("logprobs")
@@ -777,7 +880,7 @@ class Table:
     def longest(self) -> str:
         lengths = ", ".join(str(n) for n in self.mode.longest_lengths)
         lines = [f"Longest GRPO completion each side trains: 8 completions of one prompt, one step, "
-                 f"{self.mode.precision}, lengths bisected among {lengths}",
+                 f"{self.mode.precision}, lengths tried from the small end: {lengths}",
                  "| side | longest that trained | tries, in order |", "|---|---|---|"]
         for side in SIDES:
             result = self.results.get(f"longest-{side}")
@@ -792,7 +895,8 @@ class Table:
     def describe_try(self, attempt: dict) -> str:
         if attempt["outcome"] != "trained":
             return f"{attempt['completion']}: {attempt['outcome']}"
-        peak = (f"{number(attempt['peak_gpu_mib'])} MiB GPU" if self.mode.device == "cuda"
+        peak = (f"{number(attempt['peak_gpu_mib'])} / {number(attempt.get('peak_reserved_mib'))} MiB GPU allocated / "
+                "reserved" if self.mode.device == "cuda"
                 else f"{number(attempt['peak_rss_mib'])} MiB RSS")
         return f"{attempt['completion']}: trained ({attempt['s_per_step']:.1f} s, {peak})"
 
@@ -800,9 +904,10 @@ class Table:
         result = self.results.get("tests")
         where = ", on the CPU: POSTTRAIN_GPU_TESTS_ON_CPU=1" if self.mode.name == "dry-run" else ""
         if result is None or not result.ok:
-            return f"Tests marked gpu (tests/test_gpu.py{where}): {result.reason if result else 'not run'}"
+            return f"Tests (tests/test_gpu.py{where}, tests/test_fixed_shape_decode.py): " \
+                   f"{result.reason if result else 'not run'}"
         failed = f"; failed: {', '.join(result.data['failed'])}" if result.data["failed"] else ""
-        return f"Tests marked gpu (tests/test_gpu.py{where}): {result.data['summary']}{failed}"
+        return f"Tests (tests/test_gpu.py{where}, tests/test_fixed_shape_decode.py): {result.data['summary']}{failed}"
 
     def footer(self) -> str:
         return (f"Kit time: {self.kit.clock.elapsed():.0f} s of a {self.kit.clock.deadline_s:.0f} s deadline; "
@@ -813,7 +918,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="run every part on this CPU, small, in float32")
     ap.add_argument("--work", default=None, help="folder for the model and the logs (default: under the temp folder)")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole kit (GPU 570, dry run 900)")
+    ap.add_argument("--call", type=int, choices=sorted(CALLS), default=None,
+                    help="which of the kit's two calls to run (each under 5 minutes; the module's docstring)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the call (GPU 285, dry run 290)")
     ap.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--check-wheels", action="store_true",
                     help="check bench/gpu/offline/wheels against requirements.txt and its size, and exit")
@@ -836,7 +943,9 @@ def main():
     mode = DRY_RUN if args.dry_run else GPU
     work = args.work or os.path.join(tempfile.gettempdir(), "posttrain-gpu-kit", mode.name)
     os.makedirs(work, exist_ok=True)
-    return Kit(mode, work, args.deadline or mode.deadline_s).run()
+    if args.call is None:
+        ap.error("--call 1 or --call 2: the kit runs in two calls of under 5 minutes each (the module's docstring)")
+    return Kit(mode, work, args.deadline or mode.deadline_s, args.call).run()
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """Run one benchmark script on a chosen device and precision, and add what the GPU kit reports.
 
-Usage: python bench/gpu/on_device.py --device cuda|cpu --precision bf16|fp32 SCRIPT MODEL_DIR [SCRIPT's flags]
+Usage: python bench/gpu/on_device.py --device cuda|cpu --precision bf16|fp32 [--weights bf16|fp32] SCRIPT MODEL_DIR
+                                    [SCRIPT's flags]
 
 SCRIPT is one of TRL's anchors (trl_grpo.py, trl_sft.py, trl_dpo.py of ../shared/bench, or the copies
 bench/gpu/fetch_wheels.sh puts in bench/gpu/offline/anchors) or posttrain's bench/grpo_step.py, sft_step.py,
 dpo_step.py. Those scripts write `use_cpu=True, bf16=False` into their configs; here the config class of the
 script's library (TRL's for a `trl_*.py` script, posttrain's otherwise) is wrapped so that these two fields follow
---device and --precision, and output_dir is a fresh temporary folder (posttrain locks its output_dir for the run,
-and the scripts name one fixed folder). Nothing else of the workload changes, and the script prints its own JSON
+--device and --precision, `--weights bf16` loads the weights in bf16 through TRL's own switch
+(`model_init_kwargs={"dtype": "bfloat16"}`, on both sides), and output_dir is a fresh temporary folder (posttrain
+locks its output_dir for the run, and the scripts name one fixed folder). Nothing else of the workload changes, and the script prints its own JSON
 line as usual. After it, one more line:
 
-    {"kit": {"device", "device_name", "precision", "distributed_type", "peak_gpu_mib", "step_s_median",
-             "steps_timed"}}
+    {"kit": {"device", "device_name", "precision", "weights", "distributed_type", "peak_gpu_mib",
+             "peak_reserved_mib", "step_s_median", "steps_timed"}}
 
 distributed_type: accelerate's, after the run (FSDP under the kit's FSDP2 launch);
 peak_gpu_mib: torch.cuda.max_memory_allocated() in MiB, its counter reset when train() starts (None on a CPU);
+peak_reserved_mib: torch.cuda.max_memory_reserved() beside it (what the caching allocator held: the GPU memory the run
+really took);
 step_s_median: the median time between the ends of consecutive optimizer steps (steps 2..N, so without the first
 step's one-time work; CUDA synchronised at each step's end), None with fewer than 2 steps.
 Under `accelerate launch` with FSDP on a CPU (the kit's --dry-run) the test-only patch tests/accelerate_on_cpu.py is
@@ -45,6 +49,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--precision", choices=["bf16", "fp32"], required=True)
+    ap.add_argument("--weights", choices=["bf16", "fp32"], default="fp32")
     ap.add_argument("script")
     args, rest = ap.parse_known_args(argv)
     return args, [args.script, *rest]
@@ -115,7 +120,7 @@ def patch_matmul_rate(device: str, precision: str) -> None:
     flops.matmul_gflops = gpu_matmul_gflops
 
 
-def prepare(script: str, device: str, precision: str, output_dir: str) -> OptimizerStepClock:
+def prepare(script: str, device: str, precision: str, output_dir: str, weights: str = "fp32") -> OptimizerStepClock:
     """Everything before the script runs: the CPU FSDP patch where needed, the config and trainer wrappers, the
     step clock."""
     if device == "cpu" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -128,8 +133,10 @@ def prepare(script: str, device: str, precision: str, output_dir: str) -> Optimi
     else:
         import posttrain as library
     trainer = kind_of(script).upper()
-    force_fields(getattr(library, f"{trainer}Config"), use_cpu=device == "cpu", bf16=precision == "bf16",
-                 output_dir=output_dir)
+    fields = dict(use_cpu=device == "cpu", bf16=precision == "bf16", output_dir=output_dir)
+    if weights == "bf16":
+        fields["model_init_kwargs"] = {"dtype": "bfloat16"}
+    force_fields(getattr(library, f"{trainer}Config"), **fields)
     reset_peak_at_train(getattr(library, f"{trainer}Trainer"), device)
     patch_matmul_rate(device, precision)
     return OptimizerStepClock(synchronize_cuda=device == "cuda")
@@ -143,15 +150,16 @@ def distributed_type() -> str:
     return getattr(kind, "value", str(kind)) if kind is not None else "NO"
 
 
-def kit_line(clock: OptimizerStepClock, device: str, precision: str) -> dict:
+def kit_line(clock: OptimizerStepClock, device: str, precision: str, weights: str) -> dict:
     import torch
 
     gaps = clock.step_gaps()
     median, steps = (round(statistics.median(gaps), 4) if gaps else None), clock.steps()
     on_gpu = device == "cuda"
     return {"kit": {"device": device, "device_name": torch.cuda.get_device_name() if on_gpu else "cpu",
-                    "precision": precision, "distributed_type": distributed_type(),
+                    "precision": precision, "weights": weights, "distributed_type": distributed_type(),
                     "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
+                    "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
                     "step_s_median": median, "steps_timed": steps}}
 
 
@@ -164,14 +172,14 @@ def main():
             raise SystemExit("--device cuda was asked for and torch sees no CUDA device: run on a GPU machine, or "
                              "use --device cpu.")
     output_dir = tempfile.mkdtemp(prefix="kit-run-")  # the scripts share a fixed one, which a run holds locked
-    clock = prepare(args.script, args.device, args.precision, output_dir)
+    clock = prepare(args.script, args.device, args.precision, output_dir, args.weights)
     sys.argv = script_argv
     try:
         runpy.run_path(args.script, run_name="__main__")
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(kit_line(clock, args.device, args.precision)), flush=True)
+        print(json.dumps(kit_line(clock, args.device, args.precision, args.weights)), flush=True)
 
 
 if __name__ == "__main__":
