@@ -44,12 +44,16 @@ def _hint(command: str, name: str = "") -> str:
     return f" `posttrain {command} --help-all` and docs/config.md list every field."
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """posttrain's parser, every command's; `only`: that trainer command's alone (what parse_command reads: a
+    trainer's 200 flags, not all nine trainers')."""
     parser = argparse.ArgumentParser(prog="posttrain", description=f"Post-train language models: {', '.join(e.title for e in registry.COMMANDS.values())}.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for command, (script_cls, config_cls, line) in TRAINERS.items():
+        if only is not None and command != only:
+            continue
         trainer = sub.add_parser(command, help=line, allow_abbrev=False, usage=USAGE.format(command=command),
                                  description=f"{line} Flags override the values in --config.")
         add_run_options(trainer)
@@ -57,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         for cls in field_classes(script_cls, config_cls):  # --help shows them a page at a time (cli_help.py)
             add_fields(trainer, cls, seen)
         add_launch_flags(trainer)
+    if only is not None:
+        return parser
     _add_serve(sub)
     _add_vllm_serve(sub)
     demo = sub.add_parser("demo", help="Train a tiny model on a built-in task on CPU and show it learning.",
@@ -197,7 +203,7 @@ def parse_command(command: str, argv: list[str]):
     launch, argv = split_launch_args(argv)
     script_cls, config_cls, _ = TRAINERS[command]
     classes = (script_cls, LoraArguments, config_cls)
-    args, unknown = build_parser().parse_known_args([command, *argv])
+    args, unknown = build_parser(only=command).parse_known_args([command, *argv])
     from posttrain.launch import LAUNCH_FLAGS
 
     known = [n for cls in classes for n in field_types(cls) if n not in config_cls.NOT_FLAGS] + list(LAUNCH_FLAGS) + [
