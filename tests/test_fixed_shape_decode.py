@@ -33,9 +33,12 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 @pytest.mark.parametrize("kind", ["qwen2", "gqa-qwen3"])
 def test_the_fixed_shape_decode_samples_what_the_growing_decode_samples_without_a_host_read_per_token(tokenizer,
-                                                                                                       kind):
+                                                                                                       kind,
+                                                                                                       monkeypatch):
     """Rows that end at different lengths: the same completions, masks, widths and sampler log-probs; the growing
-    decode reads the device every token (and drops finished rows), the fixed one every STOP_CHECK_EVERY tokens."""
+    decode reads the device every token (and drops finished rows), the fixed one every STOP_CHECK_EVERY tokens. Its
+    attention reads the filled positions in buckets of 8 here, so that the decode crosses several."""
+    monkeypatch.setattr(lean_decoder, "ATTEND_BUCKET", 8)
     if kind == "qwen2":
         model = tiny_model(tokenizer, hidden=32, layers=2)
     else:
@@ -84,6 +87,7 @@ def test_the_fixed_shape_step_traces_as_one_graph_for_every_token(tokenizer, mon
             frames = []
             decoders = [lean_decoder.LeanDecoder(model, mask, steps, fixed_shape=fixed) for _ in range(2)]
             for decoder in decoders:
+                decoder.attend_bucket = None  # the whole cache, as the CUDA graph captures the step
                 decoder.prefill(ids, positions_from_mask(mask))
 
             def count(graph_module, example_inputs):

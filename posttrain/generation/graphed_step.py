@@ -30,6 +30,7 @@ class GraphedSteps:
     fixed_shape = True
 
     def __init__(self, decoder):
+        decoder.attend_bucket = None  # the whole cache: one shape for every token of the decode
         self.decoder = decoder
         self.graph = None  # captured at the first step, after the prefill filled the cache
         self.eager = False

@@ -185,6 +185,9 @@ def _rotate_half_matrix(head_dim: int, dtype, device) -> torch.Tensor:
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
+# at fixed shapes outside a CUDA graph, attention reads the filled cache positions rounded up to a multiple of this
+ATTEND_BUCKET = 64
+
 # devices where SDPA's enable_gqa with a mask takes the math kernel, which repeats the keys and values per query head
 # (CUDA): there the query heads are grouped by kv head instead (LeanDecoder._grouped_attention)
 GROUPED_QUERY_DEVICES = {"cuda"}
@@ -200,7 +203,9 @@ class LeanDecoder:
     shapes at the same addresses and makes no host sync, so that it can be captured in a CUDA graph
     (generation/graphed_step.py): attention runs over the whole preallocated cache (zeroed, so that the positions
     not yet written are finite) under the key mask, the new keys and values go in at a cursor held on the device, the
-    logits into one buffer, and rows never leave the batch (`keep_rows` declines).
+    logits into one buffer, and rows never leave the batch (`keep_rows` declines). Outside a graph, attention reads
+    the filled positions rounded up to ATTEND_BUCKET (`attend_bucket`): the shapes then change once a bucket, and
+    the step reads no more of the cache than the growing decode's does.
 
     Args:
         model: the causal LM (possibly DDP- or PEFT-wrapped); must pass `supports`.
@@ -232,6 +237,9 @@ class LeanDecoder:
         self.key_mask = torch.zeros((n, 1, 1, p + max_new_tokens), dtype=torch.bool, device=device)
         self.key_mask[:, 0, 0, :p] = prompt_mask
         self.cursor = torch.full((1,), p, dtype=torch.long, device=device)  # fixed shapes: the next position written
+        # fixed shapes: attention reads the filled positions rounded up to this many (shapes change once a bucket:
+        # the CPU reads no more than the growing decode does), or the whole cache (None: what a CUDA graph captures)
+        self.attend_bucket = ATTEND_BUCKET
         fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
         packer = None
         if device.type == "cpu" and linear_op() is not None and not self.autocast:
@@ -281,8 +289,13 @@ class LeanDecoder:
         """Append one token per row ([N] ids, [N, 1] positions); return the next-token logits [N, V] float32."""
         if self.fixed_shape:  # the cursor's position, on the device: the same shapes and no host value every step
             self.key_mask.index_fill_(3, self.cursor, True)
-            logits = self._forward(token_ids.unsqueeze(1), positions, self.key_mask, at=self.cursor)
+            width = self.key_mask.size(-1)
+            if self.attend_bucket is not None:  # the filled positions rounded up to the bucket: fixed within it
+                width = min(width, -(-(self.length + 1) // self.attend_bucket) * self.attend_bucket)
+            logits = self._forward(token_ids.unsqueeze(1), positions, self.key_mask[..., :width], at=self.cursor)
             self.cursor.add_(1)
+            if self.attend_bucket is not None:  # the host's count, for the bucket (a captured step reads none)
+                self.length += 1
             return logits
         self.key_mask[:, 0, 0, self.length] = True
         return self._forward(token_ids.unsqueeze(1), positions, self.key_mask[:, :, :, :self.length + 1])
@@ -354,7 +367,9 @@ class LeanDecoder:
         if at is not None:
             self.keys[i].index_copy_(2, at, key.transpose(1, 2).to(self.keys.dtype))
             self.values[i].index_copy_(2, at, value.transpose(1, 2).to(self.values.dtype))
-            out = self._grouped_attention(q.transpose(1, 2), self.keys[i], self.values[i], mask)
+            width = mask.size(-1)  # the whole cache, or the attended bucket of it
+            out = self._grouped_attention(q.transpose(1, 2), self.keys[i][:, :, :width], self.values[i][:, :, :width],
+                                          mask)
             return out.transpose(1, 2).reshape(n, length, -1)
         rows = slice(None) if copies is None else copies
         self.keys[i, :, :, start:end] = key.transpose(1, 2)[rows]
