@@ -255,7 +255,7 @@ class TransformersGenerator:
             finished = int(done.sum())
             if finished == done.numel():
                 break
-            if finished >= max(1, done.numel() // COMPACT_FRACTION):
+            if not fixed and finished >= max(1, done.numel() // COMPACT_FRACTION):  # fixed shapes keep their rows
                 keep = (~done).nonzero().squeeze(1)
                 if stepper.keep_rows(keep):
                     active, streams, positions, done = active[keep], streams[keep], positions[keep], done[keep]
