@@ -562,10 +562,10 @@ class Kit:
             if not self.results["model"].ok:
                 self.record(key, Result(reason="no model (see the model part)"))
                 continue
-            if side == "trl" and not anchors_dir():
-                self.record(key, Result(reason="TRL's anchor scripts were not found: run bash "
-                                               "bench/gpu/fetch_wheels.sh (it copies them to "
-                                               "bench/gpu/offline/anchors) or set SHARED."))
+            if (side == "trl" or kind != "grpo") and not anchors_dir():  # posttrain's SFT and DPO read their rows
+                whose = "TRL's anchor scripts" if side == "trl" else f"TRL's anchor trl_{kind}.py (its make_rows)"
+                self.record(key, Result(reason=f"{whose} were not found: run bash bench/gpu/fetch_wheels.sh (it "
+                                               "copies the anchors to bench/gpu/offline/anchors) or set SHARED."))
                 continue
             finished = self.python(self.on_device(side, kind, flags), kind, budget, log=key)
             self.record(key, self.bench_run(key, finished, budget))
