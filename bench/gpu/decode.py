@@ -40,6 +40,8 @@ def main():
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from posttrain.models.loading import raised
+
     dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -53,11 +55,11 @@ def main():
             run(16)  # warm-up: kernels, allocator, the lean decoder's one-time check
             out[side] = _timed(run, args.tokens, args.rows, args.device)
         except Exception as err:  # noqa: BLE001 - a side that fails is reported, the others still run
-            out[side] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]}
+            out[side] = {"error": raised(err)[:200]}
     try:
         out["step_profile"] = _step_profile(model, prompts, args.device, compute)
     except Exception as err:  # noqa: BLE001
-        out["step_profile"] = {"error": f"{type(err).__name__}: {err}"[:200]}
+        out["step_profile"] = {"error": raised(err)[:200]}
     print(json.dumps({"decode": out}), flush=True)
 
 

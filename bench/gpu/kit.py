@@ -730,6 +730,11 @@ class Table:
         self.versions = versions
         self.trl = f"TRL {versions.get('trl') or '?'}"
 
+    def why_not(self, key: str) -> str:
+        """Why the part `key` has no figures ('not run', or its one-line reason); '' when it has them."""
+        result = self.results.get(key)
+        return "" if result is not None and result.ok else (result.reason if result else "not run")
+
     def render(self) -> str:
         if self.kit.call == 1:
             sections = [self.header(), self.generation(), self.steps(("grpo", "sft", "dpo"))]
@@ -782,10 +787,9 @@ class Table:
     def step_row(self, workload: str, kind: str, side: str) -> str:
         key = "fsdp2" if kind == "fsdp2" else f"{kind}-{side}"
         label = "posttrain (FSDP2)" if kind == "fsdp2" else (self.trl if side == "trl" else "posttrain")
-        result = self.results.get(key)
-        if result is None or not result.ok:
-            return f"| {workload} | {label} | {result.reason if result else 'not run'} | | | | |"
-        d = result.data
+        if self.why_not(key):
+            return f"| {workload} | {label} | {self.why_not(key)} | | | | |"
+        d = self.results[key].data
         peak = (f"{number(d.get('peak_gpu_mib'))} / {number(d.get('peak_reserved_mib'))}" if self.mode.device == "cuda"
                 else number(d.get("peak_rss_mib")))
         tokens = d.get("completion_tok_per_s", d.get("tok_per_s"))
@@ -807,10 +811,9 @@ class Table:
         return ", ".join(parts) + (" (of unsharded posttrain)" if kind == "fsdp2" else "")
 
     def generation(self) -> str:
-        result = self.results.get("generation")
-        if result is None or not result.ok:
-            return f"Generation: {result.reason if result else 'not run'}"
-        d = result.data
+        if self.why_not("generation"):
+            return f"Generation: {self.why_not('generation')}"
+        d = self.results["generation"].data
         lines = [f"Generation timed on its own: {d['rows']} rows x {d['tokens']} tokens each (min_new_tokens), "
                  f"{d['precision']} run, {d['weights']} weights, on {d['device']}",
                  "| decoder | s | ms/token | tokens/s | peak MiB allocated / reserved |", "|---|---|---|---|---|"]
@@ -836,10 +839,9 @@ class Table:
         return "\n".join(lines)
 
     def packed(self) -> str:
-        result = self.results.get("packed")
-        if result is None or not result.ok:
-            return f"Packed rows against alone: {result.reason if result else 'not run'}"
-        d = result.data
+        if self.why_not("packed"):
+            return f"Packed rows against alone: {self.why_not('packed')}"
+        d = self.results["packed"].data
         lines = [f"Packed rows against each rollout alone (GRPO's log-prob pass), {d['weights']} weights on "
                  f"{d['device']}: max |log-prob difference| over completion tokens",
                  "| attention kernel | layouts kept apart | rows: packed taken, max abs diff |", "|---|---|---|"]
@@ -856,10 +858,9 @@ class Table:
         return "\n".join(lines)
 
     def logprobs(self) -> str:
-        result = self.results.get("logprobs")
-        if result is None or not result.ok:
-            return f"Log-probs through the output layer: {result.reason if result else 'not run'}"
-        d = result.data
+        if self.why_not("logprobs"):
+            return f"Log-probs through the output layer: {self.why_not('logprobs')}"
+        d = self.results["logprobs"].data
         names = {"whole-logits": "whole logits, log_softmax + gather", "trl-selective":
                  f"{self.trl} selective_log_softmax on whole logits", "trl-fused-head":
                  f"{self.trl} fused LM head (ChunkedLogProbFunction)", "posttrain": "posttrain chunked_token_logprobs"}
@@ -883,13 +884,13 @@ class Table:
                  f"{self.mode.precision}, lengths tried from the small end: {lengths}",
                  "| side | longest that trained | tries, in order |", "|---|---|---|"]
         for side in SIDES:
-            result = self.results.get(f"longest-{side}")
-            label = self.trl if side == "trl" else "posttrain"
-            if result is None or not result.ok:
-                lines.append(f"| {label} | - | {result.reason if result else 'not run'} |")
+            key, label = f"longest-{side}", self.trl if side == "trl" else "posttrain"
+            if self.why_not(key):
+                lines.append(f"| {label} | - | {self.why_not(key)} |")
                 continue
-            tries = "; ".join(self.describe_try(t) for t in result.data["tries"]) or "none"
-            lines.append(f"| {label} | {number(result.data['longest'])} | {tries} |")
+            data = self.results[key].data
+            tries = "; ".join(self.describe_try(t) for t in data["tries"]) or "none"
+            lines.append(f"| {label} | {number(data['longest'])} | {tries} |")
         return "\n".join(lines)
 
     def describe_try(self, attempt: dict) -> str:
@@ -901,13 +902,13 @@ class Table:
         return f"{attempt['completion']}: trained ({attempt['s_per_step']:.1f} s, {peak})"
 
     def tests(self) -> str:
-        result = self.results.get("tests")
         where = ", on the CPU: POSTTRAIN_GPU_TESTS_ON_CPU=1" if self.mode.name == "dry-run" else ""
-        if result is None or not result.ok:
-            return f"Tests (tests/test_gpu.py{where}, tests/test_fixed_shape_decode.py): " \
-                   f"{result.reason if result else 'not run'}"
-        failed = f"; failed: {', '.join(result.data['failed'])}" if result.data["failed"] else ""
-        return f"Tests (tests/test_gpu.py{where}, tests/test_fixed_shape_decode.py): {result.data['summary']}{failed}"
+        title = f"Tests (tests/test_gpu.py{where}, tests/test_fixed_shape_decode.py)"
+        if self.why_not("tests"):
+            return f"{title}: {self.why_not('tests')}"
+        data = self.results["tests"].data
+        failed = f"; failed: {', '.join(data['failed'])}" if data["failed"] else ""
+        return f"{title}: {data['summary']}{failed}"
 
     def footer(self) -> str:
         return (f"Kit time: {self.kit.clock.elapsed():.0f} s of a {self.kit.clock.deadline_s:.0f} s deadline; "

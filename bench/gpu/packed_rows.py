@@ -36,6 +36,8 @@ def main():
     import torch
 
     torch.set_num_threads(args.threads)
+    from posttrain.models.loading import raised
+
     out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "weights": args.weights}
     variants = [(kernel, None) for kernel in KERNELS]
     if args.device == "cuda":
@@ -46,7 +48,7 @@ def main():
             with _sdpa_held_to(backend):
                 out[name] = _kernel(args, kernel, [int(n) for n in args.rows.split(",")])
         except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is reported, the others still run
-            out[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]}
+            out[name] = {"error": raised(err)[:200]}
     print(json.dumps({"packed_rows": out}), flush=True)
 
 

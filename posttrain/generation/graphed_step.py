@@ -12,13 +12,10 @@ The weights are read where they lie: an optimizer step between rounds updates th
 captures anew. Where capture fails (a kernel that cannot be captured), the steps run eagerly, said once.
 """
 
-import logging
-
 import torch
 
-logger = logging.getLogger("posttrain")
-
-_FAILED: set[str] = set()
+from posttrain.models.keywords import unwrap
+from posttrain.models.loading import fallback_said, raised
 
 
 class GraphedSteps:
@@ -29,9 +26,9 @@ class GraphedSteps:
 
     fixed_shape = True
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, model):
         decoder.attend_bucket = None  # the whole cache: one shape for every token of the decode
-        self.decoder = decoder
+        self.decoder, self.model = decoder, model
         self.graph = None  # captured at the first step, after the prefill filled the cache
         self.eager = False
 
@@ -73,10 +70,7 @@ class GraphedSteps:
             self.graph = graph
         except RuntimeError as err:
             self.eager = True
-            message = str(err).splitlines()[0] if str(err) else type(err).__name__
-            if message not in _FAILED:
-                _FAILED.add(message)
-                logger.warning("cache_implementation='static': the decode step could not be captured in a CUDA "
-                               "graph (%s); it runs at fixed shapes without one.", message)
+            fallback_said(unwrap(self.model), "cache_implementation='static' decodes at fixed shapes without a CUDA "
+                          "graph", f"capturing its step raised {raised(err)}")
         decoder.cursor.copy_(cursor)
         decoder.key_mask.copy_(key_mask)

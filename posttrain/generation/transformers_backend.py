@@ -280,7 +280,7 @@ class TransformersGenerator:
         if self.lean and lean_decoder.supports(self.model):
             decoder = lean_decoder.LeanDecoder(self.model, prompt_mask, max_new_tokens, fixed_shape=self.fixed_shape,
                                                compute_dtype=self.compute_dtype)
-            return GraphedSteps(decoder) if self.fixed_shape and prompt_mask.device.type == "cuda" else decoder
+            return GraphedSteps(decoder, self.model) if self.fixed_shape and prompt_mask.device.type == "cuda" else decoder
         if self.fixed_shape:
             fallback_said(unwrap(self.model), "cache_implementation='static' decodes through the model's own forward "
                           "at growing shapes, not at fixed ones", "posttrain's lean decoder does not run this model")

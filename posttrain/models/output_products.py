@@ -76,9 +76,6 @@ class OutputProducts:
         self.low = dtype != torch.float32
         self.widening = self.low and _widening(weight.device, dtype)
 
-    def float32(self) -> bool:
-        return not self.low
-
     def own_buffer(self, h: torch.Tensor) -> bool:
         """Whether `logits` wants an `out` buffer: not where oneDNN computes them into a tensor of its own (float32
         on a CPU, from ONEDNN_LOGITS_MIN_HIDDEN wide)."""
