@@ -155,8 +155,10 @@ class ModelConfig:
         "in chunks, packed rows, shared prompts, the lean decoder and oneDNN products on a CPU. false runs the "
         "model's plain transformers forward with whole logits, padded rows and torch's products (for debugging, or a "
         "model the checks do not know); the numbers agree within float rounding. On a CPU it also leaves the C "
-        "library's allocator as it was (with fast paths on and gradient checkpointing off, training/heap.py keeps "
-        "freed memory in the heap: faster steps, a higher peak).", default=True)
+        "library's allocator as it was (with fast paths on, gradient checkpointing off and weights of 1 GiB or more, "
+        "training/heap.py keeps freed memory in the heap: faster steps, a higher peak) and torch's intra-op threads as they were (with fast "
+        "paths on, each step runs on as many threads as the cores other processes leave free, at most the run's own "
+        "count, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set: training/threads.py).", default=True)
     router_aux_loss_coef: Optional[float] = _help(
         "Coefficient of a mixture-of-experts model's router load-balancing loss, added to the training loss (and "
         "logged as aux_loss) as in TRL. None: the model config's own coefficient (0 where it has none); 0 turns it "

@@ -10,7 +10,7 @@ import os
 import torch
 
 from posttrain.training.distributed import mark_agreed
-from posttrain.training.heap import keep_freed_host_memory
+from posttrain.training.heap import HEAP_PAYS_FROM, keep_freed_host_memory
 
 logger = logging.getLogger("posttrain")
 
@@ -88,10 +88,16 @@ def make_accelerator(args, mixed_precision: str):
                 "GPU, and this machine has none: run it on GPUs, or launch with DDP (accelerate_config multi_gpu)."
             )) from err
         raise
-    if accelerator.device.type == "cpu" and args.fast_paths and not args.gradient_checkpointing:
-        # the step's buffers reused without page faults; not where the user traded time for memory (training/heap.py)
-        keep_freed_host_memory()
     return accelerator
+
+
+def keep_heap_where_it_pays(device_type: str, args, model) -> None:
+    """The step's buffers reused without page faults (training/heap.py), where that pays: on a CPU, with fast paths
+    on, a model whose weights take at least HEAP_PAYS_FROM bytes, and not where the user traded time for memory
+    (gradient checkpointing)."""
+    if device_type == "cpu" and args.fast_paths and not args.gradient_checkpointing and \
+            sum(p.numel() * p.element_size() for p in model.parameters()) >= HEAP_PAYS_FROM:
+        keep_freed_host_memory()
 
 
 def _deepspeed_plugin(args):

@@ -46,8 +46,10 @@ from posttrain.training.optim import check_optimizers, make_optimizer, make_sche
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.outputs import OutputsMixin
 from posttrain.training.overrides import refuse_uncalled_overrides
-from posttrain.training.setup import allow_unused_parameters, make_accelerator, set_log_level, training_flops_per_token
+from posttrain.training.setup import (allow_unused_parameters, keep_heap_where_it_pays, make_accelerator, set_log_level,
+                                     training_flops_per_token)
 from posttrain.training.sharding import check_launch, check_supported, sharding_of
+from posttrain.training.threads import IntraOpThreads
 from posttrain.training.step import StepMixin, TrainingError  # noqa: F401 - TrainingError: part of this module's API
 
 logger = logging.getLogger("posttrain")
@@ -73,6 +75,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         hide_deepspeed_cpu_notice()  # accelerate imports DeepSpeed when installed, which warns on a CPU-only machine
         self.args = args
         self.accelerator = make_accelerator(args, self._mixed_precision())
+        self._threads = IntraOpThreads(self.accelerator.device.type, args.fast_paths)  # training/threads.py
         if self.accelerator.num_processes > 1:
             let_collectives_finish_at_exit()
         check_launch(self.accelerator)  # FSDP or DeepSpeed asked for and not set up: one sentence, before any work
@@ -90,12 +93,9 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         self.ref_model = None  # a separate reference model, which a subclass sets before `_prepare`
         self._model_fingerprint = None  # the policy's, before training: set by the subclass (checkpoint.py)
         self.callback_handler = CallbackHandler(callbacks, self)
-        self._optimizers = optimizers
-        self._optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.logger = None
-        self.eval_dataset = None
+        self._optimizers, self._optimizer_cls_and_kwargs = optimizers, optimizer_cls_and_kwargs
         self.router_loss = RouterLoss(0.0)  # a mixture-of-experts model's load-balancing loss, set with the policy
-        self.compute_metrics = self.preprocess_logits_for_metrics = None  # training/prediction.py's
+        self.logger = self.eval_dataset = self.compute_metrics = self.preprocess_logits_for_metrics = None
         with guarded(self.accelerator):  # before anything slow: a path that cannot be written stops at once
             if self.accelerator.is_main_process:
                 check_writable(args.output_dir)
@@ -115,6 +115,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             optimizer = make_optimizer(model, self.args, self._optimizer_cls_and_kwargs)
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
         self._flops_per_token = training_flops_per_token(model)  # before sharding: whole parameters
+        keep_heap_where_it_pays(self.accelerator.device.type, self.args, model)
         self.model, self.optimizer, self.lr_scheduler = self.sharding.prepare(model, optimizer, scheduler, self.args)
         self.policy = self.accelerator.unwrap_model(self.model)
         self.forward_policy = self.sharding.forward_module(self.model, self.policy)  # for forwards without gradient
@@ -284,6 +285,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             self._stop_while_waiting(stop)
         finally:
             self._stop_sources()
+            self._threads.restore()
             self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -315,6 +317,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
         if not self._epoch_open:
             self._epoch_open, self._epoch_index = True, math.floor(state.epoch)
             self._call("on_epoch_begin")
+        self._threads.adjust()  # as many intra-op threads as the machine's other work leaves cores
         self._call("on_step_begin")
         start = time.perf_counter()
         metrics = self._logged_loss(self._optimizer_step())
@@ -387,8 +390,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             self._save_checkpoint()
 
     def _skip_rest_of_epoch(self) -> None:
-        """A callback set should_epoch_stop: the rest of this epoch's data is not trained on. Subclasses that can
-        skip data override this."""
+        """should_epoch_stop: the rest of this epoch's data is not trained on (where a subclass can skip it)."""
 
     def _resume(self, path: str) -> None:
         restored = load_checkpoint(self._run_state(), self.sharding, path)
