@@ -11,6 +11,7 @@ import torch
 from posttrain.configs import SFTConfig
 from posttrain.training import setup
 from posttrain.training.heap import HEAP_PAYS_FROM, _glibc
+from posttrain.training.optim import make_adam_states
 
 # A fresh interpreter (no torch: posttrain.training.heap imports only ctypes) frees a 64 MiB block and asks for it
 # again, counting the page faults of writing it the second time.
@@ -51,13 +52,55 @@ def test_a_cpu_run_keeps_the_heap_only_for_a_large_model_with_fast_paths_and_wit
         tmp_path, monkeypatch, fast_paths, gradient_checkpointing, weights_mib):
     # checkpointing says memory matters more than time: the heap's holes would raise the peak that checkpointing
     # lowers; a small model's peak is mostly not its states, and the holes weigh more there than the faults they save
-    calls = []
+    calls, states = [], []
     monkeypatch.setattr(setup, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(setup, "make_adam_states", states.append)
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, fast_paths=fast_paths,
                      gradient_checkpointing=gradient_checkpointing, report_to="none")
+    accelerator = setup.make_accelerator(args, "no")
     model = torch.nn.Linear(1024, weights_mib * 256, bias=False, device="meta")  # 4 bytes x 1024 a row
-    setup.keep_heap_where_it_pays("cpu", args, model)
+    setup.prepare_host_memory(accelerator, args, model, "the optimizer")
     kept = fast_paths and not gradient_checkpointing and weights_mib * 2**20 >= HEAP_PAYS_FROM
     assert calls == ([1] if kept else [])
-    setup.keep_heap_where_it_pays("cuda", args, model)
-    assert len(calls) == kept
+    assert states == (["the optimizer"] if kept else [])  # its states made before the first step, where kept
+
+
+@pytest.mark.parametrize("options", [dict(fused=True), dict(fused=False, foreach=False),
+                                     dict(fused=False, amsgrad=True), dict(fused=False, foreach=True)])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_adam_states_made_up_front_are_those_its_first_step_makes(cls, options):
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    models[1][1].weight.requires_grad_(False)  # a frozen parameter gets no state either way
+    models[0][1].weight.requires_grad_(False)
+    optimizers = [cls([p for p in m.parameters() if p.requires_grad], lr=0.1, weight_decay=0.01, **options)
+                  for m in models]
+    make_adam_states(optimizers[1])
+    assert len(optimizers[1].state) == 5 and len(optimizers[0].state) == 0
+    x = torch.randn(4, 6)
+    for _ in range(2):
+        for model, optimizer in zip(models, optimizers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    lazy, early = (o.state_dict() for o in optimizers)
+    assert lazy["param_groups"] == early["param_groups"]
+    assert lazy["state"].keys() == early["state"].keys()
+    for index, state in lazy["state"].items():
+        assert state.keys() == early["state"][index].keys()
+        for key, value in state.items():
+            other = early["state"][index][key]
+            assert (value.dtype, value.device, value.shape) == (other.dtype, other.device, other.shape), key
+            assert torch.equal(value, other), key
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_other_optimizers_are_left_as_they_are():
+    model = torch.nn.Linear(3, 2)
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      type("MyAdamW", (torch.optim.AdamW,), {})(model.parameters())):
+        make_adam_states(optimizer)
+        assert len(optimizer.state) == 0

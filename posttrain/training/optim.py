@@ -56,6 +56,27 @@ def make_optimizer(model: torch.nn.Module, config, cls_and_kwargs=None) -> torch
         raise ConfigError(f"optim_args={config.optim_args!r} does not fit optim={config.optim!r}: {err}.") from err
 
 
+def make_adam_states(optimizer) -> None:
+    """A torch Adam or AdamW (not a subclass) makes every trainable parameter's state now, as its first step would:
+    zero moments (and the running maximum with amsgrad), step 0 (on the parameter's device where the optimizer is
+    fused or capturable). The same update; the memory taken before the first forward instead of after the first
+    backward. Other optimizers are left as they are."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        on_device = group["fused"] or group["capturable"]
+        for p in (p for p in group["params"] if p.requires_grad and not optimizer.state[p]):
+            step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device) if on_device
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+            state = optimizer.state[p]
+            state.update(step=step, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def check_optimizers(optimizers, cls_and_kwargs=None) -> None:
     """The trainer's `optimizers` (a pair (optimizer, lr_scheduler), either None) and `optimizer_cls_and_kwargs` (a
     pair (optimizer class, dict of its keyword arguments)) as transformers takes them, each mistake one sentence."""

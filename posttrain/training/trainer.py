@@ -46,7 +46,7 @@ from posttrain.training.optim import check_optimizers, make_optimizer, make_sche
 from posttrain.training.output_dir import OutputLock, check_writable, remove_stale_temporaries
 from posttrain.training.outputs import OutputsMixin
 from posttrain.training.overrides import refuse_uncalled_overrides
-from posttrain.training.setup import (allow_unused_parameters, keep_heap_where_it_pays, make_accelerator, set_log_level,
+from posttrain.training.setup import (allow_unused_parameters, make_accelerator, prepare_host_memory, set_log_level,
                                      training_flops_per_token)
 from posttrain.training.sharding import check_launch, check_supported, sharding_of
 from posttrain.training.threads import IntraOpThreads
@@ -115,7 +115,7 @@ class Trainer(StepMixin, EvaluationMixin, OutputsMixin):
             optimizer = make_optimizer(model, self.args, self._optimizer_cls_and_kwargs)
         scheduler = scheduler if scheduler is not None else make_scheduler(optimizer, self.args, total_steps)
         self._flops_per_token = training_flops_per_token(model)  # before sharding: whole parameters
-        keep_heap_where_it_pays(self.accelerator.device.type, self.args, model)
+        prepare_host_memory(self.accelerator, self.args, model, optimizer)  # training/heap.py
         self.model, self.optimizer, self.lr_scheduler = self.sharding.prepare(model, optimizer, scheduler, self.args)
         self.policy = self.accelerator.unwrap_model(self.model)
         self.forward_policy = self.sharding.forward_module(self.model, self.policy)  # for forwards without gradient
