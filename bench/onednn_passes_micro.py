@@ -13,8 +13,13 @@ differences between the two libraries' log-probs and (relative to each parameter
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/micro_batch.py
+from micro_batch import rollout_batch  # noqa: E402
 
 
 def main():
@@ -43,10 +48,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model)
     model.train()
     n, p, c = args.rows, args.prompt, args.completion
-    prompt_of_row = torch.arange(n) // args.gens
-    batch = (torch.randint(3, 1000, (int(prompt_of_row.max()) + 1, p))[prompt_of_row],
-             torch.ones(n, p, dtype=torch.long), torch.randint(3, 1000, (n, c)), torch.ones(n, c, dtype=torch.long))
-    weights = torch.randn(n, c) / (n * c)
+    batch, weights, _ = rollout_batch(n, args.gens, p, c)
 
     def policy():
         model.zero_grad(set_to_none=True)

@@ -10,15 +10,20 @@ reference pass the same without gradient; the heap kept as the trainer keeps it 
 alone" is every matmul those passes run, each alone on fresh inputs of the same shape, in the library the passes use
 (the forward through oneDNN where models/onednn.py has it, the gradients through torch's GEMM), forward and (for the
 policy pass) the input's and the weight's gradients: per layer q, k, v, o, gate, up and down over the positions
-the pass runs, and the output layer over the completion positions. Prints one JSON line: the medians (the first repeat dropped) of each pass and of its products
-alone, their ratio (1.0: the pass runs at its products' own rate; the rest is attention, norms, rotary, activation
-and bookkeeping), and the GFLOP/s of each.
+the pass runs, and the output layer over the completion positions. Prints one JSON line: the medians (the first
+repeat dropped) of each pass and of its products alone, their ratio (1.0: the pass runs at its products' own rate;
+the rest is attention, norms, rotary, activation and bookkeeping), and the GFLOP/s of each.
 """
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/micro_batch.py
+from micro_batch import rollout_batch  # noqa: E402
 
 
 def main():
@@ -38,21 +43,17 @@ def main():
 
     from posttrain.models import onednn
     from posttrain.models.logprobs import token_logprobs
-    from posttrain.training.heap import HEAP_PAYS_FROM, keep_freed_host_memory
+    from posttrain.training.heap import heap_pays, keep_freed_host_memory
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     model.train()
-    if sum(q.numel() * q.element_size() for q in model.parameters()) >= HEAP_PAYS_FROM:
+    if heap_pays(model):
         keep_freed_host_memory()  # as the trainer does (training/setup.py)
     config = model.config
     n, p, c = args.rows, args.prompt, args.completion
-    prompts = -(-n // args.gens)
-    prompt_of_row = torch.arange(n) // args.gens
-    batch = (torch.randint(3, 1000, (prompts, p))[prompt_of_row], torch.ones(n, p, dtype=torch.long),
-             torch.randint(3, 1000, (n, c)), torch.ones(n, c, dtype=torch.long))
-    weights = torch.randn(n, c) / (n * c)
+    batch, weights, prompts = rollout_batch(n, args.gens, p, c)
     body_positions, head_positions = prompts * p + n * c, n * c  # each prompt once; the head at completions only
 
     def policy():

@@ -11,8 +11,13 @@ the largest difference between the two log-probs.
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/micro_batch.py
+from micro_batch import rollout_batch  # noqa: E402
 
 
 def main():
@@ -40,13 +45,7 @@ def main():
     if not (fast_path_available(model) and packed_layouts(model).rows and prompt_sharing_works(model)):
         raise SystemExit(f"{args.model}: the shared-prompt pass does not reproduce this model's hidden states")
     n, p, c = args.rows, args.prompt, args.completion
-    prompt_of_row = torch.arange(n) // args.gens
-    prompt_ids = torch.randint(3, 1000, (int(prompt_of_row.max()) + 1, p))[prompt_of_row]
-    prompt_mask = torch.ones(n, p, dtype=torch.long)
-    completion_ids = torch.randint(3, 1000, (n, c))
-    completion_mask = torch.ones(n, c, dtype=torch.long)
-    weights = torch.randn(n, c) / (n * c)
-    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    batch, weights, distinct = rollout_batch(n, args.gens, p, c)
 
     times = {(share, kind): [] for share in (False, True) for kind in ("policy", "reference")}
     logps = {}
@@ -65,10 +64,10 @@ def main():
     median = {f"{'shared' if share else 'unshared'}_{kind}_s": round(statistics.median(t), 3)
               for (share, kind), t in times.items()}
     print(json.dumps({
-        "rows": n, "distinct_prompts": int(prompt_of_row.max()) + 1, "prompt": p, "completion": c, **median,
+        "rows": n, "distinct_prompts": distinct, "prompt": p, "completion": c, **median,
         "policy_ratio": round(median["shared_policy_s"] / median["unshared_policy_s"], 3),
         "reference_ratio": round(median["shared_reference_s"] / median["unshared_reference_s"], 3),
-        "unshared_positions": n * (p + c), "shared_positions": (int(prompt_of_row.max()) + 1) * p + n * c,
+        "unshared_positions": n * (p + c), "shared_positions": (distinct) * p + n * c,
         "max_logp_diff": float((logps[True] - logps[False]).abs().max()),
     }))
 

@@ -32,6 +32,11 @@ M_MMAP_MAX = -4
 _kept = False
 
 
+def heap_pays(model) -> bool:
+    """Whether `model`'s weights take at least HEAP_PAYS_FROM bytes (where keeping the heap pays)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) >= HEAP_PAYS_FROM
+
+
 def keep_freed_host_memory() -> bool:
     """Ask glibc to serve every block from the heap (no per-block mappings) and never trim it. Once per process;
     True where it took effect, False where the C library is not glibc (musl, macOS) or refused."""

@@ -10,7 +10,7 @@ import os
 import torch
 
 from posttrain.training.distributed import mark_agreed
-from posttrain.training.heap import HEAP_PAYS_FROM, keep_freed_host_memory
+from posttrain.training.heap import heap_pays, keep_freed_host_memory
 from posttrain.training.optim import make_adam_states
 
 logger = logging.getLogger("posttrain")
@@ -100,8 +100,7 @@ def prepare_host_memory(accelerator, args, model, optimizer) -> None:
     the second one otherwise faulted in another 1 GB of pages (1.5-2 s at Qwen2.5-0.5B's shape)."""
     from accelerate.utils import DistributedType
 
-    if accelerator.device.type == "cpu" and args.fast_paths and not args.gradient_checkpointing and \
-            sum(p.numel() * p.element_size() for p in model.parameters()) >= HEAP_PAYS_FROM:
+    if accelerator.device.type == "cpu" and args.fast_paths and not args.gradient_checkpointing and heap_pays(model):
         keep_freed_host_memory()
         if accelerator.distributed_type == DistributedType.NO:
             make_adam_states(optimizer)
