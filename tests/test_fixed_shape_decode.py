@@ -130,7 +130,11 @@ def test_a_bf16_run_decodes_in_bf16_with_a_bf16_cache_where_the_products_take_it
                                position_ids=positions[:, :p + 1]).logits[:, p - 1:p + 1]
             ours = torch.stack(ours, 1)
             assert ours.dtype == torch.float32
-            assert (ours - theirs).abs().max() < 0.5 * (ours - in_float32).abs().max(), fixed
+            # the autocast's logits, nearer to them than to the float32 forward's, and at most a bf16 unit in the
+            # last place of the largest logit away: the fixed-shape step's attention over its preallocated cache sums
+            # in another order, which can tip a value to its neighbouring bf16 value (seen on an AVX2-only CPU)
+            assert (ours - theirs).abs().max() <= 2 ** -7 * theirs.abs().max(), fixed
+            assert (ours - theirs).abs().mean() < 0.5 * (ours - in_float32).abs().mean(), fixed
     generator = TransformersGenerator(model, tokenizer, SamplingParams(max_new_tokens=3), lean=False,
                                       compute_dtype=torch.bfloat16)
     stepper = generator._stepper(mask[:, :p], 3)

@@ -141,7 +141,9 @@ def test_evaluation_through_shared_prefixes_gives_the_unshared_metrics(tokenizer
         if not key.endswith(("runtime", "per_second")):
             assert evaluated_shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     for name in params:
-        assert torch.allclose(params[name], params_shared[name], atol=1e-6), name
+        # plain SGD (sgd=True): the update is linear in the gradient, so the two runs' float32 rounding (the shared
+        # and unshared forwards sum in other orders) stays at its own size, whatever the CPU's kernels
+        torch.testing.assert_close(params_shared[name], params[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch):

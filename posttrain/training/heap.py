@@ -14,6 +14,14 @@ with it, the backward's recomputed layers interleave short-lived blocks with the
 about 22% (8,492 against 6,943 MiB); on a small model, whose states are a small part of the peak, the holes weigh
 more (7-22% on a 78 MB model). So the heap is kept only where it pays and the run has not asked to trade time for
 memory: a CPU, `fast_paths` on, `gradient_checkpointing` off and weights of at least 1 GiB (training/setup.py).
+
+Where the run has asked to trade time for memory (`gradient_checkpointing` on a CPU), the opposite: every block from
+RETURN_FROM up gets a mapping of its own, unmapped when freed. glibc's default raises its mmap threshold to the size
+of each mapped block freed, up to 32 MiB, so that after the first large free the backward's gradients and recomputed
+activations (3-32 MiB each at Qwen2.5-0.5B's shape) come from the heap, where the gradients that stay pin the holes of
+the activations that went: a GRPO step at that shape with 256-token completions peaked 0.6-1.0 GiB above its live
+tensors (malloc_trim after the backward gave 640 MiB back). With the threshold fixed the peak came down to the live
+tensors; each large block's pages are faulted in anew, which the checkpointed run's recomputation already outweighs.
 `fast_paths=False` leaves the allocator as it was.
 """
 
@@ -28,7 +36,9 @@ logger = logging.getLogger("posttrain")
 # GRPO step from 12.3-13.9 s to 10.4-12.3 s with the same peak (docs/performance.md, "The heap")
 HEAP_PAYS_FROM = 1 << 30
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
+RETURN_FROM = 1 << 20  # with checkpointing, blocks of at least this many bytes are mapped and unmapped on their own
 _kept = False
 
 
@@ -50,6 +60,13 @@ def keep_freed_host_memory() -> bool:
     if not _kept:
         logger.debug("glibc refused mallopt: freed memory goes back to the system as usual")
     return _kept
+
+
+def return_freed_host_memory() -> bool:
+    """Ask glibc to map every block of RETURN_FROM bytes or more on its own and unmap it when freed (a fixed
+    threshold, which also stops glibc raising it). True where it took effect; not after keep_freed_host_memory."""
+    libc = None if _kept else _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, RETURN_FROM))
 
 
 def _glibc():

@@ -10,7 +10,7 @@ import os
 import torch
 
 from posttrain.training.distributed import mark_agreed
-from posttrain.training.heap import heap_pays, keep_freed_host_memory
+from posttrain.training.heap import heap_pays, keep_freed_host_memory, return_freed_host_memory
 from posttrain.training.optim import make_adam_states
 
 logger = logging.getLogger("posttrain")
@@ -97,10 +97,15 @@ def prepare_host_memory(accelerator, args, model, optimizer) -> None:
     on, a model whose weights take at least HEAP_PAYS_FROM bytes, and not where the user traded time for memory
     (gradient checkpointing). With the heap kept, a lone process's torch Adam or AdamW also makes its states now, as
     its first step would (training/optim.py make_adam_states): the first step then holds all the one-time work, where
-    the second one otherwise faulted in another 1 GB of pages (1.5-2 s at Qwen2.5-0.5B's shape)."""
+    the second one otherwise faulted in another 1 GB of pages (1.5-2 s at Qwen2.5-0.5B's shape). Where the user
+    traded time for memory, large freed blocks go back to the system at once instead (heap.return_freed_host_memory)."""
     from accelerate.utils import DistributedType
 
-    if accelerator.device.type == "cpu" and args.fast_paths and not args.gradient_checkpointing and heap_pays(model):
+    if accelerator.device.type != "cpu" or not args.fast_paths:
+        return
+    if args.gradient_checkpointing:
+        return_freed_host_memory()
+    elif heap_pays(model):
         keep_freed_host_memory()
         if accelerator.distributed_type == DistributedType.NO:
             make_adam_states(optimizer)
