@@ -17,32 +17,46 @@ from posttrain.training.optim import make_adam_states
 # again, counting the page faults of writing it the second time.
 REUSE = """
 import ctypes, json, sys
-from posttrain.training.heap import _glibc, keep_freed_host_memory
-kept = keep_freed_host_memory() if sys.argv[1] == "keep" else False
+from posttrain.training.heap import _glibc, keep_freed_host_memory, return_freed_host_memory
+mode, size = sys.argv[1], int(sys.argv[2]) << 20
+kept = keep_freed_host_memory() if mode == "keep" else return_freed_host_memory() if mode == "return" else False
 libc = _glibc()
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-size = 64 << 20
 def faults():
     return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
-block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+for _ in range(2):  # (twice: glibc's default maps the first block and, having raised its threshold, heaps the second)
+    block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
 before = faults()
 block = libc.malloc(size); ctypes.memset(block, 1, size)
 print(json.dumps({"kept": kept, "faults": faults() - before}))
 """
 
 
-def _second_write_faults(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", REUSE, mode], capture_output=True, text=True, check=True)
+def _second_write_faults(mode: str, mib: int = 64) -> dict:
+    out = subprocess.run([sys.executable, "-c", REUSE, mode, str(mib)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(_glibc() is None or not sys.platform.startswith("linux"), reason="needs Linux with glibc")
+LINUX_GLIBC = pytest.mark.skipif(_glibc() is None or not sys.platform.startswith("linux"), reason="needs Linux, glibc")
+
+
+@LINUX_GLIBC
 def test_a_freed_block_is_reused_without_page_faults():
     kept, default = _second_write_faults("keep"), _second_write_faults("default")
     assert kept["kept"] is True
     assert default["faults"] >= (64 << 20) // 4096 // 2  # glibc's default: a fresh mapping, faulted page by page
     assert kept["faults"] < 100  # the same pages, already there
+
+
+@LINUX_GLIBC
+def test_with_checkpointing_a_freed_block_of_a_mib_or_more_goes_back_to_the_system():
+    """A 16 MiB block, below the 32 MiB that glibc's own threshold rises to: glibc's default keeps it in the heap once
+    a freed mapping raised the threshold (its pages reused); with the fixed threshold it is unmapped at every free."""
+    returned, default = _second_write_faults("return", 16), _second_write_faults("default", 16)
+    assert returned["kept"] is True
+    assert default["faults"] < 100
+    assert returned["faults"] >= (16 << 20) // 4096 // 2
 
 
 @pytest.mark.parametrize("fast_paths", [True, False])
@@ -52,8 +66,9 @@ def test_a_cpu_run_keeps_the_heap_only_for_a_large_model_with_fast_paths_and_wit
         tmp_path, monkeypatch, fast_paths, gradient_checkpointing, weights_mib):
     # checkpointing says memory matters more than time: the heap's holes would raise the peak that checkpointing
     # lowers; a small model's peak is mostly not its states, and the holes weigh more there than the faults they save
-    calls, states = [], []
+    calls, states, returned = [], [], []
     monkeypatch.setattr(setup, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(setup, "return_freed_host_memory", lambda: returned.append(1) or True)
     monkeypatch.setattr(setup, "make_adam_states", states.append)
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, fast_paths=fast_paths,
                      gradient_checkpointing=gradient_checkpointing, report_to="none")
@@ -63,6 +78,7 @@ def test_a_cpu_run_keeps_the_heap_only_for_a_large_model_with_fast_paths_and_wit
     kept = fast_paths and not gradient_checkpointing and weights_mib * 2**20 >= HEAP_PAYS_FROM
     assert calls == ([1] if kept else [])
     assert states == (["the optimizer"] if kept else [])  # its states made before the first step, where kept
+    assert returned == ([1] if fast_paths and gradient_checkpointing else [])  # large freed blocks unmapped at once
 
 
 @pytest.mark.parametrize("options", [dict(fused=True), dict(fused=False, foreach=False),

@@ -38,7 +38,6 @@ from posttrain.models.onednn import cpu_linears
 from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, distinct_prompts, every_process_agrees
-from posttrain.models.tied_embedding import sparse_tied_embedding_grad
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
@@ -58,23 +57,17 @@ def _computing_in(layer: torch.nn.Module, compute: Callable):
         del layer.forward
 
 
-def _on_cpu_fast_paths(fn: Callable) -> Callable:
-    """`fn(model, ...)` with the model's float32 CPU products through oneDNN (models/onednn.py) and, for text rows
-    (no `model_inputs`), a tied CPU embedding's gradient sparse (models/tied_embedding.py), where the model's fast
-    paths are on."""
+def _with_cpu_linears(fn: Callable) -> Callable:
+    """`fn(model, ...)` with the model's float32 CPU products through oneDNN (models/onednn.py)."""
     @functools.wraps(fn)
     def run(model, *args, **kwargs):
-        if not fast_paths.enabled(model):
-            return fn(model, *args, **kwargs)
-        plain = unwrap(model)
-        sparse = contextlib.nullcontext() if kwargs.get("model_inputs") else sparse_tied_embedding_grad(plain)
-        with cpu_linears(plain), sparse:
+        with cpu_linears(unwrap(model)) if fast_paths.enabled(model) else contextlib.nullcontext():
             return fn(model, *args, **kwargs)
 
     return run
 
 
-@_on_cpu_fast_paths
+@_with_cpu_linears
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
                    loss_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None, entropy_grad: bool = False,
@@ -303,7 +296,7 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 # ---------------------------------------------------------------------- sequences with their own targets (SFT, DPO)
 
 
-@_on_cpu_fast_paths
+@_with_cpu_linears
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
                         with_entropy: bool = False, with_top1: bool = False, predict_grad=None,

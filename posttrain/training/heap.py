@@ -20,8 +20,8 @@ RETURN_FROM up gets a mapping of its own, unmapped when freed. glibc's default r
 of each mapped block freed, up to 32 MiB, so that after the first large free the backward's gradients and recomputed
 activations (3-32 MiB each at Qwen2.5-0.5B's shape) come from the heap, where the gradients that stay pin the holes of
 the activations that went: a GRPO step at that shape with 256-token completions peaked 0.6-1.0 GiB above its live
-tensors (malloc_trim after the backward gave 640 MiB back). With the threshold fixed the peak came down to the live
-tensors; each large block's pages are faulted in anew, which the checkpointed run's recomputation already outweighs.
+tensors (malloc_trim after the backward gave 640 MiB back). With the threshold fixed it peaked at 10,521 MiB against
+11,146-11,635; each large block's pages are faulted in anew, and the step took 198-213 s against 180-183 s.
 `fast_paths=False` leaves the allocator as it was.
 """
 
