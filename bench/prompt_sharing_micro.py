@@ -67,7 +67,7 @@ def main():
         "rows": n, "distinct_prompts": distinct, "prompt": p, "completion": c, **median,
         "policy_ratio": round(median["shared_policy_s"] / median["unshared_policy_s"], 3),
         "reference_ratio": round(median["shared_reference_s"] / median["unshared_reference_s"], 3),
-        "unshared_positions": n * (p + c), "shared_positions": (distinct) * p + n * c,
+        "unshared_positions": n * (p + c), "shared_positions": distinct * p + n * c,
         "max_logp_diff": float((logps[True] - logps[False]).abs().max()),
     }))
 

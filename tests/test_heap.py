@@ -13,8 +13,8 @@ from posttrain.training import setup
 from posttrain.training.heap import HEAP_PAYS_FROM, _glibc
 from posttrain.training.optim import make_adam_states
 
-# A fresh interpreter (no torch: posttrain.training.heap imports only ctypes) frees a 64 MiB block and asks for it
-# again, counting the page faults of writing it the second time.
+# A fresh interpreter (no torch: posttrain.training.heap imports only ctypes) writes and frees a block of the given
+# MiB twice and asks for it again, counting the page faults of writing it the third time.
 REUSE = """
 import ctypes, json, sys
 from posttrain.training.heap import _glibc, keep_freed_host_memory, return_freed_host_memory
