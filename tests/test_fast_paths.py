@@ -77,3 +77,36 @@ def test_grpo_runs_with_the_fast_paths_off(tokenizer, addition_dataset, tmp_path
     trainer.train()
     assert not lean_decoder.supports(trainer.policy) and not fast_path_available(trainer.model)
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_a_reference_copied_from_the_policy_shares_its_decisions_and_trains_the_same(tokenizer, addition_dataset,
+                                                                                      tmp_path, monkeypatch):
+    """beta > 0 on one process: the reference, a deep copy of the policy, takes the policy's fast-path decisions (one
+    entry for both), so each check runs once, not once a model; the run's losses and KL are those of a run whose
+    reference decides apart."""
+    from conftest import length_reward, tiny_config
+
+    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.models import chunked_check
+    from posttrain.models.keywords import unwrap
+
+    checked = []
+    decide = chunked_check._decide_fast_path
+    monkeypatch.setattr(chunked_check, "_decide_fast_path", lambda model: checked.append(model) or decide(model))
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(fast_paths, "share_with_source", lambda model: False)
+        checked.clear()
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                              tiny_config(tmp_path / str(shared), max_steps=2, beta=0.1),
+                              train_dataset=addition_dataset, processing_class=tokenizer)
+        trainer.train()
+        same = fast_paths._entry(trainer.ref_model) is fast_paths._entry(trainer.policy)
+        assert same is shared and unwrap(trainer.ref_model) is not unwrap(trainer.policy)
+        assert len(checked) == (1 if shared else 2)
+        logged = [h for h in trainer.state.log_history if "kl" in h and "loss" in h]
+        runs[shared] = [h[key] for h in logged for key in ("loss", "kl")]
+    assert len(runs[True]) == 4 and runs[True][-1] > 0  # the second step's KL: the policy moved from the reference
+    assert runs[True] == pytest.approx(runs[False], rel=1e-6)

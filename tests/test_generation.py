@@ -167,6 +167,34 @@ def test_lean_decoder_samples_what_the_model_forward_samples(tokenizer, make, mo
     assert torch.allclose(runs[0].sampler_logprobs, runs[1].sampler_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("lora_dropout", [None, 0.5])
+def test_a_training_model_decodes_as_in_eval_mode_switching_only_where_a_part_reads_the_mode(tokenizer,
+                                                                                              lora_dropout):
+    """A plain model's lean decode calls only parts that never read `training` (Linear, Embedding, RMSNorm, SiLU),
+    so it decodes in train mode without a switch (transformers' train()/eval() re-kernelize at each one); LoRA's
+    dropout reads it, so that decode switches to eval mode and back. Either way the tokens are eval mode's."""
+    from posttrain.generation import lean_decoder
+    from posttrain.testing import tiny_model
+
+    model = tiny_model(tokenizer, hidden=32, layers=2)
+    if lora_dropout is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=lora_dropout,
+                                                           init_lora_weights=False))
+    assert lean_decoder.reads_no_training_flag(model) == (lora_dropout is None)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, min_new_tokens=8)
+    model.eval()
+    in_eval = TransformersGenerator(model, tokenizer, params, seed=5).generate(_prompts(tokenizer))
+    model.train()
+    switches = []
+    train = model.train
+    model.train = lambda mode=True: switches.append(mode) or train(mode)
+    in_train = TransformersGenerator(model, tokenizer, params, seed=5).generate(_prompts(tokenizer))
+    assert switches == ([] if lora_dropout is None else [False, True]) and model.training
+    assert torch.equal(in_train.completion_ids, in_eval.completion_ids)
+    assert torch.equal(in_train.sampler_logprobs, in_eval.sampler_logprobs)
+
+
 def test_lean_decoder_builds_what_its_model_has():
     """The parts the shared prefill, the cos/sin table and the fused products rely on are in place."""
     from posttrain.generation import lean_decoder
@@ -189,9 +217,11 @@ def test_lean_decoder_builds_what_its_model_has():
     assert torch.equal(rotated, torch.cat((-x[..., 4:], x[..., :4]), dim=-1))
 
 
-def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer):
-    """keep_rows compacts the KV cache in place: it allocates less than one row's cache (the profiler's CPU memory
-    record; before: a second cache of the kept rows beside the first, and the gather's temporary), and the kept rows
+@pytest.mark.parametrize("gathered", [False, True])
+def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer, gathered, monkeypatch):
+    """keep_rows compacts the KV cache in place: a row at a time it allocates less than one row's cache (the
+    profiler's CPU memory record; before: a second cache of the kept rows beside the first, and the gather's
+    temporary); gathered at once (a cache this small), the kept rows' filled keys and values once; and the kept rows
     decode the next tokens exactly as they would have in the uncompacted cache."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,6 +229,8 @@ def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer):
     from posttrain.models.forwards import positions_from_mask
     from posttrain.testing import tiny_model
 
+    if not gathered:
+        monkeypatch.setattr(lean_decoder, "GATHER_BUDGET", 0)
     model = tiny_model(tokenizer, hidden=64, layers=2)
     n, p, steps = 12, 6, 8
     ids = torch.randint(4, 90, (n, p), generator=torch.Generator().manual_seed(0))
@@ -218,7 +250,9 @@ def test_dropping_finished_rows_moves_them_within_the_one_cache(tokenizer):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             compacted.keep_rows(keep)
         allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
-        assert allocated < one_row, (allocated, one_row)
+        # the cache is a view of the kept rows now; their filled keys and values, and the key mask, once each
+        kept = 2 * compacted.keys[:, :, :, :compacted.length].nbytes + compacted.key_mask.nbytes
+        assert allocated <= kept if gathered else allocated < one_row, (allocated, kept, one_row)
         positions = torch.full((keep.numel(), 1), whole.length)
         after = compacted.step(token[keep], positions).clone()
         expected = whole.step(token, torch.full((n, 1), whole.length))[keep]
@@ -406,8 +440,8 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
     def run():
         return TransformersGenerator(model, tokenizer, params, seed=4).generate(_prompts(tokenizer) * 3)
 
-    calls, packer = [], lean_decoder._Packer
-    monkeypatch.setattr(lean_decoder, "_Packer", type("Counting", (packer,), {
+    calls, packer = [], lean_decoder.Packer
+    monkeypatch.setattr(lean_decoder, "Packer", type("Counting", (packer,), {
         "__call__": lambda self, w: calls.append(w.shape) or packer.__call__(self, w)}))
     reorder, packed = torch.ops.mkldnn._reorder_linear_weight, []
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: packed.append(w) or reorder(w, rows))
@@ -425,3 +459,22 @@ def test_lean_decoder_with_onednn_samples_what_it_samples_with_torch_gemm(tokeni
     for other in (in_place, gemm):
         assert torch.equal(through_onednn.completion_ids, other.completion_ids)
         assert torch.allclose(through_onednn.sampler_logprobs, other.sampler_logprobs, atol=1e-5)
+
+
+def test_left_pad_and_completion_lists_read_each_row_as_it_is():
+    """left_pad takes lists, tuples and tensors, empty prompts too; completion_lists gives the masked tokens of each
+    row, whether the mask is a prefix of the row (up to EOS) or has holes."""
+    from posttrain.generation import Rollouts
+    from posttrain.generation.protocol import left_pad
+
+    ids, mask = left_pad([[5, 6, 7], (8,), torch.tensor([9, 10]), []], pad_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10], [0, 0, 0]] and ids.dtype == torch.long
+    assert mask.tolist() == [[True] * 3, [False, False, True], [False, True, True], [False] * 3]
+    completion_ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for completion_mask, expected in (([[True, True, False], [True, True, True]], [[1, 2], [4, 5, 6]]),
+                                      ([[True, False, True], [False, False, False]], [[1, 3], []])):
+        completion_mask = torch.tensor(completion_mask)
+        rollouts = Rollouts(ids[:2], mask[:2], completion_ids, completion_mask, completion_mask[:, -1],
+                            torch.zeros(2, 3))
+        assert rollouts.completion_lists() == expected
+        assert expected == [row[keep].tolist() for row, keep in zip(completion_ids, completion_mask)]

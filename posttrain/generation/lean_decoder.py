@@ -6,13 +6,13 @@ CPU. This decoder calls the model's own modules (embedding, norms, projections, 
 output layer; LoRA-wrapped modules work as they are) with the attention written out: keys and values go
 into a cache allocated once for prompt + completion, and `scaled_dot_product_attention` reads it.
 
-For a small model a decode step is mostly per-call overhead, so the decoder also trims calls: float32
-Linear/RMSNorm/SiLU parts become direct calls, q/k/v and gate/up each become one product on weights
-concatenated once per decode (while the copies take at most FUSED_COPY_BUDGET), the residual adds go inside
-`addmm`, cos/sin come from a table, queries and keys are rotated together, and rows with identical prompts
-(GRPO's num_generations copies) are prefilled once. On a CPU the float32 products go through oneDNN's linear on
-weights packed once per decode, 2-4x faster than torch's GEMM for a decode step's few rows. Rows that have finished
-can leave the batch (`keep_rows`). docs/performance.md has what each saves.
+For a small model a decode step is mostly per-call overhead, so the decoder also trims calls (each layer's parts
+bound once per decode: generation/bound_parts.py): float32 Linear/RMSNorm/SiLU parts become direct calls, q/k/v and
+gate/up each become one product on weights concatenated once per decode (while the copies take at most
+FUSED_COPY_BUDGET), the residual adds go inside `addmm`, cos/sin come from a table, queries and keys are rotated
+together, and rows with identical prompts (GRPO's num_generations copies) are prefilled once. On a CPU the float32
+products go through oneDNN's linear on weights packed once per decode, 2-4x faster than torch's GEMM for a decode
+step's few rows. Rows that have finished can leave the batch (`keep_rows`). docs/performance.md has what each saves.
 
 It is used only for models whose structure it knows and, checked once per model object, whose logits it
 reproduces (`supports`); anything else decodes through the model's own forward.
@@ -24,9 +24,11 @@ h query heads, k key/value heads, D head size.
 import torch
 import torch.nn.functional as F
 
+from posttrain.generation.bound_parts import (BoundLayer, Packer, direct, fused_bytes, linear_class, plain_linear,
+                                              rotate_half_matrix)
 from posttrain.models import fast_paths
 from posttrain.models.keywords import unwrap
-from posttrain.models.loading import CHECK_ERRORS, check_raised, class_before_fully_shard
+from posttrain.models.loading import CHECK_ERRORS, check_raised
 from posttrain.models.onednn import linear_op
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -63,130 +65,15 @@ PACKED_COPY_BUDGET = 1 << 30  # bytes: the most that oneDNN-packed copies of the
 PACK_MIN_NEW_TOKENS = 16
 
 
-class _Packer:
-    """Float32 weights as oneDNN's linear reads them fastest: packed for `rows` rows (a copy made once per decode)
-    while the copies total at most PACKED_COPY_BUDGET bytes, as they are (read in place) beyond it."""
-
-    def __init__(self, rows: int, budget: int):
-        self.rows, self.left = rows, budget
-
-    def fits(self, weights) -> bool:
-        """Whether packed copies of these weights fit in what is left of the budget."""
-        return sum(w.nbytes for w in weights) <= self.left
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.nbytes > self.left:
-            return weight
-        self.left -= weight.nbytes
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows)
-
-
-def _linear(weight: torch.Tensor, bias, packer):
-    """`x -> F.linear(x, weight, bias)` for a float32 weight: through oneDNN when `packer` is given."""
-    if packer is None:
-        return lambda x: F.linear(x, weight, bias)
-    op, weight = linear_op(), packer(weight)
-    return lambda x: op(x, weight, bias, "none", [None], "")
-
-
-def _direct(module, packer=None):
-    """A plain function computing `module(x)`, bound once per decode: a float32 `nn.Linear`, RMSNorm or SiLU
-    becomes a direct call on its tensors, skipping nn.Module's call and attribute machinery (about 10% of a
-    small model's decode step), a Linear through oneDNN when `packer` is given; anything else (LoRA layers,
-    other dtypes) stays the module itself."""
-    weight = getattr(module, "weight", None)
-    if _plain_linear(module):
-        return _linear(weight, module.bias, packer)
-    eps = getattr(module, "variance_epsilon", None)
-    if type(module).__name__.endswith("RMSNorm") and eps is not None and weight.dtype == torch.float32:
-        shape = weight.shape
-        return lambda x: F.rms_norm(x, shape, weight, eps)
-    if type(module) is torch.nn.SiLU:
-        return F.silu
-    return module
-
-
-def _plain_linear(module) -> bool:
-    """A float32 nn.Linear, also as FSDP2's `fully_shard` retypes it (whole for the decode: `whole_weights`)."""
-    return _linear_class(module) and module.weight.dtype == torch.float32
-
-
-def _linear_class(module) -> bool:
-    return torch.nn.Linear in (type(module), class_before_fully_shard(type(module)))
-
-
-def _concatenated(modules, fuse: bool, packer=None):
-    """`x -> cat([m(x) for m in modules], -1)`. For plain float32 Linears, one product with the weights (and biases)
-    concatenated once per decode (one kernel instead of three for q/k/v) when `fuse`, or when they will be packed
-    (the packed copy is made from the concatenation, which is then dropped: no more memory than packing each)."""
-    if all(_plain_linear(m) for m in modules) and (
-            fuse or (packer is not None and packer.fits([m.weight for m in modules]))):
-        weight, bias = torch.cat([m.weight for m in modules]), None
-        if any(m.bias is not None for m in modules):
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
-        return _linear(weight, bias, packer)
-    calls = [_direct(m, packer) for m in modules]
-    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
-
-
-def _plus(module, packer=None, fuse_add: bool = True):
-    """`(x, y) -> x + module(y)`; for a bias-free float32 Linear one product that adds into its output (oneDNN's
-    fused add with `packer`, else `addmm`) when `fuse_add` (not under an autocast, where the sum must stay in the
-    residual stream's float32, as the model's own `x + module(y)` keeps it)."""
-    if _plain_linear(module) and module.bias is None and fuse_add:
-        if packer is not None:
-            op, weight = linear_op(), packer(module.weight)
-            return lambda x, y: op.binary(y.flatten(0, -2), x.flatten(0, -2), weight, None, "add").view(x.shape)
-        weight_t = module.weight.T
-        return lambda x, y: torch.addmm(x.flatten(0, -2), y.flatten(0, -2), weight_t).view(x.shape)
-    call = _direct(module, packer)
-    return lambda x, y: x + call(y)
-
-
-def _fused_bytes(layers) -> int:
-    """Bytes that concatenated q/k/v and gate/up weights of every layer would take."""
-    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-    total = 0
-    for layer in layers:
-        for dotted in parts:
-            module = layer.get_submodule(dotted)
-            weight = getattr(module, "weight", None)
-            total += weight.numel() * weight.element_size() if weight is not None else 0
-    return total
-
-
-class _Layer:
-    """One decoder layer's parts as direct calls (see `_direct`); q/k/v and gate/up each as one product when
-    `fuse` (small models, where a decode step is mostly per-kernel overhead) or when their weights are packed."""
-
-    def __init__(self, layer, fuse: bool, packer=None, fuse_add: bool = True):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.norm_in, self.norm_mid = _direct(layer.input_layernorm), _direct(layer.post_attention_layernorm)
-        self.qkv = _concatenated((attn.q_proj, attn.k_proj, attn.v_proj), fuse, packer)  # [.., (h + 2k) * D]
-        self.o_plus = _plus(attn.o_proj, packer, fuse_add)
-        q_norm = getattr(attn, "q_norm", None)  # Qwen3-style per-head norms
-        self.q_norm = _direct(q_norm) if q_norm is not None else None
-        self.k_norm = _direct(attn.k_norm) if q_norm is not None else None
-        self.gate_up = _concatenated((mlp.gate_proj, mlp.up_proj), fuse, packer)  # [.., 2 I]
-        self.down_plus = _plus(mlp.down_proj, packer, fuse_add)
-        self.act = _direct(mlp.act_fn)
-
-
-def _rotate_half_matrix(head_dim: int, dtype, device) -> torch.Tensor:
-    """R [D, D] with x @ R = cat(-x[D/2:], x[:D/2]) exactly (one signed 1 per column)."""
-    half = head_dim // 2
-    r = torch.zeros((head_dim, head_dim), dtype=dtype, device=device)
-    r[torch.arange(half, head_dim), torch.arange(half)] = -1.0
-    r[torch.arange(half), torch.arange(half, head_dim)] = 1.0
-    return r
-
-
 # rotary types whose cos/sin at a position do not depend on the other positions (others are recomputed per call)
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
 # at fixed shapes outside a CUDA graph, attention reads the filled cache positions rounded up to a multiple of this
 ATTEND_BUCKET = 64
+# keep_rows gathers the kept rows' filled keys (then values) at once while that temporary takes at most this many bytes
+# (a row at a time took 0.8 ms a compaction on the demo's model, 3% of its step); above, it moves them a row at a time
+GATHER_BUDGET = 16 << 20
 
 # devices where SDPA's enable_gqa with a mask takes the math kernel, which repeats the keys and values per query head
 # (CUDA): there the query heads are grouped by kv head instead (LeanDecoder._grouped_attention)
@@ -240,13 +127,13 @@ class LeanDecoder:
         # fixed shapes: attention reads the filled positions rounded up to this many (shapes change once a bucket:
         # the CPU reads no more than the growing decode does), or the whole cache (None: what a CUDA graph captures)
         self.attend_bucket = ATTEND_BUCKET
-        fuse = _fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
+        fuse = fused_bytes(self.body.layers) <= FUSED_COPY_BUDGET
         packer = None
         if device.type == "cpu" and linear_op() is not None and not self.autocast:
-            packer = _Packer(n, PACKED_COPY_BUDGET if max_new_tokens >= PACK_MIN_NEW_TOKENS else 0)
-        self.layers = [_Layer(layer, fuse, packer, fuse_add=not self.autocast) for layer in self.body.layers]
-        self.final_norm = _direct(self.body.norm)
-        self.rotate_half = _rotate_half_matrix(self.head_dim, weight_dtype, device)
+            packer = Packer(n, PACKED_COPY_BUDGET if max_new_tokens >= PACK_MIN_NEW_TOKENS else 0)
+        self.layers = [BoundLayer(layer, fuse, packer, fuse_add=not self.autocast) for layer in self.body.layers]
+        self.final_norm = direct(self.body.norm)
+        self.rotate_half = rotate_half_matrix(self.head_dim, weight_dtype, device)
         self.rope_table = None
         if getattr(self.body.rotary_emb, "rope_type", None) in _STATIC_ROPE:
             # positions never exceed p - 1 + max_new_tokens; cos/sin [S, D] each, looked up per call
@@ -256,11 +143,11 @@ class LeanDecoder:
         self.length = 0  # cache positions filled
         # the next-token logits of a plain float32 output layer go into one [N, V] buffer: a fresh one per token
         # costs page faults (about 2 ms per token at V = 151,936 here)
-        plain_head = _linear_class(self.head) and self.head.bias is None and not self.autocast
+        plain_head = linear_class(self.head) and self.head.bias is None and not self.autocast
         self.logits = (torch.empty((n, self.head.weight.size(0)), dtype=torch.float32, device=device)
                        if plain_head and self.head.weight.dtype == torch.float32 and packer is None else None)
         # with oneDNN the output layer's product is its own (2-3x faster for a decode step's rows than `torch.mm`)
-        self.project = _direct(self.head, packer) if packer is not None and _plain_linear(self.head) else None
+        self.project = direct(self.head, packer) if packer is not None and plain_linear(self.head) else None
 
     def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the prompts ([N, P] ids and positions); return the next-token logits [N, V] float32.
@@ -302,17 +189,22 @@ class LeanDecoder:
 
     def keep_rows(self, rows: torch.Tensor) -> bool:
         """Keep only these rows ([n'] ascending indices) of the batch: their keys and values move to the front of the
-        same cache, in place (the filled positions only, one row at a time), and the cache becomes a view of its first
-        n' rows; the key mask and the logits buffer shrink to n' rows. No second cache is made: at compaction the
-        memory stays that of the one cache (a copy would hold both, up to 3x the cache with the gather's temporary).
+        same cache, in place (the filled positions only: gathered at once while that temporary takes at most
+        GATHER_BUDGET, else one row at a time), and the cache becomes a view of its first n' rows; the key mask and the
+        logits buffer shrink to n' rows. No second cache is made: at compaction the memory stays that of the one cache
+        (a copy would hold both, up to 3x the cache with the gather's temporary).
         At fixed shapes it declines (False): the rows stay."""
         if self.fixed_shape:
             return False
-        for i, r in enumerate(rows.tolist()):  # ascending: row r >= i, so no row is overwritten before it moves
-            if r != i:
-                self.keys[:, i, :, :self.length].copy_(self.keys[:, r, :, :self.length])
-                self.values[:, i, :, :self.length].copy_(self.values[:, r, :, :self.length])
-        n = rows.numel()
+        n, filled = rows.numel(), self.length
+        if self.keys[:, :n, :, :filled].nbytes <= GATHER_BUDGET:  # a small temporary: one gather, not a row at a time
+            for cache in (self.keys, self.values):
+                cache[:, :n, :, :filled] = cache[:, rows, :, :filled]  # the index reads into a copy first
+        else:
+            for i, r in enumerate(rows.tolist()):  # ascending: row r >= i, so no row is overwritten before it moves
+                if r != i:
+                    self.keys[:, i, :, :filled].copy_(self.keys[:, r, :, :filled])
+                    self.values[:, i, :, :filled].copy_(self.values[:, r, :, :filled])
         self.keys, self.values, self.key_mask = self.keys[:, :n], self.values[:, :n], self.key_mask[rows]
         if self.logits is not None:
             self.logits = self.logits[:n]
@@ -350,7 +242,7 @@ class LeanDecoder:
         """Rotary embedding (rotate-half convention): x [N, L, heads, D], cos/sin [N, L, 1, D]."""
         return torch.addcmul(x * cos, torch.matmul(x, self.rotate_half), sin)
 
-    def _attention(self, i, layer: _Layer, x, cos, sin, mask, start, end, copies=None, at=None) -> torch.Tensor:
+    def _attention(self, i, layer: BoundLayer, x, cos, sin, mask, start, end, copies=None, at=None) -> torch.Tensor:
         """Attention of x [N, L, H] over the cache; returns [N, L, h * D] before the output projection. With
         `copies` (a prefill of M distinct prompts), x is [M, L, H] and the keys and values go to every copy; with
         `at` (one step at fixed shapes) they go to that position and attention reads the whole cache."""
@@ -403,6 +295,30 @@ def supports(model) -> bool:
     """Whether `LeanDecoder` reproduces this model's logits; decided once per model object and cached."""
     return fast_paths.decided(model, "lean_decoder",
                               lambda: _known_structure(unwrap(model)) and _reproduces_logits(model))
+
+
+def reads_no_training_flag(model) -> bool:
+    """Whether this decoder's output for `model` (which passes `supports`) is the same in train and eval mode: every
+    module it calls (the embedding, the norms, the rotary embedding, each layer's projections and activation, the
+    output layer) is a leaf whose forward never reads `training` (a Linear, an Embedding, an RMSNorm, an activation).
+    A LoRA-wrapped projection (its dropout, DoRA's cache) or any other module makes it False: that decode needs eval
+    mode."""
+    plain = unwrap(model)
+    body = plain.model
+    parts = [body.embed_tokens, body.norm, body.rotary_emb, plain.lm_head]
+    parts += [layer.get_submodule(dotted) for layer in body.layers for dotted in _LAYER_PARTS]
+    parts += [getattr(layer.self_attn, name) for layer in body.layers for name in ("q_norm", "k_norm")
+              if getattr(layer.self_attn, name, None) is not None]
+    return all(_mode_free(module) for module in parts)
+
+
+def _mode_free(module) -> bool:
+    if next(module.children(), None) is not None:
+        return False
+    kind = type(module)
+    if linear_class(module) or kind in (torch.nn.Embedding, torch.nn.Identity, torch.nn.SiLU):
+        return True
+    return kind.__module__ == "transformers.activations" or kind.__name__.endswith(("RMSNorm", "RotaryEmbedding"))
 
 
 def _reproduces_logits(model) -> bool:

@@ -184,6 +184,15 @@ class Rollouts:
         ones that carry loss and count in the completion lengths."""
         return self.completion_mask if self.tool_mask is None else self.completion_mask & self.tool_mask
 
+    def completion_lists(self) -> list[list[int]]:
+        """[N] each row's completion tokens (where completion_mask is True) as a list, read from the host once (a
+        boolean index and a read a row cost 9 us a row)."""
+        mask, lengths = self.completion_mask, self.completion_mask.sum(1)
+        if torch.equal(mask, torch.arange(mask.size(1), device=mask.device) < lengths.unsqueeze(1)):  # prefixes
+            return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths.tolist())]
+        return [[t for t, kept in zip(row, keep) if kept] for row, keep in zip(self.completion_ids.tolist(),
+                                                                                 mask.tolist())]
+
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
@@ -294,11 +303,11 @@ class GenerationError(UserError, RuntimeError):
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ([N, P] ids, [N, P] bool mask)."""
+    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = True
+    # built as lists and made tensors once: a row at a time cost 1 ms a round of 64 rows (a tenth of a tiny model's
+    # decode)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long).view(len(prompts), width)
+    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts],
+                        dtype=torch.bool).view(len(prompts), width)
     return ids.to(device), mask.to(device)

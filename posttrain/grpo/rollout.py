@@ -184,8 +184,7 @@ class Rollout:
                 sampled = self.sampler.generate_with_held_weights(share)
         columns = {c: [row[c] for row in share.rows] for c in self.rewards.columns}
         columns.update(sampled.columns)  # environments, rollout_func's extra columns (which take precedence)
-        completion_ids = [ids[mask].tolist() for ids, mask in zip(sampled.rollouts.completion_ids,
-                                                                   sampled.rollouts.completion_mask)]
+        completion_ids = sampled.rollouts.completion_lists()
         local = score(self.rewards.funcs, sampled.prompts, sampled.completions, completion_ids, columns,
                       self.trainer_state, step, bad_rows, share.indices, logs.loggers(), self.args.reward_timeout)
         return LocalRound(prompt_round, share, sampled, local, bad_rows, logs)

@@ -10,6 +10,11 @@ results) and remembered here, keyed by the unwrapped model; the entry goes when 
 from its own forward's whole logits, rows are padded, every rollout runs its prompt, decoding calls the model's own
 forward with its own cache, and products are torch's. For debugging, and for models the checks do not know; the
 numbers agree with the fast paths' within float rounding (tests/test_fast_paths.py).
+
+A reference deep-copied from the policy is the same model at the copy: the same classes, config and wrappers, so the
+same checks decide the same. `note_copy` records where it came from; a strategy that runs both alike (one process,
+DDP: training/sharding/base.py NoSharding) then `share_with_source`s its entry, and each check runs once for the two
+(about 0.13 s of a tiny GRPO run's first step). Sharded strategies wrap the reference apart, and it decides apart.
 """
 
 import weakref
@@ -21,6 +26,7 @@ from posttrain.models.keywords import unwrap
 
 T = TypeVar("T")
 _DECISIONS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()  # copy -> source
 OFF = "off"  # the entry that turn_off sets
 
 
@@ -59,3 +65,24 @@ def remembered(model, name: str, compute: Callable[[], T]) -> T:
     if name not in entry:
         entry[name] = compute()
     return entry[name]
+
+
+def note_copy(copy, source) -> None:
+    """`copy` was deep-copied from `source` (a reference from the policy): see the module's docstring."""
+    _SOURCES[unwrap(copy)] = weakref.ref(unwrap(source))
+
+
+def share_with_source(model) -> bool:
+    """Where `model` is a noted copy whose source lives, and neither has decided anything of its own yet but whether
+    its fast paths are off, make its decisions its source's (one entry for both); True where it did."""
+    source = _SOURCES.get(unwrap(model))
+    source = source() if source is not None else None
+    if source is None:
+        return False
+    mine, theirs = _entry(model), _entry(source)
+    if mine is theirs:
+        return True
+    if set(mine) - {OFF} or mine.get(OFF, False) != theirs.get(OFF, False):
+        return False
+    _DECISIONS[unwrap(model)] = theirs
+    return True

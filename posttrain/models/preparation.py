@@ -5,6 +5,7 @@ import copy
 import torch
 
 from posttrain.configs import ConfigError
+from posttrain.models import fast_paths
 from posttrain.models.loading import cast_output_layer_to_fp32, enable_checkpointing
 from posttrain.models.partitioned import gathered, is_partitioned, local_shard, partitioned_copy
 from posttrain.models.peft import add_reference_adapter, apply_peft, is_peft_model, refuse_virtual_token_adapter
@@ -55,7 +56,9 @@ def reference_of(model, sync_ref_model: bool, came_with_adapter: bool):
         return None, (add_reference_adapter(model) if came_with_adapter else None)
     if any(is_partitioned(p) for p in model.parameters()):  # DeepSpeed ZeRO-3 loaded it in shards
         return partitioned_copy(model).eval().requires_grad_(False), None
-    return copy.deepcopy(model).eval().requires_grad_(False), None
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    fast_paths.note_copy(reference, model)
+    return reference, None
 
 
 def mix_reference(ref_model, policy, alpha: float) -> None:

@@ -127,7 +127,7 @@ def reward_inputs(tokenizer, rollouts, conversational: bool) -> tuple[list, list
 
     Completions are the texts, or `[{"role": "assistant", "content": text}]` for conversational prompts.
     """
-    completion_ids = [ids[mask].tolist() for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask)]
+    completion_ids = rollouts.completion_lists()
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
     return completion_ids, texts, completions

@@ -13,6 +13,7 @@ from typing import ContextManager
 
 import torch
 
+from posttrain.models import fast_paths
 from posttrain.models.loading import is_fully_shard_unit
 from posttrain.training import zero
 from posttrain.weights import plain_name
@@ -205,6 +206,12 @@ class Sharding:
 
 class NoSharding(Sharding):
     """One process, or DDP: every process holds the whole weights; every step is accelerate's own (the defaults)."""
+
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` as it is; a reference copied from the policy shares its fast-path decisions (models/fast_paths.py:
+        both run unwrapped alike, so each one-time check runs once)."""
+        fast_paths.share_with_source(model)
+        return model
 
 
 def gathers_to_cpu(model: torch.nn.Module) -> bool:
