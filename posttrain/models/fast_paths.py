@@ -73,8 +73,8 @@ def note_copy(copy, source) -> None:
 
 
 def share_with_source(model) -> bool:
-    """Where `model` is a noted copy whose source lives, and neither has decided anything of its own yet but whether
-    its fast paths are off, make its decisions its source's (one entry for both); True where it did."""
+    """Where `model` is a noted copy whose source lives, has decided nothing of its own yet, and has its fast paths on
+    or off as its source has, make its decisions its source's (one entry for both); True where it did."""
     source = _SOURCES.get(unwrap(model))
     source = source() if source is not None else None
     if source is None:
