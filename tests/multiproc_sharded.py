@@ -9,7 +9,8 @@ with its own environment variables. With POSTTRAIN_TEST_SHARED_LOG=DIR, prompts 
 (no FLOP floor), and DIR/rank<RANK>.txt gets a line per shared pass: its rollouts and whether it had a gradient. With
 POSTTRAIN_TEST_PATH_LOG=DIR, DIR/rank<RANK>.txt gets a line per log-prob computation: "chunked" (the output layer in
 chunks, models/chunked.py) or "logits" (the model's whole logits, GRPO's fallback), "packed" before GRPO's passes over
-packed rows, "lean-decoder" or "model-forward-decode" for each decode, "divergence" for each of distillation's passes
+packed rows, "lean-decoder" or "model-forward-decode" for each decode, "passes-<count>" for the passes each training
+micro-batch of GRPO, RLOO and distillation runs as, "divergence" for each of distillation's passes
 through both output layers in chunks (models/divergence.py), and "prefix-shared" for each reward-model pass
 that runs its pairs' common prefixes once (which these processes do on the tiny model too: no FLOP floor). Without
 the variable nothing is written.
@@ -28,6 +29,7 @@ accelerate_on_cpu.install()
 import torch  # noqa: E402
 
 from posttrain.generation import lean_decoder  # noqa: E402
+from posttrain.grpo.batch import TrainingBatch  # noqa: E402
 from posttrain.models import logprobs, teacher  # noqa: E402
 from posttrain.reward import trainer as reward_trainer  # noqa: E402
 
@@ -58,6 +60,7 @@ teacher.chunked_divergence = _recorded(teacher.chunked_divergence, PATH_LOG, lam
 reward_trainer.prefix_shared_scores = _recorded(reward_trainer.prefix_shared_scores, PATH_LOG,
                                                 lambda args, result: "prefix-shared")
 reward_trainer.MIN_PREFIX_SAVING_FLOP = 0  # the one-process reference runs its pairs whole: the two layouts compared
+TrainingBatch.in_passes = _recorded(TrainingBatch.in_passes, PATH_LOG, lambda args, result: f"passes-{len(result)}")
 lean_decoder.supports = _recorded(lean_decoder.supports, PATH_LOG,
                                   lambda args, lean: "lean-decoder" if lean else "model-forward-decode")
 

@@ -111,17 +111,23 @@ def test_a_run_trains_logs_and_saves(tokenizer, tmp_path):
 
 
 def test_any_split_of_a_step_gives_the_same_update(tokenizer, tmp_path):
-    """8 prompts as 1 x 8, 2 x 4 or 4 x 2 micro-batches: the same completions, gradient and update."""
-    results = {}
-    for micro, accum in ((8, 1), (4, 2), (2, 4)):
-        trainer = _trainer(tokenizer, tmp_path / f"{micro}x{accum}", max_steps=1, per_device_train_batch_size=micro,
-                           gradient_accumulation_steps=accum)
+    """8 prompts as 1 x 8, 2 x 4 or 4 x 2 micro-batches, or one micro-batch run as passes of whole rows of at most 6
+    completion tokens (max_completion_tokens_per_pass): the same completions, gradient and update."""
+    results, passes = {}, {}
+    for micro, accum, per_pass in ((8, 1, None), (4, 2, None), (2, 4, None), (8, 1, 6)):
+        trainer = _trainer(tokenizer, tmp_path / f"{micro}x{accum}-{per_pass}", max_steps=1,
+                           per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                           max_completion_tokens_per_pass=per_pass)
         use_sgd(trainer)
         grads = capture_gradients(trainer)
+        rows, step = [], trainer.training_step
+        trainer.training_step = lambda model, batch, n=None: rows.append(len(batch)) or step(model, batch, n)
         trainer.train()
-        results[(micro, accum)] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads[0],
-                                   _records(trainer)[0])
-    ref_params, ref_grads, ref_record = results[(8, 1)]
+        passes[(micro, accum, per_pass)] = rows
+        results[(micro, accum, per_pass)] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()},
+                                             grads[0], _records(trainer)[0])
+    assert len(passes[(8, 1, 6)]) > 1 and sum(passes[(8, 1, 6)]) == 8 and passes[(8, 1, None)] == [8]
+    ref_params, ref_grads, ref_record = results[(8, 1, None)]
     for split, (params, grads, record) in results.items():
         for key in ("loss", "entropy", "completions/mean_length"):
             assert record[key] == pytest.approx(ref_record[key], rel=1e-5), (split, key)

@@ -88,9 +88,11 @@ def workload(tmp_path_factory, tokenizer):
 
 # what each command needs besides the common flags, and the metrics that must match one process's
 COMMANDS = {
-    # GRPO and DPO: a sharded reference, mixed toward the policy every step and checkpointed
+    # GRPO and DPO: a sharded reference, mixed toward the policy every step and checkpointed; GRPO's micro-batches run
+    # as passes of at most 24 completion tokens, as many on each process although their completions' widths differ
     "grpo": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
-              "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1"],
+              "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1",
+              "--max_completion_tokens_per_pass", "24"],
              ["loss", "reward", "kl", "completions/mean_length", "completions/min_length", "completions/max_length"]),
     # LoRA: the adapter's parameters sharded with the rest; the saved adapter holds every LoRA weight, whole
     "grpo-lora": (["--reward_funcs", "length", "--num_generations", "4", "--max_completion_length", "16", "--beta",
@@ -344,6 +346,10 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
         if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows
             assert "packed" in paths and "lean-decoder" in paths and "model-forward-decode" not in paths, (
                 rank, sorted(set(paths)))
+    if command == "grpo":  # every process runs as many passes of each micro-batch, some more than one
+        passes = [[p for p in (launches.out(config, command, "-paths") / f"rank{rank}.txt").read_text().split()
+                   if p.startswith("passes-")] for rank in (0, 1)]
+        assert passes[0] == passes[1] and any(p != "passes-1" for p in passes[0]), passes
     one, two = _records(one_process), _records(out)
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):

@@ -77,6 +77,83 @@ def test_update_is_the_same_for_any_split_of_the_generation_batch(tokenizer, add
     assert_same_updates(results)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+def test_a_long_micro_batch_runs_as_passes_with_the_same_update(tokenizer, addition_dataset, tmp_path, loss_type):
+    """max_completion_tokens_per_pass: an 8-row micro-batch of up to 10 completion tokens a row runs as passes of
+    whole rows (as many as TrainingBatch.pass_count says: its prompts, of a few tokens, cap them at 3), with the
+    gradients, update and logged metrics of one pass (None), through the chunked output layer and with gradient
+    checkpointing (each pass's own recompute)."""
+    results, metrics, passes = {}, {}, {}
+    for limit, split in ((None, (8, 1)), (40, (4, 2)), (10, (1, 8))):
+        trainer = GRPOTrainer(variable_length_fast_model(tokenizer), length_reward,
+                              tiny_config(tmp_path / str(limit), max_steps=1, max_completion_length=10,
+                                          loss_type=loss_type, beta=0.04, gradient_checkpointing=True,
+                                          max_completion_tokens_per_pass=limit),
+                              train_dataset=addition_dataset, processing_class=tokenizer)
+        use_sgd(trainer)
+        grads = capture_gradients(trainer)
+        rows, step = [], trainer.training_step
+        trainer.training_step = lambda model, batch, n=None: rows.append(len(batch)) or step(model, batch, n)
+        trainer.train()
+        passes[limit] = rows
+        results[split] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads[0])
+        metrics[limit] = last_train_record(trainer)
+    assert passes[None] == [8] and len(passes[40]) == 2 and len(passes[10]) == 3, passes
+    assert sum(passes[40]) == sum(passes[10]) == 8
+    assert_same_updates(results)
+    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"):
+        for limit in (40, 10):
+            assert metrics[limit][key] == pytest.approx(metrics[None][key], rel=1e-5, abs=1e-7), (key, limit)
+
+
+def _rows(prompt_width: int, completion_width: int, prompts: list[int]):
+    """A TrainingBatch of one row per entry of `prompts` (the id its prompt repeats), every position real."""
+    from posttrain.generation import Rollouts
+    from posttrain.grpo.batch import TrainingBatch
+
+    n = len(prompts)
+    rollouts = Rollouts(torch.tensor(prompts)[:, None].repeat(1, prompt_width),
+                        torch.ones(n, prompt_width, dtype=torch.bool),
+                        torch.arange(n)[:, None].repeat(1, completion_width),
+                        torch.ones(n, completion_width, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+                        torch.zeros(n, completion_width))
+    return TrainingBatch(rollouts, torch.ones(n), torch.ones(n, completion_width, dtype=torch.bool))
+
+
+def test_passes_keep_a_prompts_rows_together_and_rerun_few_prompts():
+    """8 rows of 100 completion tokens at 200 a pass: 4 passes of 2 rows, each of one prompt; a pass reruns its
+    prompts, so a prompt of 100 tokens allows 2 (one pass would run 900 positions, each rerun adds 100: at most 1/8
+    more) and one of 400 tokens none."""
+    batch = _rows(4, 100, [3, 5] * 4)
+    assert batch.pass_count(200) == 4 and batch.pass_count(800) == 1 and batch.pass_count(50) == 8
+    parts = batch.in_passes(4)
+    assert [p.rollouts.completion_ids[:, 0].tolist() for p in parts] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert all(len(p.rollouts.prompt_ids.unique()) == 1 for p in parts)
+    assert _rows(100, 100, [3] * 8).pass_count(200) == 2 and _rows(400, 100, [3] * 8).pass_count(200) == 1
+    with pytest.raises(ValueError, match="8 rows cannot run as 9 passes"):
+        batch.in_passes(9)
+
+
+def test_a_micro_batch_runs_whole_where_its_loss_or_an_override_needs_it(tokenizer, addition_dataset, tmp_path):
+    """An entropy quantile looks at every token of the micro-batch, and an overridden compute_loss is TRL's override
+    point for a micro-batch: neither sees a part of one."""
+    class Overridden(GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(len(inputs))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    for trainer_class, quantile in ((GRPOTrainer, 0.5), (Overridden, 1.0)):
+        seen = []
+        trainer = trainer_class(tiny_model(tokenizer, hidden=32, layers=1), length_reward,
+                                tiny_config(tmp_path / str(quantile), max_steps=1, max_completion_length=8,
+                                            top_entropy_quantile=quantile, max_completion_tokens_per_pass=8),
+                                train_dataset=addition_dataset, processing_class=tokenizer)
+        step = trainer.training_step
+        trainer.training_step = lambda model, batch, n=None: seen.append(len(batch)) or step(model, batch, n)
+        trainer.train()
+        assert seen[:1] == [8], (trainer_class.__name__, seen)
+
+
 def test_loss_types_really_differ(tokenizer, addition_dataset, tmp_path):
     grads = {}
     for loss_type in ("grpo", "dapo"):

@@ -99,7 +99,7 @@ class DistillationTrainer(OnlineTrainer):
         norm, seen_tokens = self._step_counts(micro)
         self.state.total_flos += self._flops_per_token * seen_tokens
         parts = self._accumulate(micro, lambda mb: self._step_loss(mb, norm),
-                                 norm.tokens_per_process * self.accelerator.num_processes)
+                                 norm.tokens_per_process * self.accelerator.num_processes, self._passes(micro))
         metrics = DivergenceStatistics.total(parts).reduced(self.accelerator).metrics()
         metrics.update(grad_norm=self._apply_update(metrics["loss"]), learning_rate=self.lr_scheduler.get_last_lr()[0])
         metrics.update(round_metrics)

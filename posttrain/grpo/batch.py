@@ -9,6 +9,10 @@ from posttrain.generation import Rollouts
 from posttrain.model_inputs import ModelInputs
 
 
+# a micro-batch runs as no more passes than rerun its distinct prompts in at most 1/8 more positions than one pass
+PROMPT_RERUN_SHARE = 8
+
+
 @dataclass(frozen=True)
 class TrainingBatch:
     """N scored completions. C = completion width.
@@ -66,6 +70,34 @@ class TrainingBatch:
 
         return TrainingBatch(rollouts, self.advantages, pad(self.loss_mask), pad(self.old_logps), pad(self.ref_logps),
                              pad(self.sampling_ratio, 1.0))
+
+    def pass_count(self, max_completion_tokens: int) -> int:
+        """How many passes of whole rows keep each pass's completion tokens (rows x completion width, padding
+        included) within `max_completion_tokens`: 1 when the micro-batch fits, at most one row a pass. A pass runs
+        its rows' distinct prompts again (models/prompt_sharing.py runs each once a pass), so there are no more
+        passes than keep those runs within 1/PROMPT_RERUN_SHARE of the positions one pass runs."""
+        rows, width = self.rollouts.completion_ids.shape
+        wanted = -(-rows // max(1, max_completion_tokens // max(width, 1)))
+        prompt_width = self.rollouts.prompt_ids.size(1)
+        if wanted <= 1 or prompt_width == 0:
+            return wanted
+        one_pass = len(self._prompt_groups().unique()) * prompt_width + rows * width
+        return max(1, min(wanted, 1 + one_pass // (PROMPT_RERUN_SHARE * prompt_width)))
+
+    def in_passes(self, count: int) -> list["TrainingBatch"]:
+        """The rows as `count` parts of whole rows, sizes differing by at most one, rows of one prompt together (the
+        fewest prompts a part), each trimmed to its widest completion; [self] when `count` is 1. A micro-batch's loss
+        divides by the step's counts (grpo/losses.py StepNormalizer), so its parts' gradients add up to its own."""
+        if count <= 1:
+            return [self]
+        if count > len(self):
+            raise ValueError(f"{len(self)} rows cannot run as {count} passes.")
+        order = self._prompt_groups().argsort(stable=True)
+        return [self.select(rows) for rows in order.tensor_split(count)]
+
+    def _prompt_groups(self) -> torch.Tensor:
+        """[N] the index of each row's prompt among the micro-batch's distinct prompts."""
+        return torch.unique(self.rollouts.prompt_ids.cpu(), dim=0, return_inverse=True)[1]
 
     def micro_batches(self, size: int, generator: torch.Generator) -> list["TrainingBatch"]:
         """Shuffle the rows once and split them into micro-batches of `size`."""

@@ -225,6 +225,24 @@ class OnlineTrainer(Trainer):
         self.rounds_consumed += 1
         self._stream_epoch = prompt_round.epoch
 
+    def _passes(self, micro: list[TrainingBatch]) -> list[list[TrainingBatch]] | None:
+        """Each micro-batch as the passes it runs in (max_completion_tokens_per_pass), as many on every process: each
+        forward of a model wrapped across processes is a collective (DDP broadcasts its buffers, FSDP gathers).
+        None where each micro-batch runs whole: its loss looks at all its rows at once, or an override of
+        training_step or compute_loss sees it as TRL's would."""
+        limit = self.args.max_completion_tokens_per_pass
+        if not limit or self._loss_sees_whole_micro_batch() or not self._own_step_methods():
+            return None
+        counts = torch.tensor([mb.pass_count(limit) for mb in micro], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
+        return [mb.in_passes(int(k)) for mb, k in zip(micro, counts.tolist())]
+
+    def _loss_sees_whole_micro_batch(self) -> bool:
+        """Whether a micro-batch's loss needs all its rows in one forward: a mixture-of-experts router loss balances
+        the experts over the micro-batch's tokens."""
+        return self.router_loss.enabled
+
     def _step_counts(self, micro: list[TrainingBatch]) -> tuple[StepNormalizer, float]:
         """What the step's loss is normalised by, and the tokens every process's forwards see (prompts and
         completions, for total_flos)."""

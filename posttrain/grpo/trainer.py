@@ -239,6 +239,10 @@ class GRPOTrainer(OnlineTrainer):
         return loss, MicroBatchLoss(loss.detach(), out.policy_loss.detach(),
                                     replace(out.stats, clip_units=units, tokens=all_tokens))
 
+    def _loss_sees_whole_micro_batch(self) -> bool:
+        """An entropy quantile picks its tokens among the whole micro-batch's (besides the router loss)."""
+        return self.args.top_entropy_quantile < 1.0 or super()._loss_sees_whole_micro_batch()
+
     def _optimizer_step(self) -> dict:
         args = self.args
         micro, round_metrics = self._step_micro_batches()
@@ -246,7 +250,7 @@ class GRPOTrainer(OnlineTrainer):
         self.state.total_flos += self._flops_per_token * seen_tokens
         bonus = self.entropy_control.applied() if self.entropy_control.enabled else 0.0
         results = self._accumulate(micro, lambda mb: self._step_loss(mb, norm, bonus, 1.0 / len(micro)),
-                                   norm.tokens_per_process * self.accelerator.num_processes)
+                                   norm.tokens_per_process * self.accelerator.num_processes, self._passes(micro))
         loss = float(self.accelerator.reduce(sum(r.loss for r in results), reduction="mean"))
         grad_norm = self._apply_update(loss)
         metrics = loss_metrics([r.stats for r in results], self.accelerator)

@@ -53,30 +53,38 @@ class StepMixin:
     _update = None  # how gradients become an update (training/update.py): the dense one unless a trainer sets its own
     _returned_losses = ()  # the step's micro-batch losses as compute_loss returned them (_logged_loss)
 
-    def _accumulate(self, micro_batches: list, micro_loss, num_items_in_batch=None) -> list:
+    def _accumulate(self, micro_batches: list, micro_loss, num_items_in_batch=None, passes: list | None = None) -> list:
         """Run a step's micro-batches through `training_step`, whose `compute_loss` runs `micro_loss(micro_batch)` ->
         (the micro-batch's share of the step's loss, its statistics), gradients synchronised across processes only
         on the last one; `on_substep_end` between them. `num_items_in_batch`: what the step's loss is normalised over,
-        across processes (passed on as transformers passes it). Returns the micro-batches' statistics."""
+        across processes (passed on as transformers passes it). `passes`: per micro-batch, the parts of whole rows it
+        runs as, each its own forward and backward (a trainer that splits long micro-batches: grpo/batch.py
+        in_passes); None: each micro-batch in one pass. Returns the passes' statistics."""
         results, self._returned_losses = [], []
         self._run_micro_loss = micro_loss
-        for i, mb in enumerate(micro_batches):
-            sync = i == len(micro_batches) - 1
-            looking = bool(self.args.ddp_find_unused_parameters)
-            with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1,
-                                                                                         looking):
-                self._micro_result = self._backpropagated = None
-                self.training_step(self.model, mb, num_items_in_batch)
-                self._returned_losses.append(self._backpropagated)
-                if self._micro_result is None:
-                    method = "compute_loss" if self._backpropagated is not None else "training_step"
-                    raise UserError(f"{type(self).__name__}.{method} returned without calling super().{method}(...), "
-                                    "so the micro-batch was not trained as posttrain trains it (its statistics are "
-                                    "its loss's): call it in the override, and change what it returns.")
-                results.append(self._micro_result)
-            if not sync:
+        runs = passes if passes is not None else [[mb] for mb in micro_batches]
+        for i, parts in enumerate(runs):
+            for j, part in enumerate(parts):
+                last = i == len(runs) - 1 and j == len(parts) - 1
+                results.append(self._one_pass(part, num_items_in_batch, sync=last))
+            if i < len(runs) - 1:
                 self._call("on_substep_end")
         return results
+
+    def _one_pass(self, batch, num_items_in_batch, sync: bool):
+        """One forward and backward through `training_step`; gradients synchronised across processes when `sync`.
+        Returns its statistics."""
+        looking = bool(self.args.ddp_find_unused_parameters)
+        with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1, looking):
+            self._micro_result = self._backpropagated = None
+            self.training_step(self.model, batch, num_items_in_batch)
+            self._returned_losses.append(self._backpropagated)
+            if self._micro_result is None:
+                method = "compute_loss" if self._backpropagated is not None else "training_step"
+                raise UserError(f"{type(self).__name__}.{method} returned without calling super().{method}(...), "
+                                "so the micro-batch was not trained as posttrain trains it (its statistics are "
+                                "its loss's): call it in the override, and change what it returns.")
+            return self._micro_result
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The forward and backward of one micro-batch: transformers' override point, called once per micro-batch.
@@ -108,6 +116,11 @@ class StepMixin:
         """
         loss, self._micro_result = self._run_micro_loss(inputs)
         return (loss, self._micro_result) if return_outputs else loss
+
+    def _own_step_methods(self) -> bool:
+        """Whether training_step and compute_loss are posttrain's own: only then may a micro-batch run as several
+        passes (an override sees each micro-batch whole, as in TRL)."""
+        return type(self).training_step is StepMixin.training_step and type(self).compute_loss is StepMixin.compute_loss
 
     def _logged_loss(self, metrics: dict) -> dict:
         """The step's metrics, with `loss` the sum of what an overridden compute_loss returned (averaged over
