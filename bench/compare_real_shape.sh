@@ -11,7 +11,8 @@
 #   memory  GRPO, 8 completions (one group) of each of LENGTHS tokens, one step, activation checkpointing on (TRL's
 #           default), under a 20 GiB RSS ceiling (RSS_LIMIT_GIB): peak RSS, or where the ceiling was passed; AdamW's
 #           states made up front (clocked.py --optimizer-states-first), so that the one step holds them as a later
-#           step would
+#           step would; posttrain's side with PT_MEMORY_FLAGS (default: --max-completion-tokens-per-pass 4096, its
+#           micro-batch in passes of at most 4,096 completion tokens; PT_MEMORY_FLAGS= runs it whole)
 # Every JSON line goes to stdout and to $OUT/runs.jsonl (OUT defaults to a new /tmp/real-shape.* folder); then
 # `python bench/real_shape_table.py $OUT/runs.jsonl` prints the tables with the FLOP-bound column.
 set -euo pipefail
@@ -22,6 +23,7 @@ ROWS=${ROWS:-grpo sft dpo}
 LENGTHS=${LENGTHS:-256 512 1024 2048}
 RSS_LIMIT_GIB=${RSS_LIMIT_GIB:-20}
 SIDES=${SIDES:-trl posttrain}  # the memory row's sides, in this order
+PT_MEMORY_FLAGS=${PT_MEMORY_FLAGS---max-completion-tokens-per-pass 4096}  # posttrain's own, on the memory row
 GRPO_FLAGS=${GRPO_FLAGS:---completion 32 --batch 8 --gens 8 --steps 4}
 SFT_FLAGS=${SFT_FLAGS:---batch 4 --seq 256 --steps 4}
 DPO_FLAGS=${DPO_FLAGS:---pairs 2 --prompt 96 --chosen 32 --rejected 32 --steps 4}
@@ -57,7 +59,9 @@ for row in $ROWS; do
   if [ "$row" = memory ]; then
     for length in $LENGTHS; do
       for side in $SIDES; do
-        run memory "$side" 1 "$length" --completion "$length" --batch 8 --gens 8 --steps 1 --gradient-checkpointing
+        own=(); [ "$side" = posttrain ] && read -ra own <<<"$PT_MEMORY_FLAGS"
+        run memory "$side" 1 "$length" --completion "$length" --batch 8 --gens 8 --steps 1 --gradient-checkpointing \
+          "${own[@]}"
       done
     done
     continue

@@ -2,6 +2,7 @@
 
 Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [--completion 64] [--beta 0.04]
                                           [--peft] [--gradient-checkpointing] [--threads 2] [--server URL]
+                                          [--max-completion-tokens-per-pass N]
 (--server URL: generate through `posttrain serve` at URL, weights pushed before every round: bench/compare_serve.sh.)
 Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
 lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
@@ -48,6 +49,8 @@ def main():
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--peft", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-completion-tokens-per-pass", type=int, default=None,
+                    help="posttrain's max_completion_tokens_per_pass (off unless given, as its default)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
     ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
     ap.add_argument("--no-sampling-correction", action="store_true",
@@ -103,7 +106,8 @@ def main():
         num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
         save_strategy="no", seed=0, generation_kwargs={} if args.natural else {"min_new_tokens": args.completion},
-        gradient_checkpointing=args.gradient_checkpointing, plot_on_end=False,  # a one-off end-of-run cost, not a step
+        gradient_checkpointing=args.gradient_checkpointing, plot_on_end=False,
+        max_completion_tokens_per_pass=args.max_completion_tokens_per_pass,  # a one-off end-of-run cost, not a step
         **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server,
             "vllm_importance_sampling_correction": not args.no_sampling_correction} if args.server else {}))
     peft_config = None

@@ -117,14 +117,16 @@ def test_a_mistake_whose_cause_is_a_librarys_error_is_one_line_without_its_trace
 def test_two_processes_ddp_on_cpu(tmp_path, tiny_model_dir):
     """`posttrain grpo --accelerate_config multi_gpu --num_processes 2` on a machine without a GPU (none visible) and
     without use_cpu: the 2 processes run together on the CPU over gloo, saying so in one line; prompts sharded,
-    rewards gathered before advantages."""
+    rewards gathered before advantages; each micro-batch as passes of whole rows (at most 6 completion tokens a
+    pass), as many on each process: DDP broadcasts the model's buffers at every forward."""
     logs = tmp_path / "logs"
     logs.mkdir()
     cmd = [sys.executable, "-m", "posttrain.cli", "grpo", "--accelerate_config", "multi_gpu", "--num_processes", "2",
            "--model_name_or_path", tiny_model_dir, "--dataset_name", str(_write_data(tmp_path)),
            "--reward_funcs", "multiproc_rewards.recording_length_reward", "--per_device_train_batch_size", "4",
            "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1",
-           "--gradient_checkpointing", "false", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")]
+           "--gradient_checkpointing", "false", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+           "--max_completion_tokens_per_pass", "6"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=_env(POSTTRAIN_TEST_LOG=str(logs), CUDA_VISIBLE_DEVICES=""))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -116,10 +116,12 @@ class GRPOObjectiveConfig:
         "posttrain's own: a training micro-batch whose completion tokens (rows x completion width, padding included) "
         "exceed this runs as several forward and backward passes of whole rows, their gradients added before the "
         "optimizer step. The update is the same within float rounding (the loss divides by the step's counts, never "
-        "a pass's), with a fraction of the activation memory; every process runs as many passes. A micro-batch runs "
-        "whole where its loss looks at all its rows at once (top_entropy_quantile below 1, a router loss) or where "
-        "training_step or compute_loss is overridden. None: one pass per micro-batch, as in TRL.",
-        range=AT_LEAST_ONE, default=4096)
+        "a pass's), with a pass's activations; every process runs as many passes. It lowers the peak where the "
+        "activations it saves outweigh the gradients every pass after the first holds (long completions, LoRA); with "
+        "full fine-tuning and a micro-batch just above the limit it can raise it (docs/performance.md). A micro-batch "
+        "runs whole where its loss looks at all its rows at once (top_entropy_quantile below 1, a router loss) or "
+        "where training_step or compute_loss is overridden. None: one pass per micro-batch, as in TRL.",
+        range=AT_LEAST_ONE, default=None)
     beta: float = _help(
         "Weight of the k3 KL penalty to a frozen reference model; 0 loads no reference model.",
         range=NON_NEGATIVE, default=0.0)
