@@ -21,12 +21,16 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PAGE = os.sysconf("SC_PAGE_SIZE")
+sys.path.insert(0, HERE)  # bench/clocked.py
+
+from clocked import rss_bytes  # noqa: E402
+
 OWN_FRAMES = ("posttrain", "transformers/models", "checkpoint")
 
 
 def random_decode(self, prompts, model_inputs=None):
-    """TransformersGenerator._decode's stand-in: random token ids (10 .. 2,999), every row full length."""
+    """TransformersGenerator._decode's stand-in: random token ids (10 up to 2,999 or the vocabulary's end), every row
+    full length."""
     import torch
 
     from posttrain.generation.protocol import Rollouts
@@ -34,7 +38,8 @@ def random_decode(self, prompts, model_inputs=None):
 
     prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, self._device())
     n, width = len(prompts), self.params.max_new_tokens
-    ids = torch.randint(10, 3000, (n, width), generator=torch.Generator().manual_seed(0))
+    top = min(3000, self.model.get_input_embeddings().num_embeddings)
+    ids = torch.randint(10, top, (n, width), generator=torch.Generator().manual_seed(0))
     return Rollouts(prompt_ids, prompt_mask, ids, torch.ones(n, width, dtype=torch.bool),
                     torch.zeros(n, dtype=torch.bool), torch.full((n, width), -5.0))
 
@@ -51,8 +56,7 @@ def innermost_frames(thread_id: int, count: int = 6) -> str:
 def sample(samples: list, peak: list, main_id: int) -> None:
     started = time.perf_counter()
     while True:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * PAGE
+        rss = rss_bytes()
         if rss > peak[0]:
             peak[:] = [rss, innermost_frames(main_id)]
         samples.append((round(time.perf_counter() - started, 2), rss >> 20))
@@ -72,7 +76,6 @@ def main() -> None:
         TransformersGenerator._decode = random_decode
     samples, peak = [], [0, ""]
     threading.Thread(target=sample, args=(samples, peak, threading.main_thread().ident), daemon=True).start()
-    sys.path.insert(0, HERE)
     sys.argv = ["clocked.py", "--optimizer-states-first", os.path.join(HERE, "grpo_step.py"), *args]
     try:
         runpy.run_path(os.path.join(HERE, "clocked.py"), run_name="__main__")

@@ -81,7 +81,7 @@ class TrainingBatch:
         prompt_width = self.rollouts.prompt_ids.size(1)
         if wanted <= 1 or prompt_width == 0:
             return wanted
-        one_pass = len(self._prompt_groups().unique()) * prompt_width + rows * width
+        one_pass = (int(self._prompt_groups().max()) + 1) * prompt_width + rows * width  # distinct prompts, all rows
         return max(1, min(wanted, 1 + one_pass // (PROMPT_RERUN_SHARE * prompt_width)))
 
     def in_passes(self, count: int) -> list["TrainingBatch"]:
