@@ -1,6 +1,6 @@
 """Run a benchmark script (ours or a TRL anchor) with a per-step clock and, optionally, a ceiling on its RSS.
 
-Usage: python bench/clocked.py [--rss-limit-gib 20] [--optimizer-states-first] SCRIPT [SCRIPT's flags]
+Usage: python bench/clocked.py [--rss-limit-gib 20] [--optimizer-states-first] [--random-completions] SCRIPT [flags]
 
 The script runs unchanged as __main__ in this process. A hook on every torch optimizer's step (step_clock.py's
 OptimizerStepClock: TRL's optimizers and posttrain's alike) notes when each step ends, and the script's own JSON line
@@ -16,6 +16,9 @@ is printed again with:
   it is built, as its first step would (zeros, step 0: the same update), so that a one-step run's peak holds them
   as every later step's does. Without it, a one-step run's forward and backward run before the two moments exist
   (2 x the parameters in float32) and its peak understates a real run's.
+- `--random-completions`: the decode replaced, on either side, by random full-length completions drawn in no time
+  (bench/random_completions.py), for memory rows whose peak is in the training: the JSON line gains
+  `random_completions: true`, and its times hold no decode.
 """
 
 import contextlib
@@ -85,6 +88,12 @@ def main() -> None:
     if args[:1] == ["--optimizer-states-first"]:
         adam_states_first()
         args = args[1:]
+    random_decode = args[:1] == ["--random-completions"]
+    if random_decode:
+        import random_completions
+
+        random_completions.install()
+        args = args[1:]
     started = time.perf_counter()
     if limit_gib is not None:
         threading.Thread(target=watch_rss, args=(int(limit_gib * 2**30), started, sys.stdout), daemon=True).start()
@@ -98,6 +107,8 @@ def main() -> None:
     steps = [round(gap, 3) for gap in clock.step_gaps()]
     record.update(step_s=steps, median_step_s=sorted(steps)[len(steps) // 2] if steps else None,
                   rss_limit_gib=limit_gib)
+    if random_decode:
+        record.update(random_completions=True)
     print(json.dumps(record), flush=True)
 
 

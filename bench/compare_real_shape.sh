@@ -12,7 +12,9 @@
 #           default), under a 20 GiB RSS ceiling (RSS_LIMIT_GIB): peak RSS, or where the ceiling was passed; AdamW's
 #           states made up front (clocked.py --optimizer-states-first), so that the one step holds them as a later
 #           step would; posttrain's side with PT_MEMORY_FLAGS (default: --max-completion-tokens-per-pass 4096, its
-#           micro-batch in passes of at most 4,096 completion tokens; PT_MEMORY_FLAGS= runs it whole)
+#           micro-batch in passes of at most 4,096 completion tokens; PT_MEMORY_FLAGS= runs it whole);
+#           RANDOM_COMPLETIONS=1: both sides' decode replaced by random full-length completions (clocked.py
+#           --random-completions), the training's peak in the training's time only (the long lengths' hours)
 # Every JSON line goes to stdout and to $OUT/runs.jsonl (OUT defaults to a new /tmp/real-shape.* folder); then
 # `python bench/real_shape_table.py $OUT/runs.jsonl` prints the tables with the FLOP-bound column.
 set -euo pipefail
@@ -23,6 +25,7 @@ ROWS=${ROWS:-grpo sft dpo}
 LENGTHS=${LENGTHS:-256 512 1024 2048}
 RSS_LIMIT_GIB=${RSS_LIMIT_GIB:-20}
 SIDES=${SIDES:-trl posttrain}  # the memory row's sides, in this order
+RANDOM_COMPLETIONS=${RANDOM_COMPLETIONS:-0}  # 1: the memory row without the decode (both sides)
 PT_MEMORY_FLAGS=${PT_MEMORY_FLAGS---max-completion-tokens-per-pass 4096}  # posttrain's own, on the memory row
 GRPO_FLAGS=${GRPO_FLAGS:---completion 32 --batch 8 --gens 8 --steps 4}
 SFT_FLAGS=${SFT_FLAGS:---batch 4 --seq 256 --steps 4}
@@ -44,7 +47,8 @@ run() {  # row side rep label flags... : one run, its JSON line tagged
   local row=$1 side=$2 rep=$3 label=$4; shift 4
   local py=$PT_PY; [ "$side" = trl ] && py=$TRL_PY
   local limit=(); [ "$row" = memory ] && limit=(--rss-limit-gib "$RSS_LIMIT_GIB" --optimizer-states-first)
-  local log="$OUT/$row-$label-$side-$rep"
+  [ "$row" = memory ] && [ "$RANDOM_COMPLETIONS" = 1 ] && limit+=(--random-completions)
+  local log="$OUT/$row-$label-$side-$rep"; [ "$RANDOM_COMPLETIONS" = 1 ] && log="$log-random"
   local status=0
   "$py" "$here/clocked.py" "${limit[@]}" "$(scripts "$row" "$side")" "$model" "$@" >"$log.out" 2>"$log.err" || status=$?
   if [ ! -s "$log.out" ]; then

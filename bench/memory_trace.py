@@ -8,9 +8,10 @@ prints (stderr) the peak and the innermost posttrain / transformers frames of th
 and writes the [seconds, MiB] samples to --trace (default /tmp/memory_trace.json) for a timeline.
 
 Without --real-decode, every completion is drawn at random, full length (max_completion_length tokens, no EOS), in
-no time: the training passes see the shapes the bench's forced full-length decode gives them, and a long row's trace
-takes the training's time only (a 2,048-token GRPO step at Qwen2.5-0.5B's shape: 15 minutes instead of 27; its peak
-within 1 MiB of the bench run's, which is in the training, not the decode). Not a benchmark: its timings mean nothing.
+no time (clocked.py --random-completions): the training passes see the shapes the bench's forced full-length decode gives
+them, and a long row's trace takes the training's time only (a 2,048-token GRPO step at Qwen2.5-0.5B's shape: 15
+minutes instead of 27; its peak within 1 MiB of the bench run's, which is in the training, not the decode). Not a
+benchmark: its timings mean nothing.
 """
 
 import json
@@ -26,22 +27,6 @@ sys.path.insert(0, HERE)  # bench/clocked.py
 from clocked import rss_bytes  # noqa: E402
 
 OWN_FRAMES = ("posttrain", "transformers/models", "checkpoint")
-
-
-def random_decode(self, prompts, model_inputs=None):
-    """TransformersGenerator._decode's stand-in: random token ids (10 up to 2,999 or the vocabulary's end), every row
-    full length."""
-    import torch
-
-    from posttrain.generation.protocol import Rollouts
-    from posttrain.generation.transformers_backend import left_pad
-
-    prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, self._device())
-    n, width = len(prompts), self.params.max_new_tokens
-    top = min(3000, self.model.get_input_embeddings().num_embeddings)
-    ids = torch.randint(10, top, (n, width), generator=torch.Generator().manual_seed(0))
-    return Rollouts(prompt_ids, prompt_mask, ids, torch.ones(n, width, dtype=torch.bool),
-                    torch.zeros(n, dtype=torch.bool), torch.full((n, width), -5.0))
 
 
 def innermost_frames(thread_id: int, count: int = 6) -> str:
@@ -70,13 +55,10 @@ def main() -> None:
     trace = "/tmp/memory_trace.json"
     if args[:1] == ["--trace"]:
         trace, args = args[1], args[2:]
-    if not real_decode:
-        from posttrain.generation.transformers_backend import TransformersGenerator
-
-        TransformersGenerator._decode = random_decode
     samples, peak = [], [0, ""]
     threading.Thread(target=sample, args=(samples, peak, threading.main_thread().ident), daemon=True).start()
-    sys.argv = ["clocked.py", "--optimizer-states-first", os.path.join(HERE, "grpo_step.py"), *args]
+    stand_in = [] if real_decode else ["--random-completions"]
+    sys.argv = ["clocked.py", "--optimizer-states-first", *stand_in, os.path.join(HERE, "grpo_step.py"), *args]
     try:
         runpy.run_path(os.path.join(HERE, "clocked.py"), run_name="__main__")
     finally:

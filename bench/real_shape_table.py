@@ -104,23 +104,41 @@ def step_table(runs: list[dict], config, tokenizer, rate: float) -> list[str]:
     return lines
 
 
-def memory_table(runs: list[dict]) -> list[str]:
-    lines = ["| completion tokens | TRL peak RSS | TRL s (one step) | posttrain peak RSS | posttrain s (one step) |",
-             "|---|---|---|---|---|"]
-    for length in sorted({int(r["label"]) for r in runs if r["row"] == "memory"}):
-        cells = []
+def states_mib(model_dir: str) -> float:
+    """The model's states on either side: the policy, the reference, the gradients and AdamW's two moments, each the
+    size of the float32 weights file."""
+    return 5 * os.path.getsize(os.path.join(model_dir, "model.safetensors")) / 2**20
+
+
+def memory_cells(run: dict | None, states: float) -> tuple[list[str], float | None]:
+    """One side's cells (peak, beyond the states, seconds) and its MiB beyond the states."""
+    if run is None:
+        return ["-", "-", "-"], None
+    result = run["result"]
+    if result.get("out_of_memory"):
+        where = result["where"][-1] if result["where"] else "?"
+        return [f"**over {result['rss_limit_gib']:.0f} GiB** after {result['after_s']} s, in `{where}`",
+                f"over {result['rss_limit_gib'] * 1024 - states:,.0f} MiB", "-"], None
+    beyond = result["peak_rss_mib"] - states
+    return [f"{result['peak_rss_mib']:,.0f} MiB", f"{beyond:,.0f} MiB", f"{result['wall_s']:.0f}"], beyond
+
+
+def memory_table(runs: list[dict], states: float) -> list[str]:
+    lines = [f"states: 5 x the weights = {states:,.0f} MiB on both sides",
+             "| completion tokens | decode | TRL peak RSS | beyond the states | TRL s | posttrain peak RSS | "
+             "beyond the states | posttrain s | posttrain / TRL beyond |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    memory = [r for r in runs if r["row"] == "memory"]
+    for length, random in sorted({(int(r["label"]), bool(r["result"].get("random_completions"))) for r in memory}):
+        cells, beyond = [], {}
         for side in ("trl", "posttrain"):
-            run = next((r for r in runs if r["row"] == "memory" and r["side"] == side and int(r["label"]) == length),
-                       None)
-            if run is None:
-                cells += ["-", "-"]
-            elif run["result"].get("out_of_memory"):
-                where = run["result"]["where"][-1] if run["result"]["where"] else "?"
-                cells += [f"**over {run['result']['rss_limit_gib']:.0f} GiB** after {run['result']['after_s']} s, "
-                          f"in `{where}`", "-"]
-            else:
-                cells += [f"{run['result']['peak_rss_mib']:,.0f} MiB", f"{run['result']['wall_s']:.0f}"]
-        lines.append(f"| {length:,} | " + " | ".join(cells) + " |")
+            run = next((r for r in memory if r["side"] == side and int(r["label"]) == length
+                        and bool(r["result"].get("random_completions")) == random), None)
+            side_cells, beyond[side] = memory_cells(run, states)
+            cells += side_cells
+        ratio = f"{beyond['posttrain'] / beyond['trl']:.2f}" if None not in beyond.values() else "-"
+        decode = "random, full length" if random else "real, full length"
+        lines.append(f"| {length:,} | {decode} | " + " | ".join(cells) + f" | {ratio} |")
     return lines
 
 
@@ -144,7 +162,7 @@ def main():
     print("\n".join(step_table(runs, config, tokenizer, rate)))
     if any(r["row"] == "memory" for r in runs):
         print()
-        print("\n".join(memory_table(runs)))
+        print("\n".join(memory_table(runs, states_mib(args.model))))
 
 
 if __name__ == "__main__":
