@@ -106,8 +106,8 @@ def main():
         num_generations=args.gens, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         max_completion_length=args.completion, beta=args.beta, learning_rate=1e-5, logging_steps=1,
         save_strategy="no", seed=0, generation_kwargs={} if args.natural else {"min_new_tokens": args.completion},
-        gradient_checkpointing=args.gradient_checkpointing, plot_on_end=False,
-        max_completion_tokens_per_pass=args.max_completion_tokens_per_pass,  # a one-off end-of-run cost, not a step
+        gradient_checkpointing=args.gradient_checkpointing, plot_on_end=False,  # a one-off end-of-run cost, not a step
+        max_completion_tokens_per_pass=args.max_completion_tokens_per_pass,
         **({"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": args.server,
             "vllm_importance_sampling_correction": not args.no_sampling_correction} if args.server else {}))
     peft_config = None

@@ -8,9 +8,9 @@ prints (stderr) the peak and the innermost posttrain / transformers frames of th
 and writes the [seconds, MiB] samples to --trace (default /tmp/memory_trace.json) for a timeline.
 
 Without --real-decode, every completion is drawn at random, full length (max_completion_length tokens, no EOS), in
-no time (clocked.py --random-completions): the training passes see the shapes the bench's forced full-length decode gives
-them, and a long row's trace takes the training's time only (a 2,048-token GRPO step at Qwen2.5-0.5B's shape: 15
-minutes instead of 27; its peak within 1 MiB of the bench run's, which is in the training, not the decode). Not a
+no time (clocked.py --random-completions): the training passes see the shapes the bench's forced full-length decode
+gives them, and a long row's trace takes the training's time only (a 2,048-token GRPO step at Qwen2.5-0.5B's shape:
+15 minutes instead of 27; its peak within 1 MiB of the bench run's, which is in the training, not the decode). Not a
 benchmark: its timings mean nothing.
 """
 
