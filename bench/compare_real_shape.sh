@@ -11,8 +11,9 @@
 #   memory  GRPO, 8 completions (one group) of each of LENGTHS tokens, one step, activation checkpointing on (TRL's
 #           default), under a 20 GiB RSS ceiling (RSS_LIMIT_GIB): peak RSS, or where the ceiling was passed; AdamW's
 #           states made up front (clocked.py --optimizer-states-first), so that the one step holds them as a later
-#           step would; posttrain's side with PT_MEMORY_FLAGS (default: --max-completion-tokens-per-pass 4096, its
-#           micro-batch in passes of at most 4,096 completion tokens; PT_MEMORY_FLAGS= runs it whole);
+#           step would; posttrain's side with PT_MEMORY_FLAGS (default none: its own default,
+#           max_completion_tokens_per_pass "auto", which runs the micro-batch in passes where the model's shape says
+#           they lower the peak; "--max-completion-tokens-per-pass none" runs it whole, a count caps each pass);
 #           RANDOM_COMPLETIONS=1: both sides' decode replaced by random full-length completions (clocked.py
 #           --random-completions), the training's peak in the training's time only (the long lengths' hours)
 # Every JSON line goes to stdout and to $OUT/runs.jsonl (OUT defaults to a new /tmp/real-shape.* folder); then
@@ -26,7 +27,7 @@ LENGTHS=${LENGTHS:-256 512 1024 2048}
 RSS_LIMIT_GIB=${RSS_LIMIT_GIB:-20}
 SIDES=${SIDES:-trl posttrain}  # the memory row's sides, in this order
 RANDOM_COMPLETIONS=${RANDOM_COMPLETIONS:-0}  # 1: the memory row without the decode (both sides)
-PT_MEMORY_FLAGS=${PT_MEMORY_FLAGS---max-completion-tokens-per-pass 4096}  # posttrain's own, on the memory row
+PT_MEMORY_FLAGS=${PT_MEMORY_FLAGS:-}  # posttrain's own, on the memory row
 GRPO_FLAGS=${GRPO_FLAGS:---completion 32 --batch 8 --gens 8 --steps 4}
 SFT_FLAGS=${SFT_FLAGS:---batch 4 --seq 256 --steps 4}
 DPO_FLAGS=${DPO_FLAGS:---pairs 2 --prompt 96 --chosen 32 --rejected 32 --steps 4}

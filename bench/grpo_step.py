@@ -2,7 +2,7 @@
 
 Usage: python bench/grpo_step.py MODEL_DIR [--steps 6] [--gens 8] [--batch 16] [--completion 64] [--beta 0.04]
                                           [--peft] [--gradient-checkpointing] [--threads 2] [--server URL]
-                                          [--max-completion-tokens-per-pass N]
+                                          [--max-completion-tokens-per-pass N|auto|none]
 (--server URL: generate through `posttrain serve` at URL, weights pushed before every round: bench/compare_serve.sh.)
 Same flags, workload and JSON keys as ../shared/bench/trl_grpo.py (TRL's GRPOTrainer), so the two print
 lines that read as a ratio: wall seconds of train(), seconds/step, completion tokens/s, peak RSS MiB.
@@ -39,6 +39,11 @@ def trained_positions(prompt: list[int], completion: list[int]) -> int:
     return len(sequences) * padded_width if plan is None else len(plan[0]) * plan[1]
 
 
+def _count_auto_or_none(text: str):
+    """--max-completion-tokens-per-pass: a positive count, "auto" or "none"."""
+    return None if text.lower() == "none" else text if text == "auto" else int(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -49,8 +54,8 @@ def main():
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--peft", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-completion-tokens-per-pass", type=int, default=None,
-                    help="posttrain's max_completion_tokens_per_pass (off unless given, as its default)")
+    ap.add_argument("--max-completion-tokens-per-pass", type=_count_auto_or_none, default="auto",
+                    help="posttrain's max_completion_tokens_per_pass: a count, auto (its default) or none")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
     ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
     ap.add_argument("--no-sampling-correction", action="store_true",

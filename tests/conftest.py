@@ -150,6 +150,17 @@ def capture_gradients(trainer) -> list:
     return steps
 
 
+def train_recording_passes(trainer) -> tuple[list, tuple]:
+    """Train with plain SGD (use_sgd), recording the rows of every training_step call. Returns (those row counts,
+    (the trained parameters, the first step's gradients)), the latter as assert_same_updates takes them."""
+    use_sgd(trainer)
+    grads = capture_gradients(trainer)
+    rows, step = [], trainer.training_step
+    trainer.training_step = lambda model, batch, n=None: rows.append(len(batch)) or step(model, batch, n)
+    trainer.train()
+    return rows, ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads[0])
+
+
 def assert_any_split_gives_the_same_update(train, directory, **options) -> None:
     """One optimizer step over 8 rows as 1 x 8, 2 x 4 or 8 x 1 micro-batches (plain SGD, rows in order) gives the
     same gradient and update, and a gradient that is not 0. `train(out, **config)` runs a trainer test's tiny run and

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import (assert_same_updates, capture_gradients, last_train_record, length_reward, tiny_config, use_sgd,
-                      variable_length_fast_model, variable_length_model)
+from conftest import (assert_same_updates, capture_gradients, last_train_record, length_reward, tiny_config,
+                      train_recording_passes, use_sgd, variable_length_fast_model, variable_length_model)
 
 from posttrain.grpo.trainer import GRPOTrainer
 from posttrain.rewards import RewardError
@@ -90,13 +90,7 @@ def test_a_long_micro_batch_runs_as_passes_with_the_same_update(tokenizer, addit
                                           loss_type=loss_type, beta=0.04, gradient_checkpointing=True,
                                           max_completion_tokens_per_pass=limit),
                               train_dataset=addition_dataset, processing_class=tokenizer)
-        use_sgd(trainer)
-        grads = capture_gradients(trainer)
-        rows, step = [], trainer.training_step
-        trainer.training_step = lambda model, batch, n=None: rows.append(len(batch)) or step(model, batch, n)
-        trainer.train()
-        passes[limit] = rows
-        results[split] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, grads[0])
+        passes[limit], results[split] = train_recording_passes(trainer)
         metrics[limit] = last_train_record(trainer)
     assert passes[None] == [8] and len(passes[40]) == 2 and len(passes[10]) == 3, passes
     assert sum(passes[40]) == sum(passes[10]) == 8

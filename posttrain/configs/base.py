@@ -222,16 +222,21 @@ def suggest(name: str, known, otherwise: str = "") -> str:
 
 def check_padding_multiple(cfg) -> None:
     """pad_to_multiple_of: a positive integer, "auto" or None (a string from YAML or a flag is converted)."""
-    value = cfg.pad_to_multiple_of
+    check_count_or_auto(cfg, "pad_to_multiple_of")
+
+
+def check_count_or_auto(cfg, name: str) -> None:
+    """A field that takes a positive integer, "auto" or None (a string from YAML or a flag is converted)."""
+    value = getattr(cfg, name)
     if isinstance(value, str):
         if value.lower() in ("none", "null"):
-            cfg.pad_to_multiple_of = None
+            setattr(cfg, name, None)
         elif value.isdigit():
-            cfg.pad_to_multiple_of = int(value)
+            setattr(cfg, name, int(value))
         elif value != "auto":
-            raise ConfigError(f"pad_to_multiple_of={value!r} must be a positive integer, \"auto\" or None.")
-    if cfg.pad_to_multiple_of not in (None, "auto"):
-        check_positive(cfg, "pad_to_multiple_of")
+            raise ConfigError(f"{name}={value!r} must be a positive integer, \"auto\" or None.")
+    if getattr(cfg, name) not in (None, "auto"):
+        check_positive(cfg, name)
 
 
 def check_steps(cfg, name: str) -> None:

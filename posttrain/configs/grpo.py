@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from posttrain.configs.base import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Range, _help,
-                                    check_choice, check_padding_multiple, check_positive, check_ranges,
-                                    check_types)
+                                    check_choice, check_count_or_auto, check_padding_multiple, check_positive,
+                                    check_ranges, check_types)
 from posttrain.configs.async_generation import AsyncGenerationConfig
 from posttrain.configs.fields import (CheckpointConfig, DeviceConfig, EvaluationConfig, LoggingConfig, ModelConfig,
                                       TrainingLoopConfig)
@@ -112,16 +112,18 @@ class GRPOObjectiveConfig:
         "Pad the prompt and completion widths of every training forward to a multiple of this; \"auto\" pads to 128 "
         "on Neuron devices (which compile once per shape) and nowhere else.",
         range=Range(1, note='or "auto", or None for no padding'), default="auto")
-    max_completion_tokens_per_pass: Optional[int] = _help(
+    max_completion_tokens_per_pass: Optional[Union[int, str]] = _help(
         "posttrain's own: a training micro-batch whose completion tokens (rows x completion width, padding included) "
         "exceed this runs as several forward and backward passes of whole rows, their gradients added before the "
         "optimizer step. The update is the same within float rounding (the loss divides by the step's counts, never "
-        "a pass's), with a pass's activations; every process runs as many passes. It lowers the peak where the "
-        "activations it saves outweigh the gradients every pass after the first holds (long completions, LoRA); with "
-        "full fine-tuning and a micro-batch just above the limit it can raise it (docs/performance.md). A micro-batch "
-        "runs whole where its loss looks at all its rows at once (top_entropy_quantile below 1, a router loss) or "
-        "where training_step or compute_loss is overridden. None: one pass per micro-batch, as in TRL.",
-        range=AT_LEAST_ONE, default=None)
+        "a pass's), with a pass's activations; every process runs as many passes. Passes lower the peak where the "
+        "activations they save outweigh the gradients every pass after the first holds (long completions, LoRA); "
+        "with full fine-tuning and a micro-batch just above the limit they can raise it. \"auto\" (the default): "
+        "the pass count the model's shape says lowers the step's estimated peak by at least a quarter and 256 MiB, "
+        "else one pass (grpo/pass_memory.py, docs/performance.md). A micro-batch runs whole where its loss looks at "
+        "all its rows at once (top_entropy_quantile below 1, a router loss) or where training_step or compute_loss "
+        "is overridden. None: one pass per micro-batch, as in TRL.",
+        range=Range(1, note='or "auto", or None for one pass'), default="auto")
     beta: float = _help(
         "Weight of the k3 KL penalty to a frozen reference model; 0 loads no reference model.",
         range=NON_NEGATIVE, default=0.0)
@@ -245,6 +247,7 @@ class GRPOObjectiveConfig:
                     raise ConfigError(f"reward_weights={self.reward_weights!r} must hold finite numbers, one per "
                                       "reward function.")
         check_padding_multiple(self)
+        check_count_or_auto(self, "max_completion_tokens_per_pass")
 
 
 def _world_size() -> int:

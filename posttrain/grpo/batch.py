@@ -73,16 +73,40 @@ class TrainingBatch:
 
     def pass_count(self, max_completion_tokens: int) -> int:
         """How many passes of whole rows keep each pass's completion tokens (rows x completion width, padding
-        included) within `max_completion_tokens`: 1 when the micro-batch fits, at most one row a pass. A pass runs
-        its rows' distinct prompts again (models/prompt_sharing.py runs each once a pass), so there are no more
-        passes than keep those runs within 1/PROMPT_RERUN_SHARE of the positions one pass runs."""
+        included) within `max_completion_tokens`: 1 when the micro-batch fits, at most `most_passes()`."""
         rows, width = self.rollouts.completion_ids.shape
         wanted = -(-rows // max(1, max_completion_tokens // max(width, 1)))
+        return 1 if wanted <= 1 else min(wanted, self.most_passes())
+
+    def most_passes(self) -> int:
+        """The most passes the rows may run in: at most one row a pass, and since a pass runs its rows' distinct
+        prompts again (models/prompt_sharing.py runs each once a pass), no more passes than keep those runs within
+        1/PROMPT_RERUN_SHARE of the positions one pass runs."""
+        rows = len(self)
         prompt_width = self.rollouts.prompt_ids.size(1)
-        if wanted <= 1 or prompt_width == 0:
-            return wanted
-        one_pass = (int(self._prompt_groups().max()) + 1) * prompt_width + rows * width  # distinct prompts, all rows
-        return max(1, min(wanted, 1 + one_pass // (PROMPT_RERUN_SHARE * prompt_width)))
+        if prompt_width == 0:
+            return rows
+        one_pass = self.pass_positions(1)
+        return max(1, min(rows, 1 + one_pass // (PROMPT_RERUN_SHARE * prompt_width)))
+
+    def pass_positions(self, count: int) -> int:
+        """The positions (prompt and completion, padding included) of the largest of the `count` passes `in_passes`
+        makes: its distinct prompts at the prompt width, its rows at their widest completion (Rollouts.select)."""
+        groups = self._prompt_groups()
+        order = groups.argsort(stable=True)
+        groups = groups[order]
+        mask = self.rollouts.completion_mask.cpu()
+        last = (mask * torch.arange(1, mask.size(1) + 1)).amax(1)[order]  # each row's last completion position
+        rows = len(groups)
+        sizes = torch.full((count,), rows // count)
+        sizes[:rows % count] += 1  # tensor_split's parts: the first ones a row longer
+        part = torch.repeat_interleave(torch.arange(count), sizes)
+        starts = torch.ones(rows, dtype=torch.bool)  # a row that opens a distinct prompt within its part
+        starts[1:] = (groups[1:] != groups[:-1]) | (part[1:] != part[:-1])
+        prompts = torch.bincount(part, weights=starts.double(), minlength=count)
+        widths = torch.zeros(count, dtype=last.dtype).scatter_reduce(0, part, last, "amax").clamp(min=1)
+        positions = prompts * self.rollouts.prompt_ids.size(1) + sizes * widths
+        return int(positions.max())
 
     def in_passes(self, count: int) -> list["TrainingBatch"]:
         """The rows as `count` parts of whole rows, sizes differing by at most one, rows of one prompt together (the

@@ -19,6 +19,7 @@ signal and its objective through these hooks:
     _optimizer_step(), _evaluation_metrics(dataset, prefix): the loop's (training/trainer.py)
 """
 
+import functools
 import logging
 import math
 
@@ -33,6 +34,7 @@ from posttrain.grpo.batch import RowLayout, TrainingBatch, buffer_from_tensors, 
 from posttrain.grpo.completions import CompletionLog
 from posttrain.grpo.losses import StepNormalizer
 from posttrain.grpo.metrics import with_tokens_seen
+from posttrain.grpo.pass_memory import PassMemory, pass_memory
 from posttrain.grpo.round_source import SampledNow, open_round_source, resume_point
 from posttrain.grpo.sampling import RoundSampler
 from posttrain.models.peft import refuse_prefix_tuning_for_sampling
@@ -233,10 +235,24 @@ class OnlineTrainer(Trainer):
         limit = self.args.max_completion_tokens_per_pass
         if not limit or self._loss_sees_whole_micro_batch() or not self._own_step_methods():
             return None
-        counts = torch.tensor([mb.pass_count(limit) for mb in micro], device=self.accelerator.device)
+        if limit == "auto":
+            estimate = self._pass_memory
+            counts = [1 if estimate is None else estimate.pass_count(mb) for mb in micro]
+        else:
+            counts = [mb.pass_count(limit) for mb in micro]
+        counts = torch.tensor(counts, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
         return [mb.in_passes(int(k)) for mb, k in zip(micro, counts.tolist())]
+
+    @functools.cached_property
+    def _pass_memory(self) -> PassMemory | None:
+        """What `max_completion_tokens_per_pass: "auto"` sizes passes by (grpo/pass_memory.py), once per trainer; None
+        where passes cannot lower the device's peak: the model's shape is unknown, or the kept activations are
+        offloaded to the host (activation_offloading on an accelerator)."""
+        if self.args.activation_offloading and self.accelerator.device.type != "cpu":
+            return None
+        return pass_memory(self.policy, self.args.gradient_checkpointing, self.accelerator.mixed_precision != "no")
 
     def _loss_sees_whole_micro_batch(self) -> bool:
         """Whether a micro-batch's loss needs all its rows in one forward: a mixture-of-experts router loss balances
