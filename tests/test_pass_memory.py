@@ -40,11 +40,12 @@ def _rows(prompt_width: int, widths: list[int], prompts: list[int]) -> TrainingB
 
 def test_the_estimate_counts_a_decoder_layers_saved_values():
     """Qwen2.5-0.5B's shape in float32: with checkpointing each layer keeps 1.4 x 896 values a position and one
-    layer's recompute holds 4 x 4,864 + 9 x 896; without it every layer keeps the latter. The gradients are every
-    parameter's (the tied embedding once), the embedding's part apart; in bfloat16 half the bytes."""
+    layer's recompute holds 4 x 4,864 (MLP) + 5 x 896 (norms) + 4 x (14 + 2) x 64 (attention); without it every
+    layer keeps the latter. The gradients are every parameter's (the tied embedding once), the embedding's part
+    apart; in bfloat16 half the bytes."""
     model = _meta_model(transformers.Qwen2Config(**QWEN25_05B))
     parameters = sum(p.numel() for p in model.parameters())
-    layer = (4 * 4864 + 9 * 896) * 4
+    layer = (4 * 4864 + 5 * 896 + 4 * 16 * 64) * 4
     checkpointed = pass_memory.pass_memory(model, gradient_checkpointing=True, mixed_precision=False)
     assert checkpointed == PassMemory(kept_per_position=24 * 1.4 * 896 * 4, layer_per_position=layer,
                                       gradients=parameters * 4, embedding_gradients=151936 * 896 * 4)
@@ -54,36 +55,91 @@ def test_the_estimate_counts_a_decoder_layers_saved_values():
     assert mixed.layer_per_position == layer / 2 and mixed.gradients == checkpointed.gradients
 
 
-@pytest.mark.parametrize("config, mlp_units", [
+_SMALL = dict(vocab_size=128, num_hidden_layers=2)
+# today's architectures at their real proportions, narrower: what autograd saves a position in each layer
+TODAYS_DECODERS = {
+    "Llama-3.2-1B at 1/4": transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                                    num_key_value_heads=2, **_SMALL),
+    "Qwen2.5-0.5B": transformers.Qwen2Config(**{**QWEN25_05B, **_SMALL}),
+    "Qwen3-0.6B": transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                                           num_key_value_heads=8, head_dim=128, **_SMALL),
+    "Gemma-3-1B": transformers.Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                                                num_key_value_heads=1, head_dim=256, **_SMALL),
+    "Qwen3-30B-A3B at 1/4": transformers.Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=192, num_experts=32,
+                                                        num_experts_per_tok=8, num_attention_heads=8,
+                                                        num_key_value_heads=1, head_dim=128, **_SMALL),
+    "Qwen3.5-0.8B-like": transformers.Qwen3_5TextConfig(
+        hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, vocab_size=128, num_hidden_layers=5),
+}
+
+
+def _saved_values_per_layer(model, positions: int) -> list[float]:
+    """What autograd saves for the backward in each decoder layer of one forward, in float32 values a position
+    (each storage once, parameters left out)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, layer = [{} for _ in model.model.layers], [0]
+    for i, block in enumerate(model.model.layers):
+        block.register_forward_pre_hook(lambda module, args, i=i: layer.__setitem__(0, i))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[layer[0]][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.randint(4, 128, (1, positions)))
+    return [sum(s.values()) / 4 / positions for s in saved]
+
+
+@pytest.mark.parametrize("name", list(TODAYS_DECODERS))
+def test_the_per_layer_counts_come_within_a_quarter_of_what_autograd_saves(name):
+    """Every layer but the last (which also runs the final norm and the output layer): dense and grouped-query
+    attention, query/key norms, Gemma's four norms, a mixture of experts, Qwen3.5's Gated DeltaNet layers (through
+    transformers' PyTorch delta rule, as on a CPU) beside its gated attention."""
+    config = TODAYS_DECODERS[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    measured = _saved_values_per_layer(model, positions=256)
+    estimated = pass_memory._layer_values(config)
+    for i, (m, e) in enumerate(zip(measured[:-1], estimated[:-1])):
+        assert 0.75 <= e / m <= 1.25, (name, i, e, m)
+
+
+@pytest.mark.parametrize("config, mlp_values", [
     (transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts_per_tok=4, num_experts=8,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 vocab_size=128), 4 * 32),
+                                 vocab_size=128), 4 * 4 * 32 + 2 * 4 * 64),
     (transformers.Qwen3NextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                   num_experts_per_tok=2, num_experts=8, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, vocab_size=128), 2 * 32 + 48),
+                                  num_key_value_heads=2, head_dim=16, vocab_size=128), 4 * (2 * 32 + 48) + 2 * 2 * 64),
     (transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_experts_per_tok=2, num_local_experts=4,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
-     2 * 96),
+     4 * 2 * 96 + 2 * 2 * 64),
     (transformers.Qwen3_5Config(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                 vocab_size=128)), 96),
+                                                 vocab_size=128)), 4 * 96),
 ])
-def test_the_mlp_a_token_runs_through_on_todays_configs(config, mlp_units):
-    """A mixture of experts counts the experts a token is routed to and the shared one; a vision-language or hybrid
-    checkpoint's config, its text decoder's."""
-    assert pass_memory._decoder_sizes(config)[1] == mlp_units
+def test_the_mlp_a_token_runs_through_on_todays_configs(config, mlp_values):
+    """A mixture of experts counts the experts a token is routed to and the shared one, and its copies of the token
+    in and out of them; a vision-language or hybrid checkpoint's config, its text decoder's."""
+    assert pass_memory._mlp_values(pass_memory._text_config(config), 64) == mlp_values
 
 
 def _hybrid_decoder():
-    """A tiny Qwen3.5 text decoder: Gated DeltaNet layers beside attention."""
+    """A tiny Qwen3.5 text decoder: Gated DeltaNet layers beside attention, at transformers' default linear-attention
+    widths."""
     config = transformers.Qwen3_5TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_a_hybrid_decoder_is_sized_by_its_config():
+def test_a_hybrid_decoders_largest_layer_is_its_linear_attention():
     estimate = pass_memory.pass_memory(_hybrid_decoder(), True, False)
-    assert estimate.layer_per_position == (4 * 96 + 9 * 64) * 4 and estimate.embedding_gradients == 128 * 64 * 4
+    linear = 12 * (2 * 16 * 128 + 32 * 128)
+    assert estimate.layer_per_position == (4 * 96 + 5 * 64 + linear) * 4
+    assert estimate.embedding_gradients == 128 * 64 * 4
 
 
 @pytest.mark.peft
@@ -102,7 +158,7 @@ def test_a_lora_policys_gradients_are_its_adapters():
 
 
 def test_a_config_without_a_decoders_sizes_runs_one_pass():
-    assert pass_memory._decoder_sizes(transformers.PretrainedConfig()) is None
+    assert pass_memory._layer_values(transformers.PretrainedConfig()) is None
     assert pass_memory.pass_memory(torch.nn.Linear(4, 4), True, False) is None
 
 

@@ -16,12 +16,13 @@ where P_n is the largest pass's positions (TrainingBatch.pass_positions). Passes
 within 5% of the lowest estimate save at least a quarter of one pass's estimate and 256 MiB: a pass costs a rerun
 of its prompts and a smaller product, worth it only for a real saving.
 
-The per-position bytes follow a decoder layer's saved tensors: with checkpointing the layer's input (1.4 x hidden
-values a position: the hidden state and what the layer call keeps beside it), without it every layer's saved
-activations, 4 x intermediate + 9 x hidden values (the MLP's gate, up, activation and product; the norms, the
-projections and the residuals). Measured on Qwen2.5-0.5B's shape, float32, 8 rows of 2,048 tokens (16,640
-positions; bench/memory_trace.py): 80 MiB a layer kept, and up to 1.8 GB held by a layer's recompute and backward,
-against 80 MiB and 1.83 GB from these counts. docs/performance.md has the rows the rule was checked against.
+The per-position bytes follow a decoder layer's saved tensors (_layer_values): with checkpointing each layer keeps
+its input (1.4 x hidden values a position: the hidden state and what the layer call keeps beside it) and L is the
+largest layer's saved values; without it every layer keeps its saved values and L is 0. At Qwen2.5-0.5B's shape in
+float32, with 8 rows of 2,048 tokens (16,640 positions; bench/memory_trace.py) a layer kept 80 MiB and its recompute
+and backward held up to 1.8 GB, against 80 MiB and 1.87 GB from these counts. On tiny models of today's
+architectures at their real proportions (tests/test_pass_memory.py) the counts come within a quarter of what
+autograd saves. docs/performance.md has the rows the rule was checked against.
 """
 
 import math
@@ -32,8 +33,9 @@ import torch
 from posttrain.grpo.batch import TrainingBatch
 
 CHECKPOINT_VALUES_PER_HIDDEN = 1.4  # a checkpointed layer's kept values a position, per hidden unit
-LAYER_VALUES_PER_INTERMEDIATE = 4  # a layer's saved values a position, per MLP unit (gate, up, activation, product)
-LAYER_VALUES_PER_HIDDEN = 9  # and per hidden unit (norms, attention projections and output, residuals)
+MLP_VALUES_PER_UNIT = 4  # a layer's saved values a position, per MLP unit (gate, up, activation, product)
+NORM_VALUES_PER_HIDDEN = 5  # and per hidden unit (the residual stream, the norms' inputs and outputs)
+LINEAR_ATTENTION_VALUES_PER_WIDTH = 12  # per unit of a linear-attention layer's query, key and value widths
 SAVING_SHARE = 4  # passes must save at least 1/SAVING_SHARE of one pass's estimate
 MIN_SAVING_BYTES = 256 * 2**20  # and at least this
 NEAR_LOWEST = 1.05  # the fewest passes whose estimate is within this factor of the lowest
@@ -75,49 +77,81 @@ class PassMemory:
 def pass_memory(model: torch.nn.Module, gradient_checkpointing: bool, mixed_precision: bool) -> PassMemory | None:
     """The model's PassMemory, or None where its config does not name a decoder's sizes (the auto rule then runs
     one pass)."""
-    sizes = _decoder_sizes(getattr(model, "config", None))
-    if sizes is None:
-        return None
-    hidden, intermediate, layers = sizes
+    text = _text_config(getattr(model, "config", None))
+    values = _layer_values(text) if text is not None else None
     parameters = [p for p in model.parameters() if p.requires_grad]
-    if not parameters:
+    if values is None or not parameters:
         return None
     embedding = _input_embedding_weight(model)
     value_bytes = (embedding if embedding is not None else parameters[0]).element_size()  # the hidden states'
     if mixed_precision:
         value_bytes = min(2, value_bytes)
-    layer = (LAYER_VALUES_PER_INTERMEDIATE * intermediate + LAYER_VALUES_PER_HIDDEN * hidden) * value_bytes
     if gradient_checkpointing:
-        kept, on_top = layers * CHECKPOINT_VALUES_PER_HIDDEN * hidden * value_bytes, layer
+        kept = len(values) * CHECKPOINT_VALUES_PER_HIDDEN * text.hidden_size * value_bytes
+        on_top = max(values) * value_bytes
     else:
-        kept, on_top = layers * layer, 0.0
+        kept, on_top = sum(values) * value_bytes, 0.0
     embedding_bytes = _local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0
     return PassMemory(kept_per_position=kept, layer_per_position=on_top,
                       gradients=float(sum(_local_bytes(p) for p in parameters)), embedding_gradients=embedding_bytes)
 
 
-def _decoder_sizes(config) -> tuple[int, int, int] | None:
-    """(hidden, MLP units a token runs through, layers) of the text decoder; a mixture of experts counts the experts
-    a token is routed to and its shared experts (Qwen's shared_expert_intermediate_size, DeepSeek's
-    n_shared_experts)."""
+def _text_config(config):
+    """The text decoder's config (a vision-language checkpoint's text_config), or None."""
     if config is None:
         return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = getattr(text, "hidden_size", None)
-    layers = getattr(text, "num_hidden_layers", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _layer_values(text) -> list[int] | None:
+    """Each decoder layer's values saved for the backward a position (its `layer_types`, where the config names
+    them), or None where the config lacks a decoder's sizes:
+
+        MLP         4 x the units a token runs through (gate, up, activation, product); a mixture of experts counts
+                    the experts it is routed to and the shared ones, and 2 x routed x hidden more (its copies of
+                    the token in and out of the experts)
+        norms       5 x hidden (the residual stream and the two norms' inputs and outputs)
+        attention   4 x (query + key/value heads) x head dimension (projections, rotary outputs, the output),
+                    and 4 x query heads x head dimension more where a hybrid gates the output; a linear-attention
+                    layer (Gated DeltaNet) 12 x its query, key and value widths, what transformers' PyTorch chunked
+                    delta rule keeps (flash-linear-attention's kernels keep less)
+    """
+    hidden, layers = getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None)
+    mlp, heads = _mlp_values(text, hidden), getattr(text, "num_attention_heads", None)
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, mlp, heads)):
+        return None
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    attention = 4 * (heads + (getattr(text, "num_key_value_heads", None) or heads)) * head_dim
+    linear = _linear_attention_values(text)
+    if linear:  # a hybrid's attention layers (Qwen3.5, Qwen3-Next) gate their output by a query-sized projection
+        attention += 4 * heads * head_dim
+    types = getattr(text, "layer_types", None) or ["full_attention"] * layers
+    return [mlp + NORM_VALUES_PER_HIDDEN * hidden + (linear if kind == "linear_attention" and linear else attention)
+            for kind in types[:layers]]
+
+
+def _mlp_values(text, hidden) -> int | None:
     routed = getattr(text, "num_experts_per_tok", None) or 1
     expert = getattr(text, "moe_intermediate_size", None)
-    if expert:
+    if expert:  # Qwen's shared_expert_intermediate_size, DeepSeek's n_shared_experts
         shared = getattr(text, "shared_expert_intermediate_size", None) or (
             (getattr(text, "n_shared_experts", None) or 0) * expert)
-        intermediate = expert * routed + shared
-    else:
-        intermediate = getattr(text, "intermediate_size", None)
-        if intermediate and (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)):
-            intermediate *= routed
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, intermediate)):
+        return MLP_VALUES_PER_UNIT * (expert * routed + shared) + 2 * routed * hidden
+    units = getattr(text, "intermediate_size", None)
+    if not isinstance(units, int) or not isinstance(hidden, int):
         return None
-    return hidden, intermediate, layers
+    if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):  # Mixtral, gpt-oss
+        return MLP_VALUES_PER_UNIT * units * routed + 2 * routed * hidden
+    return MLP_VALUES_PER_UNIT * units
+
+
+def _linear_attention_values(text) -> int | None:
+    key_heads, value_heads = (getattr(text, "linear_num_key_heads", None), getattr(text, "linear_num_value_heads",
+                                                                                   None))
+    key_dim, value_dim = getattr(text, "linear_key_head_dim", None), getattr(text, "linear_value_head_dim", None)
+    if not all(isinstance(v, int) and v > 0 for v in (key_heads, value_heads, key_dim, value_dim)):
+        return None
+    return LINEAR_ATTENTION_VALUES_PER_WIDTH * (2 * key_heads * key_dim + value_heads * value_dim)
 
 
 def _input_embedding_weight(model: torch.nn.Module) -> torch.nn.Parameter | None:
