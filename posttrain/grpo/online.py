@@ -19,7 +19,6 @@ signal and its objective through these hooks:
     _optimizer_step(), _evaluation_metrics(dataset, prefix): the loop's (training/trainer.py)
 """
 
-import functools
 import logging
 import math
 
@@ -67,6 +66,7 @@ class OnlineTrainer(Trainer):
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config, agents)
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
+        self._pass_memory = self._estimate_pass_memory(model)  # before sharding: whole parameters
         self._prepare(model, self._total_steps())
         rank, run_id = self.accelerator.process_index, run_name(self.accelerator)
         with guarded(self.accelerator):  # a server one process cannot reach stops every process; one seed on every
@@ -245,14 +245,14 @@ class OnlineTrainer(Trainer):
             counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
         return [mb.in_passes(int(k)) for mb, k in zip(micro, counts.tolist())]
 
-    @functools.cached_property
-    def _pass_memory(self) -> PassMemory | None:
-        """What `max_completion_tokens_per_pass: "auto"` sizes passes by (grpo/pass_memory.py), once per trainer; None
-        where passes cannot lower the device's peak: the model's shape is unknown, or the kept activations are
-        offloaded to the host (activation_offloading on an accelerator)."""
-        if self.args.activation_offloading and self.accelerator.device.type != "cpu":
+    def _estimate_pass_memory(self, model) -> PassMemory | None:
+        """What `max_completion_tokens_per_pass: "auto"` sizes passes by (grpo/pass_memory.py); None where passes
+        cannot lower the device's peak: the model's shape is unknown, or the kept activations are offloaded to the
+        host (activation_offloading on an accelerator)."""
+        if self.args.max_completion_tokens_per_pass != "auto" or (
+                self.args.activation_offloading and self.accelerator.device.type != "cpu"):
             return None
-        return pass_memory(self.policy, self.args.gradient_checkpointing, self.accelerator.mixed_precision != "no")
+        return pass_memory(model, self.args.gradient_checkpointing, self.accelerator.mixed_precision != "no")
 
     def _loss_sees_whole_micro_batch(self) -> bool:
         """Whether a micro-batch's loss needs all its rows in one forward: a mixture-of-experts router loss balances

@@ -47,7 +47,7 @@ class PassMemory:
 
     kept_per_position: float  # K: all layers' activations kept from the forward to the backward
     layer_per_position: float  # L: one layer's recompute and backward on top (0 without checkpointing)
-    gradients: float  # G: the trainable parameters' gradients on this process
+    gradients: float  # G: the trainable parameters' whole gradients, as a process holds them between passes
     embedding_gradients: float  # the input embedding's part of G
 
     def one_pass(self, positions: int) -> float:
@@ -91,9 +91,9 @@ def pass_memory(model: torch.nn.Module, gradient_checkpointing: bool, mixed_prec
         on_top = max(values) * value_bytes
     else:
         kept, on_top = sum(values) * value_bytes, 0.0
-    embedding_bytes = _local_bytes(embedding) if embedding is not None and embedding.requires_grad else 0
+    embedding_bytes = _whole_bytes(embedding) if embedding is not None and embedding.requires_grad else 0
     return PassMemory(kept_per_position=kept, layer_per_position=on_top,
-                      gradients=float(sum(_local_bytes(p) for p in parameters)), embedding_gradients=embedding_bytes)
+                      gradients=float(sum(_whole_bytes(p) for p in parameters)), embedding_gradients=embedding_bytes)
 
 
 def _text_config(config):
@@ -162,7 +162,15 @@ def _input_embedding_weight(model: torch.nn.Module) -> torch.nn.Parameter | None
     return getattr(embedding, "weight", None)
 
 
-def _local_bytes(parameter: torch.Tensor) -> int:
-    """The bytes of this process's part of a parameter (a DTensor's local shard under FSDP2)."""
-    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-    return math.prod(local.shape) * local.element_size()
+def _whole_bytes(parameter: torch.Tensor) -> int:
+    """The bytes of a parameter's whole gradient: what a process holds between passes, whose gradients are reduced
+    only after the step's last one (FSDP's no_sync passes accumulate unsharded gradients). A sharded parameter
+    counts whole: a DTensor's numel is its global one, FSDP1's flat parameter keeps its unsharded size, DeepSpeed
+    ZeRO-3's its ds_numel (ZeRO keeps its gradients partitioned, so there the count errs toward one pass)."""
+    if hasattr(parameter, "ds_numel"):
+        count = parameter.ds_numel
+    elif hasattr(parameter, "_unpadded_unsharded_size"):
+        count = math.prod(parameter._unpadded_unsharded_size)
+    else:
+        count = parameter.numel()
+    return count * parameter.element_size()
