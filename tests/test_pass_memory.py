@@ -2,6 +2,8 @@
 count it picks at Qwen2.5-0.5B's shape against the peaks measured there, and the trainer running what it picks with
 the update of one pass."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -234,3 +236,27 @@ def test_auto_runs_the_passes_it_picks_with_the_update_of_one_pass(tokenizer, ad
         passes[label], results[key] = train_recording_passes(trainer)
     assert passes["default"] == [8] and len(passes["long"]) > 1 and sum(passes["long"]) == 8, passes
     assert_same_updates(results)
+
+
+def test_the_forwards_without_gradient_run_in_the_same_passes(tokenizer, addition_dataset, tmp_path):
+    """The reference log-probs of a micro-batch the rule splits come from as many passes as the training runs (here
+    4: 8 rows of up to 9 completion tokens at 12 a pass, capped by their prompts' reruns), in the rows' own order,
+    equal to one pass's."""
+    trainer = GRPOTrainer(tiny_model(tokenizer, hidden=32, layers=2), length_reward,
+                          tiny_config(tmp_path, max_steps=1, beta=0.04, max_completion_tokens_per_pass=12),
+                          train_dataset=addition_dataset, processing_class=tokenizer)
+    rollouts = _rows(3, [5, 9, 2, 7, 6, 3, 8, 4], [1, 2, 1, 2, 1, 2, 1, 2]).rollouts
+    rollouts = replace(rollouts, completion_ids=torch.randint(4, 60, rollouts.completion_ids.shape,
+                                                              generator=torch.Generator().manual_seed(0)))
+    trainer.rollout.log_probs(rollouts, old=False)  # the fast paths' checks (models/fast_paths.py) run once, here
+    forwards = []
+    trainer.ref_model.register_forward_hook(lambda module, args, out: forwards.append(1))
+    split = trainer.rollout.log_probs(rollouts, old=False).ref
+    split_forwards = len(forwards)
+    forwards.clear()
+    trainer.rollout.row_passes = None
+    whole = trainer.rollout.log_probs(rollouts, old=False).ref
+    passes = TrainingBatch(rollouts, None, rollouts.completion_mask).pass_count(12)
+    assert passes == 4 and split_forwards == passes * len(forwards), (split_forwards, len(forwards))
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    assert (split[rollouts.completion_mask] != 0).all()

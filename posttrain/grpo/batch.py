@@ -2,6 +2,7 @@
 loss mask alone (distillation's)."""
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -114,10 +115,13 @@ class TrainingBatch:
         divides by the step's counts (grpo/losses.py StepNormalizer), so its parts' gradients add up to its own."""
         if count <= 1:
             return [self]
+        return [self.select(rows) for rows in self.pass_rows(count)]
+
+    def pass_rows(self, count: int) -> list[torch.Tensor]:
+        """The row indices of each of `count` passes (see in_passes)."""
         if count > len(self):
             raise ValueError(f"{len(self)} rows cannot run as {count} passes.")
-        order = self._prompt_groups().argsort(stable=True)
-        return [self.select(rows) for rows in order.tensor_split(count)]
+        return list(self._prompt_groups().argsort(stable=True).tensor_split(count))
 
     def _prompt_groups(self) -> torch.Tensor:
         """[N] the index of each row's prompt among the micro-batch's distinct prompts."""
@@ -132,11 +136,13 @@ class TrainingBatch:
 @dataclass(frozen=True)
 class RowLayout:
     """How the log-prob forwards lay a batch's rows out (models/logprobs.py): packed, prompts shared, padded to a
-    multiple."""
+    multiple; `passes`: how many passes of whole rows a micro-batch runs in (the trainer's rule for
+    max_completion_tokens_per_pass, which the forwards without gradient follow too), or None for one."""
 
     packing: bool
     share_prompts: bool
     pad_to_multiple_of: int | None
+    passes: Callable[["TrainingBatch"], int] | None = None
 
 
 _ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_eos", "sampler_logprobs",

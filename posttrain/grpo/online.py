@@ -88,7 +88,8 @@ class OnlineTrainer(Trainer):
         sampler = RoundSampler(accelerator=self.accelerator, sharding=self.sharding, model=self.model,
                                generator=generator, tokenizer=self.tokenizer, agents=self.agents,
                                token_types=self.vision.token_types if self.vision else None)
-        self.rollout = self._round_stage(sampler, RowLayout(self.packing, self.share_prompts, self.pad_to_multiple_of))
+        self.rollout = self._round_stage(sampler, RowLayout(self.packing, self.share_prompts, self.pad_to_multiple_of,
+                                                            self._pass_count))
         self.shuffle_rng = torch.Generator().manual_seed(self._data_seed)
         self.buffer: list[TrainingBatch] = []
         self._stream = self.prompts.rounds()
@@ -232,18 +233,20 @@ class OnlineTrainer(Trainer):
         forward of a model wrapped across processes is a collective (DDP broadcasts its buffers, FSDP gathers).
         None where each micro-batch runs whole: its loss looks at all its rows at once, or an override of
         training_step or compute_loss sees it as TRL's would."""
-        limit = self.args.max_completion_tokens_per_pass
-        if not limit or self._loss_sees_whole_micro_batch() or not self._own_step_methods():
+        if (not self.args.max_completion_tokens_per_pass or self._loss_sees_whole_micro_batch()
+                or not self._own_step_methods()):
             return None
-        if limit == "auto":
-            estimate = self._pass_memory
-            counts = [1 if estimate is None else estimate.pass_count(mb) for mb in micro]
-        else:
-            counts = [mb.pass_count(limit) for mb in micro]
-        counts = torch.tensor(counts, device=self.accelerator.device)
+        counts = torch.tensor([self._pass_count(mb) for mb in micro], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
         return [mb.in_passes(int(k)) for mb, k in zip(micro, counts.tolist())]
+
+    def _pass_count(self, batch: TrainingBatch) -> int:
+        """The passes this process would run `batch` in (max_completion_tokens_per_pass: a count, "auto" or None)."""
+        limit = self.args.max_completion_tokens_per_pass
+        if limit == "auto":
+            return 1 if self._pass_memory is None else self._pass_memory.pass_count(batch)
+        return batch.pass_count(limit) if limit else 1
 
     def _estimate_pass_memory(self, model) -> PassMemory | None:
         """What `max_completion_tokens_per_pass: "auto"` sizes passes by (grpo/pass_memory.py); None where passes

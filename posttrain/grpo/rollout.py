@@ -149,7 +149,7 @@ class Rollout:
         self.ref_model, self.reference_adapter = models.ref_model, models.reference_adapter
         self.sampler, self.rewards, self.trainer_state = sampler, rewards, trainer_state
         self.packing, self.share_prompts = layout.packing, layout.share_prompts
-        self.pad_to_multiple_of = layout.pad_to_multiple_of
+        self.pad_to_multiple_of, self.row_passes = layout.pad_to_multiple_of, layout.passes
         self.sampling_params, self.needs_old_logps = sampling_params, needs_old_logps
 
     # ------------------------------------------------------------------ sampling and scoring
@@ -285,15 +285,31 @@ class Rollout:
     def _per_micro_batch(self, rollouts: Rollouts, fn) -> tuple[torch.Tensor, ...]:
         """`fn` (rollouts -> tuple of [b, C'] tensors) over micro-batches of per_device_train_batch_size rows,
         padded as training pads them, without gradient; each result back at the rollouts' width [N, C]."""
-        parts = []
-        size, width = self.args.per_device_train_batch_size, rollouts.completion_ids.size(1)
+        parts, width = [], rollouts.completion_ids.size(1)
+        passes = self._passes_without_gradient(rollouts)
         with torch.no_grad(), self.accelerator.autocast():
-            for i in range(0, len(rollouts), size):
-                r = rollouts.select(torch.arange(i, min(i + size, len(rollouts)))).padded(self.pad_to_multiple_of)
+            for rows in passes:
+                r = rollouts.select(rows).padded(self.pad_to_multiple_of)
                 # select() trimmed the columns (and padding may have widened them): back to the rollouts' width
                 parts.append([torch.nn.functional.pad(x[:, :width], (0, width - min(x.size(1), width)))
                               for x in fn(r)])
-        return tuple(torch.cat(column) for column in zip(*parts))
+        back = torch.cat(passes).argsort()  # the passes' rows back in the rollouts' order
+        return tuple(torch.cat(column)[back.to(column[0].device)] for column in zip(*parts))
+
+    def _passes_without_gradient(self, rollouts: Rollouts) -> list[torch.Tensor]:
+        """The row indices of each forward: micro-batches of per_device_train_batch_size rows, each in the passes the
+        training's rule gives it (layout.passes), where a micro-batch's activations would set the step's peak; as
+        many on every process where each forward is a collective (FSDP, ZeRO-3)."""
+        size = self.args.per_device_train_batch_size
+        micro = [torch.arange(i, min(i + size, len(rollouts))) for i in range(0, len(rollouts), size)]
+        if self.row_passes is None:
+            return micro
+        batches = [TrainingBatch(r, None, r.completion_mask) for r in (rollouts.select(rows) for rows in micro)]
+        counts = torch.tensor([self.row_passes(b) for b in batches], device=self.accelerator.device)
+        if self.sharding.shards_parameters and self.accelerator.num_processes > 1:
+            counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
+        return [rows[part] if k > 1 else rows
+                for rows, b, k in zip(micro, batches, counts.tolist()) for part in b.pass_rows(max(1, int(k)))]
 
     # ------------------------------------------------------------------ the training batch
 
