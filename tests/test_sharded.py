@@ -343,9 +343,10 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
             assert "chunked" in paths and not {"logits", "packed", "lean-decoder"} & set(paths), (rank, sorted(set(paths)))
             continue
         assert "chunked" in paths and "logits" not in paths, (rank, sorted(set(paths)))
-        if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows
-            assert "packed" in paths and "lean-decoder" in paths and "model-forward-decode" not in paths, (
-                rank, sorted(set(paths)))
+        if command.startswith(("grpo", "rloo")):  # completions of 1 to 16 tokens: some passes run packed rows, but
+            # GRPO's here, every log-prob pass in passes of a prompt's rows, two or three (nothing packing can combine)
+            assert "lean-decoder" in paths and "model-forward-decode" not in paths, (rank, sorted(set(paths)))
+            assert ("packed" in paths) == (command != "grpo"), (rank, sorted(set(paths)))
     if command == "grpo":  # every process runs as many passes of each micro-batch, some more than one
         passes = [[p for p in (launches.out(config, command, "-paths") / f"rank{rank}.txt").read_text().split()
                    if p.startswith("passes-")] for rank in (0, 1)]
