@@ -17,8 +17,8 @@ is printed again with:
   as every later step's does. Without it, a one-step run's forward and backward run before the two moments exist
   (2 x the parameters in float32) and its peak understates a real run's.
 - `--random-completions`: the decode replaced, on either side, by random full-length completions drawn in no time
-  (bench/random_completions.py), for memory rows whose peak is in the training: the JSON line gains
-  `random_completions: true`, and its times hold no decode.
+  (bench/random_completions.py), for memory rows whose peak is in the training: the JSON line (the out-of-memory one
+  too) gains `random_completions: true`, and its times hold no decode.
 """
 
 import contextlib
@@ -43,8 +43,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-def watch_rss(limit_bytes: int, started: float, stdout) -> None:
-    """Sample RSS; past `limit_bytes`, print the main thread's innermost frames and the RSS, and end the process."""
+def watch_rss(limit_bytes: int, started: float, stdout, extra: dict) -> None:
+    """Sample RSS; past `limit_bytes`, print the main thread's innermost frames and the RSS (with `extra`'s keys), and
+    end the process."""
     main_id = threading.main_thread().ident
     while True:
         rss = rss_bytes()
@@ -54,7 +55,7 @@ def watch_rss(limit_bytes: int, started: float, stdout) -> None:
             where = [line.strip().splitlines()[0] for line in stack[-8:]]
             print(json.dumps({"out_of_memory": True, "rss_limit_gib": limit_bytes / 2**30,
                               "rss_mib": round(rss / 2**20), "after_s": round(time.perf_counter() - started, 1),
-                              "where": where}), file=stdout, flush=True)
+                              "where": where, **extra}), file=stdout, flush=True)
             os._exit(3)
         time.sleep(0.02)
 
@@ -96,7 +97,9 @@ def main() -> None:
         args = args[1:]
     started = time.perf_counter()
     if limit_gib is not None:
-        threading.Thread(target=watch_rss, args=(int(limit_gib * 2**30), started, sys.stdout), daemon=True).start()
+        extra = {"random_completions": True} if random_decode else {}
+        threading.Thread(target=watch_rss, args=(int(limit_gib * 2**30), started, sys.stdout, extra),
+                         daemon=True).start()
     clock = OptimizerStepClock()
     sys.argv = args
     captured = io.StringIO()

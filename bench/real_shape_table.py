@@ -115,12 +115,25 @@ def memory_cells(run: dict | None, states: float) -> tuple[list[str], float | No
     if run is None:
         return ["-", "-", "-"], None
     result = run["result"]
-    if result.get("out_of_memory"):
+    if result.get("out_of_memory"):  # its part beyond the states, negative: at least that much
         where = result["where"][-1] if result["where"] else "?"
+        over = result["rss_limit_gib"] * 1024 - states
         return [f"**over {result['rss_limit_gib']:.0f} GiB** after {result['after_s']} s, in `{where}`",
-                f"over {result['rss_limit_gib'] * 1024 - states:,.0f} MiB", "-"], None
+                f"over {over:,.0f} MiB", "-"], -over
     beyond = result["peak_rss_mib"] - states
     return [f"{result['peak_rss_mib']:,.0f} MiB", f"{beyond:,.0f} MiB", f"{result['wall_s']:.0f}"], beyond
+
+
+def _ratio(posttrain: float | None, trl: float | None) -> str:
+    """posttrain's part beyond the states over TRL's; a side past the ceiling (negative: at least that much) bounds
+    it from one side."""
+    if posttrain is None or trl is None or (posttrain < 0 and trl < 0):
+        return "-"
+    if trl < 0:
+        return f"under {posttrain / -trl:.2f}"
+    if posttrain < 0:
+        return f"over {-posttrain / trl:.2f}"
+    return f"{posttrain / trl:.2f}"
 
 
 def memory_table(runs: list[dict], states: float) -> list[str]:
@@ -136,7 +149,7 @@ def memory_table(runs: list[dict], states: float) -> list[str]:
                         and bool(r["result"].get("random_completions")) == random), None)
             side_cells, beyond[side] = memory_cells(run, states)
             cells += side_cells
-        ratio = f"{beyond['posttrain'] / beyond['trl']:.2f}" if None not in beyond.values() else "-"
+        ratio = _ratio(beyond["posttrain"], beyond["trl"])
         decode = "random, full length" if random else "real, full length"
         lines.append(f"| {length:,} | {decode} | " + " | ".join(cells) + f" | {ratio} |")
     return lines
