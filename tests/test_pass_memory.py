@@ -63,16 +63,16 @@ TODAYS_DECODERS = {
     "Llama-3.2-1B at 1/4": transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
                                                     num_key_value_heads=2, **_SMALL),
     "Qwen2.5-0.5B": transformers.Qwen2Config(**{**QWEN25_05B, **_SMALL}),
-    "Qwen3-0.6B": transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
-                                           num_key_value_heads=8, head_dim=128, **_SMALL),
-    "Gemma-3-1B": transformers.Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
-                                                num_key_value_heads=1, head_dim=256, **_SMALL),
+    "Qwen3-0.6B at 1/2": transformers.Qwen3Config(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                                                  num_key_value_heads=4, head_dim=128, **_SMALL),
+    "Gemma-3-1B at 1/2": transformers.Gemma3TextConfig(hidden_size=576, intermediate_size=3456, num_attention_heads=2,
+                                                       num_key_value_heads=1, head_dim=256, **_SMALL),
     "Qwen3-30B-A3B at 1/4": transformers.Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=192, num_experts=32,
                                                         num_experts_per_tok=8, num_attention_heads=8,
                                                         num_key_value_heads=1, head_dim=128, **_SMALL),
-    "Qwen3.5-0.8B-like": transformers.Qwen3_5TextConfig(
-        hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=16, vocab_size=128, num_hidden_layers=5),
+    "Qwen3.5-0.8B-like at 1/2": transformers.Qwen3_5TextConfig(
+        hidden_size=512, intermediate_size=1792, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        linear_num_key_heads=8, linear_num_value_heads=8, vocab_size=128, num_hidden_layers=5),
 }
 
 
