@@ -39,11 +39,6 @@ def trained_positions(prompt: list[int], completion: list[int]) -> int:
     return len(sequences) * padded_width if plan is None else len(plan[0]) * plan[1]
 
 
-def _count_auto_or_none(text: str):
-    """--max-completion-tokens-per-pass: a positive count, "auto" or "none"."""
-    return None if text.lower() == "none" else text if text == "auto" else int(text)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -54,8 +49,9 @@ def main():
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--peft", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-completion-tokens-per-pass", type=_count_auto_or_none, default="auto",
-                    help="posttrain's max_completion_tokens_per_pass: a count, auto (its default) or none")
+    ap.add_argument("--max-completion-tokens-per-pass", default="auto",
+                    help="posttrain's max_completion_tokens_per_pass: a count, auto (its default) or none, as the "
+                         "config converts them")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="off unless asked, as in trl_grpo.py")
     ap.add_argument("--server", default=None, help="generate through the posttrain serve at this base URL")
     ap.add_argument("--no-sampling-correction", action="store_true",

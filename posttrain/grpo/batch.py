@@ -74,20 +74,19 @@ class TrainingBatch:
 
     def pass_count(self, max_completion_tokens: int) -> int:
         """How many passes of whole rows keep each pass's completion tokens (rows x completion width, padding
-        included) within `max_completion_tokens`: 1 when the micro-batch fits, at most `most_passes()`."""
+        included) within `max_completion_tokens`: 1 when the micro-batch fits, at most `most_passes`."""
         rows, width = self.rollouts.completion_ids.shape
         wanted = -(-rows // max(1, max_completion_tokens // max(width, 1)))
-        return 1 if wanted <= 1 else min(wanted, self.most_passes())
+        return 1 if wanted <= 1 else min(wanted, self.most_passes(self.pass_positions(1)))
 
-    def most_passes(self) -> int:
+    def most_passes(self, one_pass: int) -> int:
         """The most passes the rows may run in: at most one row a pass, and since a pass runs its rows' distinct
         prompts again (models/prompt_sharing.py runs each once a pass), no more passes than keep those runs within
-        1/PROMPT_RERUN_SHARE of the positions one pass runs."""
+        1/PROMPT_RERUN_SHARE of the `one_pass` positions (pass_positions(1)) one pass runs."""
         rows = len(self)
         prompt_width = self.rollouts.prompt_ids.size(1)
         if prompt_width == 0:
             return rows
-        one_pass = self.pass_positions(1)
         return max(1, min(rows, 1 + one_pass // (PROMPT_RERUN_SHARE * prompt_width)))
 
     def pass_positions(self, count: int) -> int:

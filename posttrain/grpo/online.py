@@ -65,8 +65,8 @@ class OnlineTrainer(Trainer):
         super().__init__(args, callbacks, optimizers)
         with guarded(self.accelerator):  # a failure on one process stops them all before DDP's first collective
             model = self._setup(model, train_dataset, eval_dataset, processing_class, peft_config, agents)
+            self._pass_memory = self._estimate_pass_memory(model)  # before sharding: whole parameters
         self._model_fingerprint = model_fingerprint(model)  # before any update: what checkpoints are checked against
-        self._pass_memory = self._estimate_pass_memory(model)  # before sharding: whole parameters
         self._prepare(model, self._total_steps())
         rank, run_id = self.accelerator.process_index, run_name(self.accelerator)
         with guarded(self.accelerator):  # a server one process cannot reach stops every process; one seed on every

@@ -8,9 +8,9 @@ Per process, in bytes, for a pass of P positions (its distinct prompts and its r
                                                         but the input embedding's, which arrive one layer at a
                                                         time as the kept activations go; L * P: what one layer's
                                                         recompute and backward hold on top (0 without checkpointing)
-    n passes:   max(max(K * P_n, G_body) + L * P_n,     the first pass, as one pass over its own rows;
-                    G + (K + L) * P_n)                  every later one beside the whole gradient G the earlier
-                                                        passes left
+    n passes:   G + (K + L) * P_n                       every pass after the first beside the whole gradient G
+                                                        the earlier passes left (the first, a one-pass estimate
+                                                        over fewer positions, is never above it: G >= G_body)
 
 where P_n is the largest pass's positions (TrainingBatch.pass_positions). Passes run only where the fewest passes
 within 5% of the lowest estimate save at least a quarter of one pass's estimate and 256 MiB: a pass costs a rerun
@@ -25,7 +25,6 @@ architectures at their real proportions (tests/test_pass_memory.py) the counts c
 autograd saves. docs/performance.md has the rows the rule was checked against.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -55,16 +54,16 @@ class PassMemory:
         return max(self.kept_per_position * positions, body) + self.layer_per_position * positions
 
     def in_passes(self, positions: int) -> float:
-        """The peak of several passes, the largest of `positions`."""
-        later = self.gradients + (self.kept_per_position + self.layer_per_position) * positions
-        return max(self.one_pass(positions), later)
+        """The peak of several passes, the largest of `positions`: a later pass's, beside the whole gradient."""
+        return self.gradients + (self.kept_per_position + self.layer_per_position) * positions
 
     def pass_count(self, batch: TrainingBatch) -> int:
         """How many passes `batch` runs in: the fewest near the lowest estimate, where it saves enough; else 1."""
-        most = batch.most_passes()
+        whole_positions = batch.pass_positions(1)
+        most = batch.most_passes(whole_positions)
         if most <= 1:
             return 1
-        whole = self.one_pass(batch.pass_positions(1))
+        whole = self.one_pass(whole_positions)
         rows = len(batch)  # each largest pass size once, at the fewest passes that make it
         counts = sorted({-(-rows // size) for size in range(1, rows + 1)} & set(range(2, most + 1)))
         estimates = {n: self.in_passes(batch.pass_positions(n)) for n in counts}
@@ -164,13 +163,7 @@ def _input_embedding_weight(model: torch.nn.Module) -> torch.nn.Parameter | None
 
 def _whole_bytes(parameter: torch.Tensor) -> int:
     """The bytes of a parameter's whole gradient: what a process holds between passes, whose gradients are reduced
-    only after the step's last one (FSDP's no_sync passes accumulate unsharded gradients). A sharded parameter
-    counts whole: a DTensor's numel is its global one, FSDP1's flat parameter keeps its unsharded size, DeepSpeed
-    ZeRO-3's its ds_numel (ZeRO keeps its gradients partitioned, so there the count errs toward one pass)."""
-    if hasattr(parameter, "ds_numel"):
-        count = parameter.ds_numel
-    elif hasattr(parameter, "_unpadded_unsharded_size"):
-        count = math.prod(parameter._unpadded_unsharded_size)
-    else:
-        count = parameter.numel()
-    return count * parameter.element_size()
+    only after the step's last one (FSDP's no_sync passes accumulate unsharded gradients). The estimate is made
+    before sharding, where only DeepSpeed ZeRO-3's loading has partitioned a parameter: its ds_numel counts (ZeRO
+    keeps its gradients partitioned, so there the count errs toward one pass)."""
+    return (getattr(parameter, "ds_numel", None) or parameter.numel()) * parameter.element_size()

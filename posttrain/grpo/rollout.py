@@ -308,8 +308,10 @@ class Rollout:
         counts = torch.tensor([self.row_passes(b) for b in batches], device=self.accelerator.device)
         if self.sharding.shards_parameters and self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts).view(-1, len(micro)).amax(0)
-        return [rows[part] if k > 1 else rows
-                for rows, b, k in zip(micro, batches, counts.tolist()) for part in b.pass_rows(max(1, int(k)))]
+        passes = []
+        for rows, batch, count in zip(micro, batches, counts.tolist()):
+            passes += [rows[part] for part in batch.pass_rows(count)] if count > 1 else [rows]
+        return passes
 
     # ------------------------------------------------------------------ the training batch
 
