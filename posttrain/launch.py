@@ -168,7 +168,7 @@ def plan_devices(launch: list[str], use_cpu: bool) -> tuple[list[str], dict, str
     on_cpu = use_cpu or bool(flags.get("cpu")) or bool(settings.get("use_cpu"))
     asked = _what_asked(flags, kind)
     if kind in SHARDED:  # with any number of processes, before they start
-        devices, none_found = _device_count()
+        devices, none_found = (0, "") if on_cpu else _device_count()  # asked onto the CPU: torch is not imported
         if on_cpu or not devices:
             where = "the CPU is asked for (--cpu or use_cpu)" if on_cpu else f"this machine has none ({none_found})"
             raise ConfigError(f"{asked} shards the model over GPUs with {SHARDED[kind]}, which accelerate does not do "
@@ -177,7 +177,7 @@ def plan_devices(launch: list[str], use_cpu: bool) -> tuple[list[str], dict, str
     if processes is None or int(processes) // machines < 2 or kind == "MULTI_CPU":
         return launch, {}, None  # one process (CPU or GPU, accelerate's choice), or accelerate's own CPU launch
     per_machine = int(processes) // machines
-    devices, none_found = _device_count()
+    devices, none_found = (0, "") if on_cpu else _device_count()
     if on_cpu or not devices:
         launch = [flag for flag in launch if flag != "--cpu"] + ([] if kind == "MULTI_GPU" else ["--multi_gpu"])
         note = None if on_cpu else (f"posttrain: {none_found}: running the {per_machine} processes on the CPU over "

@@ -346,6 +346,18 @@ def test_several_processes_without_a_gpu_run_on_the_cpu_and_say_so(devices):
     assert plan_devices(["--num_processes", "2", "--cpu"], False)[1:] == (ON_CPU, None)
 
 
+def test_a_launch_asked_onto_the_cpu_starts_without_importing_torch():
+    """The relaunching process only plans the launch: asked onto the CPU it counts no devices, so it never imports
+    torch (about 2 s of every `posttrain grpo --num_processes 2 --use_cpu true` before accelerate's launcher starts)."""
+    code = ("import sys; from posttrain.launch import plan_devices, split_launch_args; "
+            "launch = split_launch_args(['--accelerate_config', 'multi_gpu', '--num_processes', '2'])[0]; "
+            "plan_devices(launch, use_cpu=True); plan_devices(launch + ['--cpu'], use_cpu=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_a_launch_this_machine_cannot_run_stops_before_it_starts_in_one_sentence(devices):
     from posttrain.launch import plan_devices
 
