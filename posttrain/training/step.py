@@ -14,6 +14,7 @@ import math
 import torch
 
 from posttrain.errors import UserError
+from posttrain.models.tied_embedding import tied_rows
 from posttrain.training.checkpoint import checkpoints, save_checkpoint
 from posttrain.training.distributed import mark_agreed
 from posttrain.training.update import Update
@@ -75,7 +76,9 @@ class StepMixin:
         """One forward and backward through `training_step`; gradients synchronised across processes when `sync`.
         Returns its statistics."""
         looking = bool(self.args.ddp_find_unused_parameters)
-        with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1, looking):
+        routed = not self.sharding.reads_gradients_in_backward()  # a tied embedding's rows: models/tied_embedding.py
+        with self.sharding.accumulating(self.model, sync), _unused_parameters_said(self.state.global_step + 1, looking), \
+                tied_rows(self.policy, routed):
             self._micro_result = self._backpropagated = None
             self.training_step(self.model, batch, num_items_in_batch)
             self._returned_losses.append(self._backpropagated)

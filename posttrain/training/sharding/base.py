@@ -60,6 +60,12 @@ class Sharding:
         `policy`: the policy itself."""
         return policy
 
+    def reads_gradients_in_backward(self) -> bool:
+        """Whether anything reads or moves a parameter's gradient while the backward runs (a reduction as each
+        gradient is ready, a partition): then a weight's gradient must be whole when autograd accumulates it
+        (models/tied_embedding.py adds to it just before). True but for one process holding whole weights."""
+        return True
+
     # ------------------------------------------------------------------ the training step
 
     def prepare(self, model, optimizer, scheduler, args) -> tuple:
@@ -206,6 +212,10 @@ class Sharding:
 
 class NoSharding(Sharding):
     """One process, or DDP: every process holds the whole weights; every step is accelerate's own (the defaults)."""
+
+    def reads_gradients_in_backward(self) -> bool:
+        """DDP reduces gradients in buckets as they are ready; one process reads them after the backward."""
+        return self.accelerator is None or self.accelerator.num_processes > 1
 
     def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` as it is; a reference copied from the policy shares its fast-path decisions (models/fast_paths.py:
