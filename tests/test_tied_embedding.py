@@ -76,6 +76,26 @@ def test_with_the_output_layer_twice_a_pass_the_gradients_agree_within_rounding(
         torch.testing.assert_close(routed[name], plain[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_bf16_models_rows_are_summed_in_float32():
+    """bf16 weights (a GPU run's): the route's gradient is autograd's within bf16 rounding, and a token looked up in
+    every row has its gradient rounded once (summed in float32), as CUDA's lookup backward does."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_architecture("qwen2", tokenizer).to(torch.bfloat16)
+    batches = _batches(model, tokenizer.pad_token_id, passes=1)
+    plain, routed = _grads(model, batches, False), _grads(model, batches, True)
+    assert routed["model.embed_tokens.weight"].dtype == torch.bfloat16
+    for name in plain:
+        torch.testing.assert_close(routed[name], plain[name], rtol=2e-2, atol=1e-3)
+    embedding = model.get_input_embeddings()
+    ids = torch.full((1, 64), 7)
+    grad_rows = torch.randn(1, 64, embedding.embedding_dim).to(torch.bfloat16)
+    route = TiedRows(embedding)
+    route.keep(ids, grad_rows)
+    (distinct, sums), = route.pending
+    assert distinct.tolist() == [7] and sums.dtype == torch.float32
+    torch.testing.assert_close(sums[0], grad_rows[0].float().sum(0), rtol=1e-6, atol=1e-6)
+
+
 def test_a_vision_language_model_writes_its_image_features_into_the_routed_rows():
     """A tiny LLaVA (tied), whose forward scatters the image features into the looked-up rows: the same gradients."""
     from PIL import Image

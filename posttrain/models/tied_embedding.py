@@ -12,12 +12,16 @@ every training pass, written whole for the few hundred rows a batch looks up.
 - a hook on the weight, which autograd calls with the weight's summed incoming gradient (the output layer's) before
   it is accumulated into `.grad`, adds those sums into it in place.
 
-The weight's `.grad` is then what autograd's would be, bit for bit on a CPU (tests/test_tied_embedding.py; on a GPU
-both orders are torch's own, within rounding), across gradient accumulation and several lookups a pass (shared
-prompts). It applies only where the lookup is known (`routable`): an `nn.Embedding` (or a subclass whose forward is
-the lookup times its `embed_scale`, Gemma's) without max_norm, scale_grad_by_freq or sparse gradients, whose weight
-trains and is the output layer's; a check decided once per model (models/fast_paths.py) compares the module's output
-with the lookup it assumes.
+The weight's `.grad` is then autograd's bit for bit on a CPU wherever the output layer's gradient arrives once a pass,
+as in every posttrain trainer's pass (tests/test_tied_embedding.py: Qwen2, Gemma 3, Qwen3.5, LLaVA; SFT and GRPO
+updates), across gradient accumulation and several lookups a pass (shared prompts). Where the output layer runs twice
+in a pass, autograd adds a lookup's rows between its two contributions and the route after both: equal within
+rounding. A bf16 run's rows are summed in float32 and rounded once, as CUDA's lookup backward sums them. It applies
+only where the lookup is known (`routable`): an `nn.Embedding` (or a subclass whose forward is the lookup times its
+`embed_scale`, Gemma's) without max_norm, scale_grad_by_freq or sparse gradients, whose weight trains and is the output
+layer's; a check decided once per model (models/fast_paths.py) compares the module's output with the lookup it
+assumes; and only on one process holding whole weights (training/sharding: `reads_gradients_in_backward`), where
+nothing reads a gradient before the backward ends.
 
 Shapes: V vocabulary rows, H hidden size, U distinct tokens of a lookup.
 """
@@ -134,8 +138,10 @@ class TiedRows:
             keep = flat_ids != padding
             flat_ids, flat = flat_ids[keep], flat[keep]
         distinct, where = torch.unique(flat_ids, return_inverse=True)
-        sums = torch.zeros((distinct.numel(), flat.size(1)), dtype=flat.dtype, device=flat.device)
-        self.pending.append((distinct, sums.index_add_(0, where, flat)))
+        # summed in float32 at least (a bf16 run's rows, as CUDA's lookup backward sums them), rounded once when added
+        dtype = torch.promote_types(flat.dtype, torch.float32)
+        sums = torch.zeros((distinct.numel(), flat.size(1)), dtype=dtype, device=flat.device)
+        self.pending.append((distinct, sums.index_add_(0, where, flat.to(dtype))))
 
     def _add_rows(self, grad: torch.Tensor) -> torch.Tensor:
         """The weight's hook: its incoming gradient (the output layer's), the kept sums added in place."""
