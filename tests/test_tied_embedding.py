@@ -65,6 +65,19 @@ def test_the_gradients_are_autograds_bit_for_bit(family):
     assert torch.equal(pad_row, plain["model.embed_tokens.weight"][tokenizer.pad_token_id])
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_with_gradient_checkpointing_the_gradients_are_autograds(reentrant):
+    """Checkpointed layers (transformers' reentrant and non-reentrant kinds) recompute on the routed rows: the same
+    gradients, bit for bit."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_architecture("qwen2", tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    batches = _batches(model, tokenizer.pad_token_id)
+    plain, routed = _grads(model, batches, False), _grads(model, batches, True)
+    assert plain.keys() == routed.keys() and all(torch.equal(plain[n], routed[n]) for n in plain)
+
+
 def test_with_the_output_layer_twice_a_pass_the_gradients_agree_within_rounding():
     """Two uses of the output layer in one pass: autograd adds each lookup's rows between the output layer's
     contributions, the route after them, so the sums agree within float32 rounding, not bit for bit."""
