@@ -31,6 +31,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from posttrain.models import fast_paths
+
 
 def tied_embedding(model) -> torch.nn.Embedding | None:
     """`model`'s input embedding where the output layer shares its weight and it trains; else None."""
@@ -120,14 +122,6 @@ class TiedRows:
             return None
         return _RoutedLookup.apply(self.weight, output.detach(), ids, self)
 
-    def _reproduces(self, ids, output) -> bool:
-        """Whether the module's output is the lookup this route differentiates."""
-        with torch.no_grad():
-            rows = F.embedding(ids, self.weight)
-            if self.scale is not None:
-                rows = rows * self.scale
-        return rows.dtype == output.dtype and torch.equal(rows, output)
-
     def keep(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """A lookup's backward: the gradient [..., H] of its rows, summed per distinct id in token order."""
         flat_ids, flat = ids.reshape(-1), grad.reshape(-1, grad.size(-1))
@@ -156,21 +150,22 @@ class TiedRows:
 
 
 def check_route(embedding) -> bool:
-    """Whether `embedding`'s output, on a lookup of two ids, is the one `TiedRows` differentiates (decided once per
-    model: models/fast_paths.py)."""
+    """Whether `embedding`'s output, on a lookup of two ids, is the one `TiedRows` differentiates: its rows, times
+    `_scale` where it has one (decided once per model: models/fast_paths.py)."""
     ids = torch.tensor([[0, min(1, embedding.num_embeddings - 1)]], device=embedding.weight.device)
-    route = TiedRows(embedding)
+    scale = _scale(embedding)
     with torch.no_grad():
         output = embedding(ids)
-    return route._reproduces(ids, output)
+        rows = F.embedding(ids, embedding.weight)
+        if scale is not None:
+            rows = rows * scale
+    return rows.dtype == output.dtype and torch.equal(rows, output)
 
 
 @contextlib.contextmanager
 def tied_rows(model, enabled: bool):
     """The block of one training pass (forward and backward) of `model` with its tied embedding's rows routed
     (`TiedRows`), where `enabled` and the model has a routable tied embedding; else nothing."""
-    from posttrain.models import fast_paths
-
     embedding = tied_embedding(model) if enabled else None
     if embedding is None or not fast_paths.decided(model, "tied_rows",
                                                    lambda: routable(embedding) and check_route(embedding)):
