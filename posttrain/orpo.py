@@ -120,7 +120,8 @@ class ORPOTrainer(PairTrainer):
             with collect as router_term:
                 logps, entropy, _, stats = next_token_logprobs(model, s.input_ids, s.attention_mask, s.position_ids,
                                                                s.source_mask, s.targets, with_entropy=True,
-                                                               with_stats=True, boundaries=s.boundaries)
+                                                               with_stats=True, boundaries=s.boundaries,
+                                                               prefixes=self._prefixes(model, batch, grad))
         sums = torch.zeros(batch.targets.numel(), dtype=logps.dtype, device=logps.device).index_add(
             0, batch.target_seq, logps)
         means = (sums / batch.targets.clamp(min=1)).view(-1, 2)  # [P, 2] each completion's mean target log-prob

@@ -117,7 +117,8 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
         model = self.ref_model if self.ref_model is not None else self._no_grad_model
         with torch.no_grad(), self._reference_context(), self.accelerator.autocast():
             logps, _, _ = next_token_logprobs(model, *self._inputs(batch), boundaries=batch.sequences.boundaries,
-                                              model_inputs=batch.sequences.model_inputs)
+                                              model_inputs=batch.sequences.model_inputs,
+                                              prefixes=self._prefixes(model, batch, grad=False))
         return self._sequence_logps(logps, batch).view(-1, 2)
 
     def _precomputed_reference(self, model, pairs: PairRows, name: str, batch_size: int) -> np.ndarray:
@@ -184,7 +185,8 @@ class DPOTrainer(AgainstReferenceTrainer, PairTrainer):
                 logps, entropy, top1, stats = next_token_logprobs(model, *self._inputs(batch), with_entropy=True,
                                                                   with_top1=True, with_stats=True,
                                                                   boundaries=batch.sequences.boundaries,
-                                                                  model_inputs=batch.sequences.model_inputs)
+                                                                  model_inputs=batch.sequences.model_inputs,
+                                                                  prefixes=self._prefixes(model, batch, grad))
         sequences = self._sequence_logps(logps, batch).view(-1, 2)
         ref = self._reference_logps(batch).to(sequences.dtype)
         completion = batch.completion.view(-1, 2).float()

@@ -37,6 +37,7 @@ from posttrain.models.logits_path import completion_logprobs_from_logits, target
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
+from posttrain.models.prefix_rows import at_sources, model_mask, prefix_rows, prefix_rows_work
 from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, distinct_prompts, every_process_agrees
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
@@ -300,7 +301,8 @@ def _logits_logprobs(model, input_ids, attention_mask, completion_ids, temperatu
 def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, source_mask: torch.Tensor, targets: torch.Tensor,
                         with_entropy: bool = False, with_top1: bool = False, predict_grad=None,
-                        with_stats: bool = False, boundaries=None, model_inputs: dict | None = None):
+                        with_stats: bool = False, boundaries=None, model_inputs: dict | None = None,
+                        prefixes=None):
     """Log-probabilities of the target tokens of right-padded or packed rows, through the output layer only at the
     positions that predict a target (never [B, T, V] logits on the fast path).
 
@@ -321,23 +323,67 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         model_inputs: the rows' extra forward inputs, batched (SequenceBatch.model_inputs: a vision-language
             model's pixel values), for right-padded rows (position_ids None: the model derives its own); they go to
             the model's forward, the chunked output layer after it as for any rows.
+        prefixes: the same right-padded pairs laid out with each pair's common prefix once (sequences/prefixes.py
+            PrefixBatch, until="targets"), or None. Given, the body runs that layout (two forwards before one
+            backward: the prefixes with a cache, the continuations against it) and the rows above are not run; only
+            for a model for which `shares_prefixes` holds (and, wrapped across processes, on every process alike).
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
     if fast_path_available(model):
         layer = output_layer(model)
 
-        def rows(hidden):  # [B, T, H] the final hidden states
-            return chunked_token_logprobs(hidden[source_mask], layer.weight, layer.bias, targets, 1.0, with_entropy,
-                                          predict_grad, with_top1=True, with_stats=with_stats,
+        def at_targets(hidden):  # [M, H] the final hidden states predicting the targets
+            return chunked_token_logprobs(hidden, layer.weight, layer.bias, targets, 1.0, with_entropy, predict_grad,
+                                          with_top1=True, with_stats=with_stats,
                                           float32_products=keeps_float32(layer))
 
-        out = through_output_layer(model, input_ids, attention_mask, position_ids, 0, rows, boundaries, model_inputs)
+        if prefixes is not None:
+            out = _through_prefixes(model, prefixes, at_targets)
+        else:
+            out = through_output_layer(model, input_ids, attention_mask, position_ids, 0,
+                                       lambda hidden: at_targets(hidden[source_mask]), boundaries, model_inputs)
         logps, entropy, top1 = out[:3]
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result
+    if prefixes is not None:
+        raise ValueError("next_token_logprobs(prefixes=...) needs a model for which shares_prefixes holds")
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    **sequence_kwargs(model, position_ids, 0, boundaries), **(model_inputs or {})).logits[
         source_mask].float()  # [M, V]
     return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)
+
+
+def shares_prefixes(model) -> bool:
+    """Whether `next_token_logprobs` may run pairs with their common prefix once through `model`: on the fast path,
+    as a row per pair where the model takes one (models/prefix_rows.py), else as two forwards where prompt sharing
+    may (the same forwards: `prompt_sharing_works`; not under activation checkpointing, with which transformers
+    turns the cache off in a training forward, nor DDP's static graph, recorded for one forward per backward)."""
+    if not fast_path_available(model):
+        return False
+    if prefix_rows_work(model):
+        return True
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph:
+        return False
+    return not checkpointing(unwrap(model)) and prompt_sharing_works(model)
+
+
+def _through_prefixes(model, prefixes, at_targets: Callable):
+    """`at_targets` on the [M, H] final hidden states predicting the targets of pairs laid out with their common
+    prefix once: one forward of a row per pair where the model takes one (models/prefix_rows.py), else the prefixes'
+    forward with a cache and the continuations' against it."""
+    if prefix_rows_work(model):
+        rows = prefix_rows(prefixes.prefix_ids, prefixes.prefix_mask, prefixes.suffix_ids, prefixes.suffix_mask,
+                           prefixes.suffix_targets)
+        return through_output_layer(model, rows.input_ids, model_mask(model, rows), rows.position_ids, 0,
+                                    lambda hidden: at_targets(at_sources(rows, hidden)))
+    return at_targets(_prefix_shared_hidden(model, prefixes)[prefixes.suffix_targets])
+
+
+def _prefix_shared_hidden(model, prefixes) -> torch.Tensor:
+    """[2P, C, H] final hidden states that predict each continuation token of pairs laid out with their common
+    prefix once (chosen 2i and rejected 2i + 1 against prefix i)."""
+    source = torch.arange(prefixes.pairs, device=prefixes.prefix_ids.device).repeat_interleave(2)
+    shared = SharedPrompts(prefixes.prefix_ids, prefixes.prefix_mask, source)
+    return _shared_prompt_hidden(model, shared, prefixes.suffix_ids, prefixes.suffix_mask)

@@ -18,7 +18,6 @@ logging window; posttrain takes them over the step (equal with one micro-batch a
 """
 
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,7 @@ from posttrain.configs import ConfigError, RewardConfig
 from posttrain.data import DataError
 from posttrain.models.loading import load_sequence_classifier
 from posttrain.models.forwards import masked_gqa_on_cpu
-from posttrain.models.keywords import unwrap
-from posttrain.models.prompt_sharing import body_parameters, every_process_agrees
+from posttrain.models.prompt_sharing import every_process_agrees
 from posttrain.models.scores import (HEAD_NAMES, prefix_shared_scores, prefix_sharing_works, score_head,
                                      score_positions, sequence_scores)
 from posttrain.reward.data import (RewardEncoder, RewardPreparation, detect_format, pairs_as_dataset,
@@ -137,7 +135,7 @@ class RewardTrainer(BatchedDataTrainer):
             self.model is self.policy, optimizer_built_here=optimizers == (None, None) and not optimizer_cls_and_kwargs)
         if rows is not None:  # the embedding's rows that move, updated alone
             self._update = RowwiseEmbeddingUpdate(self.sharding, rows)
-        self._min_shared = self._prefix_sharing_floor()
+        self._min_shared = self._prefix_sharing_floor(MIN_PREFIX_SAVING_FLOP, self.policy)
         self._tokens_seen = 0
         self._call("on_init_end")
 
@@ -219,15 +217,6 @@ class RewardTrainer(BatchedDataTrainer):
     @property
     def _no_grad_model(self):
         return self.forward_policy
-
-    def _prefix_sharing_floor(self) -> int | None:
-        """The positions a micro-batch's shared prefixes must save to be run so (MIN_PREFIX_SAVING_FLOP), or None
-        where they never are: padding-free rows (their own layout), parameters sharded across processes (FSDP,
-        ZeRO-3: one forward per backward), DDP's static graph."""
-        args = self.args
-        if args.padding_free or self.sharding.shards_parameters or args.ddp_static_graph:
-            return None
-        return math.ceil(MIN_PREFIX_SAVING_FLOP / (2 * max(body_parameters(unwrap(self.policy)), 1)))
 
     def _collate(self, pairs: PairRows) -> RewardBatch:
         padding_free = self._runs_padding_free(self.args.padding_free, self.forward_policy)

@@ -30,7 +30,9 @@ import time
 import torch
 
 from posttrain.data import DataError
+from posttrain.models.keywords import unwrap
 from posttrain.models.packed_layouts import packs_one_row
+from posttrain.models.prompt_sharing import body_parameters
 from posttrain.sequences.batches import MapBatches, StreamBatches, eval_batches, is_iterable, read_whole
 from posttrain.sequences.rows import EpochPlan
 from posttrain.training.checkpoint import CheckpointError, CheckpointExtras
@@ -77,6 +79,17 @@ class BatchedDataTrainer(Trainer):
         micro-batch, which every process reaches together; a model that does not is said once). Otherwise the rows
         are padded, one sequence each."""
         return requested and all(packs_one_row(model) for model in models if model is not None)
+
+    def _prefix_sharing_floor(self, min_flop: float, model) -> int | None:
+        """The positions a micro-batch's pairs laid out with their common prefixes once (sequences/prefixes.py) must
+        save to be run so: `min_flop` of the body's forward FLOPs (what pays for the second forward) in `model`; None
+        where they never are: padding-free rows (their own layout), parameters sharded across processes (FSDP,
+        ZeRO-3: one forward per backward), DDP's static graph, a router loss (it balances one forward's tokens)."""
+        args = self.args
+        if args.padding_free or self.sharding.shards_parameters or args.ddp_static_graph or \
+                (self._collects_router_loss and self.router_loss.enabled):
+            return None
+        return math.ceil(min_flop / (2 * max(body_parameters(unwrap(model)), 1)))
 
     def _set_batches(self, train_dataset, preparation, prepare_all) -> None:
         """self.batches and self.data_fingerprint: an IterableDataset's stream, prepared block by block, or a map-style

@@ -15,10 +15,13 @@ import torch
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.models.forwards import whole_logits
+from posttrain.models.logprobs import MIN_SHARED_SAVING_FLOP, shares_prefixes
+from posttrain.models.prompt_sharing import every_process_agrees
 from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.pair_batch import PairBatch, collate_pairs
 from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
 from posttrain.sequences.pairs import PairRows
+from posttrain.sequences.prefixes import PrefixBatch
 from posttrain.training.batched import BatchedDataTrainer
 from posttrain.training.statistics import StepCounts
 from posttrain.training.vision import (dataset_has_images, layout_refusals, processor_for, vision_processing,
@@ -93,7 +96,22 @@ class PairTrainer(BatchedDataTrainer):
 
     def _collate(self, pairs: PairRows) -> PairBatch:
         padding_free = self._runs_padding_free(self.args.padding_free, *self._forward_models())
-        return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of)
+        return collate_pairs(pairs, self.tokenizer.pad_token_id, padding_free, self.pad_to_multiple_of,
+                             self._shared_prefix_floor)
+
+    @property
+    def _shared_prefix_floor(self) -> int | None:
+        """The positions a micro-batch must save for its pairs to run with their common prefixes once (the same
+        two forwards as GRPO's shared prompts, hence their floor), or None where they never do."""
+        return self._prefix_sharing_floor(MIN_SHARED_SAVING_FLOP, self._no_grad_model)
+
+    def _prefixes(self, model, batch: PairBatch, grad: bool) -> PrefixBatch | None:
+        """The batch's shared-prefix layout where `model` runs it, else None: the trained model's forward (`grad`)
+        shares on every process training together or on none (prompt_sharing.every_process_agrees)."""
+        if self._shared_prefix_floor is None:
+            return None
+        local = batch.prefixes is not None and shares_prefixes(model)
+        return batch.prefixes if (every_process_agrees(model, local) if grad else local) else None
 
     def _step_counts(self, batches: list) -> PairCounts:
         return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
