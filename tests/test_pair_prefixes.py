@@ -218,12 +218,13 @@ def test_orpo_through_shared_prefixes_gives_the_unshared_run(tokenizer, tmp_path
 
 def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch):
     """At the shipped floor the tiny model's pairs save far too few FLOPs to pay for a second forward; padding-free
-    rows, and a router loss, keep the pairs whole whatever the floor."""
+    rows and a fixed padded width keep the pairs whole whatever the floor."""
     trainer, _, _ = _train(tokenizer, tmp_path / "floor", train=False)
     pairs = trainer.batches.rows.select(np.arange(8))
     assert trainer._shared_prefix_floor > trainer._collate(pairs).sequences.input_ids.numel()
     assert trainer._collate(pairs).prefixes is None
     monkeypatch.setattr(pair_trainers, "MIN_SHARED_SAVING_FLOP", 0)
     assert trainer._collate(pairs).prefixes is not None
-    trainer, _, _ = _train(tokenizer, tmp_path / "packed", train=False, padding_free=True)
-    assert trainer._shared_prefix_floor is None and trainer._collate(pairs).prefixes is None
+    for name, option in (("packed", {"padding_free": True}), ("fixed", {"pad_to_multiple_of": 8})):
+        trainer, _, _ = _train(tokenizer, tmp_path / name, train=False, **option)
+        assert trainer._shared_prefix_floor is None and trainer._collate(pairs).prefixes is None, name

@@ -83,10 +83,12 @@ class BatchedDataTrainer(Trainer):
     def _prefix_sharing_floor(self, min_flop: float, model) -> int | None:
         """The positions a micro-batch's pairs laid out with their common prefixes once (sequences/prefixes.py) must
         save to be run so: `min_flop` of the body's forward FLOPs (what pays for the second forward) in `model`; None
-        where they never are: padding-free rows (their own layout), parameters sharded across processes (FSDP,
-        ZeRO-3: one forward per backward), DDP's static graph, a router loss (it balances one forward's tokens)."""
+        where they never are: padding-free rows (their own layout), a fixed padded width (`pad_to_multiple_of`: shapes
+        kept for a compiler), parameters sharded across processes (FSDP, ZeRO-3: one forward per backward), DDP's
+        static graph, a router loss (it balances one forward's tokens)."""
         args = self.args
-        if args.padding_free or self.sharding.shards_parameters or args.ddp_static_graph or \
+        if args.padding_free or getattr(self, "pad_to_multiple_of", None) is not None or \
+                self.sharding.shards_parameters or args.ddp_static_graph or \
                 (self._collects_router_loss and self.router_loss.enabled):
             return None
         return math.ceil(min_flop / (2 * max(body_parameters(unwrap(model)), 1)))
