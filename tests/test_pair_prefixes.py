@@ -5,6 +5,7 @@ numbers through the shared path, and where the path is not taken."""
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_run
 from datasets import Dataset
 from test_dpo_trainer import PAIRS, _records, _train, dpo_config
 
@@ -184,14 +185,7 @@ def test_training_and_evaluation_through_shared_prefixes_give_the_unshared_run(t
     # the train and eval pairs' reference (4 + 2 batches: 4 and 8 + 4 pairs), the 2 steps' policy passes, the
     # evaluation's 2
     assert passes == [False] * 6 + [True] * 2 + [False] * 2
-    for a, b in zip(records, records_shared, strict=True):
-        for key in METRICS:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-    for key, value in evaluated.items():
-        if not key.endswith(("runtime", "per_second")):
-            assert evaluated_shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    for name in params:
-        torch.testing.assert_close(params_shared[name], params[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_run(records, records_shared, METRICS, params, params_shared, evaluated, evaluated_shared)
 
 
 def test_orpo_through_shared_prefixes_gives_the_unshared_run(tokenizer, tmp_path, monkeypatch):
@@ -209,11 +203,8 @@ def test_orpo_through_shared_prefixes_gives_the_unshared_run(tokenizer, tmp_path
                         {n: p.detach().clone() for n, p in trainer.policy.named_parameters()})
     (records, _, params), (records_shared, passes, params_shared) = runs[False], runs[True]
     assert passes == [True, True]
-    for a, b in zip(records, records_shared, strict=True):
-        for key in ("loss", "nll_loss", "log_odds_ratio", "rewards/margins", "logps/chosen", "logits/rejected"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-    for name in params:
-        torch.testing.assert_close(params_shared[name], params[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_run(records, records_shared, ("loss", "nll_loss", "log_odds_ratio", "rewards/margins",
+                                              "logps/chosen", "logits/rejected"), params, params_shared)
 
 
 def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_run
 from datasets import Dataset
 from test_reward import METRICS, PAIRS, _conversational, _records, _train, _trl_trainer
 
@@ -134,16 +135,7 @@ def test_evaluation_through_shared_prefixes_gives_the_unshared_metrics(tokenizer
         runs[shared] = (_records(trainer), trainer.evaluate(), params, len(passes))
     (records, evaluated, params, _), (records_shared, evaluated_shared, params_shared, passes) = runs[False], runs[True]
     assert passes == 2 + 4  # the two steps, then the evaluation's 4 batches
-    for a, b in zip(records, records_shared, strict=True):
-        for key in METRICS:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-    for key, value in evaluated.items():
-        if not key.endswith(("runtime", "per_second")):
-            assert evaluated_shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    for name in params:
-        # the shared and unshared forwards sum in other orders: their float32 rounding, through two AdamW steps,
-        # differs with the CPU's kernels (1.25e-6 on weights of up to 0.08 on an AVX2-only CPU)
-        torch.testing.assert_close(params_shared[name], params[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_run(records, records_shared, METRICS, params, params_shared, evaluated, evaluated_shared)
 
 
 def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch):

@@ -324,9 +324,10 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             model's pixel values), for right-padded rows (position_ids None: the model derives its own); they go to
             the model's forward, the chunked output layer after it as for any rows.
         prefixes: the same right-padded pairs laid out with each pair's common prefix once (sequences/prefixes.py
-            PrefixBatch, until="targets"), or None. Given, the body runs that layout (two forwards before one
-            backward: the prefixes with a cache, the continuations against it) and the rows above are not run; only
-            for a model for which `shares_prefixes` holds (and, wrapped across processes, on every process alike).
+            PrefixBatch, until="targets"), or None. Given, the body runs that layout (`_through_prefixes`: a row
+            per pair in one forward, or the prefixes with a cache and the continuations against it) and the rows
+            above are not run; only for a model for which `shares_prefixes` holds (and, wrapped across processes, on
+            every process alike).
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """

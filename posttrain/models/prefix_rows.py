@@ -58,7 +58,7 @@ class PrefixRows:
 def prefix_rows(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor,
                 suffix_mask: torch.Tensor, suffix_targets: torch.Tensor) -> PrefixRows:
     """The rows of pairs laid out by sequences/prefixes.py (the module's docstring)."""
-    p, width = prefix_ids.shape
+    width = prefix_ids.size(1)
     c = suffix_ids.size(1)
     chosen, rejected = suffix_ids[0::2], suffix_ids[1::2]
     input_ids = torch.cat([prefix_ids, chosen, rejected], dim=1)  # [P, T]
@@ -91,9 +91,12 @@ def _sources(suffix_targets: torch.Tensor, width: int, c: int) -> torch.Tensor:
 
 def implementation(model) -> str | None:
     """The model's attention implementation, as its (text) config names it."""
-    config = unwrap(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "_attn_implementation", None)
+    return getattr(_text_config(unwrap(model)), "_attn_implementation", None)
+
+
+def _text_config(plain):
+    config = plain.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def prefix_rows_work(model) -> bool:
@@ -106,8 +109,7 @@ def prefix_rows_work(model) -> bool:
 
 
 def _full_attention_only(plain) -> bool:
-    config = plain.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(plain)
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         if kinds and any(kind not in ("full_attention", "attention") for kind in kinds):
