@@ -83,15 +83,15 @@ def main():
     from posttrain.generation import lean_decoder
     from posttrain.models import logprobs
 
-    shared_passes = []  # per training pass that ran each distinct prompt once: how many distinct prompts it ran
-    shared_prompt_hidden, supports = logprobs._shared_prompt_hidden, lean_decoder.supports
+    shared_passes = []  # per training pass that ran each distinct prompt once (in rows or two forwards): how many
+    through_shared, supports = logprobs._through_shared, lean_decoder.supports
 
     def recorded_sharing(model, shared, *rest):
         if shared.source.numel() == args.batch:  # a pass over the step's rollouts, not the one-time model check
             shared_passes.append(shared.prompt_ids.size(0))
-        return shared_prompt_hidden(model, shared, *rest)
+        return through_shared(model, shared, *rest)
 
-    logprobs._shared_prompt_hidden = recorded_sharing
+    logprobs._through_shared = recorded_sharing
     lean_decodes = []  # per decode in this process: whether the lean decoder ran it (it prefills each prompt once)
     lean_decoder.supports = lambda model: lean_decodes.append(supports(model)) or lean_decodes[-1]
 

@@ -1,12 +1,14 @@
-"""GRPO's log-prob passes with each distinct prompt run once (models/prompt_sharing.py) against the rollouts run whole.
+"""GRPO's log-prob passes with each distinct prompt run once (models/prompt_sharing.py), as a row per prompt
+(models/prefix_rows.py) and as two forwards (the prompts with a cache, the completions against it), against the
+rollouts run whole.
 
 Usage: python bench/prompt_sharing_micro.py MODEL_DIR [--rows 16] [--gens 8] [--prompt 10] [--completion 128]
                                                       [--repeats 5] [--threads 2]
 rows / gens distinct prompts of --prompt random tokens, each with gens completions of --completion random tokens
-(every row full length, so packing has nothing to remove). Per repeat, alternating: the policy pass (token_logprobs
-with entropy and the loss gradient predicted, then backward) and the reference pass (no gradient), shared and
-unshared. Prints one JSON line: the median seconds of each, their ratios, the positions each runs the body over, and
-the largest difference between the two log-probs.
+(every row full length, so packing has nothing to remove). Per repeat, each layout in turn (the order rotating): the
+policy pass (token_logprobs with entropy and the loss gradient predicted, then backward) and the reference pass (no
+gradient). Prints one JSON line: the median seconds of each, their ratios to the unshared pass's, the positions each
+runs the body over, and the largest difference of each shared layout's log-probs from the unshared ones.
 """
 
 import argparse
@@ -34,9 +36,11 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from posttrain.models import logprobs
     from posttrain.models.chunked_check import fast_path_available
     from posttrain.models.logprobs import prompt_sharing_works, token_logprobs
     from posttrain.models.packed_layouts import packed_layouts
+    from posttrain.models.prefix_rows import prefix_rows_work, row_width_limit
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -47,28 +51,32 @@ def main():
     n, p, c = args.rows, args.prompt, args.completion
     batch, weights, distinct = rollout_batch(n, args.gens, p, c)
 
-    times = {(share, kind): [] for share in (False, True) for kind in ("policy", "reference")}
+    rows_allowed = prefix_rows_work(model) and p + args.gens * c <= row_width_limit(model)
+    layouts = ("unshared", "rows", "two_forwards") if rows_allowed else ("unshared", "two_forwards")
+    times = {(layout, kind): [] for layout in layouts for kind in ("policy", "reference")}
     logps = {}
-    for _ in range(args.repeats):
-        for share in (False, True):
+    for repeat in range(args.repeats):
+        for layout in layouts[repeat % len(layouts):] + layouts[:repeat % len(layouts)]:
+            logprobs.prefix_rows_work = prefix_rows_work if layout == "rows" else (lambda model: False)
+            share = layout != "unshared"
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             lp, _ = token_logprobs(model, *batch, with_entropy=True, loss_gradient=lambda x: weights,
                                    share_prompts=share)
             (lp * weights).sum().backward()
-            times[(share, "policy")].append(time.perf_counter() - start)
+            times[(layout, "policy")].append(time.perf_counter() - start)
             with torch.no_grad():
                 start = time.perf_counter()
-                logps[share] = token_logprobs(model, *batch, share_prompts=share)[0]
-                times[(share, "reference")].append(time.perf_counter() - start)
-    median = {f"{'shared' if share else 'unshared'}_{kind}_s": round(statistics.median(t), 3)
-              for (share, kind), t in times.items()}
+                logps[layout] = token_logprobs(model, *batch, share_prompts=share)[0]
+                times[(layout, "reference")].append(time.perf_counter() - start)
+    median = {f"{layout}_{kind}_s": round(statistics.median(t), 3) for (layout, kind), t in times.items()}
+    ratios = {f"{layout}_{kind}_ratio": round(median[f"{layout}_{kind}_s"] / median[f"unshared_{kind}_s"], 3)
+              for layout in layouts[1:] for kind in ("policy", "reference")}
     print(json.dumps({
-        "rows": n, "distinct_prompts": distinct, "prompt": p, "completion": c, **median,
-        "policy_ratio": round(median["shared_policy_s"] / median["unshared_policy_s"], 3),
-        "reference_ratio": round(median["shared_reference_s"] / median["unshared_reference_s"], 3),
-        "unshared_positions": n * (p + c), "shared_positions": distinct * p + n * c,
-        "max_logp_diff": float((logps[True] - logps[False]).abs().max()),
+        "rows": n, "distinct_prompts": distinct, "prompt": p, "completion": c, **median, **ratios,
+        "unshared_positions": n * (p + c), "two_forwards_positions": distinct * p + n * c,
+        "rows_positions": distinct * (p + args.gens * c) if rows_allowed else None,
+        **{f"{layout}_max_logp_diff": float((logps[layout] - logps["unshared"]).abs().max()) for layout in layouts[1:]},
     }))
 
 

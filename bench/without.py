@@ -6,8 +6,9 @@ Usage: python bench/without.py PATH SCRIPT [its arguments]   (e.g. bench/clocked
 PATH:
     tied_rows       the tied-embedding route (models/tied_embedding.py): autograd's dense lookup gradient instead
     pair_prefixes   DPO's and ORPO's pairs with their common prefix once (sequences/prefixes.py): whole sequences
-    prefix_rows     those pairs as a row per pair (models/prefix_rows.py): the prefixes' forward, then the
-                    continuations' against its cache
+    prefix_rows     DPO's pairs as a row per pair and GRPO's shared prompts as a row per prompt
+                    (models/prefix_rows.py): the prefixes' forward, then the continuations' against its cache, or
+                    (under activation checkpointing, which turns the cache off) whole sequences
 
 The script runs unchanged as __main__ in this process, with the path's switch turned off.
 """

@@ -3,11 +3,14 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 multiproc_prompt_sharing.py FIND_UNUSED OUT_DIR
 
 A tiny model wrapped by DDP (buffers broadcast at every forward, DDP's default; find_unused_parameters as given) runs
-token_logprobs with share_prompts on each process's own rollouts, twice: once where both processes' rollouts repeat
-their prompts ("both"), once where process 1's prompts are all distinct, so it has nothing to share ("one"). Each time
-a pass without gradient (as the old-policy pass runs) then one with, and its backward. OUT_DIR/rank<RANK>.json holds,
-per case, whether the prompts were shared in each pass and the differences from an unwrapped copy of the model given
-the same rollouts unshared (log-probs; gradients averaged over the two processes as DDP averages them)."""
+token_logprobs with share_prompts on each process's own rollouts, three times: where both processes' rollouts repeat
+their prompts ("both": rows of 2 prompts with 3 completions each, within the rows' width limit, set to 30 columns
+here), where process 1's prompts are all distinct, so it has nothing to share ("one"), and where process 1's 6
+rollouts repeat one prompt, whose row would pass the limit ("mixed": process 1 would run two forwards, process 0 one
+row). Each time a pass without gradient (as the old-policy pass runs) then one with, and its backward.
+OUT_DIR/rank<RANK>.json holds, per case, the layout of each shared pass and the differences from an unwrapped copy of
+the model given the same rollouts unshared (log-probs; gradients averaged over the two processes as DDP averages
+them)."""
 
 import datetime
 import gc
@@ -27,9 +30,12 @@ find_unused, out = sys.argv[1] == "true", sys.argv[2]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 logprobs.MIN_SHARED_SAVING_FLOP = 0  # the tiny model saves too few FLOPs for sharing to pay otherwise
+logprobs.row_width_limit = lambda model: 30  # rows of 2 x 11-12 prompt tokens and 3 x 5 completion tokens pass
 shared_calls = []
-_hidden = logprobs._shared_prompt_hidden
-logprobs._shared_prompt_hidden = lambda *a: shared_calls.append(torch.is_grad_enabled()) or _hidden(*a)
+_through = logprobs._through_shared
+logprobs._through_shared = lambda model, shared, *a: shared_calls.append(
+    ("grad" if torch.is_grad_enabled() else "no_grad") + (" rows" if shared.in_rows else " two")) or _through(
+    model, shared, *a)
 
 tokenizer = tiny_tokenizer()
 model, reference = tiny_model(tokenizer, seed=5, hidden=32, layers=2), tiny_model(tokenizer, seed=5, hidden=32,
@@ -57,9 +63,10 @@ def long_prompt(start: int) -> list[int]:
 
 grouped = [long_prompt(rank)] * 3 + [long_prompt(rank + 10)] * 3  # 2 prompts, 3 completions each
 distinct = [long_prompt(rank + 20 + i) for i in range(6)]
-assert logprobs.prompt_sharing_works(ddp)  # the one-time check (its own shared forward) before counting
+assert logprobs.prompt_sharing_works(ddp) and logprobs.prefix_rows_work(ddp)  # the one-time checks before counting
 results = {}
-for case, prompts in (("both", grouped), ("one", grouped if rank == 0 else distinct)):
+for case, prompts in (("both", grouped), ("one", grouped if rank == 0 else distinct),
+                      ("mixed", grouped if rank == 0 else [long_prompt(rank)] * 6)):
     batch = rollouts(prompts, seed=rank)
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
@@ -76,7 +83,7 @@ for case, prompts in (("both", grouped), ("one", grouped if rank == 0 else disti
         g /= dist.get_world_size()
     grads = dict(model.named_parameters())
     results[case] = {
-        "shared_without_gradient": shared_calls.count(False), "shared_with_gradient": shared_calls.count(True),
+        "shared": shared_calls[:],
         "logps_max_diff": float((logps - expected).detach().abs().max()),
         "no_grad_logps_max_diff": float((no_grad_logps - expected).detach().abs().max()),
         "grad_max_diff": max(float((grads[n].grad - g).abs().max()) for n, g in averaged.items()),

@@ -2,6 +2,8 @@
 `next_token_logprobs(prefixes=...)`): the layout, the log-probs and gradients against the unshared forward, TRL's
 numbers through the shared path, and where the path is not taken."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,8 @@ from test_dpo_trainer import PAIRS, _records, _train, dpo_config
 from posttrain.configs.orpo import ORPOConfig
 from posttrain.dpo.trainer import DPOTrainer
 from posttrain.models import logprobs
-from posttrain.models.logprobs import next_token_logprobs, shares_prefixes
+from posttrain.models import prefix_rows as prefix_rows_module
+from posttrain.models.logprobs import ONE_ROW, TWO_FORWARDS, UNSHARED, next_token_logprobs, prefix_layout
 from posttrain.models.prefix_rows import prefix_rows
 from posttrain.orpo import ORPOTrainer
 from posttrain.sequences.pair_batch import collate_pairs
@@ -26,6 +29,13 @@ PAD = 0
 EVAL_PAIRS = {k: v[:12] for k, v in PAIRS.items()}  # not the train pairs: their reference is not read from the cache
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+@pytest.fixture(autouse=True)
+def rows_on_tiny_models(monkeypatch):
+    """The tests' models are tiny: a row's attention weighs more against their products than MAX_ATTENTION_SHARE
+    allows at any width, so the share is lifted here (test_wide_rows_run_two_forwards checks the limit itself)."""
+    monkeypatch.setattr(prefix_rows_module, "MAX_ATTENTION_SHARE", 1e6)
 
 
 def _rows(*sequences) -> TokenRows:
@@ -79,9 +89,10 @@ def test_shared_logprobs_entropy_statistics_and_gradients_equal_the_unshared(tok
     prompts = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in (7, 4, 9)]
     rows = _rows(*[(p, torch.randint(3, 90, (k,), generator=generator).tolist()) for p in prompts for k in (5, 3)])
     batch = collate_pairs(PairRows(rows, np.arange(3)), PAD, False, None, min_shared=0)
-    assert batch.prefixes is not None and shares_prefixes(model)
+    layout = prefix_layout(model, batch.prefixes.row_width)
+    assert layout == (ONE_ROW if logprobs.prefix_rows_work(model) else TWO_FORWARDS)
     results = []
-    for prefixes in (None, batch.prefixes):
+    for prefixes in (None, replace(batch.prefixes, in_rows=layout == ONE_ROW)):
         model.zero_grad()
         s = batch.sequences
         logps, entropy, top1, stats = next_token_logprobs(model, s.input_ids, s.attention_mask, s.position_ids,
@@ -105,7 +116,7 @@ def test_recurrent_layers_run_whole_sequences(tokenizer):
     """Qwen3.5's Gated DeltaNet layers read no attention mask (a row per pair would mix its parts) and their cache
     cannot select rows (two forwards cannot run): its pairs run whole."""
     model = tiny_architecture("qwen3_5", tokenizer)
-    assert not logprobs.prefix_rows_work(model) and not shares_prefixes(model)
+    assert not logprobs.prefix_rows_work(model) and prefix_layout(model, 20) == UNSHARED
 
 
 def test_a_row_per_pair_keeps_the_continuations_apart():
@@ -113,7 +124,7 @@ def test_a_row_per_pair_keeps_the_continuations_apart():
     one, padding sees itself only, and each target is predicted from the column before it (the prefix's last for a
     continuation's first token)."""
     rows = prefix_rows(torch.tensor([[PAD, 5, 6]]), torch.tensor([[0, 1, 1]]), torch.tensor([[7, 8], [9, PAD]]),
-                       torch.tensor([[1, 1], [1, 0]]), torch.tensor([[True, True], [True, False]]))
+                       torch.tensor([[1, 1], [1, 0]]), torch.tensor([0, 0]))
     assert rows.input_ids.tolist() == [[PAD, 5, 6, 7, 8, 9, PAD]]
     assert rows.position_ids.tolist() == [[0, 0, 1, 2, 3, 2, 3]]
     assert rows.allowed[0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0],
@@ -123,7 +134,28 @@ def test_a_row_per_pair_keeps_the_continuations_apart():
                                               [0, 1, 1, 1, 1, 0, 0],
                                               [0, 1, 1, 0, 0, 1, 0],
                                               [0, 0, 0, 0, 0, 0, 1]]
-    assert rows.source.tolist() == [2, 3, 2]
+    assert rows.source.tolist() == [[2, 3], [2, 5]]  # the padding's (5) is read by no target
+    assert rows.source[torch.tensor([[True, True], [True, False]])].tolist() == [2, 3, 2]
+
+
+def test_wide_rows_run_two_forwards(tokenizer, monkeypatch):
+    """A row's attention computes every (query, key) pair: at Qwen2.5-0.5B's shape rows are taken up to about 1,040
+    columns (attention an eighth of the products), which holds DPO's and GRPO's benchmark rows (160 and 267); a
+    wider row runs the two forwards, or whole sequences where those cannot run (activation checkpointing)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    monkeypatch.setattr(prefix_rows_module, "MAX_ATTENTION_SHARE", 1 / 8)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        assert 1000 < prefix_rows_module.row_width_limit(Qwen2ForCausalLM(config)) < 1100
+    model = tiny_architecture("qwen2", tokenizer)
+    limit = prefix_rows_module.row_width_limit(model)
+    assert prefix_layout(model, limit) == ONE_ROW and prefix_layout(model, None) == TWO_FORWARDS
+    assert prefix_layout(model, limit + 1) == TWO_FORWARDS
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert prefix_layout(model, limit) == ONE_ROW and prefix_layout(model, limit + 1) == UNSHARED
 
 
 def _counting_shared_passes(monkeypatch) -> list:

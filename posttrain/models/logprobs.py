@@ -18,6 +18,7 @@ those paths' one-time checks; prompt sharing's is kept here beside the forwards 
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -37,14 +38,19 @@ from posttrain.models.logits_path import completion_logprobs_from_logits, target
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
-from posttrain.models.prefix_rows import at_sources, model_mask, prefix_rows, prefix_rows_work
-from posttrain.models.prompt_sharing import SharedPrompts, body_parameters, distinct_prompts, every_process_agrees
+from posttrain.models.prefix_rows import (at_sources, model_mask, prefix_rows, prefix_rows_work, row_width,
+                                          row_width_limit)
+from posttrain.models.prompt_sharing import (SharedPrompts, body_parameters, distinct_prompts, every_process_least,
+                                             saves_enough)
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
 MIN_SHARED_SAVING_FLOP = 1e9
 # what a model loses when a fast path's one-time check fails or its forward cannot take what the path passes
 SHARING_OFF = "its log-prob passes run each rollout's prompt, not each distinct prompt once"
+# how prefixes shared by several continuations run (`prefix_layout`), numbered so that the least any process training
+# a model together with others takes is one every process can run (models/prompt_sharing.py every_process_least)
+UNSHARED, TWO_FORWARDS, ONE_ROW = 0, 1, 2
 
 
 @contextlib.contextmanager
@@ -117,8 +123,8 @@ def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
                                  input_ids.numel() if packed is None else packed.input_ids.numel()) \
             if share_prompts else None
         if shared is not None:
-            return _at_completions(model, lambda rows: rows(_shared_prompt_hidden(model, shared, completion_ids,
-                                                                                   completion_mask)),
+            return _at_completions(model, lambda rows: _through_shared(model, shared, completion_ids, completion_mask,
+                                                                       rows),
                                    completion_ids, completion_mask, temperature, with_entropy, loss_gradient,
                                    entropy_grad)
         if packed is not None:
@@ -217,18 +223,45 @@ def _packed_logprobs(model, packed: PackedRows, shape: torch.Size, temperature, 
 
 
 def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, positions_otherwise: int):
-    """The rollouts' distinct prompts (models/prompt_sharing.py) when running them once pays and the model allows it
-    (for a model trained across processes: on every process), else None."""
-    plain = unwrap(model)
+    """The rollouts' distinct prompts (models/prompt_sharing.py) with the layout they run in (`prefix_layout`), where
+    running them once pays and the model allows it (for a model trained across processes: on every process, in a
+    layout every one can run), else None."""
+    min_saved = math.ceil(MIN_SHARED_SAVING_FLOP / (2 * max(body_parameters(unwrap(model)), 1)))
+    shared = distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise, min_saved)
+    layout = UNSHARED
+    if shared is not None:  # the rows hold every prompt's rollouts in as many slots as the most copies of one
+        prompts = len(shared.prompt_ids)
+        width = row_width(shared.prompt_ids.size(1), shared.source, prompts, completion_width)
+        layout = prefix_layout(model, width if saves_enough(prompts * width, positions_otherwise, min_saved) else None)
+    layout = every_process_least(model, layout)
+    return None if layout == UNSHARED else dataclasses.replace(shared, in_rows=layout == ONE_ROW)
+
+
+def prefix_layout(model, row_width: int | None) -> int:
+    """How `model`'s log-prob passes run prefixes shared by several continuations, where a row per prefix would be
+    `row_width` wide (None: rows would not pay): ONE_ROW where the model takes such rows (models/prefix_rows.py) and
+    their attention pays (`row_width_limit`), else TWO_FORWARDS, the prefixes with a cache and the continuations
+    against it, where the model reproduces its hidden states so (`prompt_sharing_works`; not under activation
+    checkpointing, with which transformers turns the cache off in a training forward, nor DDP's static graph,
+    recorded for one forward per backward), else UNSHARED. Not on the whole-logits path."""
+    if not fast_path_available(model):
+        return UNSHARED
+    if row_width is not None and row_width <= row_width_limit(model) and prefix_rows_work(model):
+        return ONE_ROW
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph:
-        return None  # a static graph is recorded for one forward per backward (the same on every process)
-    shared = None
-    # transformers turns the cache off in a checkpointed module's training forward
-    if not checkpointing(plain) and prompt_sharing_works(model):
-        min_saved = MIN_SHARED_SAVING_FLOP / (2 * max(body_parameters(plain), 1))
-        shared = distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise,
-                                  math.ceil(min_saved))
-    return shared if every_process_agrees(model, shared is not None) else None
+        return UNSHARED
+    return TWO_FORWARDS if not checkpointing(unwrap(model)) and prompt_sharing_works(model) else UNSHARED
+
+
+def _through_shared(model, shared: SharedPrompts, completion_ids, completion_mask, compute: Callable):
+    """`compute` on the [N, C, H] final hidden states that predict each completion token of [N, C] right-padded
+    completions after their shared prompts: one forward of a row per prompt (shared.in_rows: models/prefix_rows.py),
+    else `_shared_prompt_hidden`'s two."""
+    if shared.in_rows:
+        rows = prefix_rows(shared.prompt_ids, shared.prompt_mask, completion_ids, completion_mask, shared.source)
+        return through_output_layer(model, rows.input_ids, model_mask(model, rows), rows.position_ids, 0,
+                                    lambda hidden: compute(at_sources(rows, hidden)))
+    return compute(_shared_prompt_hidden(model, shared, completion_ids, completion_mask))
 
 
 def _shared_prompt_hidden(model, shared: SharedPrompts, completion_ids, completion_mask) -> torch.Tensor:
@@ -325,9 +358,9 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             the model's forward, the chunked output layer after it as for any rows.
         prefixes: the same right-padded pairs laid out with each pair's common prefix once (sequences/prefixes.py
             PrefixBatch, until="targets"), or None. Given, the body runs that layout (`_through_prefixes`: a row
-            per pair in one forward, or the prefixes with a cache and the continuations against it) and the rows
-            above are not run; only for a model for which `shares_prefixes` holds (and, wrapped across processes, on
-            every process alike).
+            per pair in one forward where prefixes.in_rows, else the prefixes with a cache and the continuations
+            against it) and the rows above are not run; only in a layout `prefix_layout` gives for the model (and,
+            wrapped across processes, the same on every process).
     Returns:
         (logps [M] float32, entropy [M] or None, is_top1 [M] bool or None), and with `with_stats` the statistics.
     """
@@ -348,7 +381,7 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         result = (logps, entropy if with_entropy else None, top1 if with_top1 else None)
         return result + (out[3],) if with_stats else result
     if prefixes is not None:
-        raise ValueError("next_token_logprobs(prefixes=...) needs a model for which shares_prefixes holds")
+        raise ValueError("next_token_logprobs(prefixes=...) needs a model on the fast path (prefix_layout)")
     # the model post-processes its logits (or its output layer is wrapped): take them whole, as it computes them
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    **sequence_kwargs(model, position_ids, 0, boundaries), **(model_inputs or {})).logits[
@@ -356,35 +389,9 @@ def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return target_logprobs_from_logits(logits, targets, with_entropy, with_top1, with_stats)
 
 
-def shares_prefixes(model) -> bool:
-    """Whether `next_token_logprobs` may run pairs with their common prefix once through `model`: on the fast path,
-    as a row per pair where the model takes one (models/prefix_rows.py), else as two forwards where prompt sharing
-    may (the same forwards: `prompt_sharing_works`; not under activation checkpointing, with which transformers
-    turns the cache off in a training forward, nor DDP's static graph, recorded for one forward per backward)."""
-    if not fast_path_available(model):
-        return False
-    if prefix_rows_work(model):
-        return True
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph:
-        return False
-    return not checkpointing(unwrap(model)) and prompt_sharing_works(model)
-
-
 def _through_prefixes(model, prefixes, at_targets: Callable):
     """`at_targets` on the [M, H] final hidden states predicting the targets of pairs laid out with their common
-    prefix once: one forward of a row per pair where the model takes one (models/prefix_rows.py), else the prefixes'
-    forward with a cache and the continuations' against it."""
-    if prefix_rows_work(model):
-        rows = prefix_rows(prefixes.prefix_ids, prefixes.prefix_mask, prefixes.suffix_ids, prefixes.suffix_mask,
-                           prefixes.suffix_targets)
-        return through_output_layer(model, rows.input_ids, model_mask(model, rows), rows.position_ids, 0,
-                                    lambda hidden: at_targets(at_sources(rows, hidden)))
-    return at_targets(_prefix_shared_hidden(model, prefixes)[prefixes.suffix_targets])
-
-
-def _prefix_shared_hidden(model, prefixes) -> torch.Tensor:
-    """[2P, C, H] final hidden states that predict each continuation token of pairs laid out with their common
-    prefix once (chosen 2i and rejected 2i + 1 against prefix i)."""
-    source = torch.arange(prefixes.pairs, device=prefixes.prefix_ids.device).repeat_interleave(2)
-    shared = SharedPrompts(prefixes.prefix_ids, prefixes.prefix_mask, source)
-    return _shared_prompt_hidden(model, shared, prefixes.suffix_ids, prefixes.suffix_mask)
+    prefix once (sequences/prefixes.py), in the layout `prefixes.in_rows` says (`_through_shared`)."""
+    shared = SharedPrompts(prefixes.prefix_ids, prefixes.prefix_mask, prefixes.source, prefixes.in_rows)
+    return _through_shared(model, shared, prefixes.suffix_ids, prefixes.suffix_mask,
+                           lambda hidden: at_targets(hidden[prefixes.suffix_targets]))

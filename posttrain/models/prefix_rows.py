@@ -1,28 +1,33 @@
-"""Each pair's common prefix once, in one forward: a row per pair holding its prefix and both continuations, with an
-attention mask that keeps the continuations apart.
+"""Each prefix once, in one forward: a row per prefix holding the prefix and every continuation of it, with an
+attention mask that keeps the continuations apart (DPO's and ORPO's pairs, GRPO's groups of rollouts).
 
-The pairs laid out by sequences/prefixes.py ([P, Lp] left-padded prefixes, [2P, C] right-padded continuations, chosen
-2i and rejected 2i + 1) become P rows of Lp + 2C columns:
+Prefixes [P, Lp] left-padded, continuations [N, C] right-padded, and `source` [N], the prefix each continuation follows
+(a pair's chosen 2i and rejected 2i + 1 follow prefix i; a group's rollouts their prompt), become P rows of
+Lp + K * C columns, K the most continuations of one prefix: the k-th continuation of prefix p fills slot k of row p
+(a prefix with fewer leaves its last slots padding):
 
-    row i      [ prefix i (left-padded) | chosen continuation (right-padded) | rejected continuation (right-padded) ]
-    positions    0 .. n_i - 1             n_i .. n_i + C - 1                   n_i .. n_i + C - 1   (n_i: the prefix's
-                                                                                                    real tokens)
-    attention  a real token sees the real tokens before it in its own part and the prefix's; the rejected
-               continuation never sees the chosen one (a padding position sees itself only)
+    row p      [ prefix p (left-padded) | slot 0 (right-padded) | slot 1 | ... | slot K - 1 ]
+    positions    0 .. n_p - 1             n_p .. n_p + C - 1      the same in every slot     (n_p: the prefix's
+                                                                                             real tokens)
+    attention  a real token sees the real tokens before it in its own slot and the prefix's; no slot sees another
+               (a padding position sees itself only)
 
-so every position computes what it computes in its own whole sequence, and the body runs P x (Lp + 2C) positions in
+so every position computes what it computes in its own whole sequence, and the body runs P x (Lp + K * C) positions in
 one forward and one backward: no cache, and each weight's gradient one product over all the rows (two forwards, as
 models/logprobs.py's shared prompts run, make each weight's gradient two products of fewer rows and their sum: 0.8 s
 of a DPO backward at Qwen2.5-0.5B's shape). A custom [P, 1, T, T] mask is passed to the model as transformers takes
 one (as it is: bool for sdpa, additive for eager), so only models whose every layer is full attention take this path
 (a sliding window or a recurrent layer would read the mask otherwise, or not at all), under sdpa or eager attention,
-and only where the model reproduces its unshared hidden states so (checked once per model and implementation).
+and only where the model reproduces its unshared hidden states so (checked once per model and implementation). With
+such a mask attention computes every (query, key) pair of a row, so rows are taken only while that is at most
+MAX_ATTENTION_SHARE of their products (`row_width_limit`).
 
-    PrefixRows.input_ids    [P, T] long   T = Lp + 2C
+    PrefixRows.input_ids    [P, T] long   T = Lp + K * C
     PrefixRows.position_ids [P, T] long
     PrefixRows.allowed      [P, T, T] bool  query t may attend to key s
-    PrefixRows.source       [M] long      flat index in [P * T] of the position predicting each target, in the
-                                          targets' order (sequence 0, 1, ..., each in its order)
+    PrefixRows.source       [N, C] long   flat index in [P * T] of the position predicting each continuation token
+                                          (the prefix's last column for a continuation's first token, the slot's
+                                          previous column otherwise)
 """
 
 from dataclasses import dataclass
@@ -34,10 +39,15 @@ from posttrain.models.forwards import (agree_within_rounding, final_hidden, in_e
                                        output_layer_input, sequence_kwargs)
 from posttrain.models.keywords import unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised
+from posttrain.models.prompt_sharing import body_parameters
 
 # what a model loses where the check fails
-ROWS_OFF = "its pairs' common prefixes run in a forward of their own, not in one row with both continuations"
+ROWS_OFF = "its shared prefixes run in a forward of their own, not in one row with their continuations"
 _IMPLEMENTATIONS = ("sdpa", "eager")  # the attention implementations that take a custom 4D mask as it is
+# the most a row's attention (every (query, key) pair, 4 FLOPs per pair per attention channel per layer) may cost
+# against its products (2 FLOPs per body parameter per position): beyond it the row's masked pairs cost more than one
+# forward saves
+MAX_ATTENTION_SHARE = 1 / 8
 
 
 @dataclass
@@ -56,37 +66,60 @@ class PrefixRows:
 
 
 def prefix_rows(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor,
-                suffix_mask: torch.Tensor, suffix_targets: torch.Tensor) -> PrefixRows:
-    """The rows of pairs laid out by sequences/prefixes.py (the module's docstring)."""
-    width = prefix_ids.size(1)
-    c = suffix_ids.size(1)
-    chosen, rejected = suffix_ids[0::2], suffix_ids[1::2]
-    input_ids = torch.cat([prefix_ids, chosen, rejected], dim=1)  # [P, T]
-    real = torch.cat([prefix_mask.bool(), suffix_mask[0::2].bool(), suffix_mask[1::2].bool()], dim=1)
+                suffix_mask: torch.Tensor, source: torch.Tensor) -> PrefixRows:
+    """The rows of prefixes [P, Lp] and the continuations [N, C] that follow them (`source` [N]: the module's
+    docstring)."""
+    p, width = prefix_ids.shape
+    c, device = suffix_ids.size(1), prefix_ids.device
+    slot = slots(source, p)  # [N]
+    k = int(slot.max()) + 1
+    in_slots = suffix_ids.new_zeros((p, k, c))
+    in_slots[source, slot] = suffix_ids
+    real_in_slots = torch.zeros((p, k, c), dtype=torch.bool, device=device)
+    real_in_slots[source, slot] = suffix_mask.bool()
+    input_ids = torch.cat([prefix_ids, in_slots.view(p, k * c)], dim=1)  # [P, T]
+    real = torch.cat([prefix_mask.bool(), real_in_slots.view(p, k * c)], dim=1)
     lengths = prefix_mask.sum(1, keepdim=True)  # [P, 1]
     prefix_positions = (prefix_mask.cumsum(1) - 1).clamp(min=0)
-    suffix_positions = lengths + torch.arange(c, device=prefix_ids.device)[None]  # [P, C]
-    position_ids = torch.cat([prefix_positions, suffix_positions, suffix_positions], dim=1)
-    part = torch.cat([torch.zeros(width, dtype=torch.long), torch.ones(c, dtype=torch.long),
-                      torch.full((c,), 2, dtype=torch.long)]).to(prefix_ids.device)  # [T] 0 prefix, 1, 2
-    column = torch.arange(part.numel(), device=prefix_ids.device)
+    slot_positions = (lengths + torch.arange(c, device=device)[None]).repeat(1, k)  # [P, K * C]
+    position_ids = torch.cat([prefix_positions, slot_positions], dim=1)
+    part = torch.cat([torch.zeros(width, dtype=torch.long, device=device),
+                      torch.arange(1, k + 1, device=device).repeat_interleave(c)])  # [T] 0 the prefix, 1 + k slot k
+    column = torch.arange(part.numel(), device=device)
     causal = column[None, :] <= column[:, None]  # [T, T] key s at or before query t
     same_part = (part[None, :] == 0) | (part[None, :] == part[:, None])
     allowed = causal & same_part & real[:, None, :] & real[:, :, None]  # [P, T, T]
-    allowed |= torch.eye(part.numel(), dtype=torch.bool, device=allowed.device)  # padding sees itself
-    return PrefixRows(input_ids, position_ids, allowed, _sources(suffix_targets, width, c))
+    allowed |= torch.eye(part.numel(), dtype=torch.bool, device=device)  # padding sees itself
+    return PrefixRows(input_ids, position_ids, allowed, _sources(source, slot, width, c, width + k * c))
 
 
-def _sources(suffix_targets: torch.Tensor, width: int, c: int) -> torch.Tensor:
-    """[M] the flat index in [P * (width + 2C)] of the position predicting each target: the prefix's last column for
-    a continuation's first token, the continuation's previous column otherwise."""
-    n = suffix_targets.size(0)
-    row = torch.arange(n, device=suffix_targets.device) // 2
-    start = width + (torch.arange(n, device=suffix_targets.device) % 2) * c  # each continuation's first column
-    j = torch.arange(c, device=suffix_targets.device)[None]  # [1, C]
-    column = torch.where(j == 0, width - 1, start[:, None] + j - 1)  # [2P, C]
-    flat = row[:, None] * (width + 2 * c) + column
-    return flat[suffix_targets]
+def slots(source: torch.Tensor, prefixes: int) -> torch.Tensor:
+    """[N] each continuation's slot: how many continuations of its prefix come before it."""
+    same = torch.nn.functional.one_hot(source, prefixes)  # [N, P]
+    return (same.cumsum(0) * same).sum(1) - 1
+
+
+def _sources(source: torch.Tensor, slot: torch.Tensor, width: int, c: int, row_width: int) -> torch.Tensor:
+    """[N, C] the flat index in [P * row_width] of the position predicting each continuation token: the prefix's
+    last column for a continuation's first token, the slot's previous column otherwise."""
+    j = torch.arange(c, device=source.device)[None]  # [1, C]
+    column = torch.where(j == 0, width - 1, width + slot[:, None] * c + j - 1)  # [N, C]
+    return source[:, None] * row_width + column
+
+
+def row_width(prefix_width: int, source: torch.Tensor, prefixes: int, continuation_width: int) -> int:
+    """T, the width of the rows of `prefixes` prefixes `prefix_width` wide and continuations `continuation_width`
+    wide following them as `source` says."""
+    return prefix_width + int(slots(source, prefixes).max()) * continuation_width + continuation_width
+
+
+def row_width_limit(model) -> int:
+    """The widest row whose attention costs at most MAX_ATTENTION_SHARE of its products: 4 x T^2 x A x L FLOPs against
+    2 x T x (body parameters), A the attention's channels (heads x head size), L the layers."""
+    text = _text_config(unwrap(model))
+    heads = text.num_attention_heads
+    channels = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return int(MAX_ATTENTION_SHARE * body_parameters(unwrap(model)) / (2 * channels * text.num_hidden_layers))
 
 
 def implementation(model) -> str | None:
@@ -100,8 +133,8 @@ def _text_config(plain):
 
 
 def prefix_rows_work(model) -> bool:
-    """Whether `model` runs pairs as prefix rows: full attention in every layer, sdpa or eager attention, and its
-    hidden states through the rows those of its whole sequences (decided once per model and implementation)."""
+    """Whether `model` may run shared prefixes as rows: full attention in every layer, sdpa or eager attention, and
+    its hidden states through the rows those of its whole sequences (decided once per model and implementation)."""
     name = implementation(model)
     if name not in _IMPLEMENTATIONS or not _full_attention_only(unwrap(model)):
         return False
@@ -125,12 +158,13 @@ def model_mask(model, rows: PrefixRows) -> torch.Tensor:
 
 
 def at_sources(rows: PrefixRows, hidden: torch.Tensor) -> torch.Tensor:
-    """[M, H] the hidden states predicting the targets, of [P, T, H] final hidden states of the rows."""
+    """[N, C, H] the hidden states predicting each continuation token, of [P, T, H] final hidden states of the
+    rows (a padding position's: finite garbage)."""
     return hidden.reshape(-1, hidden.size(-1))[rows.source]
 
 
 def _check(plain, name: str) -> bool:
-    """A pair of 3- and 2-token continuations (the shorter right-padded) after a 4-token prefix left-padded to 5:
+    """Two continuations of 3 and 2 tokens (the shorter right-padded) after a 4-token prefix left-padded to 5:
     the rows' hidden states at the targets against the two whole sequences', within agree_within_rounding."""
     device = next(plain.parameters()).device
     vocab = plain.get_input_embeddings().num_embeddings
@@ -138,12 +172,12 @@ def _check(plain, name: str) -> bool:
     prefix, prefix_mask = torch.cat([ids[:1], ids[:4]])[None], torch.tensor([[0, 1, 1, 1, 1]], device=device)
     suffix = torch.stack([ids[4:7], torch.cat([ids[7:9], ids[:1]])])
     suffix_mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
-    rows = prefix_rows(prefix, prefix_mask, suffix, suffix_mask, suffix_mask.bool())
+    rows = prefix_rows(prefix, prefix_mask, suffix, suffix_mask, torch.zeros(2, dtype=torch.long, device=device))
     try:
         with in_eval_mode(plain), torch.no_grad(), torch.autocast(device.type, enabled=False):
             together = at_sources(rows, output_layer_input(
                 plain, output_layer(plain), 0, input_ids=rows.input_ids, attention_mask=model_mask(plain, rows),
-                **sequence_kwargs(plain, rows.position_ids, 0)))
+                **sequence_kwargs(plain, rows.position_ids, 0)))[suffix_mask.bool()]
             whole = torch.cat([prefix[:, 1:].expand(2, 4), suffix], dim=1)  # [2, 7]
             mask = torch.cat([torch.ones((2, 4), dtype=torch.long, device=device), suffix_mask], dim=1)
             apart = final_hidden(plain, whole, mask)[:, 3:-1][suffix_mask.bool()]

@@ -3,16 +3,22 @@ against its prompt's.
 
 GRPO samples `num_generations` completions of each prompt, so a micro-batch of rollouts holds each prompt several
 times, and the model's body runs over every copy. Shared, the distinct prompts ([P, Lp], left-padded as given) run
-once with a cache, the cache's rows are indexed out to the N rollouts (an index_select: a gradient reaching a row's
-keys and values flows back into its prompt, summed over the copies as it would be over G separate copies), and the
-completions ([N, C]) run against it. The body runs over P * Lp + N * C positions instead of N * (Lp + C); attention
-reads the same keys as before.
+once, in one of two layouts (models/logprobs.py `prefix_layout` chooses):
+  a row per prompt   the prompt, then each of its completions in a slot of its own, with a mask that keeps them apart
+                     (models/prefix_rows.py): one forward over P x (Lp + K x C) positions, K the most copies of one
+                     prompt;
+  two forwards       the prompts with a cache, the cache's rows indexed out to the N rollouts (an index_select: a
+                     gradient reaching a row's keys and values flows back into its prompt, summed over the copies as
+                     it would be over G separate copies), then the completions ([N, C]) against it: P x Lp + N x C
+                     positions.
+Either instead of N x (Lp + C); attention reads the same keys as before.
 
 Sharing is used when it removes at least MIN_SAVING of the positions that would run otherwise (the padded batch's, or
 the packed rows' where packing applies) and enough of them to outweigh a second forward's fixed cost (models/logprobs.py
 MIN_SHARED_SAVING_FLOP), when every prompt ends at its last column (left padding) and is not empty
 (the prompt's last position predicts the first completion token), and when the model reproduces its unshared hidden
-states through a selected cache, checked once per model (models/logprobs.py `prompt_sharing_works`).
+states by the layout, checked once per model (models/logprobs.py `prompt_sharing_works`, models/prefix_rows.py
+`prefix_rows_work`).
 """
 
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ class SharedPrompts:
     prompt_ids: torch.Tensor  # [P, Lp] each distinct prompt once, left-padded as the rollouts' are
     prompt_mask: torch.Tensor  # [P, Lp]
     source: torch.Tensor  # [N] the index in [P] of each rollout's prompt
+    in_rows: bool = False  # run as a row per prompt (models/prefix_rows.py), else as two forwards (the module's)
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_width: int,
@@ -41,12 +48,18 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comple
         return None  # a prompt that does not end at its last column (or is empty): its last position is not real
     key = prompt_ids.masked_fill(prompt_mask == 0, -1)  # padding ids may differ between copies of one prompt
     distinct, source = torch.unique(key, dim=0, return_inverse=True)
-    shared_positions = len(distinct) * width + n * completion_width
-    saved = positions_otherwise - shared_positions
-    if len(distinct) == n or saved < MIN_SAVING * positions_otherwise or saved < min_saved_positions:
+    if len(distinct) == n or not saves_enough(len(distinct) * width + n * completion_width, positions_otherwise,
+                                              min_saved_positions):
         return None
     # the distinct keys are the prompts: -1 marks padding (its id, 0 here, is never attended to)
     return SharedPrompts(distinct.clamp(min=0), (distinct >= 0).to(prompt_mask.dtype), source)
+
+
+def saves_enough(positions: int, positions_otherwise: int, min_saved_positions: int = 0) -> bool:
+    """Whether a layout running `positions` instead of `positions_otherwise` removes at least MIN_SAVING of them and
+    at least `min_saved_positions`."""
+    saved = positions_otherwise - positions
+    return saved >= MIN_SAVING * positions_otherwise and saved >= min_saved_positions
 
 
 def body_parameters(plain) -> int:
@@ -66,12 +79,19 @@ def every_process_agrees(model, local: bool) -> bool:
     processes share all or none: DDP broadcasts the model's buffers at every forward, so each must run as many
     forwards as the others (two where the prompts are shared, one where not); DeepSpeed's engine is kept in the same
     step alike."""
+    return bool(every_process_least(model, int(local)))
+
+
+def every_process_least(model, local: int) -> int:
+    """The least of `local` over the processes training `model` together (a collective where the model is wrapped
+    across processes, as `every_process_agrees`), else `local` itself: the layout every process can run, where the
+    layouts are numbered so that the least any process takes is one every process can run."""
     group = _group_in_step(model)
     if group is None:
         return local
-    flag = torch.tensor([int(local)], device=next(model.parameters()).device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    value = torch.tensor([local], device=next(model.parameters()).device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(value.item())
 
 
 def _group_in_step(model):

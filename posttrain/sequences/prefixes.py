@@ -25,6 +25,8 @@ fewer positions, the prefixes are cut so: rows of one length need no padding, an
     suffix_ids   [2P, C]  long  the rest of each sequence (chosen 2i, rejected 2i + 1), right-padded with pad_id
     suffix_mask  [2P, C]  long  1 at the continuation's tokens
     suffix_targets [2P, C] bool  the continuation's token is a target (until="targets"; None for "score")
+    in_rows      whether the layout runs as a row per pair (models/prefix_rows.py: set where the model is chosen, by
+                 models/logprobs.py prefix_layout), else as the prefixes' forward and the continuations' against it
 """
 
 from dataclasses import dataclass
@@ -44,17 +46,28 @@ class PrefixBatch:
     suffix_ids: torch.Tensor
     suffix_mask: torch.Tensor
     suffix_targets: torch.Tensor | None = None
+    in_rows: bool = False
 
     @property
     def pairs(self) -> int:
         return self.prefix_ids.size(0)
+
+    @property
+    def source(self) -> torch.Tensor:
+        """[2P] the prefix each continuation follows: i for chosen 2i and rejected 2i + 1."""
+        return torch.arange(self.pairs, device=self.prefix_ids.device).repeat_interleave(2)
+
+    @property
+    def row_width(self) -> int:
+        """The width of a row holding a pair's prefix and both its continuations (models/prefix_rows.py)."""
+        return self.prefix_ids.size(1) + 2 * self.suffix_ids.size(1)
 
     def to(self, device, non_blocking: bool = True) -> "PrefixBatch":
         def move(t):
             return t.to(device, non_blocking=non_blocking) if t is not None else None
 
         return PrefixBatch(*(move(t) for t in (self.prefix_ids, self.prefix_mask, self.suffix_ids, self.suffix_mask,
-                                               self.suffix_targets)))
+                                               self.suffix_targets)), in_rows=self.in_rows)
 
 
 def _reach(rows: TokenRows, pad_id: int, until: str) -> np.ndarray:

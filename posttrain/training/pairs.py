@@ -8,15 +8,15 @@ micro-batches; a trainer adds its objective (training/batched.py) and, where it 
     _set_pair_data(train_dataset, eval_dataset)               the train pairs (map-style or a stream) and the eval set
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.models.forwards import whole_logits
-from posttrain.models.logprobs import MIN_SHARED_SAVING_FLOP, shares_prefixes
-from posttrain.models.prompt_sharing import every_process_agrees
+from posttrain.models.logprobs import MIN_SHARED_SAVING_FLOP, ONE_ROW, UNSHARED, prefix_layout
+from posttrain.models.prompt_sharing import every_process_least
 from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.pair_batch import PairBatch, collate_pairs
 from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
@@ -101,17 +101,21 @@ class PairTrainer(BatchedDataTrainer):
 
     @property
     def _shared_prefix_floor(self) -> int | None:
-        """The positions a micro-batch must save for its pairs to run with their common prefixes once (the same
-        two forwards as GRPO's shared prompts, hence their floor), or None where they never do."""
+        """The positions a micro-batch must save for its pairs to run with their common prefixes once (GRPO's
+        shared prompts' floor: a layout as theirs), or None where they never do."""
         return self._prefix_sharing_floor(MIN_SHARED_SAVING_FLOP, self._no_grad_model)
 
     def _prefixes(self, model, batch: PairBatch, grad: bool) -> PrefixBatch | None:
-        """The batch's shared-prefix layout where `model` runs it, else None: the trained model's forward (`grad`)
-        shares on every process training together or on none (prompt_sharing.every_process_agrees)."""
+        """The batch's shared-prefix layout, marked with how `model` runs it (logprobs.prefix_layout), else None: the
+        trained model's forward (`grad`) runs the same layout on every process training together
+        (prompt_sharing.every_process_least: each runs as many forwards as the others)."""
         if self._shared_prefix_floor is None:
             return None
-        local = batch.prefixes is not None and shares_prefixes(model)
-        return batch.prefixes if (every_process_agrees(model, local) if grad else local) else None
+        prefixes = batch.prefixes
+        layout = UNSHARED if prefixes is None else prefix_layout(model, prefixes.row_width)
+        if grad:
+            layout = every_process_least(model, layout)
+        return None if layout == UNSHARED else replace(prefixes, in_rows=layout == ONE_ROW)
 
     def _step_counts(self, batches: list) -> PairCounts:
         return PairCounts(items=sum(b.pairs for b in batches), tokens=sum(b.sequences.tokens for b in batches),
