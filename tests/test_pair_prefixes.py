@@ -3,6 +3,7 @@
 numbers through the shared path, and where the path is not taken."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -141,7 +142,8 @@ def test_a_row_per_pair_keeps_the_continuations_apart():
 def test_wide_rows_run_two_forwards(tokenizer, monkeypatch):
     """A row's attention computes every (query, key) pair: at Qwen2.5-0.5B's shape rows are taken up to about 1,040
     columns (attention an eighth of the products), which holds DPO's and GRPO's benchmark rows (160 and 267); a
-    wider row runs the two forwards, or whole sequences where those cannot run (activation checkpointing)."""
+    wider row runs the two forwards, or whole sequences where those cannot run (activation checkpointing), as does
+    a model whose config does not give its attention's size."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     monkeypatch.setattr(prefix_rows_module, "MAX_ATTENTION_SHARE", 1 / 8)
@@ -156,6 +158,9 @@ def test_wide_rows_run_two_forwards(tokenizer, monkeypatch):
     model.gradient_checkpointing_enable()
     model.train()
     assert prefix_layout(model, limit) == ONE_ROW and prefix_layout(model, limit + 1) == UNSHARED
+    # a (text) config that does not say its attention's size
+    monkeypatch.setattr(prefix_rows_module, "_text_config", lambda plain: SimpleNamespace(hidden_size=32))
+    assert prefix_rows_module.row_width_limit(model) == 0 and prefix_layout(model, 1) == UNSHARED
 
 
 def _counting_shared_passes(monkeypatch) -> list:

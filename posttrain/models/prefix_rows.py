@@ -115,11 +115,14 @@ def row_width(prefix_width: int, source: torch.Tensor, prefixes: int, continuati
 
 def row_width_limit(model) -> int:
     """The widest row whose attention costs at most MAX_ATTENTION_SHARE of its products: 4 x T^2 x A x L FLOPs against
-    2 x T x (body parameters), A the attention's channels (heads x head size), L the layers."""
+    2 x T x (body parameters), A the attention's channels (heads x head size), L the layers; 0 (no row) for a config
+    that does not say them."""
     text = _text_config(unwrap(model))
-    heads = text.num_attention_heads
-    channels = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return int(MAX_ATTENTION_SHARE * body_parameters(unwrap(model)) / (2 * channels * text.num_hidden_layers))
+    heads, layers = getattr(text, "num_attention_heads", None), getattr(text, "num_hidden_layers", None)
+    head_size = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // max(heads or 1, 1)
+    if not (heads and layers and head_size):
+        return 0
+    return int(MAX_ATTENTION_SHARE * body_parameters(unwrap(model)) / (2 * heads * head_size * layers))
 
 
 def implementation(model) -> str | None:
