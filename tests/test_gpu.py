@@ -1,5 +1,6 @@
 """The CUDA paths: the chunked output layer (values, gradients, memory), bf16 numerics of the output layer and of GRPO,
-SFT and DPO steps, the sampler's draws and a whole decode on the device, and checkpoint resume there.
+SFT and DPO steps, shared prompts in rows (a custom attention mask to sdpa), the sampler's draws and a whole decode on
+the device, and checkpoint resume there.
 
 Marked `gpu`; bench/gpu/run.sh runs them on the GPU machine (`pytest -m gpu tests/test_gpu.py`). Without a CUDA
 device they skip at once, unless POSTTRAIN_GPU_TESTS_ON_CPU=1 (the kit's --dry-run sets it): then they run on the CPU,
@@ -321,6 +322,50 @@ def test_dpo_first_step_in_bf16_is_log_2_and_its_logps_the_float32_ones(device, 
     for key in ("logps/chosen", "logps/rejected"):
         assert first[True][key] == pytest.approx(first[False][key], rel=1e-2), key
     _assert_trained_on(trainer, device, before)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_shared_prompts_in_rows_on_the_device_give_the_unshared_logprobs_and_gradients(device, tokenizer, monkeypatch,
+                                                                                      precision):
+    """GRPO's shared prompts as a row per prompt (models/prefix_rows.py: a boolean [P, 1, T, T] mask to sdpa, which
+    on CUDA takes the memory-efficient kernel, not flash) on the device, in float32 or under bf16 autocast as
+    bf16=True trains: 2 prompts of 6 and 9 tokens with 4 completions each, of 3 to 8 tokens, give the log-probs and
+    gradients of the rollouts run whole (to float32 rounding, or to bf16's)."""
+    import torch
+
+    from posttrain.models import logprobs
+    from posttrain.models import prefix_rows as prefix_rows_module
+    from posttrain.testing import tiny_architecture
+
+    monkeypatch.setattr(logprobs, "MIN_SHARED_SAVING_FLOP", 0)  # the tiny model saves too little otherwise
+    monkeypatch.setattr(prefix_rows_module, "MAX_ATTENTION_SHARE", 1e6)
+    layouts, through = [], logprobs._through_shared
+    monkeypatch.setattr(logprobs, "_through_shared",
+                        lambda model, shared, *a: layouts.append(shared.in_rows) or through(model, shared, *a))
+    model = tiny_architecture("qwen2", tokenizer).to(device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (n,), generator=gen) for n in (6, 9)]
+    prompt_ids, prompt_mask = torch.zeros((8, 9), dtype=torch.long), torch.zeros((8, 9), dtype=torch.long)
+    completion_ids = torch.randint(3, 90, (8, 8), generator=gen)
+    completion_mask = (torch.arange(8)[None] < torch.tensor([8, 3, 5, 8, 6, 8, 4, 7])[:, None]).long()
+    for row in range(8):
+        prompt = prompts[row % 2]
+        prompt_ids[row, 9 - len(prompt):], prompt_mask[row, 9 - len(prompt):] = prompt, 1
+    batch = [t.to(device) for t in (prompt_ids, prompt_mask, completion_ids * completion_mask, completion_mask)]
+    weights = torch.randn((8, 8), generator=gen).to(device) * batch[3]
+    results = []
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logps, _ = logprobs.token_logprobs(model, *batch, packing=False, share_prompts=share)
+        (logps * weights).sum().backward()
+        results.append((logps.detach().float(), [p.grad.float() for p in model.parameters()]))
+    assert layouts == [True]  # one pass through the rows, the whole rollouts' not
+    tolerance = 2e-2 if precision == "bf16" else 1e-5
+    real = batch[3].bool()
+    torch.testing.assert_close(results[1][0][real], results[0][0][real], rtol=tolerance, atol=tolerance)
+    for shared, whole in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(shared, whole, rtol=tolerance, atol=tolerance * float(whole.abs().max()))
 
 
 # ---------------------------------------------------------------- checkpoint resume
