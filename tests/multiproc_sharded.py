@@ -11,8 +11,9 @@ POSTTRAIN_TEST_PATH_LOG=DIR, DIR/rank<RANK>.txt gets a line per log-prob computa
 chunks, models/chunked.py) or "logits" (the model's whole logits, GRPO's fallback), "packed" before GRPO's passes over
 packed rows, "lean-decoder" or "model-forward-decode" for each decode, "passes-<count>" for the passes each training
 micro-batch of GRPO, RLOO and distillation runs as, "divergence" for each of distillation's passes
-through both output layers in chunks (models/divergence.py), and "prefix-shared" for each reward-model pass
-that runs its pairs' common prefixes once (which these processes do on the tiny model too: no FLOP floor). Without
+through both output layers in chunks (models/divergence.py), and "prefix-rows" or "prefix-shared" for each
+reward-model pass that runs its pairs' common prefixes once, as a row per pair or through a cache (which these
+processes do on the tiny model too: no FLOP floor). Without
 the variable nothing is written.
 """
 
@@ -59,6 +60,8 @@ for name, function in (("chunked", "chunked_token_logprobs"), ("logits", "_logit
 teacher.chunked_divergence = _recorded(teacher.chunked_divergence, PATH_LOG, lambda args, result: "divergence")
 reward_trainer.prefix_shared_scores = _recorded(reward_trainer.prefix_shared_scores, PATH_LOG,
                                                 lambda args, result: "prefix-shared")
+reward_trainer.prefix_row_scores = _recorded(reward_trainer.prefix_row_scores, PATH_LOG,
+                                             lambda args, result: "prefix-rows")
 reward_trainer.MIN_PREFIX_SAVING_FLOP = 0  # the one-process reference runs its pairs whole: the two layouts compared
 TrainingBatch.in_passes = _recorded(TrainingBatch.in_passes, PATH_LOG, lambda args, result: f"passes-{len(result)}")
 lean_decoder.supports = _recorded(lean_decoder.supports, PATH_LOG,

@@ -16,7 +16,8 @@ from posttrain.configs.orpo import ORPOConfig
 from posttrain.dpo.trainer import DPOTrainer
 from posttrain.models import logprobs
 from posttrain.models import prefix_rows as prefix_rows_module
-from posttrain.models.logprobs import ONE_ROW, TWO_FORWARDS, UNSHARED, next_token_logprobs, prefix_layout
+from posttrain.models.logprobs import next_token_logprobs, prefix_layout
+from posttrain.models.prompt_sharing import ONE_ROW, TWO_FORWARDS, UNSHARED
 from posttrain.models.prefix_rows import prefix_rows
 from posttrain.orpo import ORPOTrainer
 from posttrain.sequences.pair_batch import collate_pairs

@@ -1,6 +1,6 @@
-"""The reward model's pairs with their common prefix run once (sequences/prefixes.py, models/scores.py
-`prefix_shared_scores`): the layout, the scores against the model's own unshared forward, TRL's numbers through the
-shared path, and where the path is not taken."""
+"""The reward model's pairs with their common prefix run once (sequences/prefixes.py; models/scores.py
+`prefix_row_scores`, a row per pair, and `prefix_shared_scores`, two forwards through a cache): the layout, the scores
+against the model's own unshared forward, TRL's numbers through both layouts, and where sharing is not taken."""
 
 import contextlib
 import copy
@@ -12,7 +12,8 @@ from conftest import assert_same_run
 from datasets import Dataset
 from test_reward import METRICS, PAIRS, _conversational, _records, _train, _trl_trainer
 
-from posttrain.models.scores import prefix_shared_scores, prefix_sharing_works
+from posttrain.models import prefix_rows as prefix_rows_module
+from posttrain.models.scores import prefix_row_scores, prefix_shared_scores, prefix_sharing_works, row_scores_work
 from posttrain.reward import trainer as reward_trainer
 from posttrain.sequences.collate import collate
 from posttrain.sequences.prefixes import prefix_batch, shared_prefix_lengths
@@ -20,6 +21,14 @@ from posttrain.sequences.rows import TokenRows
 from posttrain.testing import tiny_reward_model
 
 PAD = 0
+
+
+@pytest.fixture(autouse=True)
+def rows_on_tiny_models(monkeypatch):
+    """The tests' models are tiny: a row's attention weighs more against their products than MAX_ATTENTION_SHARE
+    allows at most widths, so the share is lifted here (tests/test_pair_prefixes.py test_wide_rows_run_two_forwards
+    checks the limit itself)."""
+    monkeypatch.setattr(prefix_rows_module, "MAX_ATTENTION_SHARE", 1e6)
 
 
 def _rows(*sequences) -> TokenRows:
@@ -75,47 +84,52 @@ def test_shared_scores_equal_the_models_own(tokenizer):
     batch = prefix_batch(rows, eos, padded.input_ids.size(1), min_saved=0)
     # one token a character: each prompt, and the answers' common first digit where they have one
     assert batch is not None and batch.prefix_mask.sum(1).tolist() == [len("12+3=1"), len("1+1="), len("100+200=3")]
-    assert prefix_sharing_works(model)
-    shared = prefix_shared_scores(model, batch.prefix_ids, batch.prefix_mask, batch.suffix_ids, batch.suffix_mask)
-    (grad_shared,) = torch.autograd.grad(shared.square().sum(), model.score.weight)
+    assert prefix_sharing_works(model) and row_scores_work(model)
     whole = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[:, 0]
-    (grad_whole,) = torch.autograd.grad(whole.square().sum(), model.score.weight)
-    assert torch.allclose(shared, whole, atol=1e-5) and torch.allclose(grad_shared, grad_whole, atol=1e-5)
+    grads_whole = torch.autograd.grad(whole.square().sum(), list(model.parameters()))
+    for scores in (prefix_shared_scores, prefix_row_scores):  # two forwards through a cache; a row per pair
+        shared = scores(model, batch.prefix_ids, batch.prefix_mask, batch.suffix_ids, batch.suffix_mask)
+        grads_shared = torch.autograd.grad(shared.square().sum(), list(model.parameters()))
+        assert torch.allclose(shared, whole, atol=1e-5), scores.__name__
+        for a, b in zip(grads_shared, grads_whole, strict=True):
+            assert torch.allclose(a, b, atol=1e-5), scores.__name__
 
 
 def _counting_shared_passes(monkeypatch) -> list:
-    """Shared prefixes on the tiny test model (no FLOP floor); the list gets a True per shared pass."""
+    """Shared prefixes on the tiny test model (no FLOP floor); the list gets the layout of each shared pass ("rows"
+    or "two forwards")."""
     monkeypatch.setattr(reward_trainer, "MIN_PREFIX_SAVING_FLOP", 0)
     passes = []
-    original = reward_trainer.prefix_shared_scores
-
-    def counted(*args):
-        passes.append(True)
-        return original(*args)
-
-    monkeypatch.setattr(reward_trainer, "prefix_shared_scores", counted)
+    for name, layout in (("prefix_row_scores", "rows"), ("prefix_shared_scores", "two forwards")):
+        original = getattr(reward_trainer, name)
+        monkeypatch.setattr(reward_trainer, name, lambda *args, original=original, layout=layout:
+                            passes.append(layout) or original(*args))
     return passes
 
 
-@pytest.mark.parametrize("case", ["plain", "margin_pad_is_eos", "conversational", "checkpointing"])
+@pytest.mark.parametrize("case", ["plain", "margin_pad_is_eos", "conversational", "checkpointing", "two_forwards",
+                                  "two_forwards_checkpointing"])
 def test_shared_prefixes_give_trls_numbers(tokenizer, tmp_path, monkeypatch, case):
-    """TRL 1.16's RewardTrainer against ours with every step's pairs run through their shared prompts: the same
-    loss and metrics at steps 1 and 2 (step 2 tests the update). margin_pad_is_eos: a margin column, and the EOS as
-    the pad token (each reward read before the final EOS); checkpointing: activation checkpointing on (transformers
-    turns the cache off in its training forward), so the pairs run whole."""
+    """TRL 1.16's RewardTrainer against ours with every step's pairs run through their shared prompts, as a row per
+    pair: the same loss and metrics at steps 1 and 2 (step 2 tests the update). margin_pad_is_eos: a margin column,
+    and the EOS as the pad token (each reward read before the final EOS); checkpointing: activation checkpointing on
+    (one row per pair needs no cache); two_forwards: rows off, the prefixes' forward with a cache, which
+    transformers turns off under checkpointing (two_forwards_checkpointing: the pairs run whole)."""
     columns = _conversational() if case == "conversational" else dict(PAIRS)
     if case == "margin_pad_is_eos":
         columns["margin"] = [0.1 * (i % 5) - 0.2 for i in range(16)]
-    options = {"gradient_checkpointing": True} if case == "checkpointing" else {}
+    options = {"gradient_checkpointing": True} if case.endswith("checkpointing") else {}
     if case == "margin_pad_is_eos":
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.pad_token = tokenizer.eos_token
     theirs = _trl_trainer(tokenizer, tmp_path, Dataset.from_dict(columns), **options)
     theirs.train()
     passes = _counting_shared_passes(monkeypatch)
+    if case.startswith("two_forwards"):
+        monkeypatch.setattr(reward_trainer, "row_scores_work", lambda model: False)
     ours, _, _ = _train(tokenizer, tmp_path, data=Dataset.from_dict(columns), train_sampling_strategy="sequential",
                         **options)
-    assert len(passes) == (0 if case == "checkpointing" else 2)
+    assert passes == {"two_forwards": ["two forwards"] * 2, "two_forwards_checkpointing": []}.get(case, ["rows"] * 2)
     for a, b in zip(_records(ours), _records(theirs), strict=True):
         for key in METRICS:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
@@ -132,9 +146,9 @@ def test_evaluation_through_shared_prefixes_gives_the_unshared_metrics(tokenizer
         trainer, params, _ = _train(tokenizer, tmp_path / str(shared), data=Dataset.from_dict(columns),
                                     train_sampling_strategy="sequential", eval_dataset=Dataset.from_dict(columns),
                                     per_device_eval_batch_size=4)
-        runs[shared] = (_records(trainer), trainer.evaluate(), params, len(passes))
+        runs[shared] = (_records(trainer), trainer.evaluate(), params, list(passes))
     (records, evaluated, params, _), (records_shared, evaluated_shared, params_shared, passes) = runs[False], runs[True]
-    assert passes == 2 + 4  # the two steps, then the evaluation's 4 batches
+    assert passes == ["rows"] * (2 + 4)  # the two steps, then the evaluation's 4 batches
     assert_same_run(records, records_shared, METRICS, params, params_shared, evaluated, evaluated_shared)
 
 

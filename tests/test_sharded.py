@@ -330,11 +330,16 @@ def test_sharded_training_saves_and_resumes_like_one_process(config, command, la
     run = launches.train(config)
     assert run.returncode == 0, _failure(run)
     out = launches.out(config, command)
+    ranks = []
     for rank in (0, 1):
         log = launches.out(config, command, "-paths") / f"rank{rank}.txt"  # written at a logged pass's first line
         paths = log.read_text().split() if log.exists() else []
-        if command == "reward":  # no output layer over the vocabulary; whole weights: each pair's prompt run once
-            assert set(paths) == ({"prefix-shared"} if config in ("zero2.yaml", "multi_gpu.yaml") else set()), paths
+        ranks.append(paths)
+        if command == "reward":  # no output layer over the vocabulary; whole weights: each pair's prompt run once, as
+            # a row per pair or in two forwards, the same layout on both processes at every pass
+            assert (len(set(paths)) == 1 and set(paths) <= {"prefix-shared", "prefix-rows"}) if config in (
+                "zero2.yaml", "multi_gpu.yaml") else not paths, paths
+            assert rank == 0 or paths == ranks[0], ranks
             continue
         if command == "distillation":  # both output layers in chunks; never either model's whole logits
             assert "divergence" in paths and "logits" not in paths and "lean-decoder" in paths, (rank, sorted(set(paths)))

@@ -40,17 +40,14 @@ from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
 from posttrain.models.prefix_rows import (at_sources, model_mask, prefix_rows, prefix_rows_work, row_width,
                                           row_width_limit)
-from posttrain.models.prompt_sharing import (SharedPrompts, body_parameters, distinct_prompts, every_process_least,
-                                             saves_enough)
+from posttrain.models.prompt_sharing import (ONE_ROW, TWO_FORWARDS, UNSHARED, SharedPrompts, body_parameters,
+                                             distinct_prompts, every_process_least, saves_enough)
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
 MIN_SHARED_SAVING_FLOP = 1e9
 # what a model loses when a fast path's one-time check fails or its forward cannot take what the path passes
 SHARING_OFF = "its log-prob passes run each rollout's prompt, not each distinct prompt once"
-# how prefixes shared by several continuations run (`prefix_layout`), numbered so that the least any process training
-# a model together with others takes is one every process can run (models/prompt_sharing.py every_process_least)
-UNSHARED, TWO_FORWARDS, ONE_ROW = 0, 1, 2
 
 
 @contextlib.contextmanager

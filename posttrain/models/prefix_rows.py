@@ -28,6 +28,8 @@ MAX_ATTENTION_SHARE of their products (`row_width_limit`).
     PrefixRows.source       [N, C] long   flat index in [P * T] of the position predicting each continuation token
                                           (the prefix's last column for a continuation's first token, the slot's
                                           previous column otherwise)
+    PrefixRows.at           [N, C] long   flat index in [P * T] of each continuation token's own position (where a
+                                          reward model's score of the sequence is read: models/scores.py)
 """
 
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ class PrefixRows:
     position_ids: torch.Tensor
     allowed: torch.Tensor
     source: torch.Tensor
+    at: torch.Tensor
 
     def mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:
         """[P, 1, T, T] the attention mask as the implementation takes it: bool (sdpa), else additive in `dtype`."""
@@ -90,7 +93,9 @@ def prefix_rows(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids:
     same_part = (part[None, :] == 0) | (part[None, :] == part[:, None])
     allowed = causal & same_part & real[:, None, :] & real[:, :, None]  # [P, T, T]
     allowed |= torch.eye(part.numel(), dtype=torch.bool, device=device)  # padding sees itself
-    return PrefixRows(input_ids, position_ids, allowed, _sources(source, slot, width, c, width + k * c))
+    row_width = width + k * c
+    at = source[:, None] * row_width + width + slot[:, None] * c + torch.arange(c, device=device)[None]  # [N, C]
+    return PrefixRows(input_ids, position_ids, allowed, _sources(at, source, width, row_width), at)
 
 
 def slots(source: torch.Tensor, prefixes: int) -> torch.Tensor:
@@ -99,12 +104,12 @@ def slots(source: torch.Tensor, prefixes: int) -> torch.Tensor:
     return (same.cumsum(0) * same).sum(1) - 1
 
 
-def _sources(source: torch.Tensor, slot: torch.Tensor, width: int, c: int, row_width: int) -> torch.Tensor:
-    """[N, C] the flat index in [P * row_width] of the position predicting each continuation token: the prefix's
-    last column for a continuation's first token, the slot's previous column otherwise."""
-    j = torch.arange(c, device=source.device)[None]  # [1, C]
-    column = torch.where(j == 0, width - 1, width + slot[:, None] * c + j - 1)  # [N, C]
-    return source[:, None] * row_width + column
+def _sources(at: torch.Tensor, source: torch.Tensor, width: int, row_width: int) -> torch.Tensor:
+    """[N, C] the flat index of the position predicting each continuation token: the prefix's last column for a
+    continuation's first token, the slot's previous column otherwise."""
+    before = at - 1
+    before[:, 0] = source * row_width + width - 1
+    return before
 
 
 def row_width(prefix_width: int, source: torch.Tensor, prefixes: int, continuation_width: int) -> int:
@@ -138,10 +143,15 @@ def _text_config(plain):
 def prefix_rows_work(model) -> bool:
     """Whether `model` may run shared prefixes as rows: full attention in every layer, sdpa or eager attention, and
     its hidden states through the rows those of its whole sequences (decided once per model and implementation)."""
+    name = takes_row_masks(model)
+    return name is not None and fast_paths.decided(model, f"prefix_rows_{name}", lambda: _check(unwrap(model), name))
+
+
+def takes_row_masks(model) -> str | None:
+    """The model's attention implementation where it takes the rows' mask as it is (sdpa or eager, full attention in
+    every layer), else None."""
     name = implementation(model)
-    if name not in _IMPLEMENTATIONS or not _full_attention_only(unwrap(model)):
-        return False
-    return fast_paths.decided(model, f"prefix_rows_{name}", lambda: _check(unwrap(model), name))
+    return name if name in _IMPLEMENTATIONS and _full_attention_only(unwrap(model)) else None
 
 
 def _full_attention_only(plain) -> bool:

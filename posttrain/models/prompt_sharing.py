@@ -29,6 +29,11 @@ from posttrain.models import fast_paths
 from posttrain.models.forwards import output_layer
 from posttrain.models.packing import MIN_SAVING
 
+# how prefixes shared by several continuations run (models/logprobs.py `prefix_layout`, the reward model's scores),
+# numbered so that the least any process training a model together with others takes is one every process can run
+# (`every_process_least`)
+UNSHARED, TWO_FORWARDS, ONE_ROW = 0, 1, 2
+
 
 @dataclass
 class SharedPrompts:

@@ -15,8 +15,8 @@ import torch
 from posttrain.configs import ConfigError
 from posttrain.data import DataError
 from posttrain.models.forwards import whole_logits
-from posttrain.models.logprobs import MIN_SHARED_SAVING_FLOP, ONE_ROW, UNSHARED, prefix_layout
-from posttrain.models.prompt_sharing import every_process_least
+from posttrain.models.logprobs import MIN_SHARED_SAVING_FLOP, prefix_layout
+from posttrain.models.prompt_sharing import ONE_ROW, UNSHARED, every_process_least
 from posttrain.sequences.batches import MapBatches, first_row, is_iterable
 from posttrain.sequences.pair_batch import PairBatch, collate_pairs
 from posttrain.sequences.pair_data import PairEncoder, PairPreparation, detect_format, pairs_as_dataset, prepare_pairs
