@@ -6,9 +6,9 @@ Usage: python bench/without.py PATH SCRIPT [its arguments]   (e.g. bench/clocked
 PATH:
     tied_rows       the tied-embedding route (models/tied_embedding.py): autograd's dense lookup gradient instead
     pair_prefixes   DPO's and ORPO's pairs with their common prefix once (sequences/prefixes.py): whole sequences
-    prefix_rows     DPO's pairs as a row per pair and GRPO's shared prompts as a row per prompt
-                    (models/prefix_rows.py): the prefixes' forward, then the continuations' against its cache, or
-                    (under activation checkpointing, which turns the cache off) whole sequences
+    prefix_rows     DPO's and the reward model's pairs as a row per pair and GRPO's shared prompts as a row per
+                    prompt (models/prefix_rows.py): the prefixes' forward, then the continuations' against its cache,
+                    or (under activation checkpointing, which turns the cache off) whole sequences
 
 The script runs unchanged as __main__ in this process, with the path's switch turned off.
 """
@@ -31,8 +31,10 @@ def _no_pair_prefixes():
 
 def _no_prefix_rows():
     import posttrain.models.logprobs as logprobs
+    import posttrain.reward.trainer as reward_trainer
 
     logprobs.prefix_rows_work = lambda model: False
+    reward_trainer.row_scores_work = lambda model: False
 
 
 SWITCHES = {"tied_rows": _no_tied_rows, "pair_prefixes": _no_pair_prefixes, "prefix_rows": _no_prefix_rows}
