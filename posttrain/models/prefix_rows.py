@@ -108,7 +108,8 @@ def _sources(at: torch.Tensor, source: torch.Tensor, width: int, row_width: int)
     """[N, C] the flat index of the position predicting each continuation token: the prefix's last column for a
     continuation's first token, the slot's previous column otherwise."""
     before = at - 1
-    before[:, 0] = source * row_width + width - 1
+    if before.size(1):  # continuations of no width (C = 0) predict nothing
+        before[:, 0] = source * row_width + width - 1
     return before
 
 
