@@ -1,5 +1,6 @@
-"""Each distinct prompt once in the log-prob passes (models/prompt_sharing.py): which prompts are shared, and
-log-probs, entropies and every parameter's gradient equal to the unshared pass's."""
+"""Each distinct prompt once in the log-prob passes (models/prompt_sharing.py), as a row per prompt or two forwards:
+which prompts are shared and how, log-probs, entropies and every parameter's gradient equal to the unshared pass's,
+and log-probs and entropies equal to TRL's own pass."""
 
 import pytest
 import torch
@@ -273,3 +274,36 @@ def test_under_ddp_every_process_shares_or_none_does(find_unused, tmp_path):
         for case in result.values():
             assert case["logps_max_diff"] <= 1e-5 and case["no_grad_logps_max_diff"] <= 1e-5, case
             assert case["grad_max"] > 0 and case["grad_max_diff"] <= 1e-5 * case["grad_max"], case
+
+
+def test_rows_give_trls_log_probs_and_entropies(tokenizer, addition_dataset, tmp_path, monkeypatch):
+    """TRL 1.16's own log-prob pass (GRPOTrainer._get_per_token_logps_and_entropies, each rollout whole, through the
+    fused output layer TRL puts on the model) against ours with the prompts shared as a row per prompt: the same
+    log-probs and entropies of every completion token."""
+    import copy
+
+    trl = pytest.importorskip("trl")
+    from conftest import length_reward
+
+    model = tiny_model(tokenizer, seed=2, hidden=32, layers=2)
+    theirs = trl.GRPOTrainer(copy.deepcopy(model), length_reward, train_dataset=addition_dataset,
+                             processing_class=tokenizer,
+                             args=trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                                 num_generations=2, max_completion_length=6, report_to="none",
+                                                 use_cpu=True, bf16=False))
+    prompts = [[11, 12], [21, 22, 23, 24, 25], [31, 32, 33]]
+    batch = _group_rollouts(prompts, [0, 1, 2, 0, 1, 2, 0, 1, 2], [6, 1, 4, 6, 3, 2, 5, 6, 1], 6, len(tokenizer),
+                            seed=3)
+    ids, mask = torch.cat([batch[0], batch[2]], 1), torch.cat([batch[1], batch[3]], 1)
+    with torch.no_grad():
+        trl_logps, trl_entropy, _ = theirs._get_per_token_logps_and_entropies(theirs.model, ids, mask, 6,
+                                                                              compute_entropy=True)
+    layouts, through = [], logprobs._through_shared
+    monkeypatch.setattr(logprobs, "_through_shared",
+                        lambda m, shared, *a: layouts.append(shared.in_rows) or through(m, shared, *a))
+    with torch.no_grad():
+        logps, entropy = token_logprobs(model, *batch, with_entropy=True, packing=False, share_prompts=True)
+    assert layouts == [True]
+    real = batch[3].bool()
+    torch.testing.assert_close(logps[real], trl_logps[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[real], trl_entropy[real], atol=1e-5, rtol=1e-5)
