@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from posttrain.models import logprobs
+from posttrain.models import logprobs, prefix_rows
 from posttrain.models.logprobs import token_logprobs
 from posttrain.testing import tiny_model, tiny_tokenizer
 
@@ -30,7 +30,7 @@ find_unused, out = sys.argv[1] == "true", sys.argv[2]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 logprobs.MIN_SHARED_SAVING_FLOP = 0  # the tiny model saves too few FLOPs for sharing to pay otherwise
-logprobs.row_width_limit = lambda model: 30  # rows of 2 x 11-12 prompt tokens and 3 x 5 completion tokens pass
+prefix_rows.row_width_limit = lambda model: 30  # rows of 2 x 11-12 prompt tokens and 3 x 5 completion tokens pass
 shared_calls = []
 _through = logprobs._through_shared
 logprobs._through_shared = lambda model, shared, *a: shared_calls.append(

@@ -38,10 +38,9 @@ from posttrain.models.logits_path import completion_logprobs_from_logits, target
 from posttrain.models.onednn import cpu_linears
 from posttrain.models.packed_layouts import PADDED_ONLY, packed_layouts
 from posttrain.models.packing import PackedRows, pack_rollouts
-from posttrain.models.prefix_rows import (at_sources, model_mask, prefix_rows, prefix_rows_work, row_width,
-                                          row_width_limit)
-from posttrain.models.prompt_sharing import (ONE_ROW, TWO_FORWARDS, UNSHARED, SharedPrompts, body_parameters,
-                                             distinct_prompts, every_process_least, saves_enough)
+from posttrain.models.prefix_rows import at_sources, layout, model_mask, prefix_rows, prefix_rows_work, row_width
+from posttrain.models.prompt_sharing import (ONE_ROW, UNSHARED, SharedPrompts, body_parameters, distinct_prompts,
+                                             every_process_least, saves_enough)
 
 # a prompt is shared only when that saves at least this many of the body's forward FLOPs: the second forward's fixed
 # cost (masks, cache objects, hooks: milliseconds on a CPU) outweighs smaller savings, as on tiny models
@@ -225,13 +224,13 @@ def _shared_prompts(model, prompt_ids, prompt_mask, completion_width: int, posit
     layout every one can run), else None."""
     min_saved = math.ceil(MIN_SHARED_SAVING_FLOP / (2 * max(body_parameters(unwrap(model)), 1)))
     shared = distinct_prompts(prompt_ids, prompt_mask, completion_width, positions_otherwise, min_saved)
-    layout = UNSHARED
+    chosen = UNSHARED
     if shared is not None:  # the rows hold every prompt's rollouts in as many slots as the most copies of one
-        prompts = len(shared.prompt_ids)
-        width = row_width(shared.prompt_ids.size(1), shared.source, prompts, completion_width)
-        layout = prefix_layout(model, width if saves_enough(prompts * width, positions_otherwise, min_saved) else None)
-    layout = every_process_least(model, layout)
-    return None if layout == UNSHARED else dataclasses.replace(shared, in_rows=layout == ONE_ROW)
+        width = row_width(shared.prompt_ids.size(1), shared.source, completion_width)
+        pays = saves_enough(len(shared.prompt_ids) * width, positions_otherwise, min_saved)
+        chosen = prefix_layout(model, width if pays else None)
+    chosen = every_process_least(model, chosen)
+    return None if chosen == UNSHARED else dataclasses.replace(shared, in_rows=chosen == ONE_ROW)
 
 
 def prefix_layout(model, row_width: int | None) -> int:
@@ -243,11 +242,13 @@ def prefix_layout(model, row_width: int | None) -> int:
     recorded for one forward per backward), else UNSHARED. Not on the whole-logits path."""
     if not fast_path_available(model):
         return UNSHARED
-    if row_width is not None and row_width <= row_width_limit(model) and prefix_rows_work(model):
-        return ONE_ROW
+    return layout(model, row_width, prefix_rows_work, _two_forwards_work)
+
+
+def _two_forwards_work(model) -> bool:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph:
-        return UNSHARED
-    return TWO_FORWARDS if not checkpointing(unwrap(model)) and prompt_sharing_works(model) else UNSHARED
+        return False
+    return not checkpointing(unwrap(model)) and prompt_sharing_works(model)
 
 
 def _through_shared(model, shared: SharedPrompts, completion_ids, completion_mask, compute: Callable):

@@ -33,6 +33,7 @@ MAX_ATTENTION_SHARE of their products (`row_width_limit`).
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,7 +42,7 @@ from posttrain.models.forwards import (agree_within_rounding, final_hidden, in_e
                                        output_layer_input, sequence_kwargs)
 from posttrain.models.keywords import unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised
-from posttrain.models.prompt_sharing import body_parameters
+from posttrain.models.prompt_sharing import ONE_ROW, TWO_FORWARDS, UNSHARED, body_parameters
 
 # what a model loses where the check fails
 ROWS_OFF = "its shared prefixes run in a forward of their own, not in one row with their continuations"
@@ -113,10 +114,25 @@ def _sources(at: torch.Tensor, source: torch.Tensor, width: int, row_width: int)
     return before
 
 
-def row_width(prefix_width: int, source: torch.Tensor, prefixes: int, continuation_width: int) -> int:
-    """T, the width of the rows of `prefixes` prefixes `prefix_width` wide and continuations `continuation_width`
-    wide following them as `source` says."""
-    return prefix_width + int(slots(source, prefixes).max()) * continuation_width + continuation_width
+def row_width(prefix_width: int, source: torch.Tensor, continuation_width: int) -> int:
+    """T, the width of the rows of prefixes `prefix_width` wide and continuations `continuation_width` wide following
+    them as `source` says: a slot for each continuation of the prefix with the most."""
+    return prefix_width + int(torch.bincount(source).max()) * continuation_width
+
+
+def pair_source(pairs: int, device) -> torch.Tensor:
+    """[2P] the prefix each sequence of P pairs follows: i for chosen 2i and rejected 2i + 1."""
+    return torch.arange(pairs, device=device).repeat_interleave(2)
+
+
+def layout(model, width: int | None, rows_work: Callable, forwards_work: Callable) -> int:
+    """How `model` runs prefixes shared by several continuations (prompt_sharing's layouts), where a row per prefix
+    would be `width` wide (None: rows would not pay): ONE_ROW where the row's attention pays (`row_width_limit`) and
+    `rows_work(model)`, else TWO_FORWARDS (the prefixes with a cache, the continuations against it) where
+    `forwards_work(model)`, else UNSHARED."""
+    if width is not None and width <= row_width_limit(model) and rows_work(model):
+        return ONE_ROW
+    return TWO_FORWARDS if forwards_work(model) else UNSHARED
 
 
 def row_width_limit(model) -> int:

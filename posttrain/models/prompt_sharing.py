@@ -78,19 +78,12 @@ def body_parameters(plain) -> int:
     return fast_paths.remembered(plain, "body_parameters", count)
 
 
-def every_process_agrees(model, local: bool) -> bool:
-    """Whether `local` (sharing this micro-batch's prompts) holds on every process training `model` together: a
-    collective where the model is wrapped across processes (DDP; DeepSpeed's engine), else `local` itself. Their
-    processes share all or none: DDP broadcasts the model's buffers at every forward, so each must run as many
-    forwards as the others (two where the prompts are shared, one where not); DeepSpeed's engine is kept in the same
-    step alike."""
-    return bool(every_process_least(model, int(local)))
-
-
 def every_process_least(model, local: int) -> int:
-    """The least of `local` over the processes training `model` together (a collective where the model is wrapped
-    across processes, as `every_process_agrees`), else `local` itself: the layout every process can run, where the
-    layouts are numbered so that the least any process takes is one every process can run."""
+    """The least of `local` (this process's layout for a pass) over the processes training `model` together: a
+    collective where the model is wrapped across processes (DDP; DeepSpeed's engine), else `local` itself. The layouts
+    are numbered so that the least any process takes is one every process can run, and each process then runs as many
+    forwards as the others: DDP broadcasts the model's buffers at every forward, and DeepSpeed's engine is kept in the
+    same step alike."""
     group = _group_in_step(model)
     if group is None:
         return local

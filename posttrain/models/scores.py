@@ -28,7 +28,7 @@ from posttrain.models import fast_paths
 from posttrain.models.forwards import agree_within_rounding, in_eval_mode, positions_from_mask, sequence_kwargs
 from posttrain.models.keywords import cache_kwarg, missing_from_forward, returned_cache, unwrap
 from posttrain.models.loading import CHECK_ERRORS, check_raised, checkpointing, fallback_said
-from posttrain.models.prefix_rows import model_mask, prefix_rows, takes_row_masks
+from posttrain.models.prefix_rows import model_mask, pair_source, prefix_rows, takes_row_masks
 
 PREFIX_SHARING_OFF = "its reward forwards run each pair's common prefix twice, not once"
 ROW_SCORES_OFF = "its reward forwards run each pair's common prefix in a forward of its own, not in one row"
@@ -99,8 +99,7 @@ def prefix_row_scores(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor
     continuation's last token that is not the pad token (the pooling's rule; the continuation holds its sequence's
     score position, until="score"), captured as `sequence_scores` captures a packed row's."""
     pairs, width = prefix_ids.size(0), suffix_ids.size(1)
-    rows = prefix_rows(prefix_ids, prefix_mask, suffix_ids, suffix_mask,
-                       torch.arange(pairs, device=prefix_ids.device).repeat_interleave(2))
+    rows = prefix_rows(prefix_ids, prefix_mask, suffix_ids, suffix_mask, pair_source(pairs, prefix_ids.device))
     pad = unwrap(model).config.pad_token_id
     real = suffix_ids != pad if pad is not None else suffix_mask.bool()
     column = torch.where(real, torch.arange(width, device=real.device), -1).amax(1).clamp(min=0)  # [2P]

@@ -26,8 +26,8 @@ from posttrain.configs import ConfigError, RewardConfig
 from posttrain.data import DataError
 from posttrain.models.loading import load_sequence_classifier
 from posttrain.models.forwards import masked_gqa_on_cpu
-from posttrain.models.prefix_rows import row_width_limit
-from posttrain.models.prompt_sharing import ONE_ROW, TWO_FORWARDS, UNSHARED, every_process_least
+from posttrain.models.prefix_rows import layout
+from posttrain.models.prompt_sharing import ONE_ROW, UNSHARED, every_process_least
 from posttrain.models.scores import (HEAD_NAMES, prefix_row_scores, prefix_shared_scores, prefix_sharing_works,
                                      row_scores_work, score_head, score_positions, sequence_scores)
 from posttrain.reward.data import (RewardEncoder, RewardPreparation, detect_format, pairs_as_dataset,
@@ -226,26 +226,18 @@ class RewardTrainer(BatchedDataTrainer):
 
     def _scores(self, model, batch: RewardBatch) -> torch.Tensor:
         """[2p] rewards, the common prefixes run once where the batch has them laid out so and the model allows it: as
-        a row per pair, else as two forwards through a cache (every process training together in the same layout)."""
+        a row per pair, else as two forwards through a cache (prefix_rows.layout; every process training together in
+        the same layout)."""
         shared = batch.prefixes
         with masked_gqa_on_cpu(model):
-            layout = UNSHARED if self._min_shared is None else every_process_least(model, self._layout(model, shared))
-            if layout != UNSHARED:
-                scores = prefix_row_scores if layout == ONE_ROW else prefix_shared_scores
+            local = UNSHARED if shared is None else layout(model, shared.row_width, row_scores_work,
+                                                           prefix_sharing_works)
+            chosen = UNSHARED if self._min_shared is None else every_process_least(model, local)
+            if chosen != UNSHARED:
+                scores = prefix_row_scores if chosen == ONE_ROW else prefix_shared_scores
                 return scores(model, shared.prefix_ids, shared.prefix_mask, shared.suffix_ids, shared.suffix_mask)
             s = batch.sequences
             return sequence_scores(model, s.input_ids, s.attention_mask, s.position_ids, batch.last, s.boundaries)
-
-    @staticmethod
-    def _layout(model, shared) -> int:
-        """How this process can score the batch's shared prefixes (prompt_sharing's layouts): a row per pair where the model
-        takes one no wider than its attention pays for (models/prefix_rows.py), else two forwards where its cache
-        reproduces its scores."""
-        if shared is None:
-            return UNSHARED
-        if shared.row_width <= row_width_limit(model) and row_scores_work(model):
-            return ONE_ROW
-        return TWO_FORWARDS if prefix_sharing_works(model) else UNSHARED
 
     def _micro_loss(self, batch: RewardBatch, grad: bool):
         """(the micro-batch's loss summed over its pairs, its RewardStatistics, [2p] detached rewards)."""

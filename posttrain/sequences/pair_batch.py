@@ -12,7 +12,7 @@ position within that sequence's completion follow from the per-sequence counts:
 
 Padded, where each pair's prompt is long enough for running it once to pay (`min_shared` positions saved), the batch
 also carries the pairs laid out with their common prefix once (sequences/prefixes.py, until="targets"): the same
-targets in the same order, which models/logprobs.py `next_token_logprobs` runs with two forwards instead of one.
+targets in the same order, which models/logprobs.py `next_token_logprobs` runs as a row per pair or as two forwards.
 """
 
 from dataclasses import dataclass

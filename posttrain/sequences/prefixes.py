@@ -1,6 +1,7 @@
-"""Preference pairs laid out with each pair's common prefix once: the forward runs the prefix with a cache and both
-continuations against it (the reward model: models/scores.py `prefix_shared_scores`; DPO and ORPO's log-probs:
-models/logprobs.py `next_token_logprobs` with `prefixes`).
+"""Preference pairs laid out with each pair's common prefix once: the forward runs the prefix and both continuations
+as one row with a mask that keeps the continuations apart (models/prefix_rows.py), or the prefix with a cache and both
+continuations against it (the reward model: models/scores.py `prefix_row_scores`, `prefix_shared_scores`; DPO and
+ORPO's log-probs: models/logprobs.py `next_token_logprobs` with `prefixes`).
 
 A pair's chosen and rejected sequences usually begin with the same prompt. Under causal attention the prompt's keys,
 values and hidden states are the same in both sequences, so the body can run it once: P * Lp + 2P * C positions
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from posttrain.models.packing import MIN_SAVING
+from posttrain.models.prefix_rows import pair_source
 from posttrain.models.scores import score_positions
 from posttrain.sequences.rows import TokenRows
 
@@ -55,7 +57,7 @@ class PrefixBatch:
     @property
     def source(self) -> torch.Tensor:
         """[2P] the prefix each continuation follows: i for chosen 2i and rejected 2i + 1."""
-        return torch.arange(self.pairs, device=self.prefix_ids.device).repeat_interleave(2)
+        return pair_source(self.pairs, self.prefix_ids.device)
 
     @property
     def row_width(self) -> int:
