@@ -257,3 +257,13 @@ def test_the_floor_keeps_small_savings_unshared(tokenizer, tmp_path, monkeypatch
     for name, option in (("packed", {"padding_free": True}), ("fixed", {"pad_to_multiple_of": 8})):
         trainer, _, _ = _train(tokenizer, tmp_path / name, train=False, **option)
         assert trainer._shared_prefix_floor is None and trainer._collate(pairs).prefixes is None, name
+
+
+def test_flash_attention_takes_no_rows(tokenizer):
+    """Flash attention takes no [P, 1, T, T] mask: under its rules (posttrain.testing.use_flash_rules) shared
+    prefixes run as the two forwards, never as rows."""
+    from posttrain.testing import use_flash_rules
+
+    model = use_flash_rules(tiny_architecture("qwen2", tokenizer))
+    assert prefix_rows_module.takes_row_masks(model) is None
+    assert prefix_layout(model, 10) == TWO_FORWARDS
